@@ -1,0 +1,191 @@
+"""Multi-head attention, its masks and its key/value cache: the only place masks are built.
+
+Shape legend: B batch (sentences, or sentences x beams), S source length, T target length,
+H heads, D model dim, Dh = D / H head dim, K beam size. Boolean "allowed" masks are True where a
+query may attend to a key (the convention of `F.scaled_dot_product_attention`); padding masks are
+True where a token is padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ---------------------------------------------------------------------------------------------------
+# Masks
+
+
+def padding_mask(ids: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """(B, L) ids -> (B, L) bool, True at padding."""
+    return ids.eq(pad_id)
+
+
+def key_padding_allowed(key_pad_mask: torch.Tensor) -> torch.Tensor:
+    """(B, S) padding mask -> (B, 1, 1, S) allowed mask, broadcast over heads and queries."""
+    return (~key_pad_mask)[:, None, None, :]
+
+
+def causal_allowed(query_len: int, key_len: int, device: torch.device) -> torch.Tensor:
+    """(Tq, Tk) bool: query i sits at absolute position key_len - query_len + i and may see keys up to it.
+
+    SDPA's own `is_causal=True` aligns the triangle to the top-left corner, which is only right when
+    Tq == Tk; with a cache of past keys (Tk > Tq) the triangle must be aligned to the bottom-right.
+    """
+    offset = key_len - query_len
+    query_pos = torch.arange(query_len, device=device)[:, None] + offset
+    return torch.arange(key_len, device=device)[None, :] <= query_pos
+
+
+# ---------------------------------------------------------------------------------------------------
+# The formula
+
+
+def attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None,
+                   dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(Q Kᵀ / √Dh) V, written out; the reference the fast kernel is tested against.
+
+    q (B, H, Tq, Dh), k/v (B, H, Tk, Dh), allowed broadcastable to (B, H, Tq, Tk).
+    Returns the output (B, H, Tq, Dh) and the attention weights (B, H, Tq, Tk).
+    """
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))   # (B, H, Tq, Tk)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = scores.softmax(dim=-1)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return weights @ v, weights
+
+
+def attend(q, k, v, allowed=None, causal=False, dropout_p=0.0, need_weights=False):
+    """Attention with SDPA's fused kernels (or the math path when the weights are wanted).
+
+    `causal=True` is only passed when Tq == Tk, where SDPA's top-left alignment is correct and lets it
+    pick a flash kernel without materialising a mask.
+    """
+    if need_weights:
+        if causal:
+            causal_mask = causal_allowed(q.size(-2), k.size(-2), q.device)
+            allowed = causal_mask if allowed is None else allowed & causal_mask
+        return attention_math(q, k, v, allowed, dropout_p)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=causal)
+    return out, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The module
+
+
+class MultiHeadAttention(nn.Module):
+    """One module for the three uses: encoder self-attention, causal decoder self-attention (with a
+    growing key/value cache) and encoder-decoder attention (keys/values of the memory computed once).
+
+    Self-attention projects Q, K, V with one (D, 3D) matmul; cross-attention projects K, V of the
+    memory with one (D, 2D) matmul.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, cross: bool = False):
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.dropout = dropout
+        self.cross = cross
+        if cross:
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.need_weights = False       # set by tools that draw attention maps
+        self.last_weights: torch.Tensor | None = None
+
+    def _heads(self, x: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
+        batch, length, _ = x.shape
+        x = x.view(batch, length, parts, self.n_heads, self.head_dim)   # (B, L, parts, H, Dh)
+        return x.permute(2, 0, 3, 1, 4).unbind(0)                        # parts x (B, H, L, Dh)
+
+    def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoder output (B, S, D) -> keys, values (B, H, S, Dh), computed once per source."""
+        return self._heads(self.kv_proj(memory), 2)
+
+    def forward(self, x: torch.Tensor, *, memory: torch.Tensor | None = None,
+                memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                key_pad_mask: torch.Tensor | None = None, causal: bool = False,
+                cache: dict | None = None) -> torch.Tensor:
+        """x (B, T, D) -> (B, T, D).
+
+        Self-attention: keys are x (plus `cache["k"/"v"]`, the past positions, which this call extends).
+        Cross-attention: keys are `memory` or its precomputed `memory_kv`. If x has K times the rows of
+        the memory (K beams per sentence), the beams are folded into the query axis, so one copy of the
+        memory keys serves every beam.
+        """
+        batch, length, d_model = x.shape
+        dropout_p = self.dropout if self.training else 0.0
+        allowed = key_padding_allowed(key_pad_mask) if key_pad_mask is not None else None
+        if self.cross:
+            q, = self._heads(self.q_proj(x), 1)                                # (B, H, T, Dh)
+            k, v = memory_kv if memory_kv is not None else self.project_memory(memory)
+            beams = batch // k.size(0)
+            if beams > 1:   # (n*K, H, T, Dh) -> (n, H, K*T, Dh)
+                q = q.view(k.size(0), beams, self.n_heads, length, self.head_dim)
+                q = q.permute(0, 2, 1, 3, 4).reshape(k.size(0), self.n_heads, beams * length, self.head_dim)
+            out, weights = attend(q, k, v, allowed, dropout_p=dropout_p, need_weights=self.need_weights)
+            if beams > 1:   # (n, H, K*T, Dh) -> (n*K, H, T, Dh)
+                out = out.view(k.size(0), self.n_heads, beams, length, self.head_dim)
+                out = out.permute(0, 2, 1, 3, 4).reshape(batch, self.n_heads, length, self.head_dim)
+        else:
+            q, k, v = self._heads(self.qkv_proj(x), 3)                         # 3 x (B, H, T, Dh)
+            if cache is not None:
+                if "k" in cache:
+                    k = torch.cat([cache["k"], k], dim=2)                      # (B, H, past + T, Dh)
+                    v = torch.cat([cache["v"], v], dim=2)
+                cache["k"], cache["v"] = k, v
+            past = k.size(2) - length
+            if causal and past > 0:
+                # A single new query may see every cached key: no mask at all. Several new queries
+                # after a past need the bottom-right-aligned triangle.
+                if length > 1:
+                    causal_mask = causal_allowed(length, k.size(2), x.device)
+                    allowed = causal_mask if allowed is None else allowed & causal_mask
+                causal = False
+            elif causal and allowed is not None:
+                allowed = allowed & causal_allowed(length, k.size(2), x.device)
+                causal = False
+            out, weights = attend(q, k, v, allowed, causal=causal, dropout_p=dropout_p,
+                                  need_weights=self.need_weights)
+        self.last_weights = weights
+        out = out.transpose(1, 2).reshape(batch, length, d_model)              # (B, T, D)
+        return self.out_proj(out)
+
+
+class DecoderCache:
+    """Per-layer decoder state for incremental decoding.
+
+    `self_kv[i]` holds layer i's self-attention keys/values of the positions decoded so far, one row
+    per hypothesis (B*K rows); `memory_kv[i]` holds its encoder-decoder keys/values, one row per
+    sentence (B rows), shared by all beams of that sentence.
+    """
+
+    def __init__(self, memory_kv: list[tuple[torch.Tensor, torch.Tensor]], src_pad_mask: torch.Tensor):
+        self.memory_kv = memory_kv
+        self.src_pad_mask = src_pad_mask
+        self.self_kv: list[dict] = [{} for _ in memory_kv]
+
+    @property
+    def length(self) -> int:
+        return self.self_kv[0]["k"].size(2) if self.self_kv and "k" in self.self_kv[0] else 0
+
+    def reorder_hypotheses(self, rows: torch.Tensor) -> None:
+        """Keep hypothesis rows `rows` (a LongTensor over the B*K axis), in that order."""
+        for layer in self.self_kv:
+            if "k" in layer:
+                layer["k"] = layer["k"].index_select(0, rows)
+                layer["v"] = layer["v"].index_select(0, rows)
+
+    def keep_sentences(self, sentences: torch.Tensor) -> None:
+        """Drop finished sentences from the shared memory keys/values (B axis)."""
+        self.memory_kv = [(k.index_select(0, sentences), v.index_select(0, sentences))
+                          for k, v in self.memory_kv]
+        self.src_pad_mask = self.src_pad_mask.index_select(0, sentences)

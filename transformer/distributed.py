@@ -1,0 +1,84 @@
+"""torch.distributed glue for `torchrun`: process group setup and the few collectives training needs.
+
+Started by torchrun, each process sees RANK, LOCAL_RANK and WORLD_SIZE in its environment; without
+them everything here degrades to single-process no-ops.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_type: str) -> DistInfo:
+    """Join the process group torchrun prepared: NCCL for CUDA, gloo for CPU."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return DistInfo()
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        # A short timeout turns a rank that died into an error on the others instead of a long hang.
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+    return DistInfo(dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), dist.get_world_size())
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float], info: DistInfo, device) -> list[float]:
+    if not info.enabled:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def any_rank(flag: bool, info: DistInfo, device) -> bool:
+    """True on every rank if it is True on any rank (stop decisions must agree)."""
+    if not info.enabled:
+        return flag
+    tensor = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
+def broadcast_object(obj, info: DistInfo):
+    if not info.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(obj, info: DistInfo) -> list:
+    if not info.enabled:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()

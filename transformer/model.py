@@ -1,0 +1,166 @@
+"""The encoder-decoder Transformer of Vaswani et al. (2017), batch-first.
+
+Shapes: src (B, S), tgt_in (B, T), hidden (B, L, D), logits (B, T, V).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from transformer.attention import DecoderCache, MultiHeadAttention, padding_mask
+from transformer.config import ModelConfig
+from transformer.tokenizer import PAD_ID
+
+
+class SinusoidalPositions(nn.Module):
+    """PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(...), precomputed up to max_positions."""
+
+    def __init__(self, d_model: int, max_positions: int):
+        super().__init__()
+        position = torch.arange(max_positions, dtype=torch.float32)[:, None]
+        frequency = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+        table = torch.zeros(max_positions, d_model)
+        table[:, 0::2] = torch.sin(position * frequency)
+        table[:, 1::2] = torch.cos(position * frequency)
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, length: int, offset: int = 0) -> torch.Tensor:
+        if offset + length > self.table.size(0):
+            raise ValueError(f"sequence of {offset + length} positions exceeds model.max_positions="
+                             f"{self.table.size(0)}")
+        return self.table[offset: offset + length]                    # (L, D)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, dropout: float):
+        super().__init__()
+        self.up = nn.Linear(d_model, d_ff)
+        self.down = nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.dropout(torch.relu(self.up(x))))
+
+
+class Sublayer(nn.Module):
+    """Residual wrapper: x + dropout(f(norm(x))) for pre-norm, norm(x + dropout(f(x))) for post-norm."""
+
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.pre_norm = pre_norm
+
+    def forward(self, x: torch.Tensor, fn) -> torch.Tensor:
+        if self.pre_norm:
+            return x + self.dropout(fn(self.norm(x)))
+        return self.norm(x + self.dropout(fn(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
+        self.sub_attn = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.sub_ff = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+
+    def forward(self, x: torch.Tensor, src_pad_mask: torch.Tensor) -> torch.Tensor:
+        x = self.sub_attn(x, lambda h: self.self_attn(h, key_pad_mask=src_pad_mask))
+        return self.sub_ff(x, self.feed_forward)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=True)
+        self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
+        self.sub_self = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.sub_cross = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.sub_ff = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+
+    def forward(self, x, memory, src_pad_mask, memory_kv=None, self_cache=None) -> torch.Tensor:
+        # Target padding sits after every real token, so the causal mask alone keeps real positions from
+        # seeing it; padded positions are ignored by the loss.
+        x = self.sub_self(x, lambda h: self.self_attn(h, causal=True, cache=self_cache))
+        x = self.sub_cross(x, lambda h: self.cross_attn(h, memory=memory, memory_kv=memory_kv,
+                                                        key_pad_mask=src_pad_mask))
+        return self.sub_ff(x, self.feed_forward)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.tgt_embed = nn.Embedding(tgt_vocab_size, cfg.d_model, padding_idx=PAD_ID)
+        share = shared_vocab and cfg.tie_embeddings
+        self.src_embed = self.tgt_embed if share else nn.Embedding(src_vocab_size, cfg.d_model, padding_idx=PAD_ID)
+        self.positions = SinusoidalPositions(cfg.d_model, cfg.max_positions)
+        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        # Pre-norm leaves the residual stream un-normalised; a final LayerNorm closes each stack.
+        self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
+        self.output = nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
+        self._reset_parameters()
+        if cfg.tie_embeddings:
+            self.output.weight = self.tgt_embed.weight
+
+    def _reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=self.cfg.d_model ** -0.5)
+                nn.init.zeros_(module.weight[PAD_ID])
+
+    def _embed(self, embedding: nn.Embedding, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        x = embedding(ids) * math.sqrt(self.cfg.d_model)                  # (B, L, D)
+        return self.embed_dropout(x + self.positions(ids.size(1), offset))
+
+    def encode(self, src: torch.Tensor) -> torch.Tensor:
+        """src (B, S) -> memory (B, S, D)."""
+        src_pad_mask = padding_mask(src, PAD_ID)
+        x = self._embed(self.src_embed, src)
+        for layer in self.encoder_layers:
+            x = layer(x, src_pad_mask)
+        return self.encoder_norm(x)
+
+    def decode_hidden(self, tgt_in: torch.Tensor, memory: torch.Tensor | None, src_pad_mask: torch.Tensor,
+                      cache: DecoderCache | None = None) -> torch.Tensor:
+        """tgt_in (B, T) -> decoder output (B, T, D). With a cache, tgt_in holds only the new positions."""
+        offset = cache.length if cache is not None else 0
+        x = self._embed(self.tgt_embed, tgt_in, offset)
+        for i, layer in enumerate(self.decoder_layers):
+            if cache is None:
+                x = layer(x, memory, src_pad_mask)
+            else:
+                x = layer(x, None, cache.src_pad_mask, memory_kv=cache.memory_kv[i], self_cache=cache.self_kv[i])
+        return self.decoder_norm(x)
+
+    def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor | None, src_pad_mask: torch.Tensor,
+               cache: DecoderCache | None = None) -> torch.Tensor:
+        """tgt_in (B, T) -> logits (B, T, V)."""
+        return self.output(self.decode_hidden(tgt_in, memory, src_pad_mask, cache))
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
+        """src (B, S), tgt_in (B, T) -> logits (B, T, V), or the decoder output (B, T, D) if return_hidden."""
+        memory = self.encode(src)
+        hidden = self.decode_hidden(tgt_in, memory, padding_mask(src, PAD_ID))
+        return hidden if return_hidden else self.output(hidden)
+
+    def new_cache(self, memory: torch.Tensor, src_pad_mask: torch.Tensor) -> DecoderCache:
+        """Project the memory once per decoder layer for incremental decoding."""
+        memory_kv = [layer.cross_attn.project_memory(memory) for layer in self.decoder_layers]
+        return DecoderCache(memory_kv, src_pad_mask)
+
+
+def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool) -> Transformer:
+    return Transformer(cfg, src_vocab_size, tgt_vocab_size, shared_vocab)

@@ -1,0 +1,219 @@
+"""Greedy decoding and batched beam search, both incremental over the decoder's key/value cache.
+
+The search functions talk to a `StepDecoder`: `step(tokens) -> log-probabilities of the next token`
+and `select(rows, sentences)` to follow the surviving hypotheses. `ModelDecoder` implements it for
+the Transformer (with the cache, or recomputing the prefix for comparison); tests implement it with
+hand-written probability tables.
+
+Shapes: n open sentences, K beam size, t tokens so far (BOS included), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from transformer.attention import padding_mask
+from transformer.data import batches_in_order
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]        # without BOS and EOS
+    score: float             # log-probability / length penalty (what the beam ranks by)
+    logprob: float           # total log-probability, EOS included
+    hit_max_len: bool = False
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT length penalty ((5 + length) / 6) ** alpha (Wu et al., 2016); 1 when alpha = 0."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def max_lengths(src: torch.Tensor, max_len_a: float, max_len_b: int, limit: int) -> torch.Tensor:
+    """Per sentence: at most a * source_length + b output tokens (EOS included), capped by `limit`."""
+    src_lens = (src != PAD_ID).sum(dim=1) - 1                          # without the source EOS
+    lengths = torch.floor(src_lens.float() * max_len_a + max_len_b).long()
+    return lengths.clamp(min=1, max=limit)
+
+
+class ModelDecoder:
+    """Runs the Transformer decoder one step at a time for `search`."""
+
+    def __init__(self, model, src: torch.Tensor, use_cache: bool = True):
+        self.model = model
+        memory = model.encode(src)                                      # (B, S, D)
+        src_pad_mask = padding_mask(src, PAD_ID)                        # (B, S)
+        self.cache = model.new_cache(memory, src_pad_mask) if use_cache else None
+        self.memory, self.src_pad_mask = memory, src_pad_mask
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (rows, t) -> log-probabilities (rows, V) of token t+1, in float32."""
+        if self.cache is not None:
+            logits = self.model.decode(tokens[:, -1:], None, None, self.cache)[:, -1]
+        else:   # recompute the whole prefix: the slow reference for tests and benchmarks
+            logits = self.model.decode(tokens, self.memory, self.src_pad_mask)[:, -1]
+        return F.log_softmax(logits.float(), dim=-1)
+
+    def select(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> None:
+        """Continue with hypothesis rows `rows`; if given, keep only sentence rows `sentences`."""
+        if self.cache is not None:
+            self.cache.reorder_hypotheses(rows)
+            if sentences is not None:
+                self.cache.keep_sentences(sentences)
+        elif sentences is not None:
+            self.memory = self.memory.index_select(0, sentences)
+            self.src_pad_mask = self.src_pad_mask.index_select(0, sentences)
+
+
+def _block_specials(logprobs: torch.Tensor) -> torch.Tensor:
+    logprobs[:, PAD_ID] = float("-inf")
+    logprobs[:, BOS_ID] = float("-inf")
+    return logprobs
+
+
+@torch.no_grad()
+def greedy_search(decoder, max_lens: torch.Tensor) -> list[Hypothesis]:
+    """Pick the most probable token at every step; sentences leave the batch when they emit EOS."""
+    batch = max_lens.numel()
+    device = max_lens.device
+    tokens = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=device)     # (n, t)
+    logprob = torch.zeros(batch, device=device)
+    open_ids = torch.arange(batch, device=device)       # original index of each open sentence
+    results: list[Hypothesis | None] = [None] * batch
+    for step in range(int(max_lens.max())):
+        logprobs = _block_specials(decoder.step(tokens))                          # (n, V)
+        forced = step + 1 >= max_lens                                             # (n,)
+        next_token = torch.where(forced, EOS_ID, logprobs.argmax(dim=-1))
+        logprob = logprob + logprobs.gather(1, next_token[:, None]).squeeze(1)
+        tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+        done = next_token == EOS_ID
+        if not done.any():
+            continue
+        for row in done.nonzero().flatten().tolist():
+            results[open_ids[row]] = Hypothesis(tokens[row, 1:-1].tolist(), logprob[row].item(),
+                                                logprob[row].item(), bool(forced[row]))
+        keep = (~done).nonzero().flatten()
+        if keep.numel() == 0:
+            break
+        tokens, logprob, open_ids, max_lens = tokens[keep], logprob[keep], open_ids[keep], max_lens[keep]
+        decoder.select(keep, keep)
+    return results
+
+
+@torch.no_grad()
+def beam_search(decoder, max_lens: torch.Tensor, beam_size: int, alpha: float = 0.0,
+                nbest: int = 1) -> list[list[Hypothesis]]:
+    """Batched beam search; returns the `nbest` best finished hypotheses per sentence, best first.
+
+    Each step expands every open hypothesis, takes the top 2K candidates per sentence, finishes the
+    EOS candidates ranked within the top K, and continues with the K best non-EOS candidates.
+    A sentence closes when K hypotheses have finished, when it reaches its maximum length, or when no
+    open hypothesis can still beat the `nbest`-th finished one (log-probabilities only fall, so an open
+    score s can at best become s / lp(max_len)).
+    """
+    if nbest > beam_size:
+        raise ValueError(f"nbest={nbest} cannot exceed beam_size={beam_size}")
+    batch, device, K = max_lens.numel(), max_lens.device, beam_size
+    tokens = torch.full((batch * K, 1), BOS_ID, dtype=torch.long, device=device)   # (n*K, t)
+    scores = torch.full((batch, K), float("-inf"), device=device)                 # (n, K) log-probs
+    scores[:, 0] = 0.0                    # all beams start identical: expand only the first
+    open_ids = torch.arange(batch, device=device)
+    finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
+    for step in range(int(max_lens.max())):
+        n = open_ids.numel()
+        logprobs = _block_specials(decoder.step(tokens))                           # (n*K, V)
+        vocab = logprobs.size(-1)
+        forced = step + 1 >= max_lens                                              # (n,)
+        if forced.any():
+            eos_only = torch.full_like(logprobs[0], float("-inf"))
+            eos_only[EOS_ID] = 0.0
+            logprobs = torch.where(forced.repeat_interleave(K)[:, None], logprobs + eos_only, logprobs)
+        candidates = (scores[:, :, None] + logprobs.view(n, K, vocab)).view(n, K * vocab)
+        top_scores, top_ids = candidates.topk(2 * K, dim=1)                        # (n, 2K)
+        top_beams, top_tokens = top_ids // vocab, top_ids % vocab
+        is_eos = top_tokens == EOS_ID
+
+        # Finish EOS candidates that rank among the top K.
+        finish = is_eos[:, :K] & torch.isfinite(top_scores[:, :K])
+        if finish.any():
+            penalty = length_penalty(step + 1, alpha)
+            for i, j in finish.nonzero().tolist():
+                row = i * K + int(top_beams[i, j])
+                raw = float(top_scores[i, j])
+                finished[open_ids[i]].append(Hypothesis(tokens[row, 1:].tolist(), raw / penalty, raw,
+                                                        bool(forced[i])))
+
+        # Continue with the K best non-EOS candidates (at most K of the 2K are EOS).
+        next_scores, picks = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=1)   # (n, K)
+        rows = (torch.arange(n, device=device)[:, None] * K + top_beams.gather(1, picks)).view(-1)
+        tokens = torch.cat([tokens[rows], top_tokens.gather(1, picks).view(-1, 1)], dim=1)
+        scores = next_scores
+
+        done = _closed(finished, open_ids, scores, forced, max_lens, K, alpha, nbest)
+        if done.all():
+            break
+        if done.any():
+            keep = (~done).nonzero().flatten()
+            keep_rows = (keep[:, None] * K + torch.arange(K, device=device)).view(-1)
+            tokens, scores, open_ids, max_lens = tokens[keep_rows], scores[keep], open_ids[keep], max_lens[keep]
+            decoder.select(rows[keep_rows], keep)
+        else:
+            decoder.select(rows)
+    return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
+
+
+def _closed(finished, open_ids, scores, forced, max_lens, beam_size, alpha, nbest) -> torch.Tensor:
+    done = forced.clone()
+    best_open = scores[:, 0].tolist()
+    for i, sentence in enumerate(open_ids.tolist()):
+        hyps = finished[sentence]
+        if done[i] or len(hyps) >= beam_size:
+            done[i] = True
+        elif len(hyps) >= nbest:
+            kth_best = sorted((h.score for h in hyps), reverse=True)[nbest - 1]
+            bound = best_open[i] / length_penalty(int(max_lens[i]), alpha)
+            done[i] = bound <= kth_best or math.isinf(best_open[i])
+    return done
+
+
+@torch.no_grad()
+def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha: float = 0.0,
+                  max_len_a: float = 1.2, max_len_b: int = 10, nbest: int = 1, batch_tokens: int = 4096,
+                  device: torch.device | str = "cpu", use_cache: bool = True, progress=None,
+                  autocast=None) -> list[list[Hypothesis]]:
+    """Decode token-id sources (without EOS) in length-sorted batches; results in input order.
+
+    `beam_size=1` runs greedy search. Sources longer than the model's positions are truncated by the
+    caller (see `Translator`).
+    """
+    results: list[list[Hypothesis]] = [[] for _ in sources]
+    limit = model.cfg.max_positions - 1
+    was_training = model.training
+    model.eval()
+    try:
+        for indices in batches_in_order([len(s) for s in sources], max(1, batch_tokens // beam_size)):
+            src = torch.full((len(indices), max(len(sources[i]) for i in indices) + 1), PAD_ID, dtype=torch.long)
+            for row, index in enumerate(indices):
+                src[row, : len(sources[index]) + 1] = torch.tensor([*sources[index], EOS_ID])
+            src = src.to(device)
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                decoder = ModelDecoder(model, src, use_cache)
+                lens = max_lengths(src, max_len_a, max_len_b, limit)
+                if beam_size == 1:
+                    batch_results = [[h] for h in greedy_search(decoder, lens)]
+                else:
+                    batch_results = beam_search(decoder, lens, beam_size, alpha, nbest)
+            for index, hyps in zip(indices, batch_results):
+                results[index] = hyps
+            if progress is not None:
+                progress.update(len(indices))
+    finally:
+        model.train(was_training)
+    return results
+

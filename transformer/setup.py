@@ -1,0 +1,92 @@
+"""Everything a run needs before its first step: device, precision, data, tokenizer, model, optimizer."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from transformer.config import Config, ConfigError, TrainerConfig
+from transformer.data import EncodedSplit, encode_split, load_split_text
+from transformer.distributed import DistInfo, barrier
+from transformer.tokenizer import Tokenizer, build_tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def resolve_device(name: str, dist_info: DistInfo) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"trainer.device={name} but CUDA is not available; use trainer.device=cpu")
+        if name == "cuda":
+            return torch.device("cuda", dist_info.local_rank)
+    return torch.device(name)
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """`auto` is bf16 on CUDA devices that support it, fp16 on older GPUs, fp32 on the CPU."""
+    if name == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "fp32"
+    if name == "fp16" and device.type == "cpu":
+        raise ConfigError("trainer.precision=fp16 needs CUDA; on the CPU use bf16 or fp32")
+    return name
+
+
+@dataclass
+class RunData:
+    tokenizer: Tokenizer
+    train: EncodedSplit
+    valid: EncodedSplit
+    valid_text: tuple[list[str], list[str]]
+
+
+def prepare_data(cfg: Config, dist_info: DistInfo, tokenizer: Tokenizer | None = None) -> RunData:
+    """Load text, train or load the SentencePiece model, and encode (cached).
+
+    Under torchrun rank 0 builds the tokenizer and the encoded caches while the others wait, then the
+    others read the same cached files: no two processes ever write the same file.
+    """
+    data = cfg.data
+    train_src, train_tgt = load_split_text(data, "train")
+    valid_src, valid_tgt = load_split_text(data, "validation")
+    log.info("data %s: %d training pairs, %d validation pairs", data.name, len(train_src), len(valid_src))
+    result = None
+    for turn in ("main", "others"):
+        if (turn == "main") == dist_info.is_main:
+            tok = tokenizer or build_tokenizer(
+                train_src, train_tgt, vocab_size=data.vocab_size, model_type=data.tokenizer_type,
+                joint=data.joint_vocab, character_coverage=data.character_coverage,
+                sample=data.tokenizer_sample, cache_dir=data.cache_dir)
+            train = encode_split(train_src, train_tgt, tok, cache_dir=data.cache_dir, max_len=data.max_len,
+                                 name=f"{data.name}.train")
+            valid = encode_split(valid_src, valid_tgt, tok, cache_dir=data.cache_dir, max_len=data.max_len,
+                                 name=f"{data.name}.valid")
+            result = RunData(tok, train, valid, (valid_src, valid_tgt))
+        barrier(dist_info)
+    return result
+
+
+def inverse_sqrt_schedule(warmup: int):
+    """lr factor: linear warm-up to 1 at `warmup` steps, then decay ∝ 1/√step (Vaswani et al., 2017)."""
+    def factor(step: int) -> float:
+        step = max(step, 1)
+        if warmup == 0:
+            return 1.0 / math.sqrt(step)
+        return min(step / warmup, math.sqrt(warmup / step))
+    return factor
+
+
+def build_optimizer(model: torch.nn.Module, trainer: TrainerConfig, device: torch.device):
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=trainer.lr, betas=tuple(trainer.betas), eps=trainer.adam_eps,
+                                  weight_decay=trainer.weight_decay, fused=device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(trainer.warmup))
+    return optimizer, scheduler

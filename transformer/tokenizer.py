@@ -1,0 +1,121 @@
+"""SentencePiece vocabularies: trained once per corpus and settings, cached under `data/spm/`.
+
+The special ids are defined here and nowhere else. A `Tokenizer` holds the source and target models
+(the same one for a joint vocabulary) and serialises to bytes that travel inside every checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    def __init__(self, src_model: bytes, tgt_model: bytes | None = None):
+        self.src_model_bytes = src_model
+        self.tgt_model_bytes = tgt_model if tgt_model is not None else src_model
+        self.joint = tgt_model is None or tgt_model == src_model
+        self.src = spm.SentencePieceProcessor(model_proto=self.src_model_bytes)
+        self.tgt = self.src if self.joint else spm.SentencePieceProcessor(model_proto=self.tgt_model_bytes)
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self.src.get_piece_size()
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return self.tgt.get_piece_size()
+
+    def encode_src(self, lines: Sequence[str]) -> list[list[int]]:
+        return self.src.encode(list(lines))
+
+    def encode_tgt(self, lines: Sequence[str]) -> list[list[int]]:
+        return self.tgt.encode(list(lines))
+
+    def decode_tgt(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        return self.tgt.decode([list(x) for x in ids])
+
+    def state_dict(self) -> dict:
+        """Plain bytes, loadable with `torch.load(weights_only=True)`."""
+        return {"src": self.src_model_bytes, "tgt": None if self.joint else self.tgt_model_bytes}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> Tokenizer:
+        return cls(bytes(state["src"]), None if state.get("tgt") is None else bytes(state["tgt"]))
+
+
+def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
+                        character_coverage: float, sample: int) -> bytes:
+    """Train one SentencePiece model in memory and return its serialised bytes."""
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=character_coverage,
+        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+        # Small corpora (tests, the embedded one) cannot fill a large vocabulary; allow fewer pieces.
+        hard_vocab_limit=False,
+        input_sentence_size=sample,
+        shuffle_input_sentence=True,
+        num_threads=os.cpu_count() or 1,
+        minloglevel=2,
+    )
+    return model.getvalue()
+
+
+def corpus_fingerprint(src_lines: Sequence[str], tgt_lines: Sequence[str], settings: dict) -> str:
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for lines in (src_lines, tgt_lines):
+        for line in lines:
+            digest.update(line.encode("utf-8", "surrogatepass"))
+            digest.update(b"\n")
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def build_tokenizer(src_lines: Sequence[str], tgt_lines: Sequence[str], *, vocab_size: int,
+                    model_type: str = "bpe", joint: bool = True, character_coverage: float = 1.0,
+                    sample: int = 2_000_000, cache_dir: str | Path = "data") -> Tokenizer:
+    """Load the cached tokenizer for this corpus and these settings, or train and cache it."""
+    settings = {"vocab_size": vocab_size, "model_type": model_type, "joint": joint,
+                "character_coverage": character_coverage, "sample": sample}
+    key = corpus_fingerprint(src_lines, tgt_lines, settings)
+    folder = Path(cache_dir) / "spm"
+    names = ["joint"] if joint else ["src", "tgt"]
+    paths = [folder / f"{key}.{name}.model" for name in names]
+    if all(p.exists() for p in paths):
+        log.info("SentencePiece: using cached %s", ", ".join(str(p) for p in paths))
+        models = [p.read_bytes() for p in paths]
+    else:
+        log.info("SentencePiece: training %s %s vocabulary of %d pieces", "joint" if joint else "separate",
+                 model_type, vocab_size)
+        train = dict(vocab_size=vocab_size, model_type=model_type,
+                     character_coverage=character_coverage, sample=sample)
+        if joint:
+            models = [train_sentencepiece(_chain(src_lines, tgt_lines), **train)]
+        else:
+            models = [train_sentencepiece(src_lines, **train), train_sentencepiece(tgt_lines, **train)]
+        folder.mkdir(parents=True, exist_ok=True)
+        for path, model in zip(paths, models):
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(model)
+            os.replace(tmp, path)
+    return Tokenizer(models[0], None if joint else models[1])
+
+
+def _chain(*parts: Iterable[str]):
+    for part in parts:
+        yield from part

@@ -1,0 +1,472 @@
+"""Training: `python -m transformer.train key=value ...` (Hydra), `torchrun -m transformer.train ...`.
+
+`main` only turns the Hydra config into a call of `train(cfg)`, which tests call directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+from transformer import distributed as D
+from transformer.checkpoint import CheckpointError, load_checkpoint, load_model_weights, save_checkpoint
+from transformer.config import Config, ConfigError
+from transformer.data import DataError, TokenBatchSampler, collate, load_split_text
+from transformer.model import build_model
+from transformer.setup import DTYPES, build_optimizer, prepare_data, resolve_device, resolve_precision
+from transformer.tokenizer import Tokenizer
+from transformer.validate import (autocast_factory, batch_loss, cross_attention_image, decode_texts, score,
+                                  validation_loss)
+
+log = logging.getLogger("transformer.train")
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg, self.run_dir = cfg, run_dir
+        tc = cfg.trainer
+        self.device = resolve_device(tc.device, D.DistInfo())
+        self.dist = D.init_distributed(self.device.type)
+        self.device = resolve_device(tc.device, self.dist)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.precision = resolve_precision(tc.precision, self.device)
+        self.autocast = autocast_factory(self.device, DTYPES[self.precision])
+        if tc.num_threads:
+            torch.set_num_threads(tc.num_threads)
+        self.run_dir = Path(D.broadcast_object(str(run_dir), self.dist))
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.stop_signal: str | None = None
+
+        resume_state = self._find_resume_state()
+        torch.manual_seed(tc.seed + self.dist.rank)
+        random.seed(tc.seed + self.dist.rank)
+        tokenizer = Tokenizer.from_state_dict(resume_state["tokenizer"]) if resume_state else None
+        self.data = prepare_data(cfg, self.dist, tokenizer)
+        tok = self.data.tokenizer
+        self.model = build_model(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint).to(self.device)
+        self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        train = self.data.train
+        self.sampler = TokenBatchSampler([len(s) for s in train.src], [len(t) for t in train.tgt],
+                                         tc.max_tokens, tc.seed)
+        self.step, self.epoch, self.position = 0, 0, 0
+        self.best_bleu, self.bad_validations, self.bad_steps = -1.0, 0, 0
+        self.metrics: dict = {}
+        if resume_state:
+            self._load_state(resume_state)
+        self.train_model = self.model
+        if self.dist.enabled:
+            self.train_model = DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if tc.compile:
+            self.train_model = torch.compile(self.train_model, dynamic=True)
+        self.writer = SummaryWriter(str(self.run_dir / "tb")) if self.dist.is_main else None
+
+    # ------------------------------------------------------------------------------------------------
+    # State
+
+    def _find_resume_state(self) -> dict | None:
+        tc = self.cfg.trainer
+        if isinstance(tc.resume, str) and tc.resume not in ("", "true", "false"):
+            return load_checkpoint(tc.resume)
+        existing = sorted(self.ckpt_dir.glob("*.pt")) if self.ckpt_dir.exists() else []
+        if tc.resume in (True, "true"):
+            newest = None
+            for path in existing:
+                try:
+                    state = load_checkpoint(path)
+                except CheckpointError as error:
+                    log.warning("skipping %s", error)
+                    continue
+                if newest is None or state["step"] > newest["step"]:
+                    newest = state
+            if newest is None:
+                log.warning("trainer.resume=true but %s holds no checkpoint: starting a new run", self.ckpt_dir)
+            else:
+                log.info("resuming from step %d", newest["step"])
+            return newest
+        if existing:
+            if not tc.overwrite:
+                raise TrainingError(
+                    f"{self.ckpt_dir} already holds checkpoints of another run; pass trainer.resume=true to "
+                    "continue it, trainer.overwrite=true to replace it, or choose another hydra.run.dir")
+            D.barrier(self.dist)
+            if self.dist.is_main:
+                shutil.rmtree(self.ckpt_dir)
+        return None
+
+    def state_dict(self) -> dict:
+        rng = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+               "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+        return {
+            "model": self.model.state_dict(),
+            "config": self.cfg.to_dict(),
+            "tokenizer": self.data.tokenizer.state_dict(),
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng": D.gather_objects(rng, self.dist),         # one entry per rank
+            "data_state": {"epoch": self.epoch, "position": self.position, "world_size": self.dist.world_size},
+            "metrics": {**self.metrics, "best_bleu": self.best_bleu, "bad_validations": self.bad_validations},
+        }
+
+    def _load_state(self, state: dict) -> None:
+        load_model_weights(self.model, state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step = state["step"]
+        data_state = state["data_state"]
+        if data_state.get("world_size", 1) != self.dist.world_size:
+            raise TrainingError(f"checkpoint was written with {data_state.get('world_size')} processes; "
+                                f"resume with the same number (now {self.dist.world_size})")
+        self.epoch, self.position = data_state["epoch"], data_state["position"]
+        self.metrics = dict(state.get("metrics", {}))
+        self.best_bleu = self.metrics.pop("best_bleu", -1.0)
+        self.bad_validations = self.metrics.pop("bad_validations", 0)
+        rng = state["rng"][self.dist.rank]
+        torch.set_rng_state(rng["torch"])
+        random.setstate((3, tuple(rng["python"]), None))
+        if rng.get("cuda") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+    def save(self, name: str) -> None:
+        state = self.state_dict()           # every rank joins the RNG gather
+        if self.dist.is_main:
+            save_checkpoint(state, self.ckpt_dir / name)
+
+    def _save_periodic(self) -> None:
+        self.save(f"step_{self.step}.pt")
+        self.save("last.pt")
+        if self.dist.is_main and self.cfg.trainer.keep_last:
+            steps = sorted(self.ckpt_dir.glob("step_*.pt"), key=lambda p: int(p.stem[5:]))
+            for old in steps[: -self.cfg.trainer.keep_last]:
+                old.unlink()
+
+    # ------------------------------------------------------------------------------------------------
+    # The loop
+
+    def _micro_batches(self, batches: list[list[int]]):
+        """This rank's micro-batches for one update: global batches position + u*world + rank.
+
+        A rank whose share runs past the end of the epoch repeats a batch with weight 0, so every rank
+        runs the same number of backward passes (DDP's all-reduce needs all of them).
+        """
+        tc, world = self.cfg.trainer, self.dist.world_size
+        chosen = []
+        for u in range(tc.update_freq):
+            index = self.position + u * world + self.dist.rank
+            if index < len(batches):
+                chosen.append((collate(self.data.train, batches[index]), 1.0))
+            elif world > 1 and self.position + u * world < len(batches):
+                chosen.append((collate(self.data.train, batches[0]), 0.0))
+        consumed = min(tc.update_freq * world, len(batches) - self.position)
+        return chosen, consumed
+
+    def train_step(self, micro_batches) -> dict:
+        tc = self.cfg.trainer
+        tokens = sum(b.num_tgt_tokens * w for b, w in micro_batches)
+        (global_tokens,) = D.all_reduce_sum([tokens], self.dist, self.device)
+        loss_sum = nll_sum = 0.0
+        for i, (batch, weight) in enumerate(micro_batches):
+            batch = batch.to(self.device, non_blocking=True)
+            last = i == len(micro_batches) - 1
+            sync = self.train_model.no_sync() if self.dist.enabled and not last else contextlib.nullcontext()
+            with sync:
+                with self.autocast():
+                    loss, nll = batch_loss(self.train_model_module, batch, tc.label_smoothing)
+                # DDP averages gradients over ranks; scale by world size so the update is
+                # sum(loss over all ranks' tokens) / global target tokens.
+                scaled = loss * (weight * self.dist.world_size / global_tokens)
+                self.scaler.scale(scaled).backward()
+            loss_sum += loss.item() * weight
+            nll_sum += nll.item() * weight
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_norm or float("inf"))
+        finite = bool(torch.isfinite(grad_norm))
+        if finite or self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)     # the fp16 scaler itself skips non-finite steps
+            self.scaler.update()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, nll_sum = D.all_reduce_sum([loss_sum, nll_sum], self.dist, self.device)
+        return {"loss": loss_sum / global_tokens, "nll": nll_sum / global_tokens, "grad_norm": float(grad_norm),
+                "finite": finite and math.isfinite(loss_sum), "tokens": global_tokens}
+
+    @property
+    def train_model_module(self):
+        """The model called in the training step: DDP / compiled wrapper when present."""
+        return _LossAdapter(self.train_model) if self.train_model is not self.model else self.model
+
+    def _stop_reason(self, started: float) -> str | None:
+        tc = self.cfg.trainer
+        reason = None
+        if self.stop_signal:
+            reason = f"stopped by {self.stop_signal}"
+        elif tc.max_steps and self.step >= tc.max_steps:
+            reason = f"reached trainer.max_steps={tc.max_steps}"
+        elif tc.max_epochs and self.epoch >= tc.max_epochs:
+            reason = f"reached trainer.max_epochs={tc.max_epochs}"
+        elif tc.max_minutes and (time.monotonic() - started) / 60 >= tc.max_minutes:
+            reason = f"reached trainer.max_minutes={tc.max_minutes}"
+        elif tc.patience and self.bad_validations >= tc.patience:
+            reason = f"no BLEU improvement in trainer.patience={tc.patience} validations"
+        if D.any_rank(reason is not None, self.dist, self.device):
+            return reason or "stopped on another rank"
+        return None
+
+    def fit(self) -> dict:
+        tc = self.cfg.trainer
+        started = time.monotonic()
+        window = {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "pad": 0.0, "steps": 0, "time": time.monotonic()}
+        bar = tqdm(total=tc.max_steps or None, initial=self.step, desc="train", unit="step",
+                   disable=None if self.dist.is_main else True, dynamic_ncols=True)
+        batches = self.sampler.batches(self.epoch)
+        reason = self._stop_reason(started)
+        while reason is None:
+            if self.position >= len(batches):
+                self.epoch, self.position = self.epoch + 1, 0
+                batches = self.sampler.batches(self.epoch)
+                reason = self._stop_reason(started)
+                continue
+            micro, consumed = self._micro_batches(batches)
+            stats = self.train_step(micro)
+            self.position += consumed
+            self.step += 1
+            bar.update(1)
+            if not stats["finite"]:
+                self.bad_steps += 1
+                if self.writer:
+                    self.writer.add_scalar("train/skipped_steps", self.bad_steps, self.step)
+                # fp16 overflows are routine while the scaler searches its scale: allow more of them.
+                limit = tc.max_bad_steps * (10 if self.precision == "fp16" else 1)
+                if self.bad_steps >= limit:
+                    raise TrainingError(f"loss or gradients were not finite for {self.bad_steps} steps "
+                                        f"(trainer.max_bad_steps={tc.max_bad_steps}); lower trainer.lr or "
+                                        "use trainer.precision=bf16/fp32. Checkpoints keep the last finite weights.")
+            else:
+                self.bad_steps = 0
+                window["loss"] += stats["loss"] * stats["tokens"]
+                window["nll"] += stats["nll"] * stats["tokens"]
+                window["tokens"] += stats["tokens"]
+                window["pad"] += sum(b.padding_share() for b, _ in micro) / max(1, len(micro))
+                window["steps"] += 1
+            if self.step % tc.log_every == 0 and window["steps"]:
+                self._log_train(window, stats, bar)
+            if self.step % tc.validate_every == 0:
+                self.validate()
+            if self.step % (tc.checkpoint_every or tc.validate_every) == 0 and stats["finite"]:
+                self._save_periodic()
+            reason = self._stop_reason(started)
+        bar.close()
+        log.info("%s at step %d (epoch %d)", reason, self.step, self.epoch)
+        if self.step % tc.validate_every != 0 and self.stop_signal is None:
+            self.validate()
+        if self.bad_steps == 0:
+            self.save("last.pt")
+        if self.stop_signal:
+            log.info("saved %s; continue with: make train <same overrides> trainer.resume=true hydra.run.dir=%s",
+                     self.ckpt_dir / "last.pt", self.run_dir)
+        self.metrics["stop_reason"] = reason
+        return self.metrics
+
+    def _log_train(self, window: dict, stats: dict, bar) -> None:
+        elapsed = time.monotonic() - window["time"]
+        loss, nll = window["loss"] / window["tokens"], window["nll"] / window["tokens"]
+        values = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "lr": self.scheduler.get_last_lr()[0],
+                  "grad_norm": stats["grad_norm"], "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else 1.0,
+                  "tokens_per_s": window["tokens"] / max(elapsed, 1e-9), "padding_share": window["pad"] / window["steps"]}
+        if self.writer:
+            for key, value in values.items():
+                self.writer.add_scalar(f"train/{key}", value, self.step)
+        bar.set_postfix(loss=f"{loss:.3f}", lr=f"{values['lr']:.2e}", tok_s=f"{values['tokens_per_s']:.0f}")
+        log.info("step %d | epoch %d | loss %.3f | nll %.3f | ppl %.2f | lr %.3g | gnorm %.2f | tok/s %.0f | pad %.1f%%",
+                 self.step, self.epoch, loss, nll, values["ppl"], values["lr"], values["grad_norm"],
+                 values["tokens_per_s"], 100 * values["padding_share"])
+        self.metrics["train_tokens_per_s"] = values["tokens_per_s"]
+        window.update(loss=0.0, nll=0.0, tokens=0.0, pad=0.0, steps=0, time=time.monotonic())
+
+    def validate(self) -> None:
+        """Validation loss and BLEU on rank 0; the result is broadcast so every rank agrees."""
+        tc, dc = self.cfg.trainer, self.cfg.decode
+        result = None
+        if self.dist.is_main:
+            loss, nll = validation_loss(self.model, self.data.valid, tc.max_tokens, self.device, self.autocast,
+                                        tc.label_smoothing)
+            sources, references = self.data.valid_text
+            if tc.val_max_sentences:
+                sources, references = sources[: tc.val_max_sentences], references[: tc.val_max_sentences]
+            hyps, texts = decode_texts(self.model, self.data.tokenizer, sources, beam_size=tc.val_beam_size,
+                                       alpha=dc.alpha, max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
+                                       batch_tokens=dc.batch_tokens, device=self.device, autocast=self.autocast,
+                                       desc="validate")
+            scores = score(texts, references)
+            cut = sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps))
+            result = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "bleu": scores["bleu"],
+                      "chrf": scores["chrf"], "cut_at_max_len": cut}
+            log.info("validation step %d | loss %.3f | ppl %.2f | BLEU %.2f | chrF %.2f | cut %.1f%% | %s",
+                     self.step, loss, result["ppl"], scores["bleu"], scores["chrf"], 100 * cut,
+                     scores["bleu_signature"])
+            for key, value in result.items():
+                self.writer.add_scalar(f"val/{key}", value, self.step)
+            samples = "\n\n".join(f"**src** {s}  \n**ref** {r}  \n**hyp** {h}"
+                                  for s, r, h in list(zip(sources, references, texts))[:4])
+            self.writer.add_text("val/samples", samples, self.step)
+            self.writer.add_image("val/cross_attention",
+                                  cross_attention_image(self.model, self.data.tokenizer, sources[0],
+                                                        hyps[0][0].tokens, self.device), self.step)
+            self.writer.flush()
+        result = D.broadcast_object(result, self.dist)
+        self.metrics.update({f"val_{k}": v for k, v in result.items()})
+        if result["bleu"] > self.best_bleu:
+            self.best_bleu, self.bad_validations = result["bleu"], 0
+            self.metrics["best_step"] = self.step
+            if math.isfinite(result["loss"]):
+                self.save("best.pt")
+        else:
+            self.bad_validations += 1
+
+    def test(self) -> dict | None:
+        """Translate the test split with the decode config and the best weights; print BLEU."""
+        if not self.dist.is_main:
+            return None
+        best = self.ckpt_dir / "best.pt"
+        if best.exists():
+            load_model_weights(self.model, load_checkpoint(best)["model"], best)
+        try:
+            sources, references = load_split_text(self.cfg.data, "test")
+        except DataError as error:
+            log.warning("no test split to score: %s", error)
+            return None
+        dc = self.cfg.decode
+        _, texts = decode_texts(self.model, self.data.tokenizer, sources, beam_size=dc.beam_size, alpha=dc.alpha,
+                                max_len_a=dc.max_len_a, max_len_b=dc.max_len_b, batch_tokens=dc.batch_tokens,
+                                device=self.device, autocast=self.autocast, desc="test")
+        scores = score(texts, references)
+        message = (f"test BLEU {scores['bleu']:.2f} | chrF {scores['chrf']:.2f} ({len(sources)} sentences, "
+                   f"beam {dc.beam_size}, {best if best.exists() else 'final weights'}) {scores['bleu_signature']}")
+        log.info(message)
+        print(message, flush=True)
+        return scores
+
+
+class _LossAdapter:
+    """Lets `batch_loss` call encode/decode_hidden/output through a DDP or compiled wrapper: the
+    wrapper's forward must run so DDP registers the gradient hooks, so we route through forward."""
+
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+
+    def encode(self, src):
+        self._src = src
+        return None
+
+    def decode_hidden(self, tgt_in, memory, src_pad_mask):
+        return self.wrapped(self._src, tgt_in, return_hidden=True)
+
+    def output(self, hidden):
+        return _unwrap(self.wrapped).output(hidden)
+
+
+def _unwrap(module):
+    module = getattr(module, "_orig_mod", module)
+    return getattr(module, "module", module)
+
+
+def train(cfg, run_dir: str | Path | None = None) -> dict:
+    """Train a model as configured; returns the final metrics. `cfg` is a Config, DictConfig or dict."""
+    if not isinstance(cfg, Config):
+        from omegaconf import OmegaConf
+        raw = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
+        cfg = Config.from_dict(raw)
+    run_dir = Path(run_dir or cfg.run_dir or "runs/default")
+    cfg.run_dir = str(run_dir)
+    trainer = Trainer(cfg, run_dir)
+    _attach_log_file(trainer.run_dir, trainer.dist.is_main)
+    handlers = _install_signal_handlers(trainer)
+    try:
+        metrics = trainer.fit()
+        if trainer.stop_signal is None:
+            test_scores = trainer.test()
+            if test_scores:
+                metrics.update(test_bleu=test_scores["bleu"], test_chrf=test_scores["chrf"])
+        return metrics
+    finally:
+        for sig, previous in handlers.items():
+            signal.signal(sig, previous)
+        if trainer.writer:
+            trainer.writer.close()
+        D.shutdown(trainer.dist)
+
+
+def _install_signal_handlers(trainer: Trainer) -> dict:
+    """SIGINT/SIGTERM finish the current step, write last.pt and return cleanly."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, frame):
+        if trainer.stop_signal:      # a second Ctrl-C means "now"
+            raise KeyboardInterrupt
+        trainer.stop_signal = signal.Signals(signum).name
+        log.warning("%s received: finishing this step and saving last.pt", trainer.stop_signal)
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _attach_log_file(run_dir: Path, is_main: bool) -> None:
+    root = logging.getLogger()
+    if not is_main:
+        for handler in list(root.handlers):
+            if isinstance(handler, logging.FileHandler):
+                root.removeHandler(handler)
+        root.setLevel(logging.WARNING)
+        return
+    if not any(isinstance(h, logging.FileHandler) for h in root.handlers):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(run_dir / "train.log")
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(handler)
+        if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+                   for h in root.handlers):
+            root.addHandler(logging.StreamHandler())
+    root.setLevel(logging.INFO)
+
+
+def main() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+    def _main(cfg) -> None:
+        run_dir = cfg.get("run_dir") or HydraConfig.get().runtime.output_dir
+        try:
+            train(cfg, run_dir)
+        except (ConfigError, DataError, CheckpointError, TrainingError) as error:
+            logging.getLogger("transformer").error("%s", error)
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()

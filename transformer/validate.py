@@ -1,0 +1,108 @@
+"""Validation and scoring: loss on a split, decoding a split with the search code, sacreBLEU/chrF,
+and the pictures TensorBoard shows (sample translations, a cross-attention heatmap)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import sacrebleu
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from transformer.attention import padding_mask
+from transformer.data import EncodedSplit, batches_in_order, collate
+from transformer.search import translate_ids
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+
+def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float):
+    """logits (N, V), target (N,) -> (summed label-smoothed loss, summed NLL), both float32.
+
+    The smoothed target puts 1 - ε on the reference token and ε spread uniformly over the vocabulary.
+    """
+    logprobs = F.log_softmax(logits.float(), dim=-1)
+    nll = -logprobs.gather(1, target[:, None]).squeeze(1)
+    if smoothing == 0.0:
+        return nll.sum(), nll.detach().sum()
+    uniform = -logprobs.mean(dim=-1)
+    return ((1.0 - smoothing) * nll + smoothing * uniform).sum(), nll.detach().sum()
+
+
+def batch_loss(model, batch, smoothing: float):
+    """Loss of one batch, computing output logits only at real (non-padding) target positions."""
+    memory = model.encode(batch.src)
+    hidden = model.decode_hidden(batch.tgt_in, memory, padding_mask(batch.src, PAD_ID))   # (B, T, D)
+    real = batch.tgt_out != PAD_ID
+    logits = model.output(hidden[real])                                                   # (N, V)
+    return label_smoothed_loss(logits, batch.tgt_out[real], smoothing)
+
+
+@torch.no_grad()
+def validation_loss(model, split: EncodedSplit, max_tokens: int, device, autocast, smoothing: float):
+    """Per-token (label-smoothed loss, NLL) over a whole split."""
+    was_training = model.training
+    model.eval()
+    total_loss = total_nll = tokens = 0.0
+    lengths = [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt)]
+    for indices in batches_in_order(lengths, max_tokens):
+        batch = collate(split, indices).to(device)
+        with autocast():
+            loss, nll = batch_loss(model, batch, smoothing)
+        total_loss += loss.item()
+        total_nll += nll.item()
+        tokens += batch.num_tgt_tokens
+    model.train(was_training)
+    return total_loss / tokens, total_nll / tokens
+
+
+def score(hypotheses: list[str], references: list[str]) -> dict:
+    """Corpus sacreBLEU (13a, cased) and chrF with their signatures."""
+    bleu = sacrebleu.metrics.BLEU()
+    chrf = sacrebleu.metrics.CHRF()
+    bleu_score = bleu.corpus_score(hypotheses, [references])
+    chrf_score = chrf.corpus_score(hypotheses, [references])
+    return {"bleu": bleu_score.score, "chrf": chrf_score.score,
+            "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
+
+
+def decode_texts(model, tokenizer, sources: list[str], *, beam_size: int, alpha: float, max_len_a: float,
+                 max_len_b: int, batch_tokens: int, device, autocast=None, desc: str = "decoding",
+                 nbest: int = 1):
+    """Translate raw source strings; returns (list of n-best Hypothesis lists, texts of the best)."""
+    limit = model.cfg.max_positions - 1
+    ids = [s[:limit] for s in tokenizer.encode_src(sources)]
+    with tqdm(total=len(ids), desc=desc, unit="sent", leave=False, disable=None) as progress:
+        results = translate_ids(model, ids, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
+                                max_len_b=max_len_b, nbest=nbest, batch_tokens=batch_tokens, device=device,
+                                progress=progress, autocast=autocast)
+    texts = tokenizer.decode_tgt([hyps[0].tokens for hyps in results])
+    return results, texts
+
+
+@torch.no_grad()
+def cross_attention_image(model, tokenizer, source: str, hypothesis_ids: list[int], device) -> torch.Tensor:
+    """(3, T*8, S*8) image of the last decoder layer's cross-attention (mean over heads)."""
+    src_ids = tokenizer.encode_src([source])[0][: model.cfg.max_positions - 1] + [EOS_ID]
+    tgt_ids = [BOS_ID] + hypothesis_ids[: model.cfg.max_positions - 1]
+    src = torch.tensor([src_ids], device=device)
+    tgt = torch.tensor([tgt_ids], device=device)
+    layer = model.decoder_layers[-1].cross_attn
+    was_training = model.training
+    model.eval()
+    layer.need_weights = True
+    try:
+        model(src, tgt)
+        weights = layer.last_weights[0].float().mean(0)                 # (T, S)
+    finally:
+        layer.need_weights = False
+        model.train(was_training)
+    image = weights / weights.max().clamp(min=1e-9)
+    image = image.repeat_interleave(8, 0).repeat_interleave(8, 1)       # (T*8, S*8)
+    return image[None].expand(3, -1, -1).cpu()
+
+
+def autocast_factory(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
