@@ -1,0 +1,71 @@
+"""Shared fixtures: composing the real Hydra config, a small trained checkpoint, Multi30k's location."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from transformer.config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = ROOT / "conf"
+
+torch.set_num_threads(2)
+
+# Small enough to train in seconds; every test that trains starts from this and overrides what it needs.
+FAST = [
+    "model.d_model=64", "model.n_heads=4", "model.d_ff=128", "model.encoder_layers=2",
+    "model.decoder_layers=2", "data.embedded_pairs=2000", "data.vocab_size=200",
+    "trainer.max_tokens=1024", "trainer.log_every=10", "trainer.val_max_sentences=50",
+]
+
+
+def compose_config(overrides: list[str] = (), cache_dir: Path | None = None) -> Config:
+    """The real conf/ tree composed with overrides, as `make train key=value` would see it."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides))
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    if cache_dir is not None:
+        raw["data"]["cache_dir"] = str(cache_dir)
+    return Config.from_dict(raw)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One SentencePiece/encoding cache for the whole session (what data/ is for a user)."""
+    return tmp_path_factory.mktemp("data-cache")
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, data_cache):
+    """A tiny model trained on the embedded corpus: (run_dir, metrics)."""
+    from transformer.train import train
+
+    run_dir = tmp_path_factory.mktemp("trained-run")
+    cfg = compose_config(FAST + ["model.d_model=96", "model.d_ff=256", "data.embedded_pairs=4000",
+                                 "trainer.max_steps=240", "trainer.validate_every=80",
+                                 "trainer.warmup=60", "trainer.lr=3e-3", "trainer.max_minutes=0"],
+                         cache_dir=data_cache)
+    metrics = train(cfg, run_dir)
+    return run_dir, metrics
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(trained_run) -> Path:
+    return trained_run[0] / "checkpoints" / "best.pt"
+
+
+@pytest.fixture(scope="session")
+def multi30k_dir() -> Path:
+    """Multi30k from MULTI30K_DIR: skipped on a user's machine without it, a failure under CI."""
+    value = os.environ.get("MULTI30K_DIR")
+    if not value or not (Path(value) / "train.de").is_file():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but MULTI30K_DIR={value!r} does not hold Multi30k (train.de missing)")
+        pytest.skip("MULTI30K_DIR is not set (point it at a Multi30k directory to run this test)")
+    return Path(value)

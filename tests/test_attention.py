@@ -1,0 +1,84 @@
+import pytest
+import torch
+
+from transformer.attention import (MultiHeadAttention, attention_math, causal_allowed, key_padding_allowed,
+                                   padding_mask)
+
+
+def test_causal_mask_is_bottom_right_aligned_for_cached_queries():
+    # 2 new queries after 3 cached keys: they sit at positions 3 and 4.
+    allowed = causal_allowed(query_len=2, key_len=5, device=torch.device("cpu"))
+    assert allowed.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+    square = causal_allowed(3, 3, torch.device("cpu"))
+    assert square.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_path_matches_explicit_softmax_math(causal):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4).eval()
+    x = torch.randn(3, 7, 32)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    pad[2, 3:] = True
+    fast = attn(x, key_pad_mask=pad, causal=causal)
+    attn.need_weights = True      # switches to attention_math
+    slow = attn(x, key_pad_mask=pad, causal=causal)
+    assert torch.allclose(fast, slow, atol=1e-5)
+    weights = attn.last_weights                                  # (B, H, T, T)
+    assert torch.allclose(weights.sum(-1), torch.ones(3, 4, 7), atol=1e-5)
+    assert weights[2, :, :, 3:].abs().max() == 0                 # padding gets no attention
+    if causal:
+        assert weights[0].triu(diagonal=1).abs().max() == 0      # no look at the future
+
+
+def test_attention_math_by_hand():
+    q = torch.tensor([[[[1.0, 0.0]]]])                           # (1, 1, 1, 2)
+    k = torch.tensor([[[[1.0, 0.0], [0.0, 1.0]]]])
+    v = torch.tensor([[[[10.0, 0.0], [0.0, 10.0]]]])
+    out, weights = attention_math(q, k, v)
+    p = torch.softmax(torch.tensor([1 / 2 ** 0.5, 0.0]), 0)
+    assert torch.allclose(weights.flatten(), p)
+    assert torch.allclose(out.flatten(), torch.stack([10 * p[0], 10 * p[1]]))
+
+
+def test_padding_does_not_change_unpadded_outputs():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 2).eval()
+    x = torch.randn(1, 4, 16)
+    padded = torch.cat([x, torch.randn(1, 3, 16)], dim=1)
+    pad = torch.tensor([[False] * 4 + [True] * 3])
+    assert torch.allclose(attn(x), attn(padded, key_pad_mask=pad)[:, :4], atol=1e-6)
+
+
+def test_cross_attention_beam_folding_equals_expanded_memory():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, cross=True).eval()
+    memory = torch.randn(2, 5, 16)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    beams = 3
+    queries = torch.randn(2 * beams, 4, 16)
+    shared = attn(queries, memory_kv=attn.project_memory(memory), key_pad_mask=pad)
+    expanded = attn(queries, memory=memory.repeat_interleave(beams, 0), key_pad_mask=pad.repeat_interleave(beams, 0))
+    assert torch.allclose(shared, expanded, atol=1e-6)
+
+
+def test_cached_self_attention_equals_full():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4).eval()
+    x = torch.randn(2, 6, 16)
+    full = attn(x, causal=True)
+    cache = {}
+    steps = [attn(x[:, t: t + 1], causal=True, cache=cache) for t in range(6)]
+    assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
+    # Two new positions at once after a cached past need the bottom-right triangle.
+    cache = {}
+    first = attn(x[:, :4], causal=True, cache=cache)
+    rest = attn(x[:, 4:], causal=True, cache=cache)
+    assert torch.allclose(torch.cat([first, rest], 1), full, atol=1e-5)
+
+
+def test_mask_helpers():
+    ids = torch.tensor([[5, 6, 0], [7, 0, 0]])
+    assert padding_mask(ids, 0).tolist() == [[False, False, True], [False, True, True]]
+    assert key_padding_allowed(padding_mask(ids, 0)).shape == (2, 1, 1, 3)

@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from transformer.attention import padding_mask
+from transformer.config import ModelConfig
+from transformer.model import build_model
+from transformer.tokenizer import BOS_ID, PAD_ID
+
+
+def _model(pre_norm=True, shared=True, **kw):
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=2, decoder_layers=2, dropout=0.0,
+                      pre_norm=pre_norm, **kw)
+    return build_model(cfg, 50, 50 if shared else 60, shared_vocab=shared).eval()
+
+
+@pytest.mark.parametrize("pre_norm", [True, False])
+def test_incremental_decoding_matches_full_recomputation(pre_norm):
+    model = _model(pre_norm)
+    src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0]])
+    tgt = torch.tensor([[BOS_ID, 11, 12, 13, 14, 15], [BOS_ID, 16, 17, 18, 19, 20]])
+    memory = model.encode(src)
+    pad = padding_mask(src, PAD_ID)
+    full = model.decode(tgt, memory, pad)                          # (B, T, V)
+    cache = model.new_cache(memory, pad)
+    steps = [model.decode(tgt[:, t: t + 1], None, None, cache) for t in range(tgt.size(1))]
+    incremental = torch.cat(steps, dim=1)
+    assert (incremental - full).abs().max() < 1e-4
+
+
+def test_future_target_tokens_do_not_change_earlier_logits():
+    model = _model()
+    src = torch.tensor([[5, 6, 7, 3]])
+    a = torch.tensor([[BOS_ID, 11, 12, 13]])
+    b = torch.tensor([[BOS_ID, 11, 40, 41]])
+    la, lb = model(src, a), model(src, b)
+    assert torch.allclose(la[:, :2], lb[:, :2], atol=1e-6)
+    assert not torch.allclose(la[:, 2:], lb[:, 2:], atol=1e-3)
+
+
+def test_source_padding_does_not_change_outputs():
+    model = _model()
+    src = torch.tensor([[5, 6, 7, 3]])
+    src_padded = torch.tensor([[5, 6, 7, 3, 0, 0, 0]])
+    tgt = torch.tensor([[BOS_ID, 11, 12]])
+    assert torch.allclose(model(src, tgt), model(src_padded, tgt), atol=1e-5)
+
+
+def test_tied_embeddings_and_shapes():
+    model = _model()
+    assert model.output.weight is model.tgt_embed.weight is model.src_embed.weight
+    separate = _model(shared=False)
+    assert separate.src_embed is not separate.tgt_embed
+    assert separate.output.weight is separate.tgt_embed.weight
+    logits = separate(torch.tensor([[5, 3]]), torch.tensor([[BOS_ID, 7, 8]]))
+    assert logits.shape == (1, 3, 60)
+
+
+def test_presets_have_the_papers_sizes():
+    from tests.conftest import compose_config
+    base = compose_config(["model=base"]).model
+    big = compose_config(["model=big"]).model
+    assert (base.d_model, base.d_ff, base.n_heads, base.encoder_layers, base.decoder_layers) == (512, 2048, 8, 6, 6)
+    assert (big.d_model, big.d_ff, big.n_heads, big.encoder_layers, big.decoder_layers) == (1024, 4096, 16, 6, 6)
+    model = build_model(base, 37000, 37000, shared_vocab=True)
+    params = sum(p.numel() for p in model.parameters())
+    assert 60e6 < params < 66e6       # the paper's base model: 65M parameters with a 37k vocabulary

@@ -1,0 +1,127 @@
+"""Search tests: a hand-built step distribution whose beams can be worked out on paper, and the real
+model (beam 1 == greedy, batch == one at a time, cache == recomputation)."""
+
+import math
+
+import pytest
+import torch
+
+from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+from transformer.search import ModelDecoder, beam_search, greedy_search, length_penalty, translate_ids
+from transformer.tokenizer import EOS_ID
+
+A, B = 4, 5
+VOCAB = 6      # PAD UNK BOS EOS A B
+# Next-token probabilities after each prefix (tokens after BOS); unlisted prefixes end with certainty.
+TABLE = {
+    (): {A: 0.5, B: 0.4, EOS_ID: 0.1},
+    (A,): {A: 0.36, B: 0.34, EOS_ID: 0.30},
+    (B,): {EOS_ID: 0.9, A: 0.05, B: 0.05},
+}
+
+
+class TableDecoder:
+    """A StepDecoder whose next-token distribution depends only on the prefix."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def step(self, tokens):
+        self.steps += 1
+        out = torch.full((tokens.size(0), VOCAB), float("-inf"))
+        for row, prefix in enumerate(tokens[:, 1:].tolist()):
+            for token, p in TABLE.get(tuple(prefix), {EOS_ID: 1.0}).items():
+                out[row, token] = math.log(p)
+        return out
+
+    def select(self, rows, sentences=None):
+        pass
+
+
+def test_greedy_takes_the_locally_best_token():
+    (hyp,) = greedy_search(TableDecoder(), torch.tensor([10]))
+    assert hyp.tokens == [A, A]
+    assert hyp.logprob == pytest.approx(math.log(0.5 * 0.36))
+
+
+def test_beam_finds_the_better_sequence_greedy_misses():
+    (hyps,) = beam_search(TableDecoder(), torch.tensor([10]), beam_size=2, alpha=0.0, nbest=1)
+    assert [h.tokens for h in hyps] == [[B]]
+    assert hyps[0].score == pytest.approx(math.log(0.4 * 0.9))
+
+
+def test_beam_nbest_and_length_penalty_by_hand():
+    (hyps,) = beam_search(TableDecoder(), torch.tensor([10]), beam_size=2, alpha=1.0, nbest=2)
+    assert [h.tokens for h in hyps] == [[B], [A, A]]
+    # "B EOS" has 2 tokens, "A A EOS" has 3: GNMT penalty ((5 + len) / 6) ** alpha.
+    assert hyps[0].score == pytest.approx(math.log(0.36) / (7 / 6))
+    assert hyps[1].score == pytest.approx(math.log(0.5 * 0.36) / (8 / 6))
+    assert hyps[1].logprob == pytest.approx(math.log(0.18))
+    assert length_penalty(3, 0.0) == 1.0
+
+
+def test_max_length_forces_eos():
+    (hyps,) = beam_search(TableDecoder(), torch.tensor([2]), beam_size=2, alpha=0.0, nbest=2)
+    # At step 2 only EOS is allowed: "A EOS" (0.5 * 0.3) and "B EOS" (0.4 * 0.9).
+    assert [h.tokens for h in hyps] == [[B], [A]]
+    assert hyps[1].logprob == pytest.approx(math.log(0.15))
+    (greedy,) = greedy_search(TableDecoder(), torch.tensor([2]))
+    assert greedy.tokens == [A] and greedy.hit_max_len
+
+
+def test_sentences_in_one_batch_do_not_interact():
+    hyps = beam_search(TableDecoder(), torch.tensor([10, 2, 10]), beam_size=2, alpha=0.0, nbest=1)
+    assert [h[0].tokens for h in hyps] == [[B], [B], [B]]
+
+
+def test_beam_stops_once_no_open_hypothesis_can_win():
+    decoder = TableDecoder()
+    beam_search(decoder, torch.tensor([50]), beam_size=2, alpha=0.0, nbest=1)
+    assert decoder.steps == 2          # "B" finished at step 2 and both open beams already score lower
+
+
+def test_nbest_larger_than_beam_is_refused():
+    with pytest.raises(ValueError, match="nbest"):
+        beam_search(TableDecoder(), torch.tensor([5]), beam_size=2, nbest=3)
+
+
+# --- the real model -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_and_sources(trained_checkpoint):
+    model, tokenizer, _ = model_from_checkpoint(load_checkpoint(trained_checkpoint))
+    model.eval()
+    sentences = ["Der Hund sieht die Katze.", "Heute hat der alte Mann den roten Fisch im Park gefunden.",
+                 "Ich glaube, dass die Frau das Pferd mag.", "Die Kuh.", "Oft ruft das Kind den Vogel."]
+    return model, tokenizer.encode_src(sentences)
+
+
+def test_beam_one_equals_greedy(model_and_sources):
+    model, sources = model_and_sources
+    greedy = translate_ids(model, sources, beam_size=1)
+    src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [EOS_ID]) for s in sources], batch_first=True)
+    from transformer.search import max_lengths
+    lens = max_lengths(src, 1.2, 10, 1000)
+    beam1 = beam_search(ModelDecoder(model, src), lens, beam_size=1)
+    plain = greedy_search(ModelDecoder(model, src), lens)
+    assert [h[0].tokens for h in beam1] == [h.tokens for h in plain] == [h[0].tokens for h in greedy]
+    for b, g in zip(beam1, plain):
+        assert b[0].logprob == pytest.approx(g.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_mixed_length_batch_equals_one_at_a_time(model_and_sources, beam_size):
+    model, sources = model_and_sources
+    batched = translate_ids(model, sources, beam_size=beam_size, alpha=0.6)
+    single = [translate_ids(model, [s], beam_size=beam_size, alpha=0.6)[0] for s in sources]
+    assert [h[0].tokens for h in batched] == [h[0].tokens for h in single]
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_cache_gives_the_same_output_as_recomputing_the_prefix(model_and_sources, beam_size):
+    model, sources = model_and_sources
+    cached = translate_ids(model, sources, beam_size=beam_size, nbest=1)
+    uncached = translate_ids(model, sources, beam_size=beam_size, nbest=1, use_cache=False)
+    assert [h[0].tokens for h in cached] == [h[0].tokens for h in uncached]
+    for c, u in zip(cached, uncached):
+        assert c[0].score == pytest.approx(u[0].score, abs=1e-4)

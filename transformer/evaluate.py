@@ -1,0 +1,76 @@
+"""`make evaluate CKPT=... [split=test]`: translate a split (or a source/reference file pair), print
+sacreBLEU and chrF with their signatures, and write the hypotheses and a JSON of scores beside the
+checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from transformer.checkpoint import CheckpointError
+from transformer.data import DataError, load_split_text, read_lines
+from transformer.translate import Translator
+from transformer.validate import score
+
+
+def evaluate(checkpoint: str | Path, split: str = "test", src_file: str | None = None,
+             ref_file: str | None = None, beam_size: int | None = None, alpha: float | None = None,
+             device: str = "auto", precision: str = "auto", batch_tokens: int | None = None) -> dict:
+    translator = Translator.from_checkpoint(checkpoint, device=device, precision=precision)
+    if src_file or ref_file:
+        if not (src_file and ref_file):
+            raise DataError("give both --src and --ref")
+        sources, references = read_lines(Path(src_file)), read_lines(Path(ref_file))
+        if len(sources) != len(references):
+            raise DataError(f"line counts differ: {src_file} has {len(sources)}, {ref_file} has {len(references)}")
+        name = Path(src_file).name
+    else:
+        sources, references = load_split_text(translator.config.data, split)
+        name = split
+    beam = translator.config.decode.beam_size if beam_size is None else beam_size
+    started = time.perf_counter()
+    hypotheses = translator.translate(sources, beam_size=beam, alpha=alpha, batch_tokens=batch_tokens,
+                                      progress=sys.stderr.isatty())
+    seconds = time.perf_counter() - started
+    result = {"checkpoint": str(checkpoint), "split": name, "sentences": len(sources), "beam_size": beam,
+              "seconds": round(seconds, 2), **score(hypotheses, references)}
+    stem = Path(checkpoint).with_suffix("")
+    hyp_path = Path(f"{stem}.{name}.beam{beam}.hyp")
+    hyp_path.write_text("".join(h.replace("\n", " ") + "\n" for h in hypotheses), encoding="utf-8")
+    json_path = Path(f"{stem}.{name}.beam{beam}.json")
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    result["hypotheses_file"], result["scores_file"] = str(hyp_path), str(json_path)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="transformer-evaluate", description=__doc__)
+    parser.add_argument("checkpoint")
+    parser.add_argument("--split", default="test", help="split of the checkpoint's data config (default test)")
+    parser.add_argument("--src", help="source file (instead of --split)")
+    parser.add_argument("--ref", help="reference file (instead of --split)")
+    parser.add_argument("--beam", type=int, help="beam size (default: the checkpoint's decode.beam_size)")
+    parser.add_argument("--alpha", type=float, help="length penalty exponent")
+    parser.add_argument("--batch-tokens", type=int)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    args = parser.parse_args(argv)
+    try:
+        result = evaluate(args.checkpoint, args.split, args.src, args.ref, args.beam, args.alpha, args.device,
+                          args.precision, args.batch_tokens)
+    except (CheckpointError, DataError, ValueError) as error:
+        print(f"transformer-evaluate: error: {error}", file=sys.stderr)
+        return 2
+    print(f"{result['split']}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  "
+          f"({result['sentences']} sentences, beam {result['beam_size']}, {result['seconds']:.1f} s)")
+    print(f"BLEU signature: {result['bleu_signature']}")
+    print(f"chrF signature: {result['chrf_signature']}")
+    print(f"hypotheses: {result['hypotheses_file']}\nscores: {result['scores_file']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""`Translator` (the Python API) and the `transformer-translate` command line.
+
+    transformer-translate CKPT [--input F] [--output F] [--beam N] [--nbest N] [--alpha A] ...
+
+Reads raw text, one sentence per line, and writes exactly one line per input line: the detokenized
+translation, or with `--nbest N > 1`, N lines per input of the form `INDEX<TAB>SCORE<TAB>TEXT`.
+Needs nothing but the checkpoint file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from transformer.search import Hypothesis, translate_ids
+from transformer.setup import DTYPES
+from transformer.validate import autocast_factory
+
+
+class Translator:
+    """Translate raw sentences with a trained checkpoint.
+
+    >>> Translator.from_checkpoint("best.pt").translate(["Ein Hund rennt."], beam_size=5)
+    ['A dog is running.']
+    """
+
+    def __init__(self, model, tokenizer, config, device: torch.device, precision: str = "fp32"):
+        self.model, self.tokenizer, self.config = model.to(device).eval(), tokenizer, config
+        self.device = device
+        self.autocast = autocast_factory(device, DTYPES[precision])
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if precision == "auto":
+            precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+        if precision not in DTYPES:
+            raise ValueError(f"precision={precision!r} must be auto, bf16, fp16 or fp32")
+        state = load_checkpoint(path)
+        model, tokenizer, config = model_from_checkpoint(state, path)
+        return cls(model, tokenizer, config, device, precision)
+
+    def translate_hypotheses(self, sentences: list[str], *, beam_size: int | None = None,
+                             alpha: float | None = None, nbest: int = 1, max_len_a: float | None = None,
+                             max_len_b: int | None = None, batch_tokens: int | None = None,
+                             progress: bool = False) -> list[list[tuple[str, float]]]:
+        """n-best (text, score) lists, best first. Empty sentences translate to ''."""
+        decode = self.config.decode
+        beam_size = decode.beam_size if beam_size is None else beam_size
+        if beam_size < 1:
+            raise ValueError(f"beam_size={beam_size}: must be at least 1")
+        if not 1 <= nbest <= beam_size:
+            raise ValueError(f"nbest={nbest}: must be between 1 and the beam size ({beam_size})")
+        limit = self.model.cfg.max_positions - 1
+        sources = self.tokenizer.encode_src([s.strip() for s in sentences])
+        truncated = sum(len(s) > limit for s in sources)
+        if truncated:
+            warnings.warn(f"{truncated} source sentence(s) longer than {limit} tokens were truncated "
+                          "to the model's maximum length", stacklevel=2)
+        wanted = [i for i, s in enumerate(sources) if s]
+        results: list[list[Hypothesis]] = [[] for _ in sources]
+        with tqdm(total=len(wanted), desc="translate", unit="sent", disable=not progress, leave=False) as bar:
+            decoded = translate_ids(
+                self.model, [sources[i][:limit] for i in wanted], beam_size=beam_size,
+                alpha=decode.alpha if alpha is None else alpha, nbest=nbest,
+                max_len_a=decode.max_len_a if max_len_a is None else max_len_a,
+                max_len_b=decode.max_len_b if max_len_b is None else max_len_b,
+                batch_tokens=decode.batch_tokens if batch_tokens is None else batch_tokens,
+                device=self.device, progress=bar, autocast=self.autocast)
+        for index, hyps in zip(wanted, decoded):
+            results[index] = hyps
+        flat = [h.tokens for hyps in results for h in hyps]
+        texts = iter(self.tokenizer.decode_tgt(flat))
+        return [[(next(texts), h.score) for h in hyps] if hyps else [("", 0.0)] * nbest for hyps in results]
+
+    def translate(self, sentences: list[str], beam_size: int | None = None, **options) -> list[str]:
+        """One translation per sentence (the best hypothesis)."""
+        return [hyps[0][0] for hyps in self.translate_hypotheses(sentences, beam_size=beam_size, **options)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="transformer-translate",
+        description="Translate text with a trained checkpoint: one output line per input line.")
+    parser.add_argument("checkpoint", help="a .pt checkpoint written by training (best.pt, last.pt, ...)")
+    parser.add_argument("--input", "-i", help="source text file (default: stdin)")
+    parser.add_argument("--output", "-o", help="where to write translations (default: stdout)")
+    parser.add_argument("--beam", type=int, default=5, help="beam size; 1 = greedy (default 5)")
+    parser.add_argument("--nbest", type=int, default=1,
+                        help="hypotheses per input; >1 writes INDEX<TAB>SCORE<TAB>TEXT lines (default 1)")
+    parser.add_argument("--alpha", type=float, help="GNMT length penalty exponent (default: the checkpoint's)")
+    parser.add_argument("--max-len-a", type=float, help="output length limit a * source_len + b")
+    parser.add_argument("--max-len-b", type=int)
+    parser.add_argument("--batch-tokens", type=int, help="source tokens x beam per batch (default 4096)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    return parser
+
+
+def read_input(stream) -> tuple[list[str], int]:
+    """Lines of a binary stream decoded as UTF-8 (invalid bytes replaced); also the count of bad lines."""
+    lines, bad = [], 0
+    data = stream.read()
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    parts = data.split(b"\n")
+    if parts and parts[-1] == b"":
+        parts.pop()
+    for raw in parts:
+        raw = raw[:-1] if raw.endswith(b"\r") else raw
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            line, bad = raw.decode("utf-8", errors="replace"), bad + 1
+        # Control characters other than tab carry no meaning for translation.
+        lines.append("".join(ch if ch >= " " or ch == "\t" else " " for ch in line))
+    return lines, bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def fail(message: str) -> int:
+        print(f"transformer-translate: error: {message}", file=sys.stderr)
+        return 2
+
+    if args.beam < 1:
+        return fail(f"--beam {args.beam}: the beam size must be at least 1")
+    if args.nbest < 1 or args.nbest > args.beam:
+        return fail(f"--nbest {args.nbest}: must be between 1 and the beam size ({args.beam})")
+    if args.batch_tokens is not None and args.batch_tokens < 1:
+        return fail(f"--batch-tokens {args.batch_tokens}: must be at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return fail("--device cuda: CUDA is not available")
+    try:
+        translator = Translator.from_checkpoint(args.checkpoint, device=args.device, precision=args.precision)
+    except CheckpointError as error:
+        return fail(str(error))
+    try:
+        if args.input:
+            with open(args.input, "rb") as handle:
+                lines, bad = read_input(handle)
+        else:
+            lines, bad = read_input(sys.stdin.buffer)
+    except OSError as error:
+        return fail(f"{args.input}: {error.strerror}")
+    if bad:
+        print(f"transformer-translate: warning: {bad} input line(s) were not valid UTF-8; "
+              "invalid bytes were replaced", file=sys.stderr)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = translator.translate_hypotheses(
+            lines, beam_size=args.beam, alpha=args.alpha, nbest=args.nbest, max_len_a=args.max_len_a,
+            max_len_b=args.max_len_b, batch_tokens=args.batch_tokens,
+            progress=bool(args.output) and sys.stderr.isatty())
+    for warning in caught:
+        print(f"transformer-translate: warning: {warning.message}", file=sys.stderr)
+    out = io.StringIO()
+    for index, hyps in enumerate(results):
+        if args.nbest == 1:
+            out.write(_one_line(hyps[0][0]) + "\n")
+        else:
+            for text, hyp_score in hyps:
+                out.write(f"{index}\t{hyp_score:.4f}\t{_one_line(text)}\n")
+    if args.output:
+        Path(args.output).write_text(out.getvalue(), encoding="utf-8")
+    else:
+        sys.stdout.buffer.write(out.getvalue().encode("utf-8"))
+        sys.stdout.flush()
+    return 0
+
+
+def _one_line(text: str) -> str:
+    # A translation must never add line breaks, or the output would no longer align with the input.
+    return text.replace("\r", " ").replace("\n", " ")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
