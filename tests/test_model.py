@@ -65,3 +65,19 @@ def test_presets_have_the_papers_sizes():
     model = build_model(base, 37000, 37000, shared_vocab=True)
     params = sum(p.numel() for p in model.parameters())
     assert 60e6 < params < 66e6       # the paper's base model: 65M parameters with a 37k vocabulary
+
+
+def test_cpu_dropout_rate_scale_and_gradient():
+    from transformer.model import Dropout
+    torch.manual_seed(0)
+    layer = Dropout(0.25).train()
+    x = torch.ones(400, 500, requires_grad=True)
+    out = layer(x)
+    dropped = out == 0
+    assert abs(dropped.float().mean().item() - 0.25) < 0.005
+    assert torch.allclose(out[~dropped], torch.tensor(1 / 0.75))
+    out.sum().backward()
+    assert torch.equal(x.grad == 0, dropped)                      # gradient flows only where kept
+    torch.manual_seed(0)
+    assert torch.equal(layer(x), out)                             # reproducible from the seed
+    assert torch.equal(layer.eval()(x), x)

@@ -70,6 +70,11 @@ def attend(q, k, v, allowed=None, causal=False, dropout_p=0.0, need_weights=Fals
             causal_mask = causal_allowed(q.size(-2), k.size(-2), q.device)
             allowed = causal_mask if allowed is None else allowed & causal_mask
         return attention_math(q, k, v, allowed, dropout_p)
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_grad_enabled():
+        # PyTorch's CPU flash-attention backward is several times slower in bf16 than in fp32.
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed,
+                                             dropout_p=dropout_p, is_causal=causal)
+        return out.to(q.dtype), None
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=causal)
     return out, None
 

@@ -29,12 +29,23 @@ def resolve_device(name: str, dist_info: DistInfo) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_native_bf16() -> bool:
+    """True on x86 CPUs with AVX512-BF16 or AMX (bf16 matmuls run natively, not emulated)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            flags = next((line for line in handle if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
 def resolve_precision(name: str, device: torch.device) -> str:
-    """`auto` is bf16 on CUDA devices that support it, fp16 on older GPUs, fp32 on the CPU."""
+    """`auto` is bf16 on CUDA devices that support it (fp16 on older GPUs), and on CPUs with native
+    bf16 instructions; fp32 otherwise. Parameters and optimizer state stay fp32 either way."""
     if name == "auto":
         if device.type == "cuda":
             return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return "fp32"
+        return "bf16" if cpu_has_native_bf16() else "fp32"
     if name == "fp16" and device.type == "cpu":
         raise ConfigError("trainer.precision=fp16 needs CUDA; on the CPU use bf16 or fp32")
     return name

@@ -192,7 +192,7 @@ class Trainer:
             sync = self.train_model.no_sync() if self.dist.enabled and not last else contextlib.nullcontext()
             with sync:
                 with self.autocast():
-                    loss, nll = batch_loss(self.train_model_module, batch, tc.label_smoothing)
+                    loss, nll = batch_loss(self.train_model, batch, tc.label_smoothing)
                 # DDP averages gradients over ranks; scale by world size so the update is
                 # sum(loss over all ranks' tokens) / global target tokens.
                 scaled = loss * (weight * self.dist.world_size / global_tokens)
@@ -210,11 +210,6 @@ class Trainer:
         loss_sum, nll_sum = D.all_reduce_sum([loss_sum, nll_sum], self.dist, self.device)
         return {"loss": loss_sum / global_tokens, "nll": nll_sum / global_tokens, "grad_norm": float(grad_norm),
                 "finite": finite and math.isfinite(loss_sum), "tokens": global_tokens}
-
-    @property
-    def train_model_module(self):
-        """The model called in the training step: DDP / compiled wrapper when present."""
-        return _LossAdapter(self.train_model) if self.train_model is not self.model else self.model
 
     def _stop_reason(self, started: float) -> str | None:
         tc = self.cfg.trainer
@@ -366,29 +361,6 @@ class Trainer:
         log.info(message)
         print(message, flush=True)
         return scores
-
-
-class _LossAdapter:
-    """Lets `batch_loss` call encode/decode_hidden/output through a DDP or compiled wrapper: the
-    wrapper's forward must run so DDP registers the gradient hooks, so we route through forward."""
-
-    def __init__(self, wrapped):
-        self.wrapped = wrapped
-
-    def encode(self, src):
-        self._src = src
-        return None
-
-    def decode_hidden(self, tgt_in, memory, src_pad_mask):
-        return self.wrapped(self._src, tgt_in, return_hidden=True)
-
-    def output(self, hidden):
-        return _unwrap(self.wrapped).output(hidden)
-
-
-def _unwrap(module):
-    module = getattr(module, "_orig_mod", module)
-    return getattr(module, "module", module)
 
 
 def train(cfg, run_dir: str | Path | None = None) -> dict:

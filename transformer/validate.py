@@ -7,35 +7,28 @@ import contextlib
 
 import sacrebleu
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
-from transformer.attention import padding_mask
 from transformer.data import EncodedSplit, batches_in_order, collate
+from transformer.loss import output_cross_entropy
 from transformer.search import translate_ids
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
-def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float):
-    """logits (N, V), target (N,) -> (summed label-smoothed loss, summed NLL), both float32.
-
-    The smoothed target puts 1 - ε on the reference token and ε spread uniformly over the vocabulary.
-    """
-    logprobs = F.log_softmax(logits.float(), dim=-1)
-    nll = -logprobs.gather(1, target[:, None]).squeeze(1)
-    if smoothing == 0.0:
-        return nll.sum(), nll.detach().sum()
-    uniform = -logprobs.mean(dim=-1)
-    return ((1.0 - smoothing) * nll + smoothing * uniform).sum(), nll.detach().sum()
-
-
 def batch_loss(model, batch, smoothing: float):
-    """Loss of one batch, computing output logits only at real (non-padding) target positions."""
-    memory = model.encode(batch.src)
-    hidden = model.decode_hidden(batch.tgt_in, memory, padding_mask(batch.src, PAD_ID))   # (B, T, D)
+    """(summed label-smoothed loss, summed NLL) of one batch; logits only at real target positions.
+
+    `model` may be wrapped (DDP, torch.compile): its forward runs, so wrappers see the whole graph.
+    """
+    hidden = model(batch.src, batch.tgt_in, return_hidden=True)                # (B, T, D)
     real = batch.tgt_out != PAD_ID
-    logits = model.output(hidden[real])                                                   # (N, V)
-    return label_smoothed_loss(logits, batch.tgt_out[real], smoothing)
+    return output_cross_entropy(hidden[real], unwrap(model).output.weight, batch.tgt_out[real], smoothing)
+
+
+def unwrap(model):
+    """The Transformer inside a torch.compile and/or DistributedDataParallel wrapper."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
 
 
 @torch.no_grad()
