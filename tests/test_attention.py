@@ -1,8 +1,13 @@
 import pytest
 import torch
 
-from transformer.attention import (MultiHeadAttention, attention_math, causal_allowed, key_padding_allowed,
-                                   padding_mask)
+from transformer.attention import (
+    MultiHeadAttention,
+    attention_math,
+    causal_allowed,
+    key_padding_allowed,
+    padding_mask,
+)
 
 
 def test_causal_mask_is_bottom_right_aligned_for_cached_queries():

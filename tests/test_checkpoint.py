@@ -4,8 +4,14 @@ import pickle
 import pytest
 import torch
 
-from transformer.checkpoint import (CheckpointError, average_checkpoints, average_main, load_checkpoint,
-                                    load_model_weights, save_checkpoint)
+from transformer.checkpoint import (
+    CheckpointError,
+    average_checkpoints,
+    average_main,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+)
 from transformer.config import ModelConfig
 from transformer.model import build_model
 

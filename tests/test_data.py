@@ -5,8 +5,15 @@ import pytest
 
 from transformer import toy
 from transformer.config import DataConfig
-from transformer.data import (DataError, TokenBatchSampler, batches_in_order, collate, encode_split,
-                              load_split_text, read_lines)
+from transformer.data import (
+    DataError,
+    TokenBatchSampler,
+    batches_in_order,
+    collate,
+    encode_split,
+    load_split_text,
+    read_lines,
+)
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 
 
@@ -26,7 +33,7 @@ def test_line_count_mismatch_names_both_files_and_counts(tmp_path):
 
 
 def test_invalid_utf8_names_file_and_line(tmp_path):
-    _write(tmp_path / "train.de", "eins\nzwei\n".encode() + b"dr\xe9i\n")
+    _write(tmp_path / "train.de", b"eins\nzwei\n" + b"dr\xe9i\n")
     _write(tmp_path / "train.en", b"one\ntwo\nthree\n")
     with pytest.raises(DataError, match=r"train\.de:3: invalid UTF-8 \(byte 0xe9 at column 3\)"):
         load_split_text(DataConfig(path=str(tmp_path)), "train")
@@ -53,7 +60,7 @@ def test_unknown_hub_dataset_fails_with_the_key(monkeypatch):
 
 
 def test_tsv_and_jsonl_sources(tmp_path):
-    _write(tmp_path / "train.tsv", "Hallo\tHello\nJa\tYes\n".encode())
+    _write(tmp_path / "train.tsv", b"Hallo\tHello\nJa\tYes\n")
     assert load_split_text(DataConfig(path=str(tmp_path)), "train") == (["Hallo", "Ja"], ["Hello", "Yes"])
     _write(tmp_path / "test.tsv", b"only one field\n")
     with pytest.raises(DataError, match=r"test\.tsv:1: expected 2 tab-separated fields"):

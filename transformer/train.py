@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import shutil
 import signal
@@ -27,8 +28,14 @@ from transformer.data import DataError, TokenBatchSampler, collate, load_split_t
 from transformer.model import build_model
 from transformer.setup import DTYPES, build_optimizer, prepare_data, resolve_device, resolve_precision
 from transformer.tokenizer import Tokenizer
-from transformer.validate import (autocast_factory, batch_loss, cross_attention_image, decode_texts, score,
-                                  validation_loss)
+from transformer.validate import (
+    autocast_factory,
+    batch_loss,
+    cross_attention_image,
+    decode_texts,
+    score,
+    validation_loss,
+)
 
 log = logging.getLogger("transformer.train")
 
@@ -331,6 +338,7 @@ class Trainer:
             self.writer.flush()
         result = D.broadcast_object(result, self.dist)
         self.metrics.update({f"val_{k}": v for k, v in result.items()})
+        self.metrics.setdefault("val_history", []).append({"step": self.step, **result})
         if result["bleu"] > self.best_bleu:
             self.best_bleu, self.bad_validations = result["bleu"], 0
             self.metrics["best_step"] = self.step
@@ -371,8 +379,8 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
         cfg = Config.from_dict(raw)
     run_dir = Path(run_dir or cfg.run_dir or "runs/default")
     cfg.run_dir = str(run_dir)
+    _attach_log_file(run_dir, is_main=int(os.environ.get("RANK", "0")) == 0)
     trainer = Trainer(cfg, run_dir)
-    _attach_log_file(trainer.run_dir, trainer.dist.is_main)
     handlers = _install_signal_handlers(trainer)
     try:
         metrics = trainer.fit()

@@ -1,0 +1,322 @@
+"""`make bench`: training and decoding speed, side by side in one process, written to bench.json.
+
+    python scripts/bench.py [--preset small] [--max-tokens 4096] [--checkpoint CKPT] [--quick]
+
+train  : target tokens/s and peak memory of our full training step (forward, fused label-smoothed loss,
+         backward, AdamW) vs a torch.nn.Transformer model of the same shape with tied embeddings and the
+         same loss, on the same batches, interleaved; median over repeats, warm-up excluded.
+data   : seconds to load + encode + bucket the training split with the SentencePiece model cached, and
+         the padding share of its batches.
+decode : sentences/s for greedy and beam 5, with the key/value cache and recomputing the prefix.
+mfu    : on CUDA, model FLOPs/s over the device's dense bf16 peak (FLOPs counted analytically below).
+
+Batches are real Multi30k batches when MULTI30K_DIR is set, otherwise the embedded corpus. A model
+whose loss is not finite or does not fall over the timed steps fails the bench (exit code 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformer.attention import padding_mask  # noqa: E402
+from transformer.config import Config  # noqa: E402
+from transformer.data import TokenBatchSampler, collate  # noqa: E402
+from transformer.distributed import DistInfo  # noqa: E402
+from transformer.loss import output_cross_entropy  # noqa: E402
+from transformer.model import SinusoidalPositions, build_model  # noqa: E402
+from transformer.search import translate_ids  # noqa: E402
+from transformer.setup import DTYPES, cpu_has_native_bf16, prepare_data  # noqa: E402
+from transformer.tokenizer import PAD_ID  # noqa: E402
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
+
+
+def compose(overrides: list[str]) -> Config:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=overrides)
+    return Config.from_dict(OmegaConf.to_container(cfg, resolve=True))
+
+
+class ReferenceTransformer(nn.Module):
+    """torch.nn.Transformer with our embeddings, positions, tied output and loss: the yardstick."""
+
+    def __init__(self, cfg, vocab: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, cfg.d_model, padding_idx=PAD_ID)
+        self.positions = SinusoidalPositions(cfg.d_model, cfg.max_positions)
+        self.core = nn.Transformer(cfg.d_model, cfg.n_heads, cfg.encoder_layers, cfg.decoder_layers, cfg.d_ff,
+                                   cfg.dropout, batch_first=True, norm_first=cfg.pre_norm)
+        self.scale = math.sqrt(cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def loss(self, batch, smoothing: float):
+        src = self.dropout(self.embed(batch.src) * self.scale + self.positions(batch.src.size(1)))
+        tgt = self.dropout(self.embed(batch.tgt_in) * self.scale + self.positions(batch.tgt_in.size(1)))
+        causal = nn.Transformer.generate_square_subsequent_mask(batch.tgt_in.size(1), device=src.device)
+        src_pad = padding_mask(batch.src, PAD_ID)
+        hidden = self.core(src, tgt, tgt_mask=causal, src_key_padding_mask=src_pad,
+                           memory_key_padding_mask=src_pad, tgt_is_causal=True)
+        real = batch.tgt_out != PAD_ID
+        logits = hidden[real] @ self.embed.weight.t()
+        return nn.functional.cross_entropy(logits.float(), batch.tgt_out[real], label_smoothing=smoothing,
+                                           reduction="sum")
+
+
+class OurModel(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def loss(self, batch, smoothing: float):
+        hidden = self.model(batch.src, batch.tgt_in, return_hidden=True)
+        real = batch.tgt_out != PAD_ID
+        return output_cross_entropy(hidden[real], self.model.output.weight, batch.tgt_out[real], smoothing)[0]
+
+
+def train_flops(cfg, batch, vocab: int) -> float:
+    """Forward+backward FLOPs of one batch: 3 x forward, forward = 2 x multiply-adds of every matmul."""
+    D, F = cfg.d_model, cfg.d_ff
+    src_tokens = int((batch.src != PAD_ID).sum())
+    tgt_tokens = int((batch.tgt_out != PAD_ID).sum())
+    S, T = batch.src.size(1), batch.tgt_in.size(1)
+    enc = cfg.encoder_layers * src_tokens * (2 * 4 * D * D + 2 * 2 * D * F + 2 * 2 * S * D)
+    dec = cfg.decoder_layers * (tgt_tokens * (2 * 6 * D * D + 2 * 2 * D * F + 2 * 2 * T * D + 2 * 2 * S * D)
+                                + src_tokens * 2 * 2 * D * D)
+    out = tgt_tokens * 2 * D * vocab
+    return 3.0 * (enc + dec + out)
+
+
+def time_training(models: dict, batches, device, dtype, repeats: int, smoothing: float = 0.1) -> dict:
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.98), fused=device.type == "cuda")
+                  for name, m in models.items()}
+    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else None
+    times = {name: [] for name in models}
+    losses = {name: [] for name in models}
+    peak = {name: 0 for name in models}
+    tokens = sum(b.num_tgt_tokens for b in batches)
+
+    def step(name, batch):
+        model, optimizer = models[name], optimizers[name]
+        if autocast:
+            with autocast():
+                loss = model.loss(batch, smoothing)
+        else:
+            loss = model.loss(batch, smoothing)
+        (loss / batch.num_tgt_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item() / batch.num_tgt_tokens
+
+    for name in models:                           # warm-up: allocator, kernels, compile
+        for batch in batches[:2]:
+            step(name, batch)
+    for _ in range(repeats):
+        for name in models:                       # interleaved, so drift hits both alike
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            epoch_losses = [step(name, batch) for batch in batches]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
+            times[name].append(time.perf_counter() - start)
+            losses[name].append(statistics.mean(epoch_losses))
+    result = {}
+    for name in models:
+        first, last = losses[name][0], losses[name][-1]
+        result[name] = {"tokens_per_s": tokens / statistics.median(times[name]),
+                        "loss_first_repeat": first, "loss_last_repeat": last,
+                        "loss_ok": all(math.isfinite(x) for x in losses[name]) and last < first}
+        if device.type == "cuda":
+            result[name]["peak_memory_mb"] = peak[name] / 2**20
+    return result
+
+
+def bench_train(cfg, data, device, args) -> list[dict]:
+    sampler = TokenBatchSampler([len(s) for s in data.train.src], [len(t) for t in data.train.tgt],
+                                args.max_tokens, seed=1)
+    batches = [collate(data.train, b).to(device) for b in sampler.batches(0)[: args.steps]]
+    vocab = data.tokenizer.tgt_vocab_size
+    precisions = ["fp32"]
+    if device.type == "cuda" or cpu_has_native_bf16():
+        precisions.append("bf16")
+    rows = []
+    for precision in precisions:
+        for compiled in ([False, True] if args.compile else [False]):
+            torch.manual_seed(0)
+            ours = OurModel(build_model(cfg.model, vocab, vocab, True)).to(device)
+            torch.manual_seed(0)
+            reference = ReferenceTransformer(cfg.model, vocab).to(device)
+            models = {"ours": ours, "nn.Transformer": reference}
+            if compiled:
+                models = {k: _compiled(v) for k, v in models.items()}
+            result = time_training(models, batches, device, DTYPES[precision], args.repeats)
+            row = {"section": "train", "precision": precision, "compiled": compiled, "preset": cfg.model.name,
+                   "max_tokens": args.max_tokens, "batches": len(batches),
+                   "ours_tokens_per_s": result["ours"]["tokens_per_s"],
+                   "reference_tokens_per_s": result["nn.Transformer"]["tokens_per_s"],
+                   "speedup_vs_reference": result["ours"]["tokens_per_s"] / result["nn.Transformer"]["tokens_per_s"],
+                   "loss_ok": result["ours"]["loss_ok"] and result["nn.Transformer"]["loss_ok"], "detail": result}
+            if device.type == "cuda":
+                row["ours_peak_memory_mb"] = result["ours"]["peak_memory_mb"]
+                row["reference_peak_memory_mb"] = result["nn.Transformer"]["peak_memory_mb"]
+                peak = _peak_tflops(device)
+                if peak:
+                    flops = sum(train_flops(cfg.model, b, vocab) for b in batches)
+                    seconds = sum(b.num_tgt_tokens for b in batches) / row["ours_tokens_per_s"]
+                    row["mfu"] = flops / seconds / (peak * 1e12)
+            rows.append(row)
+    return rows
+
+
+class _compiled(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.inner = module
+        self.compiled_loss = torch.compile(module.loss, dynamic=True)
+
+    def loss(self, batch, smoothing):
+        return self.compiled_loss(batch, smoothing)
+
+
+def _peak_tflops(device) -> float | None:
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def bench_data(cfg) -> dict:
+    started = time.perf_counter()
+    data = prepare_data(cfg, DistInfo())          # SentencePiece and encodings come from the cache
+    sampler = TokenBatchSampler([len(s) for s in data.train.src], [len(t) for t in data.train.tgt],
+                                cfg.trainer.max_tokens, seed=1)
+    batches = sampler.batches(0)
+    seconds = time.perf_counter() - started
+    real = padded = 0
+    for indices in batches:
+        batch = collate(data.train, indices)
+        real += int((batch.src != PAD_ID).sum() + (batch.tgt_out != PAD_ID).sum())
+        padded += batch.src.numel() + batch.tgt_out.numel()
+    return {"section": "data", "load_encode_bucket_s": seconds, "batches": len(batches),
+            "max_tokens": cfg.trainer.max_tokens, "padding_share": 1 - real / padded}
+
+
+def bench_decode(model, tokenizer, sources: list[str], device, repeats: int) -> list[dict]:
+    ids = [s[: model.cfg.max_positions - 1] for s in tokenizer.encode_src(sources)]
+    rows = []
+    for beam in (1, 5):
+        timings = {}
+        for use_cache in (True, False):
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                translate_ids(model, ids, beam_size=beam, alpha=0.6, device=device, use_cache=use_cache)
+                times.append(time.perf_counter() - start)
+            timings[use_cache] = statistics.median(times)
+        rows.append({"section": "decode", "beam": beam, "sentences": len(ids),
+                     "cached_sentences_per_s": len(ids) / timings[True],
+                     "uncached_sentences_per_s": len(ids) / timings[False],
+                     "cache_speedup": timings[False] / timings[True]})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small", help="model preset to time (default small)")
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=8, help="batches per timed repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile")
+    parser.add_argument("--checkpoint", help="trained checkpoint for the decode section (default: train a tiny one)")
+    parser.add_argument("--decode-sentences", type=int, default=0, help="limit decode sentences (0 = all)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--output", default="bench.json")
+    args = parser.parse_args()
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    multi30k = os.environ.get("MULTI30K_DIR")
+    if multi30k:
+        data_overrides = ["data=multi30k_de_en", f"data.path={multi30k}"]
+    else:
+        data_overrides = ["data=toy"]
+    cfg = compose(data_overrides + [f"model={args.preset}", f"trainer.max_tokens={args.max_tokens}"])
+    info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "data": cfg.data.name,
+            "model": {k: getattr(cfg.model, k) for k in ("name", "d_model", "n_heads", "d_ff", "encoder_layers",
+                                                          "decoder_layers")}}
+    rows = [bench_data(cfg)]
+    data = prepare_data(cfg, DistInfo())
+    rows += bench_train(cfg, data, device, args)
+
+    from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+    from transformer.data import load_split_text
+    if args.checkpoint:
+        model, tokenizer, ckpt_cfg = model_from_checkpoint(load_checkpoint(args.checkpoint), args.checkpoint)
+        sources, _ = load_split_text(ckpt_cfg.data, "test")
+    else:
+        model, tokenizer, sources = _quick_model()
+    if args.decode_sentences:
+        sources = sources[: args.decode_sentences]
+    rows += bench_decode(model.to(device).eval(), tokenizer, sources, device, repeats=1)
+
+    Path(args.output).write_text(json.dumps({"info": info, "results": rows}, indent=2) + "\n")
+    _print_table(info, rows)
+    bad = [r for r in rows if r.get("loss_ok") is False]
+    if bad:
+        print("FAIL: a model's loss was not finite or did not fall over the timed steps", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _quick_model():
+    """No checkpoint given: train the tiny model on the embedded corpus for a minute."""
+    import tempfile
+
+    from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+    from transformer.data import load_split_text
+    from transformer.train import train
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-"))
+    cfg = compose(["trainer.max_steps=300", "trainer.validate_every=300", "trainer.max_minutes=0"])
+    train(cfg, run_dir)
+    state = load_checkpoint(run_dir / "checkpoints" / "best.pt")
+    model, tokenizer, cfg = model_from_checkpoint(state)
+    return model, tokenizer, load_split_text(cfg.data, "test")[0]
+
+
+def _print_table(info: dict, rows: list[dict]) -> None:
+    print(f"\ndevice: {info['device']} | torch {info['torch']} | threads {info['threads']} | data {info['data']} | "
+          f"model {info['model']}")
+    for row in rows:
+        if row["section"] == "train":
+            memory = (f" | peak MB ours {row['ours_peak_memory_mb']:.0f} vs ref {row['reference_peak_memory_mb']:.0f}"
+                      if "ours_peak_memory_mb" in row else "")
+            mfu = f" | MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
+            print(f"train  {row['precision']:4s} {'compiled' if row['compiled'] else 'eager   '} | ours "
+                  f"{row['ours_tokens_per_s']:8.0f} tgt tok/s | nn.Transformer {row['reference_tokens_per_s']:8.0f} | "
+                  f"ratio {row['speedup_vs_reference']:.2f}x | loss falls: {row['loss_ok']}{memory}{mfu}")
+        elif row["section"] == "data":
+            print(f"data   load+encode+bucket {row['load_encode_bucket_s']:.1f} s | {row['batches']} batches of "
+                  f"max_tokens={row['max_tokens']} | padding {100 * row['padding_share']:.1f}%")
+        else:
+            print(f"decode beam {row['beam']} | {row['sentences']} sentences | cached "
+                  f"{row['cached_sentences_per_s']:.1f} sent/s | uncached {row['uncached_sentences_per_s']:.1f} "
+                  f"sent/s | cache speedup {row['cache_speedup']:.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

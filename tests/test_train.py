@@ -1,0 +1,113 @@
+"""End-to-end training: the default recipe learns, resume is exact, signals save, bad input stops early."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import FAST, ROOT, compose_config
+from transformer.checkpoint import load_checkpoint
+from transformer.config import ConfigError
+from transformer.data import DataError
+from transformer.train import TrainingError, train
+
+pytestmark = pytest.mark.slow
+
+
+def test_training_learns_and_writes_the_run_directory(trained_run):
+    run_dir, metrics = trained_run
+    history = metrics["val_history"]
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert history[-1]["bleu"] > history[0]["bleu"]
+    assert metrics["test_bleu"] >= 80, metrics
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert {"best.pt", "last.pt", "step_240.pt"} <= set(names)
+    assert not [n for n in names if "tmp" in n]
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert set(state) >= {"model", "config", "tokenizer", "step", "optimizer", "scheduler", "scaler", "rng",
+                          "data_state", "metrics"}
+    assert state["step"] == 240 and state["config"]["model"]["d_model"] == 96
+    assert (run_dir / "train.log").read_text().count("validation step") == 3
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"images": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("train/loss", "train/nll", "train/ppl", "train/lr", "train/grad_norm", "train/loss_scale",
+                "train/tokens_per_s", "train/padding_share", "val/loss", "val/ppl", "val/bleu", "val/chrf",
+                "val/cut_at_max_len"):
+        assert tag in tags, tag
+    assert "val/cross_attention" in events.Tags()["images"]
+    assert events.Tags()["tensors"]          # text samples
+
+
+def _params(path: Path) -> dict:
+    return load_checkpoint(path)["model"]
+
+
+def test_resume_continues_exactly(tmp_path, data_cache):
+    common = FAST + ["trainer.precision=fp32", "trainer.device=cpu", "trainer.update_freq=2",
+                     "trainer.validate_every=5", "trainer.val_max_sentences=8", "decode.beam_size=1",
+                     "model.dropout=0.2", "trainer.max_minutes=0"]
+    # Uninterrupted: 20 steps (two batches each: more than one epoch of the 2000-pair corpus).
+    train(compose_config(common + ["trainer.max_steps=20"], data_cache), tmp_path / "full")
+    # Interrupted after 7 steps, then resumed to 20.
+    train(compose_config(common + ["trainer.max_steps=7"], data_cache), tmp_path / "split")
+    assert load_checkpoint(tmp_path / "split/checkpoints/last.pt")["step"] == 7
+    metrics = train(compose_config(common + ["trainer.max_steps=20", "trainer.resume=true"], data_cache),
+                    tmp_path / "split")
+    full, resumed = _params(tmp_path / "full/checkpoints/last.pt"), _params(tmp_path / "split/checkpoints/last.pt")
+    assert load_checkpoint(tmp_path / "full/checkpoints/last.pt")["data_state"]["epoch"] >= 1
+    for name in full:
+        assert torch.equal(full[name], resumed[name]), name
+    assert metrics["stop_reason"] == "reached trainer.max_steps=20"
+
+
+def test_refuses_a_run_directory_holding_another_run(trained_run, data_cache):
+    run_dir, _ = trained_run
+    with pytest.raises(TrainingError, match="trainer.resume=true"):
+        train(compose_config(FAST + ["trainer.max_steps=1"], data_cache), run_dir)
+
+
+def test_max_tokens_smaller_than_a_sentence_fails_before_training(tmp_path, data_cache):
+    with pytest.raises(DataError, match="trainer.max_tokens=8 is smaller than the longest sentence"):
+        train(compose_config(FAST + ["trainer.max_tokens=8"], data_cache), tmp_path)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def _train_cli(args, cwd, **kwargs):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "transformer.train", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def test_cli_rejects_impossible_settings_naming_the_key(tmp_path):
+    proc = _train_cli(["model.n_heads=3", f"hydra.run.dir={tmp_path}"], ROOT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert "model.d_model=128 is not divisible by model.n_heads=3" in out
+    assert "Traceback" not in out
+    with pytest.raises(ConfigError, match="trainer.lr"):
+        compose_config(["trainer.lr=-0.1"])
+
+
+def test_sigterm_finishes_the_step_saves_last_and_exits_zero(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    proc = _train_cli(FAST + ["trainer.max_steps=100000", "trainer.log_every=1", "trainer.validate_every=100000",
+                              f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"], ROOT)
+    deadline = time.time() + 180
+    log = run_dir / "train.log"
+    while time.time() < deadline and not (log.exists() and "step 5 |" in log.read_text()):
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.stdout.read()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    state = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    assert state["step"] >= 5
+    assert "SIGTERM received" in out and "trainer.resume=true" in out

@@ -1,0 +1,86 @@
+"""The transformer-translate CLI, the Translator API and make evaluate."""
+
+import subprocess
+import sys
+
+import pytest
+import sacrebleu
+
+from transformer import Translator
+from transformer.data import load_split_text
+from transformer.evaluate import evaluate
+
+pytestmark = pytest.mark.slow
+
+
+def _cli(*args, stdin: bytes = b""):
+    proc = subprocess.run([sys.executable, "-m", "transformer.translate", *map(str, args)], input=stdin,
+                          capture_output=True, timeout=300)
+    return proc.returncode, proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
+
+
+def test_cli_keeps_one_line_per_input_line_and_empty_lines(trained_checkpoint, tmp_path):
+    source = tmp_path / "in.de"
+    source.write_text("Der Hund sieht die Katze.\n\n   \nDie alte Frau hat das Pferd gefunden.\n\n")
+    code, out, err = _cli(trained_checkpoint, "--input", source, "--beam", "3")
+    assert code == 0, err
+    lines = out.split("\n")[:-1]
+    assert len(lines) == 5
+    assert lines[1] == lines[2] == lines[4] == ""
+    assert lines[0].startswith("The ") and lines[3]
+    code, _, err = _cli(trained_checkpoint, "--input", source, "--output", tmp_path / "out.en")
+    assert code == 0 and (tmp_path / "out.en").read_text() == out
+
+
+def test_cli_handles_long_lines_and_invalid_utf8(trained_checkpoint):
+    long_line = ("Der Hund sieht die Katze " * 400).encode()          # 10,000 characters
+    code, out, err = _cli(trained_checkpoint, "--beam", "1", stdin=b"Die Kuh.\n" + long_line + b"\nDie \xff Maus.\n")
+    assert code == 0, err
+    assert len(out.split("\n")[:-1]) == 3
+    assert "truncated" in err and "not valid UTF-8" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--beam", "0"], "--beam 0"),
+    (["--beam", "2", "--nbest", "3"], "--nbest 3"),
+])
+def test_cli_refuses_bad_options(trained_checkpoint, args, message):
+    code, _, err = _cli(trained_checkpoint, *args)
+    assert code == 2 and message in err
+
+
+def test_cli_bad_checkpoints_give_one_clear_line(tmp_path, trained_checkpoint):
+    truncated = tmp_path / "cut.pt"
+    truncated.write_bytes(trained_checkpoint.read_bytes()[:1000])
+    text = tmp_path / "notes.pt"
+    text.write_text("hello")
+    for path, message in ((tmp_path / "missing.pt", "no such checkpoint"), (truncated, "not a readable checkpoint"),
+                          (text, "not a readable checkpoint")):
+        code, out, err = _cli(path, stdin=b"Hallo\n")
+        assert code == 2 and message in err and "Traceback" not in err and out == ""
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_nbest_output_format(trained_checkpoint):
+    code, out, _ = _cli(trained_checkpoint, "--beam", "4", "--nbest", "3", stdin=b"Die Kuh.\nDer Hund.\n")
+    rows = [line.split("\t") for line in out.strip().split("\n")]
+    assert code == 0 and len(rows) == 6
+    assert [r[0] for r in rows] == ["0", "0", "0", "1", "1", "1"]
+    scores = [float(r[1]) for r in rows[:3]]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_python_api_and_evaluate_agree_with_the_cli(trained_checkpoint, trained_run):
+    translator = Translator.from_checkpoint(trained_checkpoint, device="auto")
+    assert translator.translate(["", "Der Hund."], beam_size=5)[0] == ""
+    result = evaluate(trained_checkpoint, split="test", beam_size=5)
+    config = translator.config.data
+    sources, references = load_split_text(config, "test")
+    code, out, _ = _cli(trained_checkpoint, "--beam", "5", stdin=("\n".join(sources) + "\n").encode())
+    cli_bleu = sacrebleu.corpus_bleu(out.split("\n")[:-1], [references]).score
+    assert code == 0 and cli_bleu == pytest.approx(result["bleu"], abs=1e-9)
+    assert result["bleu"] > 80
+    greedy = evaluate(trained_checkpoint, split="test", beam_size=1)
+    assert greedy["bleu"] > 0
+    with open(result["hypotheses_file"]) as handle:
+        assert len(handle.readlines()) == len(sources)
