@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 COMMON = FAST + ["trainer.precision=fp32", "trainer.device=cpu", "model.dropout=0.0", "trainer.validate_every=5",
                  "trainer.val_max_sentences=8", "decode.beam_size=1", "trainer.max_minutes=0",
-                 "trainer.num_threads=1"]
+                 "trainer.num_threads=1", "trainer.test_at_end=false"]
 
 
 def _run(args, nproc=None):

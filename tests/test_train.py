@@ -53,7 +53,7 @@ def _params(path: Path) -> dict:
 def test_resume_continues_exactly(tmp_path, data_cache):
     common = FAST + ["trainer.precision=fp32", "trainer.device=cpu", "trainer.update_freq=2",
                      "trainer.validate_every=5", "trainer.val_max_sentences=8", "decode.beam_size=1",
-                     "model.dropout=0.2", "trainer.max_minutes=0"]
+                     "model.dropout=0.2", "trainer.max_minutes=0", "trainer.test_at_end=false"]
     # Uninterrupted: 20 steps (two batches each: more than one epoch of the 2000-pair corpus).
     train(compose_config(common + ["trainer.max_steps=20"], data_cache), tmp_path / "full")
     # Interrupted after 7 steps, then resumed to 20.
@@ -111,3 +111,28 @@ def test_sigterm_finishes_the_step_saves_last_and_exits_zero(tmp_path, data_cach
     state = load_checkpoint(run_dir / "checkpoints" / "last.pt")
     assert state["step"] >= 5
     assert "SIGTERM received" in out and "trainer.resume=true" in out
+
+
+def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cache, monkeypatch):
+    import transformer.train as train_module
+    calls = {"n": 0}
+    real_batch_loss = train_module.batch_loss
+
+    def poisoned(model, batch, smoothing):
+        calls["n"] += 1
+        loss, nll = real_batch_loss(model, batch, smoothing)
+        if calls["n"] > 6:                    # from the 7th step on, the loss is NaN
+            return loss * float("nan"), nll * float("nan")
+        return loss, nll
+
+    monkeypatch.setattr(train_module, "batch_loss", poisoned)
+    cfg = compose_config(FAST + ["trainer.max_steps=50", "trainer.validate_every=2", "trainer.max_bad_steps=3",
+                                 "trainer.val_max_sentences=4", "decode.beam_size=1", "trainer.precision=fp32",
+                                 "trainer.test_at_end=false"],
+                         data_cache)
+    with pytest.raises(TrainingError, match="not finite for 3 steps"):
+        train(cfg, tmp_path)
+    for name in ("last.pt", "best.pt"):
+        state = load_checkpoint(tmp_path / "checkpoints" / name)
+        assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point()), name
+    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 6

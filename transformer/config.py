@@ -106,6 +106,7 @@ class TrainerConfig:
     checkpoint_every: int = 0
     val_beam_size: int = 1
     val_max_sentences: int = 0
+    test_at_end: bool = True
     keep_last: int = 3
     patience: int = 0
     max_bad_steps: int = 20

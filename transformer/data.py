@@ -13,7 +13,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
 import numpy as np
 import torch
 
@@ -22,7 +21,13 @@ from transformer.config import DataConfig
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, corpus_fingerprint
 
 log = logging.getLogger(__name__)
-datasets.logging.set_verbosity_error()
+
+
+def _datasets():
+    """HuggingFace `datasets`, imported on first use: translating needs none of it and starts faster."""
+    import datasets
+    datasets.logging.set_verbosity_error()
+    return datasets
 
 
 class DataError(ValueError):
@@ -79,7 +84,7 @@ def read_tsv(path: Path) -> tuple[list[str], list[str]]:
     return src, tgt
 
 
-def _columns(table: datasets.Dataset, cfg: DataConfig, where: str) -> tuple[list[str], list[str]]:
+def _columns(table, cfg: DataConfig, where: str) -> tuple[list[str], list[str]]:
     if "translation" in table.column_names:
         pairs = table["translation"]
         try:
@@ -127,7 +132,7 @@ def _load_local(cfg: DataConfig, split: str) -> tuple[list[str], list[str]]:
             return read_tsv(file)
         builder = "parquet" if file.suffix == ".parquet" else "json"
         try:
-            table = datasets.load_dataset(builder, data_files=str(file), split="train")
+            table = _datasets().load_dataset(builder, data_files=str(file), split="train")
         except Exception as error:  # datasets raises many types for malformed files
             raise DataError(f"{file}: cannot be read as {builder}: {error}") from None
         return _columns(table, cfg, str(file))
@@ -139,7 +144,7 @@ def _load_local(cfg: DataConfig, split: str) -> tuple[list[str], list[str]]:
 
 def _load_hub(cfg: DataConfig, split: str) -> tuple[list[str], list[str]]:
     try:
-        table = datasets.load_dataset(cfg.hub_id, cfg.hub_config, split=split)
+        table = _datasets().load_dataset(cfg.hub_id, cfg.hub_config, split=split)
     except Exception as error:  # offline, unknown id, unknown split: all surface as different types
         raise DataError(
             f"data.hub_id={cfg.hub_id}: cannot load split {split!r} from the HuggingFace hub "
@@ -171,7 +176,7 @@ def encode_split(src_text: list[str], tgt_text: list[str], tokenizer: Tokenizer,
     key = corpus_fingerprint(src_text, tgt_text, {"tokenizer": model_hash})
     cache_file = Path(cache_dir) / "cache" / f"{name}.{key}.arrow"
     cache_file.parent.mkdir(parents=True, exist_ok=True)
-    table = datasets.Dataset.from_dict({"src": src_text, "tgt": tgt_text})
+    table = _datasets().Dataset.from_dict({"src": src_text, "tgt": tgt_text})
 
     def encode(batch):
         return {"src_ids": tokenizer.encode_src(batch["src"]), "tgt_ids": tokenizer.encode_tgt(batch["tgt"])}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -16,6 +17,13 @@ from transformer.tokenizer import Tokenizer, build_tokenizer
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def autocast_factory(device: torch.device, dtype: torch.dtype | None):
+    """A zero-argument callable returning the autocast context for `dtype` (a no-op context for fp32)."""
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def resolve_device(name: str, dist_info: DistInfo) -> torch.device:

@@ -26,14 +26,14 @@ ADJECTIVES = [
     ("schnell", "fast"), ("müde", "tired"), ("glücklich", "happy"), ("hungrig", "hungry"),
     ("braun", "brown"), ("weiß", "white"), ("laut", "loud"), ("still", "quiet"), ("stark", "strong"),
 ]
-# verb: (German 3rd person, German participle, English 3rd person, English participle)
+# verb: (German 3rd person, German participle, English 3rd person, English participle, English base)
 VERBS = [
-    ("sieht", "gesehen", "sees", "seen"), ("hört", "gehört", "hears", "heard"),
-    ("findet", "gefunden", "finds", "found"), ("sucht", "gesucht", "seeks", "sought"),
-    ("mag", "gemocht", "likes", "liked"), ("kennt", "gekannt", "knows", "known"),
-    ("ruft", "gerufen", "calls", "called"), ("trifft", "getroffen", "meets", "met"),
-    ("malt", "gemalt", "paints", "painted"), ("fängt", "gefangen", "catches", "caught"),
-    ("füttert", "gefüttert", "feeds", "fed"), ("wäscht", "gewaschen", "washes", "washed"),
+    ("sieht", "gesehen", "sees", "seen", "see"), ("hört", "gehört", "hears", "heard", "hear"),
+    ("findet", "gefunden", "finds", "found", "find"), ("sucht", "gesucht", "seeks", "sought", "seek"),
+    ("mag", "gemocht", "likes", "liked", "like"), ("kennt", "gekannt", "knows", "known", "know"),
+    ("ruft", "gerufen", "calls", "called", "call"), ("trifft", "getroffen", "meets", "met", "meet"),
+    ("malt", "gemalt", "paints", "painted", "paint"), ("fängt", "gefangen", "catches", "caught", "catch"),
+    ("füttert", "gefüttert", "feeds", "fed", "feed"), ("wäscht", "gewaschen", "washes", "washed", "wash"),
 ]
 PLACES = [
     ("im Park", "in the park"), ("im Garten", "in the garden"), ("am Fluss", "by the river"),
@@ -65,32 +65,32 @@ def _noun_phrase(rng: random.Random, case: str) -> tuple[list[str], list[str]]:
 def _sentence(rng: random.Random) -> tuple[str, str]:
     subj_de, subj_en = _noun_phrase(rng, "nom")
     obj_de, obj_en = _noun_phrase(rng, "acc")
-    present_de, participle_de, present_en, participle_en = rng.choice(VERBS)
+    present_de, participle_de, present_en, participle_en, base_en = rng.choice(VERBS)
     perfect = rng.random() < 0.4
+    # Negation: German "nicht" closes the middle field; English inserts "does not" / "has not".
+    negated = rng.random() < 0.25
+    nicht = ["nicht"] if negated else []
+    if perfect:
+        verb_en = ["has", "not", participle_en] if negated else ["has", participle_en]
+    else:
+        verb_en = ["does", "not", base_en] if negated else [present_en]
     place_de, place_en = rng.choice(PLACES) if rng.random() < 0.3 else ("", "")
     place_de, place_en = place_de.split(), place_en.split()
     form = rng.random()
     if form < 0.35:  # subordinate clause: German verb last, English stays SVO
         intro_de, intro_en = rng.choice(CLAUSES)
         verb_de = [participle_de, "hat"] if perfect else [present_de]
-        verb_en = ["has", participle_en] if perfect else [present_en]
-        de = intro_de.split() + [","] + ["dass"] + subj_de + obj_de + place_de + verb_de
+        de = intro_de.split() + [",", "dass"] + subj_de + obj_de + place_de + nicht + verb_de
         en = intro_en.split() + ["that"] + subj_en + verb_en + obj_en + place_en
-    elif form < 0.6:  # adverb first: German inverts verb and subject (V2)
+    elif form < 0.6:  # adverb first: German inverts verb and subject (verb second)
         adverb_de, adverb_en = rng.choice(ADVERBS)
-        if perfect:
-            de = [adverb_de, "hat"] + subj_de + obj_de + place_de + [participle_de]
-            en = [adverb_en] + subj_en + ["has", participle_en] + obj_en + place_en
-        else:
-            de = [adverb_de, present_de] + subj_de + obj_de + place_de
-            en = [adverb_en] + subj_en + [present_en] + obj_en + place_en
-    else:  # main clause
-        if perfect:
-            de = subj_de + ["hat"] + obj_de + place_de + [participle_de]
-            en = subj_en + ["has", participle_en] + obj_en + place_en
-        else:
-            de = subj_de + [present_de] + obj_de + place_de
-            en = subj_en + [present_en] + obj_en + place_en
+        finite_de, final_de = ("hat", [participle_de]) if perfect else (present_de, [])
+        de = [adverb_de, finite_de] + subj_de + obj_de + place_de + nicht + final_de
+        en = [adverb_en] + subj_en + verb_en + obj_en + place_en
+    else:  # main clause: the participle goes to the end in German
+        finite_de, final_de = ("hat", [participle_de]) if perfect else (present_de, [])
+        de = subj_de + [finite_de] + obj_de + place_de + nicht + final_de
+        en = subj_en + verb_en + obj_en + place_en
     return _finish(de), _finish(en)
 
 

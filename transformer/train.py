@@ -26,10 +26,16 @@ from transformer.checkpoint import CheckpointError, load_checkpoint, load_model_
 from transformer.config import Config, ConfigError
 from transformer.data import DataError, TokenBatchSampler, collate, load_split_text
 from transformer.model import build_model
-from transformer.setup import DTYPES, build_optimizer, prepare_data, resolve_device, resolve_precision
+from transformer.setup import (
+    DTYPES,
+    autocast_factory,
+    build_optimizer,
+    prepare_data,
+    resolve_device,
+    resolve_precision,
+)
 from transformer.tokenizer import Tokenizer
 from transformer.validate import (
-    autocast_factory,
     batch_loss,
     cross_attention_image,
     decode_texts,
@@ -94,6 +100,9 @@ class Trainer:
         if isinstance(tc.resume, str) and tc.resume not in ("", "true", "false"):
             return load_checkpoint(tc.resume)
         existing = sorted(self.ckpt_dir.glob("*.pt")) if self.ckpt_dir.exists() else []
+        if self.dist.is_main and self.ckpt_dir.exists():
+            for stale in self.ckpt_dir.glob(".*.pt.tmp*"):     # left by a process killed mid-write
+                stale.unlink(missing_ok=True)
         if tc.resume in (True, "true"):
             newest = None
             for path in existing:
@@ -384,7 +393,7 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
     handlers = _install_signal_handlers(trainer)
     try:
         metrics = trainer.fit()
-        if trainer.stop_signal is None:
+        if trainer.stop_signal is None and cfg.trainer.test_at_end:
             test_scores = trainer.test()
             if test_scores:
                 metrics.update(test_bleu=test_scores["bleu"], test_chrf=test_scores["chrf"])

@@ -20,8 +20,7 @@ from tqdm import tqdm
 
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.search import Hypothesis, translate_ids
-from transformer.setup import DTYPES
-from transformer.validate import autocast_factory
+from transformer.setup import DTYPES, autocast_factory
 
 
 class Translator:

@@ -3,8 +3,6 @@ and the pictures TensorBoard shows (sample translations, a cross-attention heatm
 
 from __future__ import annotations
 
-import contextlib
-
 import sacrebleu
 import torch
 from tqdm import tqdm
@@ -93,9 +91,3 @@ def cross_attention_image(model, tokenizer, source: str, hypothesis_ids: list[in
     image = weights / weights.max().clamp(min=1e-9)
     image = image.repeat_interleave(8, 0).repeat_interleave(8, 1)       # (T*8, S*8)
     return image[None].expand(3, -1, -1).cpu()
-
-
-def autocast_factory(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
