@@ -51,10 +51,10 @@ def _params(path: Path) -> dict:
 
 
 def test_resume_continues_exactly(tmp_path, data_cache):
-    common = FAST + ["trainer.precision=fp32", "trainer.device=cpu", "trainer.update_freq=2",
+    common = FAST + ["data.embedded_pairs=800", "trainer.precision=fp32", "trainer.device=cpu", "trainer.update_freq=2",
                      "trainer.validate_every=5", "trainer.val_max_sentences=8", "decode.beam_size=1",
                      "model.dropout=0.2", "trainer.max_minutes=0", "trainer.test_at_end=false"]
-    # Uninterrupted: 20 steps (two batches each: more than one epoch of the 2000-pair corpus).
+    # Uninterrupted: 20 steps (two batches each: more than one epoch of the 800-pair corpus).
     train(compose_config(common + ["trainer.max_steps=20"], data_cache), tmp_path / "full")
     # Interrupted after 7 steps, then resumed to 20.
     train(compose_config(common + ["trainer.max_steps=7"], data_cache), tmp_path / "split")

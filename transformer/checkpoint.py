@@ -11,7 +11,6 @@ import argparse
 import os
 import pickle
 import sys
-import zipfile
 from pathlib import Path
 
 import torch
@@ -63,7 +62,7 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
             f"{path}: refused to load: the file holds objects other than tensors and plain data "
             f"({first[:200]}). Only load checkpoints you trust; nothing in it was executed."
         ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as error:
+    except Exception as error:  # torch raises many types for damaged files (RuntimeError, KeyError, EOFError...)
         raise CheckpointError(f"{path}: not a readable checkpoint (truncated or not a torch file: "
                               f"{str(error).splitlines()[0][:200] if str(error) else type(error).__name__})") from None
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED_KEYS):

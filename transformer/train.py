@@ -44,6 +44,7 @@ from transformer.validate import (
 )
 
 log = logging.getLogger("transformer.train")
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 class TrainingError(RuntimeError):
@@ -421,22 +422,30 @@ def _install_signal_handlers(trainer: Trainer) -> dict:
     return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
+_log_handler: logging.Handler | None = None
+
+
 def _attach_log_file(run_dir: Path, is_main: bool) -> None:
+    """train.log in the run directory on rank 0 (Hydra's own handler when run through Hydra); other
+    ranks log warnings only, so that one file is written by one process."""
+    global _log_handler
     root = logging.getLogger()
+    if _log_handler is not None:          # a previous train() call in this process
+        root.removeHandler(_log_handler)
+        _log_handler.close()
+        _log_handler = None
     if not is_main:
         for handler in list(root.handlers):
             if isinstance(handler, logging.FileHandler):
                 root.removeHandler(handler)
         root.setLevel(logging.WARNING)
         return
-    if not any(isinstance(h, logging.FileHandler) for h in root.handlers):
+    log_file = (run_dir / "train.log").resolve()
+    if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == log_file for h in root.handlers):
         run_dir.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(run_dir / "train.log")
-        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-        root.addHandler(handler)
-        if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-                   for h in root.handlers):
-            root.addHandler(logging.StreamHandler())
+        _log_handler = logging.FileHandler(log_file)
+        _log_handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(_log_handler)
     root.setLevel(logging.INFO)
 
 
@@ -444,7 +453,8 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+    # An absolute path: Hydra then finds conf/ however this module was started (-m, torchrun, -c).
+    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
     def _main(cfg) -> None:
         run_dir = cfg.get("run_dir") or HydraConfig.get().runtime.output_dir
         try:
