@@ -55,7 +55,7 @@ def resolve_precision(name: str, device: torch.device) -> str:
             return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
         return "bf16" if cpu_has_native_bf16() else "fp32"
     if name == "fp16" and device.type == "cpu":
-        raise ConfigError("trainer.precision=fp16 needs CUDA; on the CPU use bf16 or fp32")
+        raise ConfigError("precision fp16 needs CUDA (trainer.precision / --precision); on the CPU use bf16 or fp32")
     return name
 
 

@@ -19,8 +19,9 @@ import torch
 from tqdm import tqdm
 
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from transformer.config import ConfigError
 from transformer.search import Hypothesis, translate_ids
-from transformer.setup import DTYPES, autocast_factory
+from transformer.setup import DTYPES, autocast_factory, resolve_precision
 
 
 class Translator:
@@ -40,10 +41,9 @@ class Translator:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
-        if precision == "auto":
-            precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-        if precision not in DTYPES:
+        if precision not in ("auto", *DTYPES):
             raise ValueError(f"precision={precision!r} must be auto, bf16, fp16 or fp32")
+        precision = resolve_precision(precision, device)
         state = load_checkpoint(path)
         model, tokenizer, config = model_from_checkpoint(state, path)
         return cls(model, tokenizer, config, device, precision)
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--device cuda: CUDA is not available")
     try:
         translator = Translator.from_checkpoint(args.checkpoint, device=args.device, precision=args.precision)
-    except CheckpointError as error:
+    except (CheckpointError, ConfigError) as error:
         return fail(str(error))
     try:
         if args.input:
