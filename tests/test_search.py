@@ -125,3 +125,21 @@ def test_cache_gives_the_same_output_as_recomputing_the_prefix(model_and_sources
     assert [h[0].tokens for h in cached] == [h[0].tokens for h in uncached]
     for c, u in zip(cached, uncached):
         assert c[0].score == pytest.approx(u[0].score, abs=1e-4)
+
+
+def test_out_of_memory_in_decoding_splits_the_batch_and_retries(model_and_sources, monkeypatch):
+    import transformer.search as search
+    model, sources = model_and_sources
+    expected = translate_ids(model, sources, beam_size=3)
+    real = search.beam_search
+    sizes = []
+
+    def small_memory(decoder, max_lens, *args, **kwargs):
+        sizes.append(max_lens.numel())
+        if max_lens.numel() > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(decoder, max_lens, *args, **kwargs)
+
+    monkeypatch.setattr(search, "beam_search", small_memory)
+    assert [h[0].tokens for h in translate_ids(model, sources, beam_size=3)] == [h[0].tokens for h in expected]
+    assert sizes == [5, 2, 3, 1, 2]              # 5 fails, halves: 2 | 3 fails, halves: 1, 2

@@ -136,3 +136,26 @@ def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cach
         state = load_checkpoint(tmp_path / "checkpoints" / name)
         assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point()), name
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 6
+
+
+def test_out_of_memory_on_one_batch_skips_it_and_training_goes_on(tmp_path, data_cache, monkeypatch, caplog):
+    import logging
+
+    import transformer.train as train_module
+    calls = {"n": 0}
+    real_batch_loss = train_module.batch_loss
+
+    def flaky(model, batch, smoothing):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_batch_loss(model, batch, smoothing)
+
+    monkeypatch.setattr(train_module, "batch_loss", flaky)
+    cfg = compose_config(FAST + ["trainer.max_steps=6", "trainer.validate_every=6", "trainer.val_max_sentences=4",
+                                 "decode.beam_size=1", "trainer.test_at_end=false"], data_cache)
+    with caplog.at_level(logging.WARNING):
+        train(cfg, tmp_path)
+    assert "out of memory on a batch of" in caplog.text and "skipped" in caplog.text
+    state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert state["step"] == 6 and calls["n"] == 7      # 6 optimizer steps plus the skipped batch

@@ -196,12 +196,13 @@ def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha:
     limit = model.cfg.max_positions - 1
     was_training = model.training
     model.eval()
-    try:
-        for indices in batches_in_order([len(s) for s in sources], max(1, batch_tokens // beam_size)):
-            src = torch.full((len(indices), max(len(sources[i]) for i in indices) + 1), PAD_ID, dtype=torch.long)
-            for row, index in enumerate(indices):
-                src[row, : len(sources[index]) + 1] = torch.tensor([*sources[index], EOS_ID])
-            src = src.to(device)
+
+    def decode_batch(indices: list[int]) -> None:
+        src = torch.full((len(indices), max(len(sources[i]) for i in indices) + 1), PAD_ID, dtype=torch.long)
+        for row, index in enumerate(indices):
+            src[row, : len(sources[index]) + 1] = torch.tensor([*sources[index], EOS_ID])
+        src = src.to(device)
+        try:
             with autocast() if autocast is not None else contextlib.nullcontext():
                 decoder = ModelDecoder(model, src, use_cache)
                 lens = max_lengths(src, max_len_a, max_len_b, limit)
@@ -209,10 +210,24 @@ def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha:
                     batch_results = [[h] for h in greedy_search(decoder, lens)]
                 else:
                     batch_results = beam_search(decoder, lens, beam_size, alpha, nbest)
-            for index, hyps in zip(indices, batch_results):
-                results[index] = hyps
-            if progress is not None:
-                progress.update(len(indices))
+        except torch.cuda.OutOfMemoryError:
+            if len(indices) == 1:
+                raise
+            del src
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            half = len(indices) // 2            # split the batch and retry each half
+            decode_batch(indices[:half])
+            decode_batch(indices[half:])
+            return
+        for index, hyps in zip(indices, batch_results):
+            results[index] = hyps
+        if progress is not None:
+            progress.update(len(indices))
+
+    try:
+        for indices in batches_in_order([len(s) for s in sources], max(1, batch_tokens // beam_size)):
+            decode_batch(indices)
     finally:
         model.train(was_training)
     return results

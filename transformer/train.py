@@ -81,7 +81,7 @@ class Trainer:
         self.sampler = TokenBatchSampler([len(s) for s in train.src], [len(t) for t in train.tgt],
                                          tc.max_tokens, tc.seed)
         self.step, self.epoch, self.position = 0, 0, 0
-        self.best_bleu, self.bad_validations, self.bad_steps = -1.0, 0, 0
+        self.best_bleu, self.bad_validations, self.bad_steps, self.oom_skips = -1.0, 0, 0, 0
         self.metrics: dict = {}
         if resume_state:
             self._load_state(resume_state)
@@ -207,13 +207,27 @@ class Trainer:
             batch = batch.to(self.device, non_blocking=True)
             last = i == len(micro_batches) - 1
             sync = self.train_model.no_sync() if self.dist.enabled and not last else contextlib.nullcontext()
-            with sync:
-                with self.autocast():
-                    loss, nll = batch_loss(self.train_model, batch, tc.label_smoothing)
-                # DDP averages gradients over ranks; scale by world size so the update is
-                # sum(loss over all ranks' tokens) / global target tokens.
-                scaled = loss * (weight * self.dist.world_size / global_tokens)
-                self.scaler.scale(scaled).backward()
+            try:
+                with sync:
+                    with self.autocast():
+                        loss, nll = batch_loss(self.train_model, batch, tc.label_smoothing)
+                    # DDP averages gradients over ranks; scale by world size so the update is
+                    # sum(loss over all ranks' tokens) / global target tokens.
+                    scaled = loss * (weight * self.dist.world_size / global_tokens)
+                    self.scaler.scale(scaled).backward()
+            except torch.cuda.OutOfMemoryError:
+                # Under DDP the other ranks are already waiting in the all-reduce: skipping here
+                # would hang them, so the error stops the job instead.
+                if self.dist.enabled:
+                    raise
+                log.warning("out of memory on a batch of %d sentences (source %d, target %d tokens wide): "
+                            "skipped; lower trainer.max_tokens or data.max_len if this repeats",
+                            batch.src.size(0), batch.src.size(1), batch.tgt_in.size(1))
+                del batch
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                return {"oom": True}
             loss_sum += loss.item() * weight
             nll_sum += nll.item() * weight
         self.scaler.unscale_(self.optimizer)
@@ -262,6 +276,12 @@ class Trainer:
             micro, consumed = self._micro_batches(batches)
             stats = self.train_step(micro)
             self.position += consumed
+            if stats.get("oom"):
+                self.oom_skips += 1
+                if self.writer:
+                    self.writer.add_scalar("train/oom_skipped_batches", self.oom_skips, self.step)
+                reason = self._stop_reason(started)
+                continue
             self.step += 1
             bar.update(1)
             if not stats["finite"]:
