@@ -159,3 +159,13 @@ def test_out_of_memory_on_one_batch_skips_it_and_training_goes_on(tmp_path, data
     assert "out of memory on a batch of" in caplog.text and "skipped" in caplog.text
     state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
     assert state["step"] == 6 and calls["n"] == 7      # 6 optimizer steps plus the skipped batch
+
+
+def test_overwrite_replaces_an_old_run(tmp_path, data_cache):
+    quick = FAST + ["trainer.validate_every=100", "trainer.val_max_sentences=4", "decode.beam_size=1",
+                    "trainer.test_at_end=false", "trainer.checkpoint_every=3"]
+    train(compose_config(quick + ["trainer.max_steps=3"], data_cache), tmp_path)
+    assert (tmp_path / "checkpoints" / "step_3.pt").exists()
+    train(compose_config(quick + ["trainer.max_steps=2", "trainer.overwrite=true"], data_cache), tmp_path)
+    assert not (tmp_path / "checkpoints" / "step_3.pt").exists()
+    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 2
