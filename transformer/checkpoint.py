@@ -11,6 +11,7 @@ import argparse
 import os
 import pickle
 import sys
+import zipfile
 from pathlib import Path
 
 import torch
@@ -50,12 +51,16 @@ def save_checkpoint(state: dict, path: str | Path) -> None:
         os.close(directory)
 
 
-def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
+def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False) -> dict:
+    """Load with `weights_only=True`. `mmap=True` reads tensors lazily: translating a training
+    checkpoint then never reads its optimizer state from disk."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
+    if mmap and not zipfile.is_zipfile(path):
+        mmap = False        # only torch's zip format can be memory-mapped; let the plain load explain
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else "unsafe content"
         raise CheckpointError(
@@ -63,8 +68,9 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
             f"({first[:200]}). Only load checkpoints you trust; nothing in it was executed."
         ) from None
     except Exception as error:  # torch raises many types for damaged files (RuntimeError, KeyError, EOFError...)
-        raise CheckpointError(f"{path}: not a readable checkpoint (truncated or not a torch file: "
-                              f"{str(error).splitlines()[0][:200] if str(error) else type(error).__name__})") from None
+        detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        raise CheckpointError(f"{path}: not a readable checkpoint (truncated or not a torch file; "
+                              f"{type(error).__name__}: {detail})") from None
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED_KEYS):
         raise CheckpointError(f"{path}: not a transformer checkpoint (expected keys {', '.join(REQUIRED_KEYS)})")
     return state

@@ -44,7 +44,7 @@ class Translator:
         if precision not in ("auto", *DTYPES):
             raise ValueError(f"precision={precision!r} must be auto, bf16, fp16 or fp32")
         precision = resolve_precision(precision, device)
-        state = load_checkpoint(path)
+        state = load_checkpoint(path, mmap=True)
         model, tokenizer, config = model_from_checkpoint(state, path)
         return cls(model, tokenizer, config, device, precision)
 
