@@ -268,32 +268,32 @@ class TokenBatchSampler:
         rng = np.random.default_rng([self.seed, epoch])
         tie_break = rng.random(len(self.src_lens))
         order = np.lexsort((tie_break, self.tgt_lens, self.src_lens))
-        batches, current, width = [], [], 0
-        for index, src_len, tgt_len in zip(order.tolist(), self.src_lens[order].tolist(),
-                                           self.tgt_lens[order].tolist()):
-            new_width = max(width, src_len, tgt_len)
-            if current and (len(current) + 1) * new_width > self.max_tokens:
-                batches.append(current)
-                current, new_width = [], max(src_len, tgt_len)
-            current.append(index)
-            width = new_width
-        if current:
-            batches.append(current)
+        widths = np.maximum(self.src_lens, self.tgt_lens)[order]
+        batches = pack_batches(order.tolist(), widths.tolist(), self.max_tokens)
         permutation = rng.permutation(len(batches))
         return [batches[i] for i in permutation]
 
 
-def batches_in_order(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Deterministic length-sorted batches for evaluation/decoding (no shuffling)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+def pack_batches(order: list[int], widths: list[int], max_tokens: int) -> list[list[int]]:
+    """Greedily cut `order` into batches with n_sentences * widest padded sentence <= max_tokens.
+
+    `widths[k]` is the padded width of the sentence `order[k]`; a sentence wider than the budget
+    still gets a batch of its own (callers refuse such budgets before training).
+    """
     batches, current, width = [], [], 0
-    for index in order:
-        new_width = max(width, lengths[index] + 1)
+    for index, item_width in zip(order, widths):
+        new_width = max(width, item_width)
         if current and (len(current) + 1) * new_width > max_tokens:
             batches.append(current)
-            current, new_width = [], lengths[index] + 1
+            current, new_width = [], item_width
         current.append(index)
         width = new_width
     if current:
         batches.append(current)
     return batches
+
+
+def batches_in_order(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Deterministic length-sorted batches for evaluation/decoding (no shuffling); +1 for EOS."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return pack_batches(order, [lengths[i] + 1 for i in order], max_tokens)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer.attention import padding_mask
-from transformer.data import batches_in_order
+from transformer.data import batches_in_order, pad_sequences
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -198,10 +198,7 @@ def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha:
     model.eval()
 
     def decode_batch(indices: list[int]) -> None:
-        src = torch.full((len(indices), max(len(sources[i]) for i in indices) + 1), PAD_ID, dtype=torch.long)
-        for row, index in enumerate(indices):
-            src[row, : len(sources[index]) + 1] = torch.tensor([*sources[index], EOS_ID])
-        src = src.to(device)
+        src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(device)   # (B, S)
         try:
             with autocast() if autocast is not None else contextlib.nullcontext():
                 decoder = ModelDecoder(model, src, use_cache)

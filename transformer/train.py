@@ -105,20 +105,20 @@ class Trainer:
             for stale in self.ckpt_dir.glob(".*.pt.tmp*"):     # left by a process killed mid-write
                 stale.unlink(missing_ok=True)
         if tc.resume in (True, "true"):
-            newest = None
+            newest, newest_step = None, -1
             for path in existing:
-                try:
-                    state = load_checkpoint(path)
+                try:   # memory-mapped: reading the step does not read the tensors of every file
+                    step = load_checkpoint(path, mmap=True)["step"]
                 except CheckpointError as error:
                     log.warning("skipping %s", error)
                     continue
-                if newest is None or state["step"] > newest["step"]:
-                    newest = state
+                if step > newest_step:
+                    newest, newest_step = path, step
             if newest is None:
                 log.warning("trainer.resume=true but %s holds no checkpoint: starting a new run", self.ckpt_dir)
-            else:
-                log.info("resuming from step %d", newest["step"])
-            return newest
+                return None
+            log.info("resuming from %s (step %d)", newest, newest_step)
+            return load_checkpoint(newest)
         if existing:
             if not tc.overwrite:
                 raise TrainingError(
