@@ -3,6 +3,7 @@ import torch
 
 from transformer.attention import (
     MultiHeadAttention,
+    SelfAttentionCache,
     attention_math,
     causal_allowed,
     key_padding_allowed,
@@ -73,11 +74,11 @@ def test_cached_self_attention_equals_full():
     attn = MultiHeadAttention(16, 4).eval()
     x = torch.randn(2, 6, 16)
     full = attn(x, causal=True)
-    cache = {}
+    cache = SelfAttentionCache()
     steps = [attn(x[:, t: t + 1], causal=True, cache=cache) for t in range(6)]
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
     # Two new positions at once after a cached past need the bottom-right triangle.
-    cache = {}
+    cache = SelfAttentionCache()
     first = attn(x[:, :4], causal=True, cache=cache)
     rest = attn(x[:, 4:], causal=True, cache=cache)
     assert torch.allclose(torch.cat([first, rest], 1), full, atol=1e-5)
@@ -87,3 +88,41 @@ def test_mask_helpers():
     ids = torch.tensor([[5, 6, 0], [7, 0, 0]])
     assert padding_mask(ids, 0).tolist() == [[False, False, True], [False, True, True]]
     assert key_padding_allowed(padding_mask(ids, 0)).shape == (2, 1, 1, 3)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_cpu_inference_path_matches_explicit_softmax_math(bf16):
+    """Under no_grad the CPU takes its own float32 matmul path; it must agree with the formula."""
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4).eval()
+    x = torch.randn(3, 7, 32)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[2, 4:] = True
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        for causal in (False, True):
+            attn.need_weights = False
+            fast = attn(x, key_pad_mask=pad, causal=causal)
+            attn.need_weights = True
+            slow = attn(x, key_pad_mask=pad, causal=causal)
+            assert fast.dtype == slow.dtype
+            assert torch.allclose(fast.float(), slow.float(), atol=2e-2 if bf16 else 1e-5)
+
+
+def test_cache_growth_and_beam_reordering_match_recomputing_each_history():
+    """40 steps (the buffers grow twice) with beam-style reorders that duplicate, permute and drop rows."""
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4).eval()
+    rows = 6
+    history = torch.randn(rows, 1, 16)                   # every row's inputs so far
+    cache = SelfAttentionCache()
+    with torch.no_grad():
+        for step in range(40):
+            out = attn(history[:, -1:], causal=True, cache=cache)                  # (rows, 1, D)
+            full = attn(history, causal=True)[:, -1:]
+            assert torch.allclose(out, full, atol=1e-5), step
+            keep = rows - 1 if step in (10, 25) else rows                          # a sentence ends
+            order = torch.randint(0, rows, (keep,))
+            cache.reorder(order)
+            history = torch.cat([history[order], torch.randn(keep, 1, 16)], dim=1)
+            rows = keep
+    assert cache.length == 40

@@ -70,13 +70,37 @@ def attend(q, k, v, allowed=None, causal=False, dropout_p=0.0, need_weights=Fals
             causal_mask = causal_allowed(q.size(-2), k.size(-2), q.device)
             allowed = causal_mask if allowed is None else allowed & causal_mask
         return attention_math(q, k, v, allowed, dropout_p)
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_grad_enabled():
+    if q.device.type == "cpu" and not torch.is_grad_enabled():
+        return _cpu_inference_attention(q, k, v, allowed, causal), None
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         # PyTorch's CPU flash-attention backward is several times slower in bf16 than in fp32.
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed,
                                              dropout_p=dropout_p, is_causal=causal)
         return out.to(q.dtype), None
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=causal)
     return out, None
+
+
+def _cpu_inference_attention(q, k, v, allowed=None, causal=False) -> torch.Tensor:
+    """Attention for CPU inference, in float32 with two batched matmuls.
+
+    At decoding shapes (one query per row, a few dozen keys) this beats PyTorch's CPU flash kernel,
+    whose bf16 path is slowest of all there, and float32 batched matmuls read the cache's buffers in
+    place where bf16 ones would first copy them (see `SelfAttentionCache`).
+    """
+    with torch.autocast("cpu", enabled=False):
+        scores = (q.float() * (1.0 / math.sqrt(q.size(-1)))) @ k.float().transpose(-2, -1)   # (B, H, Tq, Tk)
+        if causal:
+            causal_mask = causal_allowed(q.size(-2), k.size(-2), q.device)
+            allowed = causal_mask if allowed is None else allowed & causal_mask
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)                              # (B, H, Tq, Dh)
+
+
+def cache_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype decoding keeps cached keys/values in: float32 on the CPU (see above), else the tensor's."""
+    return torch.float32 if tensor.device.type == "cpu" else tensor.dtype
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,10 +142,10 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: torch.Tensor, *, memory: torch.Tensor | None = None,
                 memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                 key_pad_mask: torch.Tensor | None = None, causal: bool = False,
-                cache: dict | None = None) -> torch.Tensor:
+                cache: SelfAttentionCache | None = None) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D).
 
-        Self-attention: keys are x (plus `cache["k"/"v"]`, the past positions, which this call extends).
+        Self-attention: keys are x (plus the past positions in `cache`, which this call extends).
         Cross-attention: keys are `memory` or its precomputed `memory_kv`. If x has K times the rows of
         the memory (K beams per sentence), the beams are folded into the query axis, so one copy of the
         memory keys serves every beam.
@@ -143,10 +167,7 @@ class MultiHeadAttention(nn.Module):
         else:
             q, k, v = self._heads(self.qkv_proj(x), 3)                         # 3 x (B, H, T, Dh)
             if cache is not None:
-                if "k" in cache:
-                    k = torch.cat([cache["k"], k], dim=2)                      # (B, H, past + T, Dh)
-                    v = torch.cat([cache["v"], v], dim=2)
-                cache["k"], cache["v"] = k, v
+                k, v = cache.append(k, v)                                      # (B, H, past + T, Dh)
             past = k.size(2) - length
             if causal and past > 0:
                 # A single new query may see every cached key: no mask at all. Several new queries
@@ -165,6 +186,55 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(out)
 
 
+class SelfAttentionCache:
+    """One decoder layer's self-attention keys and values of the positions decoded so far.
+
+    They live in (rows, H, capacity, Dh) buffers filled up to `length`: a step writes its new positions
+    in place instead of concatenating (copying) the whole past, attention reads a prefix view, and
+    reordering hypotheses gathers into a second buffer that then takes over. Capacity doubles as needed.
+    """
+
+    def __init__(self):
+        self.length = 0
+        self.rows = 0
+        self._active: tuple[torch.Tensor, torch.Tensor] | None = None    # 2 x (rows, H, capacity, Dh)
+        self._spare: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add k, v (B, H, T, Dh) of T new positions; returns every position's keys, values (B, H, past + T, Dh)."""
+        rows, _, new, _ = k.shape
+        if self._active is None or self.length + new > self._active[0].size(2) or rows > self._active[0].size(0):
+            self._grow(k, self.length + new)
+        end = self.length + new
+        keys, values = self._active
+        keys[:rows, :, self.length:end] = k
+        values[:rows, :, self.length:end] = v
+        self.length, self.rows = end, rows
+        return keys[:rows, :, :end], values[:rows, :, :end]
+
+    def _grow(self, k: torch.Tensor, needed: int) -> None:
+        rows, heads, _, head_dim = k.shape
+        old_capacity = self._active[0].size(2) if self._active is not None else 0
+        capacity = max(needed, 2 * old_capacity, 16)
+        shape = (max(rows, self.rows), heads, capacity, head_dim)
+        grown = [torch.empty(shape, dtype=cache_dtype(k), device=k.device) for _ in range(2)]
+        if self._active is not None:
+            for new, old in zip(grown, self._active):
+                new[:self.rows, :, :self.length] = old[:self.rows, :, :self.length]
+        self._active = (grown[0], grown[1])
+        self._spare = (torch.empty_like(grown[0]), torch.empty_like(grown[1]))
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Keep hypothesis rows `rows` (a LongTensor over the row axis), in that order."""
+        if self._active is None or self.length == 0:
+            return
+        count = rows.numel()
+        for old, spare in zip(self._active, self._spare):
+            torch.index_select(old[:self.rows, :, :self.length], 0, rows, out=spare[:count, :, :self.length])
+        self._active, self._spare = self._spare, self._active
+        self.rows = count
+
+
 class DecoderCache:
     """Per-layer decoder state for incremental decoding.
 
@@ -174,20 +244,20 @@ class DecoderCache:
     """
 
     def __init__(self, memory_kv: list[tuple[torch.Tensor, torch.Tensor]], src_pad_mask: torch.Tensor):
-        self.memory_kv = memory_kv
+        # Contiguous: the projection's head split leaves strides that would make every step copy them.
+        self.memory_kv = [tuple(t.to(cache_dtype(t), memory_format=torch.contiguous_format) for t in kv)
+                          for kv in memory_kv]
         self.src_pad_mask = src_pad_mask
-        self.self_kv: list[dict] = [{} for _ in memory_kv]
+        self.self_kv = [SelfAttentionCache() for _ in memory_kv]
 
     @property
     def length(self) -> int:
-        return self.self_kv[0]["k"].size(2) if self.self_kv and "k" in self.self_kv[0] else 0
+        return self.self_kv[0].length if self.self_kv else 0
 
     def reorder_hypotheses(self, rows: torch.Tensor) -> None:
         """Keep hypothesis rows `rows` (a LongTensor over the B*K axis), in that order."""
         for layer in self.self_kv:
-            if "k" in layer:
-                layer["k"] = layer["k"].index_select(0, rows)
-                layer["v"] = layer["v"].index_select(0, rows)
+            layer.reorder(rows)
 
     def keep_sentences(self, sentences: torch.Tensor) -> None:
         """Drop finished sentences from the shared memory keys/values (B axis)."""

@@ -58,7 +58,7 @@ class ModelDecoder:
             logits = self.model.decode(tokens[:, -1:], None, None, self.cache)[:, -1]
         else:   # recompute the whole prefix: the slow reference for tests and benchmarks
             logits = self.model.decode(tokens, self.memory, self.src_pad_mask)[:, -1]
-        return F.log_softmax(logits.float(), dim=-1)
+        return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
     def select(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> None:
         """Continue with hypothesis rows `rows`; if given, keep only sentence rows `sentences`."""
@@ -69,6 +69,26 @@ class ModelDecoder:
         elif sentences is not None:
             self.memory = self.memory.index_select(0, sentences)
             self.src_pad_mask = self.src_pad_mask.index_select(0, sentences)
+
+
+def row_topk(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scores.topk(k, dim=1)`, found by first ranking blocks of `chunk` columns by their maxima.
+
+    The k best entries of a row lie in the k blocks with the highest maxima: those k maxima are k
+    entries at least as large as anything in the other blocks. On the CPU this reads a (rows, V)
+    log-probability matrix about twice as fast as `topk` over all of it. Ties may resolve differently.
+    """
+    rows, width = scores.shape
+    if width < 4 * k * chunk:
+        return scores.topk(k, dim=1)
+    if width % chunk:
+        scores = F.pad(scores, (0, chunk - width % chunk), value=float("-inf"))
+    block_max = scores.view(rows, -1, chunk).amax(dim=2)                          # (rows, blocks)
+    top_blocks = block_max.topk(k, dim=1).indices                                 # (rows, k)
+    offsets = torch.arange(chunk, device=scores.device)
+    columns = (top_blocks[:, :, None] * chunk + offsets).view(rows, k * chunk)    # (rows, k * chunk)
+    values, picks = scores.gather(1, columns).topk(k, dim=1)                      # (rows, k)
+    return values, columns.gather(1, picks).clamp_(max=width - 1)
 
 
 def _block_specials(logprobs: torch.Tensor) -> torch.Tensor:
@@ -89,15 +109,18 @@ def greedy_search(decoder, max_lens: torch.Tensor) -> list[Hypothesis]:
     for step in range(int(max_lens.max())):
         logprobs = _block_specials(decoder.step(tokens))                          # (n, V)
         forced = step + 1 >= max_lens                                             # (n,)
-        next_token = torch.where(forced, EOS_ID, logprobs.argmax(dim=-1))
-        logprob = logprob + logprobs.gather(1, next_token[:, None]).squeeze(1)
+        best_logprob, best_token = row_topk(logprobs, 1)                          # (n, 1) each
+        next_token = torch.where(forced, EOS_ID, best_token.squeeze(1))
+        token_logprob = torch.where(forced, logprobs[:, EOS_ID], best_logprob.squeeze(1))
+        logprob = logprob + token_logprob
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         done = next_token == EOS_ID
         if not done.any():
             continue
-        for row in done.nonzero().flatten().tolist():
-            results[open_ids[row]] = Hypothesis(tokens[row, 1:-1].tolist(), logprob[row].item(),
-                                                logprob[row].item(), bool(forced[row]))
+        token_lists, logprob_list, forced_list = tokens.tolist(), logprob.tolist(), forced.tolist()
+        for row, sentence in zip(done.nonzero().flatten().tolist(), open_ids[done].tolist()):
+            results[sentence] = Hypothesis(token_lists[row][1:-1], logprob_list[row], logprob_list[row],
+                                           forced_list[row])
         keep = (~done).nonzero().flatten()
         if keep.numel() == 0:
             break
@@ -128,26 +151,31 @@ def beam_search(decoder, max_lens: torch.Tensor, beam_size: int, alpha: float = 
     for step in range(int(max_lens.max())):
         n = open_ids.numel()
         logprobs = _block_specials(decoder.step(tokens))                           # (n*K, V)
-        vocab = logprobs.size(-1)
+        # A sentence's 2K best (beam, token) candidates are among each beam's 2K best tokens.
+        row_scores, row_tokens = row_topk(logprobs, 2 * K)                         # (n*K, 2K)
         forced = step + 1 >= max_lens                                              # (n,)
-        if forced.any():
-            eos_only = torch.full_like(logprobs[0], float("-inf"))
-            eos_only[EOS_ID] = 0.0
-            logprobs = torch.where(forced.repeat_interleave(K)[:, None], logprobs + eos_only, logprobs)
-        candidates = (scores[:, :, None] + logprobs.view(n, K, vocab)).view(n, K * vocab)
+        if forced.any():      # sentences at their length limit may only end
+            forced_rows = forced.repeat_interleave(K)
+            row_scores[forced_rows] = float("-inf")
+            row_scores[forced_rows, 0] = logprobs[forced_rows, EOS_ID]
+            row_tokens[forced_rows, 0] = EOS_ID
+        candidates = (scores.view(-1, 1) + row_scores).view(n, K * 2 * K)
         top_scores, top_ids = candidates.topk(2 * K, dim=1)                        # (n, 2K)
-        top_beams, top_tokens = top_ids // vocab, top_ids % vocab
+        top_beams = top_ids // (2 * K)
+        top_tokens = row_tokens.view(n, K * 2 * K).gather(1, top_ids)
         is_eos = top_tokens == EOS_ID
 
         # Finish EOS candidates that rank among the top K.
         finish = is_eos[:, :K] & torch.isfinite(top_scores[:, :K])
         if finish.any():
             penalty = length_penalty(step + 1, alpha)
+            beam_list, score_list, forced_list = top_beams.tolist(), top_scores.tolist(), forced.tolist()
+            sentence_list = open_ids.tolist()
             for i, j in finish.nonzero().tolist():
-                row = i * K + int(top_beams[i, j])
-                raw = float(top_scores[i, j])
-                finished[open_ids[i]].append(Hypothesis(tokens[row, 1:].tolist(), raw / penalty, raw,
-                                                        bool(forced[i])))
+                row = i * K + beam_list[i][j]
+                raw = score_list[i][j]
+                finished[sentence_list[i]].append(Hypothesis(tokens[row, 1:].tolist(), raw / penalty, raw,
+                                                             forced_list[i]))
 
         # Continue with the K best non-EOS candidates (at most K of the 2K are EOS).
         next_scores, picks = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=1)   # (n, K)
@@ -169,17 +197,17 @@ def beam_search(decoder, max_lens: torch.Tensor, beam_size: int, alpha: float = 
 
 
 def _closed(finished, open_ids, scores, forced, max_lens, beam_size, alpha, nbest) -> torch.Tensor:
-    done = forced.clone()
-    best_open = scores[:, 0].tolist()
+    done = forced.tolist()
+    best_open, limits = scores[:, 0].tolist(), max_lens.tolist()
     for i, sentence in enumerate(open_ids.tolist()):
         hyps = finished[sentence]
         if done[i] or len(hyps) >= beam_size:
             done[i] = True
         elif len(hyps) >= nbest:
             kth_best = sorted((h.score for h in hyps), reverse=True)[nbest - 1]
-            bound = best_open[i] / length_penalty(int(max_lens[i]), alpha)
+            bound = best_open[i] / length_penalty(limits[i], alpha)
             done[i] = bound <= kth_best or math.isinf(best_open[i])
-    return done
+    return torch.tensor(done, device=forced.device)
 
 
 @torch.no_grad()
