@@ -108,8 +108,8 @@ def test_cpu_inference_path_matches_explicit_softmax_math(bf16):
             assert torch.allclose(fast.float(), slow.float(), atol=2e-2 if bf16 else 1e-5)
 
 
-def test_cache_growth_and_beam_reordering_match_recomputing_each_history():
-    """40 steps (the buffers grow twice) with beam-style reorders that duplicate, permute and drop rows."""
+def test_cache_with_beam_reordering_matches_recomputing_each_history():
+    """40 steps with beam-style reorders that duplicate, permute and drop rows (two reorders in a row too)."""
     torch.manual_seed(0)
     attn = MultiHeadAttention(16, 4).eval()
     rows = 6
@@ -123,6 +123,10 @@ def test_cache_growth_and_beam_reordering_match_recomputing_each_history():
             keep = rows - 1 if step in (10, 25) else rows                          # a sentence ends
             order = torch.randint(0, rows, (keep,))
             cache.reorder(order)
+            if step % 7 == 3:       # a second reorder before the next step composes with the first
+                again = torch.randperm(keep)
+                cache.reorder(again)
+                order = order[again]
             history = torch.cat([history[order], torch.randn(keep, 1, 16)], dim=1)
             rows = keep
     assert cache.length == 40

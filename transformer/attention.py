@@ -82,25 +82,18 @@ def attend(q, k, v, allowed=None, causal=False, dropout_p=0.0, need_weights=Fals
 
 
 def _cpu_inference_attention(q, k, v, allowed=None, causal=False) -> torch.Tensor:
-    """Attention for CPU inference, in float32 with two batched matmuls.
+    """Attention for CPU inference: two batched matmuls in the input dtype, the softmax in float32.
 
     At decoding shapes (one query per row, a few dozen keys) this beats PyTorch's CPU flash kernel,
-    whose bf16 path is slowest of all there, and float32 batched matmuls read the cache's buffers in
-    place where bf16 ones would first copy them (see `SelfAttentionCache`).
+    whose bf16 path is slowest of all there (scripts/bench.py, decode).
     """
-    with torch.autocast("cpu", enabled=False):
-        scores = (q.float() * (1.0 / math.sqrt(q.size(-1)))) @ k.float().transpose(-2, -1)   # (B, H, Tq, Tk)
-        if causal:
-            causal_mask = causal_allowed(q.size(-2), k.size(-2), q.device)
-            allowed = causal_mask if allowed is None else allowed & causal_mask
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)                              # (B, H, Tq, Dh)
-
-
-def cache_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """The dtype decoding keeps cached keys/values in: float32 on the CPU (see above), else the tensor's."""
-    return torch.float32 if tensor.device.type == "cpu" else tensor.dtype
+    scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)                   # (B, H, Tq, Tk)
+    if causal:
+        causal_mask = causal_allowed(q.size(-2), k.size(-2), q.device)
+        allowed = causal_mask if allowed is None else allowed & causal_mask
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype) @ v                   # (B, H, Tq, Dh)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -189,50 +182,45 @@ class MultiHeadAttention(nn.Module):
 class SelfAttentionCache:
     """One decoder layer's self-attention keys and values of the positions decoded so far.
 
-    They live in (rows, H, capacity, Dh) buffers filled up to `length`: a step writes its new positions
-    in place instead of concatenating (copying) the whole past, attention reads a prefix view, and
-    reordering hypotheses gathers into a second buffer that then takes over. Capacity doubles as needed.
+    Reordering hypotheses is lazy: `reorder` only records which rows survive, and the next `append`
+    gathers them while it copies the past into a tensor with room for the new positions. So a beam
+    search step copies the cache once, not twice (concatenate, then reorder), and attention always
+    reads contiguous keys and values (PyTorch's bf16 batched matmul copies strided ones first).
     """
 
     def __init__(self):
-        self.length = 0
-        self.rows = 0
-        self._active: tuple[torch.Tensor, torch.Tensor] | None = None    # 2 x (rows, H, capacity, Dh)
-        self._spare: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.keys: torch.Tensor | None = None       # (B, H, length, Dh)
+        self.values: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None       # pending reorder of the B axis
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.size(2)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add k, v (B, H, T, Dh) of T new positions; returns every position's keys, values (B, H, past + T, Dh)."""
-        rows, _, new, _ = k.shape
-        if self._active is None or self.length + new > self._active[0].size(2) or rows > self._active[0].size(0):
-            self._grow(k, self.length + new)
-        end = self.length + new
-        keys, values = self._active
-        keys[:rows, :, self.length:end] = k
-        values[:rows, :, self.length:end] = v
-        self.length, self.rows = end, rows
-        return keys[:rows, :, :end], values[:rows, :, :end]
+        if self.keys is None:
+            self.keys, self.values = k.contiguous(), v.contiguous()
+            return self.keys, self.values
+        past = self.length
+        self.keys, self.values = (self._extend(old, new, past) for old, new in ((self.keys, k), (self.values, v)))
+        self.rows = None
+        return self.keys, self.values
 
-    def _grow(self, k: torch.Tensor, needed: int) -> None:
-        rows, heads, _, head_dim = k.shape
-        old_capacity = self._active[0].size(2) if self._active is not None else 0
-        capacity = max(needed, 2 * old_capacity, 16)
-        shape = (max(rows, self.rows), heads, capacity, head_dim)
-        grown = [torch.empty(shape, dtype=cache_dtype(k), device=k.device) for _ in range(2)]
-        if self._active is not None:
-            for new, old in zip(grown, self._active):
-                new[:self.rows, :, :self.length] = old[:self.rows, :, :self.length]
-        self._active = (grown[0], grown[1])
-        self._spare = (torch.empty_like(grown[0]), torch.empty_like(grown[1]))
+    def _extend(self, old: torch.Tensor, new: torch.Tensor, past: int) -> torch.Tensor:
+        rows, heads, length, head_dim = new.shape
+        out = torch.empty(rows, heads, past + length, head_dim, dtype=old.dtype, device=old.device)
+        if self.rows is None:
+            out[:, :, :past] = old
+        else:
+            torch.index_select(old, 0, self.rows, out=out[:, :, :past])
+        out[:, :, past:] = new
+        return out
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep hypothesis rows `rows` (a LongTensor over the row axis), in that order."""
-        if self._active is None or self.length == 0:
-            return
-        count = rows.numel()
-        for old, spare in zip(self._active, self._spare):
-            torch.index_select(old[:self.rows, :, :self.length], 0, rows, out=spare[:count, :, :self.length])
-        self._active, self._spare = self._spare, self._active
-        self.rows = count
+        if self.keys is not None:
+            self.rows = rows if self.rows is None else self.rows.index_select(0, rows)
 
 
 class DecoderCache:
@@ -245,8 +233,7 @@ class DecoderCache:
 
     def __init__(self, memory_kv: list[tuple[torch.Tensor, torch.Tensor]], src_pad_mask: torch.Tensor):
         # Contiguous: the projection's head split leaves strides that would make every step copy them.
-        self.memory_kv = [tuple(t.to(cache_dtype(t), memory_format=torch.contiguous_format) for t in kv)
-                          for kv in memory_kv]
+        self.memory_kv = [(k.contiguous(), v.contiguous()) for k, v in memory_kv]
         self.src_pad_mask = src_pad_mask
         self.self_kv = [SelfAttentionCache() for _ in memory_kv]
 

@@ -144,6 +144,11 @@ class TrainerConfig:
             raise ConfigError(f"trainer.resume={self.resume!r} must be true, false or a checkpoint path")
 
 
+# Source tokens x beam per decoding batch. How much to decode at once depends on the machine, not the
+# model, so `transformer-translate` uses this rather than the value saved in an older checkpoint.
+DEFAULT_BATCH_TOKENS = 16384
+
+
 @dataclass
 class DecodeConfig:
     name: str = "beam"
@@ -151,7 +156,7 @@ class DecodeConfig:
     alpha: float = 0.6
     max_len_a: float = 1.2
     max_len_b: int = 10
-    batch_tokens: int = 4096
+    batch_tokens: int = DEFAULT_BATCH_TOKENS
     nbest: int = 1
 
     def validate(self) -> None:

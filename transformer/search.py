@@ -143,26 +143,26 @@ def beam_search(decoder, max_lens: torch.Tensor, beam_size: int, alpha: float = 
     if nbest > beam_size:
         raise ValueError(f"nbest={nbest} cannot exceed beam_size={beam_size}")
     batch, device, K = max_lens.numel(), max_lens.device, beam_size
-    tokens = torch.full((batch * K, 1), BOS_ID, dtype=torch.long, device=device)   # (n*K, t)
-    scores = torch.full((batch, K), float("-inf"), device=device)                 # (n, K) log-probs
-    scores[:, 0] = 0.0                    # all beams start identical: expand only the first
+    # Every sentence starts from one hypothesis (BOS); the first step expands it to K.
+    tokens = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=device)       # (n*beams, t)
+    scores = torch.zeros(batch, 1, device=device)                                 # (n, beams) log-probs
     open_ids = torch.arange(batch, device=device)
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
     for step in range(int(max_lens.max())):
-        n = open_ids.numel()
-        logprobs = _block_specials(decoder.step(tokens))                           # (n*K, V)
+        n, beams = scores.shape
+        logprobs = _block_specials(decoder.step(tokens))                           # (n*beams, V)
         # A sentence's 2K best (beam, token) candidates are among each beam's 2K best tokens.
-        row_scores, row_tokens = row_topk(logprobs, 2 * K)                         # (n*K, 2K)
+        row_scores, row_tokens = row_topk(logprobs, 2 * K)                         # (n*beams, 2K)
         forced = step + 1 >= max_lens                                              # (n,)
         if forced.any():      # sentences at their length limit may only end
-            forced_rows = forced.repeat_interleave(K)
+            forced_rows = forced.repeat_interleave(beams)
             row_scores[forced_rows] = float("-inf")
             row_scores[forced_rows, 0] = logprobs[forced_rows, EOS_ID]
             row_tokens[forced_rows, 0] = EOS_ID
-        candidates = (scores.view(-1, 1) + row_scores).view(n, K * 2 * K)
+        candidates = (scores.view(-1, 1) + row_scores).view(n, beams * 2 * K)
         top_scores, top_ids = candidates.topk(2 * K, dim=1)                        # (n, 2K)
         top_beams = top_ids // (2 * K)
-        top_tokens = row_tokens.view(n, K * 2 * K).gather(1, top_ids)
+        top_tokens = row_tokens.view(n, beams * 2 * K).gather(1, top_ids)
         is_eos = top_tokens == EOS_ID
 
         # Finish EOS candidates that rank among the top K.
@@ -172,14 +172,14 @@ def beam_search(decoder, max_lens: torch.Tensor, beam_size: int, alpha: float = 
             beam_list, score_list, forced_list = top_beams.tolist(), top_scores.tolist(), forced.tolist()
             sentence_list = open_ids.tolist()
             for i, j in finish.nonzero().tolist():
-                row = i * K + beam_list[i][j]
+                row = i * beams + beam_list[i][j]
                 raw = score_list[i][j]
                 finished[sentence_list[i]].append(Hypothesis(tokens[row, 1:].tolist(), raw / penalty, raw,
                                                              forced_list[i]))
 
         # Continue with the K best non-EOS candidates (at most K of the 2K are EOS).
         next_scores, picks = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=1)   # (n, K)
-        rows = (torch.arange(n, device=device)[:, None] * K + top_beams.gather(1, picks)).view(-1)
+        rows = (torch.arange(n, device=device)[:, None] * beams + top_beams.gather(1, picks)).view(-1)
         tokens = torch.cat([tokens[rows], top_tokens.gather(1, picks).view(-1, 1)], dim=1)
         scores = next_scores
 
@@ -212,7 +212,7 @@ def _closed(finished, open_ids, scores, forced, max_lens, beam_size, alpha, nbes
 
 @torch.no_grad()
 def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha: float = 0.0,
-                  max_len_a: float = 1.2, max_len_b: int = 10, nbest: int = 1, batch_tokens: int = 4096,
+                  max_len_a: float = 1.2, max_len_b: int = 10, nbest: int = 1, batch_tokens: int = 16384,
                   device: torch.device | str = "cpu", use_cache: bool = True, progress=None,
                   autocast=None) -> list[list[Hypothesis]]:
     """Decode token-id sources (without EOS) in length-sorted batches; results in input order.

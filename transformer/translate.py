@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from transformer.config import ConfigError
+from transformer.config import DEFAULT_BATCH_TOKENS, ConfigError
 from transformer.search import Hypothesis, translate_ids
 from transformer.setup import DTYPES, autocast_factory, resolve_precision
 
@@ -73,7 +73,7 @@ class Translator:
                 alpha=decode.alpha if alpha is None else alpha, nbest=nbest,
                 max_len_a=decode.max_len_a if max_len_a is None else max_len_a,
                 max_len_b=decode.max_len_b if max_len_b is None else max_len_b,
-                batch_tokens=decode.batch_tokens if batch_tokens is None else batch_tokens,
+                batch_tokens=DEFAULT_BATCH_TOKENS if batch_tokens is None else batch_tokens,
                 device=self.device, progress=bar, autocast=self.autocast)
         for index, hyps in zip(wanted, decoded):
             results[index] = hyps
@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--alpha", type=float, help="GNMT length penalty exponent (default: the checkpoint's)")
     parser.add_argument("--max-len-a", type=float, help="output length limit a * source_len + b")
     parser.add_argument("--max-len-b", type=int)
-    parser.add_argument("--batch-tokens", type=int, help="source tokens x beam per batch (default 4096)")
+    parser.add_argument("--batch-tokens", type=int, help=f"source tokens x beam per batch (default {DEFAULT_BATCH_TOKENS}); "
+                        "smaller needs less memory")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     return parser
