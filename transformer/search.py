@@ -3,8 +3,7 @@
 The search functions talk to a `StepDecoder`: `step(tokens) -> log-probabilities of the next token`
 and `select(rows, sentences)` to follow the surviving hypotheses. `ModelDecoder` implements it for
 the Transformer (with the cache, or recomputing the prefix for comparison); tests implement it with
-hand-written probability tables. A decoder may also offer `top_candidates(tokens, k)`, the k best
-next tokens per row without handing over every row's full distribution (see `ModelDecoder`).
+hand-written probability tables.
 
 Shapes: n open sentences, K beam size, t tokens so far (BOS included), V vocabulary.
 """
@@ -53,30 +52,13 @@ class ModelDecoder:
         self.cache = model.new_cache(memory, src_pad_mask) if use_cache else None
         self.memory, self.src_pad_mask = memory, src_pad_mask
 
-    def _hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (rows, t) -> decoder output (rows, D) at the last position."""
-        if self.cache is not None:
-            return self.model.decode_hidden(tokens[:, -1:], None, None, self.cache)[:, -1]
-        # Without a cache, recompute the whole prefix: the slow reference for tests and benchmarks.
-        return self.model.decode_hidden(tokens, self.memory, self.src_pad_mask)[:, -1]
-
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (rows, t) -> log-probabilities (rows, V) of token t+1, in float32."""
-        return torch.log_softmax(self.model.output(self._hidden(tokens)), dim=-1, dtype=torch.float32)
-
-    def top_candidates(self, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What `top_candidates` computes from `step`, a block of rows at a time on the CPU.
-
-        The (rows, V) logits and log-probabilities of a whole batch are tens of megabytes; a block of
-        128 rows stays in the CPU's cache through projection, softmax and top-k, which makes this
-        stage about 1.5x faster there. A GPU takes all rows at once.
-        """
-        hidden = self._hidden(tokens)                                               # (rows, D)
-        block = OUTPUT_BLOCK_ROWS if hidden.device.type == "cpu" else max(1, hidden.size(0))
-        parts = [_candidates_from_logprobs(
-                    torch.log_softmax(self.model.output(rows), dim=-1, dtype=torch.float32), k)
-                 for rows in hidden.split(block)]
-        return tuple(torch.cat(tensors) for tensors in zip(*parts))
+        if self.cache is not None:
+            logits = self.model.decode(tokens[:, -1:], None, None, self.cache)[:, -1]
+        else:   # recompute the whole prefix: the slow reference for tests and benchmarks
+            logits = self.model.decode(tokens, self.memory, self.src_pad_mask)[:, -1]
+        return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
     def select(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> None:
         """Continue with hypothesis rows `rows`; if given, keep only sentence rows `sentences`."""
@@ -109,22 +91,14 @@ def row_topk(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tenso
     return values, columns.gather(1, picks).clamp_(max=width - 1)
 
 
-OUTPUT_BLOCK_ROWS = 128
-
-
-def _candidates_from_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def top_candidates(decoder, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens (rows, t) -> the k most probable next tokens per row (log-probabilities (rows, k) and
+    ids (rows, k), best first; PAD and BOS excluded) and each row's EOS log-probability (rows,)."""
+    logprobs = decoder.step(tokens)                                               # (rows, V)
     logprobs[:, PAD_ID] = float("-inf")           # never generated
     logprobs[:, BOS_ID] = float("-inf")
     values, ids = row_topk(logprobs, k)
     return values, ids, logprobs[:, EOS_ID]
-
-
-def top_candidates(decoder, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tokens (rows, t) -> the k most probable next tokens per row (log-probabilities (rows, k) and
-    ids (rows, k), best first; PAD and BOS excluded) and each row's EOS log-probability (rows,)."""
-    if hasattr(decoder, "top_candidates"):
-        return decoder.top_candidates(tokens, k)
-    return _candidates_from_logprobs(decoder.step(tokens), k)
 
 
 @torch.no_grad()
