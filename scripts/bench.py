@@ -8,6 +8,8 @@ train  : target tokens/s and peak memory of our full training step (forward, fus
 data   : seconds to load + encode + bucket the training split with the SentencePiece model cached, and
          the padding share of its batches.
 decode : sentences/s for greedy and beam 5, with the key/value cache and recomputing the prefix.
+translate_cli : with --checkpoint and MULTI30K_DIR, seconds for `transformer-translate` to translate
+         test_2016_flickr as a whole process (startup and model load included), beam 5 and greedy.
 mfu    : on CUDA, model FLOPs/s over the device's dense bf16 peak (FLOPs counted analytically below).
 
 Batches are real Multi30k batches when MULTI30K_DIR is set, otherwise the embedded corpus. A model
@@ -37,7 +39,13 @@ from transformer.distributed import DistInfo  # noqa: E402
 from transformer.loss import output_cross_entropy  # noqa: E402
 from transformer.model import SinusoidalPositions, build_model  # noqa: E402
 from transformer.search import translate_ids  # noqa: E402
-from transformer.setup import DTYPES, cpu_has_native_bf16, prepare_data  # noqa: E402
+from transformer.setup import (  # noqa: E402
+    DTYPES,
+    autocast_factory,
+    cpu_has_native_bf16,
+    prepare_data,
+    resolve_precision,
+)
 from transformer.tokenizer import PAD_ID  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
@@ -218,6 +226,9 @@ def bench_data(cfg) -> dict:
 
 
 def bench_decode(model, tokenizer, sources: list[str], device, repeats: int) -> list[dict]:
+    """Decoding inside this process at the precision `transformer-translate` picks (auto)."""
+    precision = resolve_precision("auto", device)
+    autocast = autocast_factory(device, DTYPES[precision])
     ids = [s[: model.cfg.max_positions - 1] for s in tokenizer.encode_src(sources)]
     rows = []
     for beam in (1, 5):
@@ -226,13 +237,33 @@ def bench_decode(model, tokenizer, sources: list[str], device, repeats: int) -> 
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                translate_ids(model, ids, beam_size=beam, alpha=0.6, device=device, use_cache=use_cache)
+                translate_ids(model, ids, beam_size=beam, alpha=0.6, device=device, use_cache=use_cache,
+                              autocast=autocast)
                 times.append(time.perf_counter() - start)
             timings[use_cache] = statistics.median(times)
-        rows.append({"section": "decode", "beam": beam, "sentences": len(ids),
+        rows.append({"section": "decode", "beam": beam, "precision": precision, "sentences": len(ids),
                      "cached_sentences_per_s": len(ids) / timings[True],
                      "uncached_sentences_per_s": len(ids) / timings[False],
                      "cache_speedup": timings[False] / timings[True]})
+    return rows
+
+
+def bench_translate_cli(checkpoint: str, source_file: Path, repeats: int) -> list[dict]:
+    """`transformer-translate CKPT --beam N < source_file` as a whole process, model load included."""
+    import subprocess
+    rows = []
+    for beam in (5, 1):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            with open(source_file, "rb") as source:
+                subprocess.run([sys.executable, "-m", "transformer.translate", checkpoint, "--beam", str(beam)],
+                               stdin=source, stdout=subprocess.DEVNULL, check=True,
+                               cwd=Path(__file__).resolve().parents[1])
+            times.append(time.perf_counter() - start)
+        rows.append({"section": "translate_cli", "beam": beam, "file": str(source_file),
+                     "seconds_median": statistics.median(times), "seconds_min": min(times),
+                     "seconds_max": max(times), "repeats": repeats})
     return rows
 
 
@@ -245,6 +276,9 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--checkpoint", help="trained checkpoint for the decode section (default: train a tiny one)")
     parser.add_argument("--decode-sentences", type=int, default=0, help="limit decode sentences (0 = all)")
+    parser.add_argument("--cli-repeats", type=int, default=3,
+                        help="whole-process transformer-translate runs per beam (needs --checkpoint and "
+                             "MULTI30K_DIR; 0 = skip)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--output", default="bench.json")
     args = parser.parse_args()
@@ -273,6 +307,9 @@ def main() -> int:
     if args.decode_sentences:
         sources = sources[: args.decode_sentences]
     rows += bench_decode(model.to(device).eval(), tokenizer, sources, device, repeats=1)
+    test_file = Path(multi30k or ".") / "test_2016_flickr.de"
+    if args.checkpoint and multi30k and args.cli_repeats > 0 and test_file.exists():
+        rows += bench_translate_cli(args.checkpoint, test_file, args.cli_repeats)
 
     Path(args.output).write_text(json.dumps({"info": info, "results": rows}, indent=2) + "\n")
     _print_table(info, rows)
@@ -312,8 +349,12 @@ def _print_table(info: dict, rows: list[dict]) -> None:
         elif row["section"] == "data":
             print(f"data   load+encode+bucket {row['load_encode_bucket_s']:.1f} s | {row['batches']} batches of "
                   f"max_tokens={row['max_tokens']} | padding {100 * row['padding_share']:.1f}%")
+        elif row["section"] == "translate_cli":
+            print(f"transformer-translate --beam {row['beam']} < {Path(row['file']).name} (whole process) | "
+                  f"median {row['seconds_median']:.2f} s (min {row['seconds_min']:.2f}, max "
+                  f"{row['seconds_max']:.2f}, {row['repeats']} runs)")
         else:
-            print(f"decode beam {row['beam']} | {row['sentences']} sentences | cached "
+            print(f"decode beam {row['beam']} {row['precision']} | {row['sentences']} sentences | cached "
                   f"{row['cached_sentences_per_s']:.1f} sent/s | uncached {row['uncached_sentences_per_s']:.1f} "
                   f"sent/s | cache speedup {row['cache_speedup']:.2f}x")
 

@@ -20,7 +20,7 @@ def test_causal_mask_is_bottom_right_aligned_for_cached_queries():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_sdpa_path_matches_explicit_softmax_math(causal):
+def test_fast_path_matches_explicit_softmax_math(causal):
     torch.manual_seed(0)
     attn = MultiHeadAttention(32, 4).eval()
     x = torch.randn(3, 7, 32)
@@ -28,7 +28,7 @@ def test_sdpa_path_matches_explicit_softmax_math(causal):
     pad[1, 5:] = True
     pad[2, 3:] = True
     fast = attn(x, key_pad_mask=pad, causal=causal)
-    attn.need_weights = True      # switches to attention_math
+    attn.need_weights = True      # switches to attention_math (SDPA on GPUs, matmuls on CPUs otherwise)
     slow = attn(x, key_pad_mask=pad, causal=causal)
     assert torch.allclose(fast, slow, atol=1e-5)
     weights = attn.last_weights                                  # (B, H, T, T)
@@ -91,8 +91,7 @@ def test_mask_helpers():
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_cpu_inference_path_matches_explicit_softmax_math(bf16):
-    """Under no_grad the CPU takes its own float32 matmul path; it must agree with the formula."""
+def test_cpu_path_under_no_grad_and_bf16_matches_explicit_softmax_math(bf16):
     torch.manual_seed(0)
     attn = MultiHeadAttention(32, 4).eval()
     x = torch.randn(3, 7, 32)
@@ -130,3 +129,20 @@ def test_cache_with_beam_reordering_matches_recomputing_each_history():
             history = torch.cat([history[order], torch.randn(keep, 1, 16)], dim=1)
             rows = keep
     assert cache.length == 40
+
+
+def test_cpu_path_gradients_match_explicit_softmax_math():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4)
+    x = torch.randn(3, 7, 32, requires_grad=True)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    grads = []
+    for need_weights in (False, True):
+        attn.need_weights = need_weights
+        attn.zero_grad()
+        x.grad = None
+        (attn(x, key_pad_mask=pad, causal=True) ** 2).sum().backward()
+        grads.append((x.grad.clone(), attn.qkv_proj.weight.grad.clone()))
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5)
+    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-5)
