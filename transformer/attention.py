@@ -212,8 +212,10 @@ class SelfAttentionCache:
         out = torch.empty(rows, heads, past + length, head_dim, dtype=old.dtype, device=old.device)
         if self.rows is None:
             out[:, :, :past] = old
-        else:
+        elif old.device.type == "cpu":      # gathers straight into place
             torch.index_select(old, 0, self.rows, out=out[:, :, :past])
+        else:                               # the plainly supported form: a temporary, then a copy
+            out[:, :, :past] = old.index_select(0, self.rows)
         out[:, :, past:] = new
         return out
 

@@ -10,7 +10,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -26,6 +25,14 @@ from transformer.checkpoint import CheckpointError, load_checkpoint, load_model_
 from transformer.config import Config, ConfigError
 from transformer.data import DataError, TokenBatchSampler, collate, load_split_text
 from transformer.model import build_model
+from transformer.run_state import (
+    TrainingError,
+    attach_log_file,
+    find_resume_state,
+    install_signal_handlers,
+    restore_rng_state,
+    rng_state,
+)
 from transformer.setup import (
     DTYPES,
     autocast_factory,
@@ -47,10 +54,6 @@ log = logging.getLogger("transformer.train")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
-class TrainingError(RuntimeError):
-    pass
-
-
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
@@ -68,7 +71,7 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.stop_signal: str | None = None
 
-        resume_state = self._find_resume_state()
+        resume_state = find_resume_state(tc, self.ckpt_dir, self.dist)
         torch.manual_seed(tc.seed + self.dist.rank)
         random.seed(tc.seed + self.dist.rank)
         tokenizer = Tokenizer.from_state_dict(resume_state["tokenizer"]) if resume_state else None
@@ -96,42 +99,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------
     # State
 
-    def _find_resume_state(self) -> dict | None:
-        tc = self.cfg.trainer
-        if isinstance(tc.resume, str) and tc.resume not in ("", "true", "false"):
-            return load_checkpoint(tc.resume)
-        existing = sorted(self.ckpt_dir.glob("*.pt")) if self.ckpt_dir.exists() else []
-        if self.dist.is_main and self.ckpt_dir.exists():
-            for stale in self.ckpt_dir.glob(".*.pt.tmp*"):     # left by a process killed mid-write
-                stale.unlink(missing_ok=True)
-        if tc.resume in (True, "true"):
-            newest, newest_step = None, -1
-            for path in existing:
-                try:   # memory-mapped: reading the step does not read the tensors of every file
-                    step = load_checkpoint(path, mmap=True)["step"]
-                except CheckpointError as error:
-                    log.warning("skipping %s", error)
-                    continue
-                if step > newest_step:
-                    newest, newest_step = path, step
-            if newest is None:
-                log.warning("trainer.resume=true but %s holds no checkpoint: starting a new run", self.ckpt_dir)
-                return None
-            log.info("resuming from %s (step %d)", newest, newest_step)
-            return load_checkpoint(newest)
-        if existing:
-            if not tc.overwrite:
-                raise TrainingError(
-                    f"{self.ckpt_dir} already holds checkpoints of another run; pass trainer.resume=true to "
-                    "continue it, trainer.overwrite=true to replace it, or choose another hydra.run.dir")
-            D.barrier(self.dist)
-            if self.dist.is_main:
-                shutil.rmtree(self.ckpt_dir)
-        return None
-
     def state_dict(self) -> dict:
-        rng = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
-               "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
         return {
             "model": self.model.state_dict(),
             "config": self.cfg.to_dict(),
@@ -140,7 +108,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "rng": D.gather_objects(rng, self.dist),         # one entry per rank
+            "rng": D.gather_objects(rng_state(self.device), self.dist),         # one entry per rank
             "data_state": {"epoch": self.epoch, "position": self.position, "world_size": self.dist.world_size},
             "metrics": {**self.metrics, "best_bleu": self.best_bleu, "bad_validations": self.bad_validations},
         }
@@ -159,11 +127,7 @@ class Trainer:
         self.metrics = dict(state.get("metrics", {}))
         self.best_bleu = self.metrics.pop("best_bleu", -1.0)
         self.bad_validations = self.metrics.pop("bad_validations", 0)
-        rng = state["rng"][self.dist.rank]
-        torch.set_rng_state(rng["torch"])
-        random.setstate((3, tuple(rng["python"]), None))
-        if rng.get("cuda") is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        restore_rng_state(state["rng"][self.dist.rank], self.device)
 
     def save(self, name: str) -> None:
         state = self.state_dict()           # every rank joins the RNG gather
@@ -409,9 +373,9 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
         cfg = Config.from_dict(raw)
     run_dir = Path(run_dir or cfg.run_dir or "runs/default")
     cfg.run_dir = str(run_dir)
-    _attach_log_file(run_dir, is_main=int(os.environ.get("RANK", "0")) == 0)
+    attach_log_file(run_dir, is_main=int(os.environ.get("RANK", "0")) == 0)
     trainer = Trainer(cfg, run_dir)
-    handlers = _install_signal_handlers(trainer)
+    handlers = install_signal_handlers(trainer)
     try:
         metrics = trainer.fit()
         if trainer.stop_signal is None and cfg.trainer.test_at_end:
@@ -425,48 +389,6 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
         if trainer.writer:
             trainer.writer.close()
         D.shutdown(trainer.dist)
-
-
-def _install_signal_handlers(trainer: Trainer) -> dict:
-    """SIGINT/SIGTERM finish the current step, write last.pt and return cleanly."""
-    import threading
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def handler(signum, frame):
-        if trainer.stop_signal:      # a second Ctrl-C means "now"
-            raise KeyboardInterrupt
-        trainer.stop_signal = signal.Signals(signum).name
-        log.warning("%s received: finishing this step and saving last.pt", trainer.stop_signal)
-
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-_log_handler: logging.Handler | None = None
-
-
-def _attach_log_file(run_dir: Path, is_main: bool) -> None:
-    """train.log in the run directory on rank 0 (Hydra's own handler when run through Hydra); other
-    ranks log warnings only, so that one file is written by one process."""
-    global _log_handler
-    root = logging.getLogger()
-    if _log_handler is not None:          # a previous train() call in this process
-        root.removeHandler(_log_handler)
-        _log_handler.close()
-        _log_handler = None
-    if not is_main:
-        for handler in list(root.handlers):
-            if isinstance(handler, logging.FileHandler):
-                root.removeHandler(handler)
-        root.setLevel(logging.WARNING)
-        return
-    log_file = (run_dir / "train.log").resolve()
-    if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == log_file for h in root.handlers):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _log_handler = logging.FileHandler(log_file)
-        _log_handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-        root.addHandler(_log_handler)
-    root.setLevel(logging.INFO)
 
 
 def main() -> None:
