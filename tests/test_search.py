@@ -13,9 +13,10 @@ from transformer.search import (
     greedy_search,
     length_penalty,
     row_topk,
+    top_candidates,
     translate_ids,
 )
-from transformer.tokenizer import EOS_ID
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 A, B = 4, 5
 VOCAB = 6      # PAD UNK BOS EOS A B
@@ -130,6 +131,28 @@ def test_beam_one_equals_greedy(model_and_sources):
     assert [h[0].tokens for h in beam1] == [h.tokens for h in plain] == [h[0].tokens for h in greedy]
     for b, g in zip(beam1, plain):
         assert b[0].logprob == pytest.approx(g.logprob, abs=1e-4)
+
+
+def test_blockwise_candidates_equal_those_from_the_full_distribution(model_and_sources):
+    """From logits, top_candidates works on blocks of 128 rows; 300 rows make three blocks."""
+    model, sources = model_and_sources
+    src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [EOS_ID]) for s in sources], batch_first=True)
+    tokens = torch.randint(4, 50, (300, 3))
+    tokens[:, 0] = BOS_ID
+    decoder = ModelDecoder(model, src.repeat(60, 1), use_cache=False)
+
+    class StepOnly:           # the route for decoders without logits: one full distribution
+        step = staticmethod(decoder.step)
+
+    with torch.no_grad():
+        values, ids, eos = top_candidates(decoder, tokens, 6)
+        generic = top_candidates(StepOnly(), tokens, 6)
+        plain = decoder.step(tokens)
+    plain[:, [PAD_ID, BOS_ID]] = float("-inf")
+    assert torch.allclose(values, plain.topk(6, dim=1).values, atol=1e-5)
+    assert torch.allclose(plain.gather(1, ids), values, atol=1e-5)
+    assert torch.allclose(eos, plain[:, EOS_ID], atol=1e-5)
+    assert torch.equal(generic[1], ids)
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])

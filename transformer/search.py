@@ -52,13 +52,16 @@ class ModelDecoder:
         self.cache = model.new_cache(memory, src_pad_mask) if use_cache else None
         self.memory, self.src_pad_mask = memory, src_pad_mask
 
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (rows, t) -> logits (rows, V) of token t+1, in the model's compute dtype."""
+        if self.cache is not None:
+            return self.model.decode(tokens[:, -1:], None, None, self.cache)[:, -1]
+        # Without the cache, recompute the whole prefix: the slow reference for tests and benchmarks.
+        return self.model.decode(tokens, self.memory, self.src_pad_mask)[:, -1]
+
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (rows, t) -> log-probabilities (rows, V) of token t+1, in float32."""
-        if self.cache is not None:
-            logits = self.model.decode(tokens[:, -1:], None, None, self.cache)[:, -1]
-        else:   # recompute the whole prefix: the slow reference for tests and benchmarks
-            logits = self.model.decode(tokens, self.memory, self.src_pad_mask)[:, -1]
-        return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        return torch.log_softmax(self.logits(tokens), dim=-1, dtype=torch.float32)
 
     def select(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> None:
         """Continue with hypothesis rows `rows`; if given, keep only sentence rows `sentences`."""
@@ -91,13 +94,27 @@ def row_topk(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tenso
     return values, columns.gather(1, picks).clamp_(max=width - 1)
 
 
+# Rows of logits turned into float32 log-probabilities at a time on the CPU. A whole batch's would be
+# up to ~40 MB of fresh memory every step, which glibc maps and the kernel page-faults in anew each
+# time (about a tenth of decoding's CPU time); blocks this size are reused from the heap instead.
+CPU_LOGPROB_BLOCK_ROWS = 128
+
+
 def top_candidates(decoder, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tokens (rows, t) -> the k most probable next tokens per row (log-probabilities (rows, k) and
     ids (rows, k), best first; PAD and BOS excluded) and each row's EOS log-probability (rows,)."""
-    logprobs = decoder.step(tokens)                                               # (rows, V)
+    if not hasattr(decoder, "logits"):        # a decoder that only offers log-probabilities
+        return _candidates(decoder.step(tokens), k)
+    logits = decoder.logits(tokens)                                               # (rows, V)
+    block = CPU_LOGPROB_BLOCK_ROWS if logits.device.type == "cpu" else max(1, logits.size(0))
+    parts = [_candidates(torch.log_softmax(rows, dim=-1, dtype=torch.float32), k) for rows in logits.split(block)]
+    return tuple(torch.cat(tensors) for tensors in zip(*parts))
+
+
+def _candidates(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logprobs[:, PAD_ID] = float("-inf")           # never generated
     logprobs[:, BOS_ID] = float("-inf")
-    values, ids = row_topk(logprobs, k)
+    values, ids = row_topk(logprobs, k)                                           # (rows, k)
     return values, ids, logprobs[:, EOS_ID]
 
 
