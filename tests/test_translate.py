@@ -1,5 +1,6 @@
 """The transformer-translate CLI, the Translator API and make evaluate."""
 
+import platform
 import subprocess
 import sys
 
@@ -84,3 +85,27 @@ def test_python_api_and_evaluate_agree_with_the_cli(trained_checkpoint, trained_
     assert greedy["bleu"] > 0
     with open(result["hypotheses_file"]) as handle:
         assert len(handle.readlines()) == len(sources)
+
+
+FAULT_PROBE = """
+import resource, sys, torch
+from transformer.setup import keep_freed_memory
+if sys.argv[1] == "keep":
+    keep_freed_memory()
+for size in range(3):
+    torch.ones(2**21)                                 # 8 MB, freed at once
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for step in range(50):
+    torch.ones(2**21 + 1024 * step)                   # a little larger each time, like decoding batches
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_keep_freed_memory_stops_reallocations_from_page_faulting_again():
+    def faults(mode):
+        run = subprocess.run([sys.executable, "-c", FAULT_PROBE, mode], capture_output=True, text=True, check=True)
+        return int(run.stdout)
+
+    kept, default = faults("keep"), faults("default")
+    assert kept * 5 < default, (kept, default)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from transformer.checkpoint import CheckpointError
 from transformer.data import DataError, load_split_text, read_lines
+from transformer.setup import keep_freed_memory
 from transformer.translate import Translator
 from transformer.validate import score
 
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     args = parser.parse_args(argv)
+    keep_freed_memory()
     try:
         result = evaluate(args.checkpoint, args.split, args.src, args.ref, args.beam, args.alpha, args.device,
                           args.precision, args.batch_tokens)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import math
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,25 @@ from transformer.tokenizer import Tokenizer, build_tokenizer
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def keep_freed_memory() -> None:
+    """Ask glibc to keep freed memory for reuse rather than hand it back to the kernel (CLIs only).
+
+    By default it maps blocks above a threshold that adapts between 128 KB and 32 MB and unmaps them
+    when freed, and trims the heap's free top. Decoding allocates tensors whose size changes every
+    step, so the same memory is page-faulted in again and again: about 500,000 faults and 1 s of
+    system time for test_2016_flickr at beam 5, about a tenth of the run. No-op off glibc.
+    """
+    if platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3          # mallopt parameters, from malloc.h
+    libc.mallopt(m_mmap_threshold, 32 * 2**20)           # the largest value glibc accepts
+    libc.mallopt(m_trim_threshold, 2**31 - 1)
 
 
 def autocast_factory(device: torch.device, dtype: torch.dtype | None):

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import DEFAULT_BATCH_TOKENS, ConfigError
 from transformer.search import Hypothesis, translate_ids
-from transformer.setup import DTYPES, autocast_factory, resolve_precision
+from transformer.setup import DTYPES, autocast_factory, keep_freed_memory, resolve_precision
 
 
 class Translator:
@@ -128,6 +128,7 @@ def read_input(stream) -> tuple[list[str], int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    keep_freed_memory()
 
     def fail(message: str) -> int:
         print(f"transformer-translate: error: {message}", file=sys.stderr)
