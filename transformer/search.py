@@ -229,7 +229,7 @@ def _closed(finished, open_ids, scores, forced, max_lens, beam_size, alpha, nbes
     return torch.tensor(done, device=forced.device)
 
 
-@torch.no_grad()
+@torch.inference_mode()       # no_grad, minus version counting and view tracking: a few % here
 def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha: float = 0.0,
                   max_len_a: float = 1.2, max_len_b: int = 10, nbest: int = 1, batch_tokens: int = 16384,
                   device: torch.device | str = "cpu", use_cache: bool = True, progress=None,
