@@ -39,6 +39,12 @@ def causal_allowed(query_len: int, key_len: int, device: torch.device) -> torch.
     return torch.arange(key_len, device=device)[None, :] <= query_pos
 
 
+def with_causal(allowed: torch.Tensor | None, query_len: int, key_len: int, device: torch.device) -> torch.Tensor:
+    """`allowed` (or nothing) combined with the bottom-right-aligned causal mask of `causal_allowed`."""
+    causal_mask = causal_allowed(query_len, key_len, device)
+    return causal_mask if allowed is None else allowed & causal_mask
+
+
 # ---------------------------------------------------------------------------------------------------
 # The formula
 
@@ -66,18 +72,17 @@ def attend(q, k, v, allowed=None, causal=False, dropout_p=0.0, need_weights=Fals
     `causal=True` is only passed when Tq == Tk, where SDPA's top-left alignment is correct and lets it
     pick a flash kernel without materialising a mask.
     """
+    if causal and (need_weights or q.device.type == "cpu"):     # only SDPA takes `is_causal`
+        allowed, causal = with_causal(allowed, q.size(-2), k.size(-2), q.device), False
     if need_weights:
-        if causal:
-            causal_mask = causal_allowed(q.size(-2), k.size(-2), q.device)
-            allowed = causal_mask if allowed is None else allowed & causal_mask
         return attention_math(q, k, v, allowed, dropout_p)
     if q.device.type == "cpu":
-        return _cpu_attention(q, k, v, allowed, causal, dropout_p), None
+        return _cpu_attention(q, k, v, allowed, dropout_p), None
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=causal)
     return out, None
 
 
-def _cpu_attention(q, k, v, allowed=None, causal=False, dropout_p=0.0) -> torch.Tensor:
+def _cpu_attention(q, k, v, allowed=None, dropout_p=0.0) -> torch.Tensor:
     """Attention on the CPU: two batched matmuls in the input dtype, the softmax in float32.
 
     At NMT shapes (a few dozen keys) PyTorch's CPU flash kernel is slower: in bf16 training this path
@@ -85,9 +90,6 @@ def _cpu_attention(q, k, v, allowed=None, causal=False, dropout_p=0.0) -> torch.
     decoding, one query per row, the bf16 kernel is 1.5-4x slower than these matmuls.
     """
     scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)                   # (B, H, Tq, Tk)
-    if causal:
-        causal_mask = causal_allowed(q.size(-2), k.size(-2), q.device)
-        allowed = causal_mask if allowed is None else allowed & causal_mask
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
@@ -166,12 +168,10 @@ class MultiHeadAttention(nn.Module):
                 # A single new query may see every cached key: no mask at all. Several new queries
                 # after a past need the bottom-right-aligned triangle.
                 if length > 1:
-                    causal_mask = causal_allowed(length, k.size(2), x.device)
-                    allowed = causal_mask if allowed is None else allowed & causal_mask
+                    allowed = with_causal(allowed, length, k.size(2), x.device)
                 causal = False
             elif causal and allowed is not None:
-                allowed = allowed & causal_allowed(length, k.size(2), x.device)
-                causal = False
+                allowed, causal = with_causal(allowed, length, k.size(2), x.device), False
             out, weights = attend(q, k, v, allowed, causal=causal, dropout_p=dropout_p,
                                   need_weights=self.need_weights)
         self.last_weights = weights

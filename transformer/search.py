@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer.attention import padding_mask
+from transformer.config import DEFAULT_BATCH_TOKENS
 from transformer.data import batches_in_order, pad_sequences
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -231,8 +232,8 @@ def _closed(finished, open_ids, scores, forced, max_lens, beam_size, alpha, nbes
 
 @torch.inference_mode()       # no_grad, minus version counting and view tracking: a few % here
 def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha: float = 0.0,
-                  max_len_a: float = 1.2, max_len_b: int = 10, nbest: int = 1, batch_tokens: int = 16384,
-                  device: torch.device | str = "cpu", use_cache: bool = True, progress=None,
+                  max_len_a: float = 1.2, max_len_b: int = 10, nbest: int = 1,
+                  batch_tokens: int = DEFAULT_BATCH_TOKENS, device: torch.device | str = "cpu", use_cache: bool = True, progress=None,
                   autocast=None) -> list[list[Hypothesis]]:
     """Decode token-id sources (without EOS) in length-sorted batches; results in input order.
 
