@@ -233,8 +233,8 @@ def _closed(finished, open_ids, scores, forced, max_lens, beam_size, alpha, nbes
 @torch.inference_mode()       # no_grad, minus version counting and view tracking: a few % here
 def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha: float = 0.0,
                   max_len_a: float = 1.2, max_len_b: int = 10, nbest: int = 1,
-                  batch_tokens: int = DEFAULT_BATCH_TOKENS, device: torch.device | str = "cpu", use_cache: bool = True, progress=None,
-                  autocast=None) -> list[list[Hypothesis]]:
+                  batch_tokens: int = DEFAULT_BATCH_TOKENS, device: torch.device | str = "cpu",
+                  use_cache: bool = True, progress=None, autocast=None) -> list[list[Hypothesis]]:
     """Decode token-id sources (without EOS) in length-sorted batches; results in input order.
 
     `beam_size=1` runs greedy search. Sources longer than the model's positions are truncated by the
