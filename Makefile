@@ -11,7 +11,7 @@ split  ?= test
 
 # Make's own variables and the targets are not Hydra overrides; everything else on the command line is.
 OWN_VARS    := NPROC CKPT split PYTHON ARGS
-TARGETS     := help install train train-ddp evaluate translate tensorboard test test-fast bench lint clean
+TARGETS     := help install prepare train train-ddp evaluate translate tensorboard test test-fast bench lint clean
 HYDRA_ARGS  := $(filter-out $(foreach v,$(OWN_VARS),$(v)=%),$(MAKEOVERRIDES)) \
                $(filter-out $(TARGETS),$(MAKECMDGOALS)) $(ARGS)
 
@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 install: $(STAMP)  ## create/refresh .venv (torch pinned in pyproject.toml)
+
+prepare: $(STAMP)  ## SentencePiece + memory-mapped encoded corpus for the data config (train does it when missing)
+	$(PY) -m transformer.corpus $(HYDRA_ARGS)
 
 train: $(STAMP)  ## train; key=value args are Hydra overrides (default: tiny model on the embedded corpus)
 	$(PY) -m transformer.train $(HYDRA_ARGS)

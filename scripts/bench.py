@@ -5,8 +5,10 @@
 train  : target tokens/s and peak memory of our full training step (forward, fused label-smoothed loss,
          backward, AdamW) vs a torch.nn.Transformer model of the same shape with tied embeddings and the
          same loss, on the same batches, interleaved; median over repeats, warm-up excluded.
-data   : seconds to load + encode + bucket the training split with the SentencePiece model cached, and
-         the padding share of its batches.
+data   : preparing Multi30k with the SentencePiece model cached, and with everything cached; padding
+         share; collate time of 8k-token batches (scripts/bench_data.py).
+data_scale : Multi30k repeated to 1M and 4.5M pairs: cold and warm start to the first step, peak RSS,
+         two torchrun ranks (scripts/bench_data.py; --data-scale 0 skips it).
 decode : sentences/s for greedy and beam 5, with the key/value cache and recomputing the prefix.
 translate_cli : with --checkpoint and MULTI30K_DIR, seconds for `transformer-translate` to translate
          test_2016_flickr as a whole process (startup and model load included), beam 5 and greedy.
@@ -33,9 +35,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformer.attention import padding_mask  # noqa: E402
+from transformer.batching import TokenBatchSampler  # noqa: E402
 from transformer.config import Config  # noqa: E402
-from transformer.data import TokenBatchSampler, collate  # noqa: E402
-from transformer.distributed import DistInfo  # noqa: E402
+from transformer.corpus import prepare  # noqa: E402
 from transformer.loss import output_cross_entropy  # noqa: E402
 from transformer.model import SinusoidalPositions, build_model  # noqa: E402
 from transformer.search import translate_ids  # noqa: E402
@@ -43,7 +45,6 @@ from transformer.setup import (  # noqa: E402
     DTYPES,
     autocast_factory,
     cpu_has_native_bf16,
-    prepare_data,
     resolve_precision,
 )
 from transformer.tokenizer import PAD_ID  # noqa: E402
@@ -158,9 +159,9 @@ def time_training(models: dict, batches, device, dtype, repeats: int, smoothing:
 
 
 def bench_train(cfg, data, device, args) -> list[dict]:
-    sampler = TokenBatchSampler([len(s) for s in data.train.src], [len(t) for t in data.train.tgt],
-                                args.max_tokens, seed=1)
-    batches = [collate(data.train, b).to(device) for b in sampler.batches(0)[: args.steps]]
+    sampler = TokenBatchSampler(data.train.src_lens, data.train.tgt_lens, args.max_tokens, seed=1)
+    epoch = sampler.batches(0)
+    batches = [data.train.collate(epoch[k]).to(device) for k in range(min(args.steps, len(epoch)))]
     vocab = data.tokenizer.tgt_vocab_size
     precisions = ["fp32"]
     if device.type == "cuda" or cpu_has_native_bf16():
@@ -207,22 +208,6 @@ class _compiled(nn.Module):
 def _peak_tflops(device) -> float | None:
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-
-
-def bench_data(cfg) -> dict:
-    started = time.perf_counter()
-    data = prepare_data(cfg, DistInfo())          # SentencePiece and encodings come from the cache
-    sampler = TokenBatchSampler([len(s) for s in data.train.src], [len(t) for t in data.train.tgt],
-                                cfg.trainer.max_tokens, seed=1)
-    batches = sampler.batches(0)
-    seconds = time.perf_counter() - started
-    real = padded = 0
-    for indices in batches:
-        batch = collate(data.train, indices)
-        real += int((batch.src != PAD_ID).sum() + (batch.tgt_out != PAD_ID).sum())
-        padded += batch.src.numel() + batch.tgt_out.numel()
-    return {"section": "data", "load_encode_bucket_s": seconds, "batches": len(batches),
-            "max_tokens": cfg.trainer.max_tokens, "padding_share": 1 - real / padded}
 
 
 def bench_decode(model, tokenizer, sources: list[str], device, repeats: int) -> list[dict]:
@@ -279,6 +264,9 @@ def main() -> int:
     parser.add_argument("--cli-repeats", type=int, default=3,
                         help="whole-process transformer-translate runs per beam (needs --checkpoint and "
                              "MULTI30K_DIR; 0 = skip)")
+    parser.add_argument("--data-scale", default="1000000,4500000",
+                        help="corpus sizes (pairs) for the data-scale section, needs MULTI30K_DIR; 0 = skip")
+    parser.add_argument("--data-scale-dir", default="/tmp/bench-data-scale", help="where its corpora are written")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--output", default="bench.json")
     args = parser.parse_args()
@@ -293,8 +281,9 @@ def main() -> int:
             "torch": torch.__version__, "threads": torch.get_num_threads(), "data": cfg.data.name,
             "model": {k: getattr(cfg.model, k) for k in ("name", "d_model", "n_heads", "d_ff", "encoder_layers",
                                                           "decoder_layers")}}
+    from bench_data import bench_data, bench_data_scale
     rows = [bench_data(cfg)]
-    data = prepare_data(cfg, DistInfo())
+    data = prepare(cfg.data)
     rows += bench_train(cfg, data, device, args)
 
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
@@ -310,6 +299,9 @@ def main() -> int:
     test_file = Path(multi30k or ".") / "test_2016_flickr.de"
     if args.checkpoint and multi30k and args.cli_repeats > 0 and test_file.exists():
         rows += bench_translate_cli(args.checkpoint, test_file, args.cli_repeats)
+    sizes = [int(x) for x in args.data_scale.split(",") if int(x) > 0]
+    if multi30k and sizes:
+        rows += bench_data_scale(Path(multi30k), sizes, Path(args.data_scale_dir))
 
     Path(args.output).write_text(json.dumps({"info": info, "results": rows}, indent=2) + "\n")
     _print_table(info, rows)
@@ -346,9 +338,9 @@ def _print_table(info: dict, rows: list[dict]) -> None:
             print(f"train  {row['precision']:4s} {'compiled' if row['compiled'] else 'eager   '} | ours "
                   f"{row['ours_tokens_per_s']:8.0f} tgt tok/s | nn.Transformer {row['reference_tokens_per_s']:8.0f} | "
                   f"ratio {row['speedup_vs_reference']:.2f}x | loss falls: {row['loss_ok']}{memory}{mfu}")
-        elif row["section"] == "data":
-            print(f"data   load+encode+bucket {row['load_encode_bucket_s']:.1f} s | {row['batches']} batches of "
-                  f"max_tokens={row['max_tokens']} | padding {100 * row['padding_share']:.1f}%")
+        elif row["section"] in ("data", "data_scale"):
+            from bench_data import print_row
+            print_row(row)
         elif row["section"] == "translate_cli":
             print(f"transformer-translate --beam {row['beam']} < {Path(row['file']).name} (whole process) | "
                   f"median {row['seconds_median']:.2f} s (min {row['seconds_min']:.2f}, max "

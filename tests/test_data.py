@@ -1,19 +1,24 @@
 import json
 import logging
 
+import numpy as np
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from transformer import data as data_module
 from transformer import toy
-from transformer.config import DataConfig
-from transformer.data import (
-    DataError,
+from transformer.batching import (
     TokenBatchSampler,
+    UpdateSampler,
     batches_in_order,
-    collate,
-    encode_split,
-    load_split_text,
-    read_lines,
+    pack_sorted,
+    pad_sequences,
 )
+from transformer.config import DataConfig
+from transformer.corpus import EncodedCorpus, encoded_split, prepare
+from transformer.data import DataError, InMemory, ParallelFiles, load_split_text, open_split, read_lines
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 
 
@@ -70,14 +75,77 @@ def test_tsv_and_jsonl_sources(tmp_path):
     assert load_split_text(DataConfig(path=str(tmp_path)), "validation") == (["Haus", "Maus"], ["house", "mouse"])
 
 
+def _corpus(tmp_path, src, tgt, max_len=20, vocab=60):
+    tokenizer = build_tokenizer(src * 5, tgt * 5, vocab_size=vocab, cache_dir=tmp_path)
+    cfg = DataConfig(name="unit", embedded=True, cache_dir=str(tmp_path), max_len=max_len)
+    return encoded_split(InMemory(src, tgt, "unit"), tokenizer, cfg, "train"), tokenizer
+
+
 def test_empty_nul_and_overlong_pairs_are_dropped_and_counted(tmp_path, caplog):
-    src = ["ein Hund", "", "eine Katze", "a\0b", "sehr " * 50, "das Haus"]
-    tgt = ["a dog", "nothing", "", "x", "very " * 50, "the house"]
-    tokenizer = build_tokenizer(src * 5, tgt * 5, vocab_size=60, cache_dir=tmp_path)
+    src = ["ein Hund", "", "eine Katze", "a\0b", "sehr " * 50, "das Haus", "  "]
+    tgt = ["a dog", "nothing", "", "x", "very " * 50, "the house", "blank source"]
+    corpus, tokenizer = _corpus(tmp_path, src, tgt)
     with caplog.at_level(logging.WARNING):
-        split = encode_split(src, tgt, tokenizer, cache_dir=tmp_path, max_len=20, name="unit")
-    assert split.src_text == ["ein Hund", "das Haus"]
-    assert "dropped 4 of 6 pairs (empty: 2, NUL byte: 1, too long: 1" in caplog.text
+        corpus.report()
+    assert "dropped 5 of 7 pairs (empty: 3, NUL byte: 1, too long: 1" in caplog.text
+    kept = [corpus.ids(i) for i in range(len(corpus))]
+    assert tokenizer.decode_tgt([t for _, t in kept]) == ["a dog", "the house"]
+    assert [s for s, _ in kept] == tokenizer.encode_src(["ein Hund", "das Haus"])
+    # the filter is applied at load time: another max_len reuses the same files
+    assert len(EncodedCorpus(corpus.directory, None, "unit")) == 3
+
+
+def test_a_split_with_no_usable_pair_names_its_source(tmp_path):
+    corpus, _ = _corpus(tmp_path, ["ein Hund", "", "x"], ["a dog", "y", ""], max_len=1)
+    with pytest.raises(DataError, match=r"unit.* no usable sentence pairs left"):
+        corpus.report()
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "train.de").write_text("\n \n\n")
+    (tmp_path / "blank" / "train.en").write_text(" \n\n\n")
+    for lang in ("de", "en"):
+        (tmp_path / "blank" / f"validation.{lang}").write_text("x\n")
+    with pytest.raises(DataError, match=r"blank/train.de \+ train.en: no usable sentence to train the tokenizer"):
+        prepare(DataConfig(path=str(tmp_path / "blank"), cache_dir=str(tmp_path / "c")))
+
+
+def test_prepared_corpus_round_trips_and_pickles_as_its_directory(tmp_path):
+    import pickle
+    src, tgt = toy.generate(300, 5, 5)["train"]
+    corpus, tokenizer = _corpus(tmp_path, src, tgt, max_len=100, vocab=120)
+    assert len(corpus) == 300
+    assert [corpus.ids(i) for i in range(300)] == list(zip(tokenizer.encode_src(src), tokenizer.encode_tgt(tgt)))
+    blob = pickle.dumps(corpus)
+    assert len(blob) < 1000                                   # a path, not the arrays
+    again = pickle.loads(blob)
+    assert all(torch.equal(a, b) for a, b in zip(vars(again.collate([3, 1, 2])).values(),
+                                                 vars(corpus.collate([3, 1, 2])).values())
+               if isinstance(a, torch.Tensor))
+
+
+def test_streaming_across_blocks_keeps_line_numbers_and_alignment(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_module, "_BLOCK_BYTES", 16)          # many tiny blocks
+    de = [f"Zeile {i} " + "ä" * (i % 7) for i in range(200)]
+    en = [f"line {i}" for i in range(200)]
+    (tmp_path / "train.de").write_text("\ufeff" + "\r\n".join(de) + "\r\n")
+    (tmp_path / "train.en").write_text("\n".join(en))              # no final newline
+    source = ParallelFiles(tmp_path / "train.de", tmp_path / "train.en")
+    chunks = list(source.chunks(size=37))
+    assert [len(s) for s, _ in chunks] == [37] * 5 + [15]
+    assert source.read_all() == (de, en)
+    raw = (tmp_path / "train.de").read_bytes()
+    (tmp_path / "train.de").write_bytes(raw.replace(b"Zeile 150 ", b"Zeile\xff150 "))
+    with pytest.raises(DataError, match=r"train\.de:151: invalid UTF-8 \(byte 0xff at column 6\)"):
+        source.read_all()
+
+
+def test_arrow_sources_stream_in_chunks(tmp_path):
+    rows = [{"translation": {"de": f"Haus {i}", "en": f"house {i}"}} for i in range(25)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    source = open_split(DataConfig(path=str(tmp_path)), "train")
+    assert [len(s) for s, _ in source.chunks(size=10)] == [10, 10, 5]
+    assert source.read_all() == ([f"Haus {i}" for i in range(25)], [f"house {i}" for i in range(25)])
+    with pytest.raises(DataError, match="lack 'fr'/'en' keys"):
+        open_split(DataConfig(path=str(tmp_path), src_lang="fr"), "train")
 
 
 def test_embedded_corpus_is_a_real_translation_task():
@@ -96,32 +164,114 @@ def test_embedded_corpus_is_a_real_translation_task():
     assert toy.generate(50, 10, 10) == toy.generate(50, 10, 10)       # deterministic
 
 
-def _sampler(n=600, max_tokens=120, seed=3):
+def _lengths(n=600, seed=0):
     import random
-    rng = random.Random(0)
+    rng = random.Random(seed)
     src_lens = [rng.randint(1, 30) for _ in range(n)]
     tgt_lens = [max(1, s + rng.randint(-3, 3)) for s in src_lens]
+    return src_lens, tgt_lens
+
+
+def _sampler(n=600, max_tokens=120, seed=3):
+    src_lens, tgt_lens = _lengths(n)
     return TokenBatchSampler(src_lens, tgt_lens, max_tokens, seed), src_lens, tgt_lens
 
 
 def test_batches_respect_the_token_budget_and_cover_every_pair_once():
     sampler, src_lens, tgt_lens = _sampler()
     for epoch in range(3):
-        batches = sampler.batches(epoch)
+        batches = sampler.batches(epoch).tolist()
         flat = [i for b in batches for i in b]
         assert sorted(flat) == list(range(len(src_lens)))                 # each pair exactly once
         for batch in batches:
             width = max(max(src_lens[i], tgt_lens[i]) + 1 for i in batch)
             assert len(batch) * width <= 120
-    assert sampler.batches(1) == _sampler()[0].batches(1)                 # same seed, same epoch: same batches
-    assert sampler.batches(1) != sampler.batches(2)                       # reshuffled per epoch
-    assert _sampler(seed=4)[0].batches(1) != sampler.batches(1)
+    assert sampler.batches(1).tolist() == _sampler()[0].batches(1).tolist()   # same seed and epoch: same
+    assert sampler.batches(1).tolist() != sampler.batches(2).tolist()         # reshuffled per epoch
+    assert _sampler(seed=4)[0].batches(1).tolist() != sampler.batches(1).tolist()
+
+
+def _reference_batches(src_lens, tgt_lens, flags, max_len, max_tokens, seed, epoch):
+    """The slow, obvious version of filtering + bucketing: a loop over pairs, Python sorting, one
+    sentence at a time into the open batch."""
+    kept = [i for i in range(len(src_lens)) if not flags[i] and 0 < src_lens[i] <= max_len
+            and 0 < tgt_lens[i] <= max_len]
+    rng = np.random.default_rng([seed, epoch])
+    tie = rng.random(len(kept))
+    def key(k):
+        s, t = src_lens[kept[k]] + 1, tgt_lens[kept[k]] + 1
+        return (max(s, t), s, t, tie[k])
+    order = sorted(range(len(kept)), key=key)
+    batches, current, width = [], [], 0
+    for k in order:
+        new_width = max(width, key(k)[0])
+        if current and (len(current) + 1) * new_width > max_tokens:
+            batches.append(current)
+            current, new_width = [], key(k)[0]
+        current.append(k)
+        width = new_width
+    batches.append(current)
+    return [[kept[k] for k in batches[b]] for b in rng.permutation(len(batches))]
+
+
+def test_vectorised_filtering_and_batching_equal_the_slow_reference(tmp_path):
+    import random
+    rng = random.Random(5)
+    words = ["Hund", "Katze", "Haus", "rot", "läuft", "schnell", "ein", "der", "über", "Brücke"]
+    src = [" ".join(rng.choices(words, k=rng.randint(0, 25))) for _ in range(700)]
+    tgt = [" ".join(rng.choices(words, k=rng.randint(0, 25))) for _ in range(700)]
+    for i in rng.sample(range(700), 20):
+        src[i] = src[i] + "\0"
+    corpus, tokenizer = _corpus(tmp_path, src, tgt, max_len=40, vocab=80)
+    src_all = [len(x) for x in tokenizer.encode_src(src)]
+    tgt_all = [len(x) for x in tokenizer.encode_tgt(tgt)]
+    flags = ["\0" in s or not s.strip() or not t.strip() for s, t in zip(src, tgt)]
+    sampler = TokenBatchSampler(corpus.src_lens, corpus.tgt_lens, max_tokens=300, seed=7)
+    for epoch in range(3):
+        ours = [corpus.pair_index[b].tolist() for b in sampler.batches(epoch)]
+        assert ours == _reference_batches(src_all, tgt_all, flags, 40, 300, 7, epoch)
+
+
+def _greedy(widths, max_tokens):
+    starts, count = [], 0
+    for i, w in enumerate(widths):
+        if count and (count + 1) * w > max_tokens:
+            count = 0
+        if count == 0:
+            starts.append(i)
+        count += 1
+    return starts
+
+
+@settings(max_examples=200, deadline=None)
+@given(widths=st.lists(st.integers(1, 40), max_size=80), max_tokens=st.integers(1, 120))
+def test_pack_sorted_equals_one_sentence_at_a_time(widths, max_tokens):
+    widths = sorted(widths)
+    assert pack_sorted(np.array(widths, dtype=np.int64), max_tokens).tolist() == _greedy(widths, max_tokens)
+
+
+def test_collate_equals_padding_each_sentence_in_a_loop(tmp_path):
+    src, tgt = toy.generate(200, 5, 5)["train"]
+    corpus, tokenizer = _corpus(tmp_path, src, tgt, max_len=100, vocab=120)
+    positions = [17, 3, 150, 42, 99]
+    batch = corpus.collate(positions)
+    pairs = [corpus.ids(p) for p in positions]
+    width_s = max(len(s) for s, _ in pairs) + 1
+    width_t = max(len(t) for _, t in pairs) + 1
+    for row, (s, t) in enumerate(pairs):
+        assert batch.src[row].tolist() == s + [EOS_ID] + [PAD_ID] * (width_s - len(s) - 1)
+        assert batch.tgt_in[row].tolist() == [BOS_ID] + t + [PAD_ID] * (width_t - len(t) - 1)
+        assert batch.tgt_out[row].tolist() == t + [EOS_ID] + [PAD_ID] * (width_t - len(t) - 1)
+    assert batch.num_tgt_tokens == sum(len(t) + 1 for _, t in pairs)
+    real = sum(len(s) + len(t) + 2 for s, t in pairs)
+    assert batch.padding_share == pytest.approx(1 - real / (len(pairs) * (width_s + width_t)))
+    assert batch.src.dtype == torch.int64
 
 
 def test_length_bucketing_keeps_padding_low():
     sampler, src_lens, tgt_lens = _sampler(n=3000, max_tokens=1024)
     real = padded = 0
-    for batch in sampler.batches(0):
+    for batch in sampler.batches(0).tolist():
         width_src = max(src_lens[i] for i in batch) + 1
         width_tgt = max(tgt_lens[i] for i in batch) + 1
         real += sum(src_lens[i] + 1 + tgt_lens[i] + 1 for i in batch)
@@ -129,20 +279,36 @@ def test_length_bucketing_keeps_padding_low():
     assert 1 - real / padded < 0.10
 
 
+def test_update_plan_splits_global_batches_over_ranks_and_micro_batches():
+    sampler, _, _ = _sampler(n=200, max_tokens=120)
+    batches = sampler.batches(0).tolist()
+    n = len(batches)
+    one = list(UpdateSampler(sampler, update_freq=2))
+    assert [[b.tolist() for b, _ in plan] for plan, _ in one] == [batches[i:i + 2] for i in range(0, n, 2)]
+    ranks = [list(UpdateSampler(sampler, update_freq=1, rank=r, world=2)) for r in (0, 1)]
+    for k, ((plan0, used0), (plan1, used1)) in enumerate(zip(*ranks)):
+        assert used0 == used1 == min(2, n - 2 * k)
+        assert plan0[0][0].tolist() == batches[2 * k]
+        if 2 * k + 1 < n:
+            assert plan1 == [(plan1[0][0], 1.0)] and plan1[0][0].tolist() == batches[2 * k + 1]
+        else:                     # past the end: a weight-0 repeat keeps the ranks' backward passes equal
+            assert plan1[0][1] == 0.0
+    resumed = UpdateSampler(sampler, update_freq=2)
+    resumed.start(0, 4)
+    assert [[b.tolist() for b, _ in p] for p, _ in resumed] == [batches[i:i + 2] for i in range(4, n, 2)]
+
+
 def test_max_tokens_smaller_than_a_sentence_is_refused():
     with pytest.raises(DataError, match="trainer.max_tokens=10 is smaller than the longest sentence"):
         TokenBatchSampler([5, 30], [5, 4], max_tokens=10, seed=1)
 
 
-def test_collate_shapes_and_special_tokens(tmp_path):
-    from transformer.data import EncodedSplit
-    split = EncodedSplit(src=[[7, 8, 9], [10]], tgt=[[11, 12], [13, 14, 15]], src_text=["", ""], tgt_text=["", ""])
-    batch = collate(split, [0, 1])
-    assert batch.src.tolist() == [[7, 8, 9, EOS_ID], [10, EOS_ID, PAD_ID, PAD_ID]]
-    assert batch.tgt_in.tolist() == [[BOS_ID, 11, 12, PAD_ID], [BOS_ID, 13, 14, 15]]
-    assert batch.tgt_out.tolist() == [[11, 12, EOS_ID, PAD_ID], [13, 14, 15, EOS_ID]]
-    assert batch.num_tgt_tokens == 7
+def test_pad_sequences_and_batches_in_order():
+    assert pad_sequences([[7, 8, 9], [10]], suffix=[EOS_ID]).tolist() == [[7, 8, 9, EOS_ID], [10, EOS_ID, PAD_ID, PAD_ID]]
+    assert pad_sequences([[11, 12], [13, 14, 15]], prefix=[BOS_ID]).tolist() == \
+        [[BOS_ID, 11, 12, PAD_ID], [BOS_ID, 13, 14, 15]]
     assert batches_in_order([5, 1, 3], max_tokens=100) == [[1, 2, 0]]
+    assert batches_in_order([5, 1, 3, 1], max_tokens=6) == [[1, 3], [2], [0]]
 
 
 def test_multi30k_loads_from_local_files(multi30k_dir):

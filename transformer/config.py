@@ -10,7 +10,11 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+# Hydra's config tree (absolute, so that any launcher finds it: -m, torchrun, console scripts).
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 class ConfigError(ValueError):
@@ -66,7 +70,7 @@ class DataConfig:
     tokenizer_type: str = "bpe"
     joint_vocab: bool = True
     character_coverage: float = 1.0
-    tokenizer_sample: int = 2_000_000
+    tokenizer_sample: int = 1_000_000
     cache_dir: str = "data"
 
     def validate(self) -> None:
@@ -116,6 +120,7 @@ class TrainerConfig:
     overwrite: bool = False
     log_every: int = 50
     num_threads: int = 0
+    num_workers: int | None = None
 
     def validate(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -130,6 +135,8 @@ class TrainerConfig:
                     "val_max_sentences", "num_threads", "weight_decay", "clip_norm", "max_minutes"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)} must be >= 0 (0 disables it)")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ConfigError(f"trainer.num_workers={self.num_workers} must be >= 0 (or null: 2 on CUDA, 0 on a CPU)")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"trainer.label_smoothing={self.label_smoothing} must be in [0, 1)")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from transformer.attention import padding_mask
+from transformer.batching import batches_in_order, pad_sequences
 from transformer.config import DEFAULT_BATCH_TOKENS
-from transformer.data import batches_in_order, pad_sequences
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 

@@ -1,4 +1,4 @@
-"""Everything a run needs before its first step: device, precision, data, tokenizer, model, optimizer."""
+"""What a run needs before its first step besides data (corpus.py): device, precision, optimizer."""
 
 from __future__ import annotations
 
@@ -7,14 +7,11 @@ import ctypes
 import logging
 import math
 import platform
-from dataclasses import dataclass
 
 import torch
 
-from transformer.config import Config, ConfigError, TrainerConfig
-from transformer.data import EncodedSplit, encode_split, load_split_text
-from transformer.distributed import DistInfo, barrier
-from transformer.tokenizer import Tokenizer, build_tokenizer
+from transformer.config import ConfigError, TrainerConfig
+from transformer.distributed import DistInfo
 
 log = logging.getLogger(__name__)
 
@@ -78,40 +75,6 @@ def resolve_precision(name: str, device: torch.device) -> str:
     if name == "fp16" and device.type == "cpu":
         raise ConfigError("precision fp16 needs CUDA (trainer.precision / --precision); on the CPU use bf16 or fp32")
     return name
-
-
-@dataclass
-class RunData:
-    tokenizer: Tokenizer
-    train: EncodedSplit
-    valid: EncodedSplit
-    valid_text: tuple[list[str], list[str]]
-
-
-def prepare_data(cfg: Config, dist_info: DistInfo, tokenizer: Tokenizer | None = None) -> RunData:
-    """Load text, train or load the SentencePiece model, and encode (cached).
-
-    Under torchrun rank 0 builds the tokenizer and the encoded caches while the others wait, then the
-    others read the same cached files: no two processes ever write the same file.
-    """
-    data = cfg.data
-    train_src, train_tgt = load_split_text(data, "train")
-    valid_src, valid_tgt = load_split_text(data, "validation")
-    log.info("data %s: %d training pairs, %d validation pairs", data.name, len(train_src), len(valid_src))
-    result = None
-    for turn in ("main", "others"):
-        if (turn == "main") == dist_info.is_main:
-            tok = tokenizer or build_tokenizer(
-                train_src, train_tgt, vocab_size=data.vocab_size, model_type=data.tokenizer_type,
-                joint=data.joint_vocab, character_coverage=data.character_coverage,
-                sample=data.tokenizer_sample, cache_dir=data.cache_dir)
-            train = encode_split(train_src, train_tgt, tok, cache_dir=data.cache_dir, max_len=data.max_len,
-                                 name=f"{data.name}.train")
-            valid = encode_split(valid_src, valid_tgt, tok, cache_dir=data.cache_dir, max_len=data.max_len,
-                                 name=f"{data.name}.valid")
-            result = RunData(tok, train, valid, (valid_src, valid_tgt))
-        barrier(dist_info)
-    return result
 
 
 def inverse_sqrt_schedule(warmup: int):

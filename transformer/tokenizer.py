@@ -16,6 +16,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from transformer.data import DataError
+
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 log = logging.getLogger(__name__)
@@ -37,11 +39,15 @@ class Tokenizer:
     def tgt_vocab_size(self) -> int:
         return self.tgt.get_piece_size()
 
-    def encode_src(self, lines: Sequence[str]) -> list[list[int]]:
-        return self.src.encode(list(lines))
+    def encode_src(self, lines: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        return self.src.encode(list(lines), num_threads=num_threads)
 
-    def encode_tgt(self, lines: Sequence[str]) -> list[list[int]]:
-        return self.tgt.encode(list(lines))
+    def encode_tgt(self, lines: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        return self.tgt.encode(list(lines), num_threads=num_threads)
+
+    def fingerprint(self) -> str:
+        """Identifies the model(s): part of the key of every corpus encoded with them."""
+        return hashlib.sha256(self.src_model_bytes + b"\0" + self.tgt_model_bytes).hexdigest()[:16]
 
     def decode_tgt(self, ids: Sequence[Sequence[int]]) -> list[str]:
         return self.tgt.decode([list(x) for x in ids])
@@ -56,11 +62,35 @@ class Tokenizer:
 
 
 def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
-                        character_coverage: float, sample: int) -> bytes:
-    """Train one SentencePiece model in memory and return its serialised bytes."""
+                        character_coverage: float, sample: int, where: str = "the training split") -> bytes:
+    """Train one SentencePiece model in memory and return its serialised bytes.
+
+    The lines are streamed: SentencePiece keeps a uniform random sample of at most `sample` of them
+    (its input_sentence_size / shuffle_input_sentence), so its time and memory do not grow with the
+    corpus beyond reading it once.
+    """
     model = io.BytesIO()
+    usable = [0]
+
+    def counted():
+        for line in lines:
+            if line.strip():
+                usable[0] += 1
+            yield line
+
+    try:
+        _train(counted(), model, vocab_size, model_type, character_coverage, sample)
+    except RuntimeError as error:
+        if usable[0] == 0:
+            raise DataError(f"{where}: no usable sentence to train the tokenizer on (every line is empty); "
+                            "check the files of the training split") from None
+        raise DataError(f"{where}: SentencePiece training failed: {str(error).splitlines()[0]}") from None
+    return model.getvalue()
+
+
+def _train(sentences, model, vocab_size, model_type, character_coverage, sample) -> None:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
+        sentence_iterator=sentences,
         model_writer=model,
         vocab_size=vocab_size,
         model_type=model_type,
@@ -73,7 +103,6 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
         num_threads=os.cpu_count() or 1,
         minloglevel=2,
     )
-    return model.getvalue()
 
 
 def corpus_fingerprint(src_lines: Sequence[str], tgt_lines: Sequence[str], settings: dict) -> str:
@@ -86,13 +115,21 @@ def corpus_fingerprint(src_lines: Sequence[str], tgt_lines: Sequence[str], setti
     return digest.hexdigest()[:16]
 
 
-def build_tokenizer(src_lines: Sequence[str], tgt_lines: Sequence[str], *, vocab_size: int,
+def build_tokenizer(src_lines: Iterable[str], tgt_lines: Iterable[str], *, vocab_size: int,
                     model_type: str = "bpe", joint: bool = True, character_coverage: float = 1.0,
-                    sample: int = 2_000_000, cache_dir: str | Path = "data") -> Tokenizer:
-    """Load the cached tokenizer for this corpus and these settings, or train and cache it."""
+                    sample: int = 1_000_000, cache_dir: str | Path = "data", fingerprint: str | None = None,
+                    where: str = "the training split") -> Tokenizer:
+    """Load the cached tokenizer for this corpus and these settings, or train and cache it.
+
+    `src_lines` / `tgt_lines` may be re-iterable streams; `fingerprint` identifies their content
+    (hashed from the lines when not given).
+    """
     settings = {"vocab_size": vocab_size, "model_type": model_type, "joint": joint,
                 "character_coverage": character_coverage, "sample": sample}
-    key = corpus_fingerprint(src_lines, tgt_lines, settings)
+    if fingerprint is None:
+        key = corpus_fingerprint(src_lines, tgt_lines, settings)
+    else:
+        key = hashlib.sha256(json.dumps({**settings, "corpus": fingerprint}, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cache_dir) / "spm"
     names = ["joint"] if joint else ["src", "tgt"]
     paths = [folder / f"{key}.{name}.model" for name in names]
@@ -103,7 +140,7 @@ def build_tokenizer(src_lines: Sequence[str], tgt_lines: Sequence[str], *, vocab
         log.info("SentencePiece: training %s %s vocabulary of %d pieces", "joint" if joint else "separate",
                  model_type, vocab_size)
         train = dict(vocab_size=vocab_size, model_type=model_type,
-                     character_coverage=character_coverage, sample=sample)
+                     character_coverage=character_coverage, sample=sample, where=where)
         if joint:
             models = [train_sentencepiece(_chain(src_lines, tgt_lines), **train)]
         else:
@@ -113,7 +150,14 @@ def build_tokenizer(src_lines: Sequence[str], tgt_lines: Sequence[str], *, vocab
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_bytes(model)
             os.replace(tmp, path)
-    return Tokenizer(models[0], None if joint else models[1])
+    tokenizer = Tokenizer(models[0], None if joint else models[1])
+    sizes = f"{tokenizer.src_vocab_size}" if joint else f"{tokenizer.src_vocab_size} + {tokenizer.tgt_vocab_size}"
+    if max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) < vocab_size:
+        log.warning("SentencePiece: the vocabulary has %s pieces, fewer than data.vocab_size=%d: the corpus "
+                    "supports no more", sizes, vocab_size)
+    else:
+        log.info("SentencePiece: the vocabulary has %s pieces", sizes)
+    return tokenizer
 
 
 def _chain(*parts: Iterable[str]):

@@ -21,9 +21,11 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from transformer import distributed as D
+from transformer.batching import TokenBatchSampler, UpdateSampler, update_loader
 from transformer.checkpoint import CheckpointError, load_checkpoint, load_model_weights, save_checkpoint
-from transformer.config import Config, ConfigError
-from transformer.data import DataError, TokenBatchSampler, collate, load_split_text
+from transformer.config import CONF_DIR, Config, ConfigError
+from transformer.corpus import prepare
+from transformer.data import DataError, load_split_text
 from transformer.model import build_model
 from transformer.run_state import (
     TrainingError,
@@ -37,7 +39,6 @@ from transformer.setup import (
     DTYPES,
     autocast_factory,
     build_optimizer,
-    prepare_data,
     resolve_device,
     resolve_precision,
 )
@@ -51,7 +52,6 @@ from transformer.validate import (
 )
 
 log = logging.getLogger("transformer.train")
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 class Trainer:
@@ -75,14 +75,19 @@ class Trainer:
         torch.manual_seed(tc.seed + self.dist.rank)
         random.seed(tc.seed + self.dist.rank)
         tokenizer = Tokenizer.from_state_dict(resume_state["tokenizer"]) if resume_state else None
-        self.data = prepare_data(cfg, self.dist, tokenizer)
+        # Every rank calls this: one prepares under a file lock (no collective is waiting meanwhile),
+        # the others then memory-map the same files.
+        self.data = prepare(cfg.data, tokenizer)
+        self.valid_text = load_split_text(cfg.data, "validation")
         tok = self.data.tokenizer
         self.model = build_model(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint).to(self.device)
         self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        train = self.data.train
-        self.sampler = TokenBatchSampler([len(s) for s in train.src], [len(t) for t in train.tgt],
-                                         tc.max_tokens, tc.seed)
+        self.sampler = TokenBatchSampler(self.data.train.src_lens, self.data.train.tgt_lens, tc.max_tokens, tc.seed)
+        self.updates = UpdateSampler(self.sampler, tc.update_freq, self.dist.rank, self.dist.world_size)
+        cuda = self.device.type == "cuda"
+        workers = tc.num_workers if tc.num_workers is not None else (2 if cuda else 0)
+        self.loader = update_loader(self.data.train, self.updates, workers, pin_memory=cuda)
         self.step, self.epoch, self.position = 0, 0, 0
         self.best_bleu, self.bad_validations, self.bad_steps, self.oom_skips = -1.0, 0, 0, 0
         self.metrics: dict = {}
@@ -144,23 +149,6 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------
     # The loop
-
-    def _micro_batches(self, batches: list[list[int]]):
-        """This rank's micro-batches for one update: global batches position + u*world + rank.
-
-        A rank whose share runs past the end of the epoch repeats a batch with weight 0, so every rank
-        runs the same number of backward passes (DDP's all-reduce needs all of them).
-        """
-        tc, world = self.cfg.trainer, self.dist.world_size
-        chosen = []
-        for u in range(tc.update_freq):
-            index = self.position + u * world + self.dist.rank
-            if index < len(batches):
-                chosen.append((collate(self.data.train, batches[index]), 1.0))
-            elif world > 1 and self.position + u * world < len(batches):
-                chosen.append((collate(self.data.train, batches[0]), 0.0))
-        consumed = min(tc.update_freq * world, len(batches) - self.position)
-        return chosen, consumed
 
     def train_step(self, micro_batches) -> dict:
         tc = self.cfg.trainer
@@ -229,49 +217,16 @@ class Trainer:
         window = {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "pad": 0.0, "steps": 0, "time": time.monotonic()}
         bar = tqdm(total=tc.max_steps or None, initial=self.step, desc="train", unit="step",
                    disable=None if self.dist.is_main else True, dynamic_ncols=True)
-        batches = self.sampler.batches(self.epoch)
         reason = self._stop_reason(started)
         while reason is None:
-            if self.position >= len(batches):
-                self.epoch, self.position = self.epoch + 1, 0
-                batches = self.sampler.batches(self.epoch)
-                reason = self._stop_reason(started)
-                continue
-            micro, consumed = self._micro_batches(batches)
-            stats = self.train_step(micro)
-            self.position += consumed
-            if stats.get("oom"):
-                self.oom_skips += 1
-                if self.writer:
-                    self.writer.add_scalar("train/oom_skipped_batches", self.oom_skips, self.step)
-                reason = self._stop_reason(started)
-                continue
-            self.step += 1
-            bar.update(1)
-            if not stats["finite"]:
-                self.bad_steps += 1
-                if self.writer:
-                    self.writer.add_scalar("train/skipped_steps", self.bad_steps, self.step)
-                # fp16 overflows are routine while the scaler searches its scale: allow more of them.
-                limit = tc.max_bad_steps * (10 if self.precision == "fp16" else 1)
-                if self.bad_steps >= limit:
-                    raise TrainingError(f"loss or gradients were not finite for {self.bad_steps} steps "
-                                        f"(trainer.max_bad_steps={tc.max_bad_steps}); lower trainer.lr or "
-                                        "use trainer.precision=bf16/fp32. Checkpoints keep the last finite weights.")
+            self.updates.start(self.epoch, self.position)
+            for micro, consumed in self.loader:            # one optimizer update per item
+                reason = self._update(micro, consumed, window, bar, started)
+                if reason is not None:
+                    break
             else:
-                self.bad_steps = 0
-                window["loss"] += stats["loss"] * stats["tokens"]
-                window["nll"] += stats["nll"] * stats["tokens"]
-                window["tokens"] += stats["tokens"]
-                window["pad"] += sum(b.padding_share() for b, _ in micro) / max(1, len(micro))
-                window["steps"] += 1
-            if self.step % tc.log_every == 0 and window["steps"]:
-                self._log_train(window, stats, bar)
-            if self.step % tc.validate_every == 0:
-                self.validate()
-            if self.step % (tc.checkpoint_every or tc.validate_every) == 0 and stats["finite"]:
-                self._save_periodic()
-            reason = self._stop_reason(started)
+                self.epoch, self.position = self.epoch + 1, 0
+                reason = self._stop_reason(started)
         bar.close()
         log.info("%s at step %d (epoch %d)", reason, self.step, self.epoch)
         if self.step % tc.validate_every != 0 and self.stop_signal is None:
@@ -283,6 +238,43 @@ class Trainer:
                      self.ckpt_dir / "last.pt", self.run_dir)
         self.metrics["stop_reason"] = reason
         return self.metrics
+
+    def _update(self, micro, consumed: int, window: dict, bar, started: float) -> str | None:
+        """One optimizer update with its logging, validation and checkpoints; the stop reason, if any."""
+        tc = self.cfg.trainer
+        stats = self.train_step(micro)
+        self.position += consumed
+        if stats.get("oom"):
+            self.oom_skips += 1
+            if self.writer:
+                self.writer.add_scalar("train/oom_skipped_batches", self.oom_skips, self.step)
+            return self._stop_reason(started)
+        self.step += 1
+        bar.update(1)
+        if not stats["finite"]:
+            self.bad_steps += 1
+            if self.writer:
+                self.writer.add_scalar("train/skipped_steps", self.bad_steps, self.step)
+            # fp16 overflows are routine while the scaler searches its scale: allow more of them.
+            limit = tc.max_bad_steps * (10 if self.precision == "fp16" else 1)
+            if self.bad_steps >= limit:
+                raise TrainingError(f"loss or gradients were not finite for {self.bad_steps} steps "
+                                    f"(trainer.max_bad_steps={tc.max_bad_steps}); lower trainer.lr or "
+                                    "use trainer.precision=bf16/fp32. Checkpoints keep the last finite weights.")
+        else:
+            self.bad_steps = 0
+            window["loss"] += stats["loss"] * stats["tokens"]
+            window["nll"] += stats["nll"] * stats["tokens"]
+            window["tokens"] += stats["tokens"]
+            window["pad"] += sum(b.padding_share for b, _ in micro) / max(1, len(micro))
+            window["steps"] += 1
+        if self.step % tc.log_every == 0 and window["steps"]:
+            self._log_train(window, stats, bar)
+        if self.step % tc.validate_every == 0:
+            self.validate()
+        if self.step % (tc.checkpoint_every or tc.validate_every) == 0 and stats["finite"]:
+            self._save_periodic()
+        return self._stop_reason(started)
 
     def _log_train(self, window: dict, stats: dict, bar) -> None:
         elapsed = time.monotonic() - window["time"]
@@ -307,7 +299,7 @@ class Trainer:
         if self.dist.is_main:
             loss, nll = validation_loss(self.model, self.data.valid, tc.max_tokens, self.device, self.autocast,
                                         tc.label_smoothing)
-            sources, references = self.data.valid_text
+            sources, references = self.valid_text
             if tc.val_max_sentences:
                 sources, references = sources[: tc.val_max_sentences], references[: tc.val_max_sentences]
             hyps, texts = decode_texts(self.model, self.data.tokenizer, sources, beam_size=tc.val_beam_size,

@@ -3,11 +3,12 @@ and the pictures TensorBoard shows (sample translations, a cross-attention heatm
 
 from __future__ import annotations
 
+import numpy as np
 import sacrebleu
 import torch
 from tqdm import tqdm
 
-from transformer.data import EncodedSplit, batches_in_order, collate
+from transformer.batching import batches_in_order
 from transformer.loss import output_cross_entropy
 from transformer.search import translate_ids
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -30,14 +31,14 @@ def unwrap(model):
 
 
 @torch.no_grad()
-def validation_loss(model, split: EncodedSplit, max_tokens: int, device, autocast, smoothing: float):
-    """Per-token (label-smoothed loss, NLL) over a whole split."""
+def validation_loss(model, corpus, max_tokens: int, device, autocast, smoothing: float):
+    """Per-token (label-smoothed loss, NLL) over a whole prepared split (an `EncodedCorpus`)."""
     was_training = model.training
     model.eval()
     total_loss = total_nll = tokens = 0.0
-    lengths = [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt)]
+    lengths = np.maximum(corpus.src_lens, corpus.tgt_lens)
     for indices in batches_in_order(lengths, max_tokens):
-        batch = collate(split, indices).to(device)
+        batch = corpus.collate(indices).to(device)
         with autocast():
             loss, nll = batch_loss(model, batch, smoothing)
         total_loss += loss.item()

@@ -1,0 +1,158 @@
+"""The data sections of `make bench` (imported by bench.py; `python scripts/bench_data.py` runs them alone).
+
+data       : seconds to prepare Multi30k train + validation with the SentencePiece model cached (encoding
+             included) and with everything cached, epoch-0 batching, padding share, collate time of
+             8k-token batches (vectorised, and the plain per-sentence loop it replaced, for scale).
+data_scale : Multi30k train repeated to 1M and 4.5M pairs (WMT14 en-de's size); per size, whole processes
+             of `transformer.train model=tiny trainer.max_steps=1`: cold (nothing cached: SentencePiece,
+             encoding, batching, one step) and warm (everything cached), wall time and peak RSS; for the
+             largest, also a cold `torchrun --nproc_per_node=2` run: peak RSS of the largest process
+             and the number of prepared corpus directories (one per split: prepared once).
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from transformer.batching import TokenBatchSampler  # noqa: E402
+from transformer.corpus import prepare  # noqa: E402
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
+
+
+def _loop_collate(corpus, positions):
+    """The per-sentence Python loop that collated batches before (for scale only)."""
+    pairs = [corpus.ids(p) for p in positions]
+    out = []
+    for prefix, suffix, side in (([], [EOS_ID], 0), ([BOS_ID], [], 1), ([], [EOS_ID], 1)):
+        seqs = [[*prefix, *pair[side], *suffix] for pair in pairs]
+        tensor = torch.full((len(seqs), max(map(len, seqs))), PAD_ID, dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            tensor[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        out.append(tensor)
+    return out
+
+
+def bench_data(cfg) -> dict:
+    data_cfg = cfg.data
+    prepare(data_cfg)                                   # make sure the SentencePiece model is cached
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(Path(data_cfg.cache_dir) / "spm", Path(tmp) / "spm")
+        data_cfg.cache_dir = tmp
+        timings = {}
+        for name in ("spm_cached", "all_cached"):       # first pass encodes, second reads the cache
+            started = time.perf_counter()
+            prepared = prepare(data_cfg)
+            batches = TokenBatchSampler(prepared.train.src_lens, prepared.train.tgt_lens,
+                                        cfg.trainer.max_tokens, seed=1).batches(0)
+            timings[name] = time.perf_counter() - started
+        train = prepared.train
+        real = padded = 0
+        for indices in batches:
+            batch = train.collate(indices)
+            real += int((batch.src != PAD_ID).sum() + (batch.tgt_out != PAD_ID).sum())
+            padded += batch.src.numel() + batch.tgt_out.numel()
+        big = TokenBatchSampler(train.src_lens, train.tgt_lens, 8192, seed=1).batches(0)
+        sample = [big[k] for k in range(min(200, len(big)))]
+        collate_ms, loop_ms = [], []
+        for indices in sample:
+            start = time.perf_counter()
+            train.collate(indices)
+            collate_ms.append(1000 * (time.perf_counter() - start))
+            start = time.perf_counter()
+            _loop_collate(train, indices)
+            loop_ms.append(1000 * (time.perf_counter() - start))
+    return {"section": "data", "prepare_spm_cached_s": timings["spm_cached"],
+            "prepare_all_cached_s": timings["all_cached"], "batches": len(batches),
+            "max_tokens": cfg.trainer.max_tokens, "padding_share": 1 - real / padded,
+            "collate_8k_ms_median": statistics.median(collate_ms), "collate_8k_loop_ms_median": statistics.median(loop_ms),
+            "collate_8k_sentences_mean": float(np.mean([len(b) for b in sample]))}
+
+
+def _repeat_corpus(multi30k: Path, pairs: int, folder: Path) -> None:
+    """`pairs` lines of Multi30k train, repeated, plus its validation and test files."""
+    if (folder / "train.en").exists() and sum(1 for _ in open(folder / "train.en", "rb")) == pairs:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    for lang in ("de", "en"):
+        lines = (multi30k / f"train.{lang}").read_bytes().splitlines(keepends=True)
+        copies, rest = divmod(pairs, len(lines))
+        with open(folder / f"train.{lang}", "wb") as out:
+            for _ in range(copies):
+                out.writelines(lines)
+            out.writelines(lines[:rest])
+        for split in ("val", "test_2016_flickr"):
+            shutil.copy(multi30k / f"{split}.{lang}", folder / f"{split}.{lang}")
+
+
+_MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); rc = subprocess.call(sys.argv[1:]); "
+            "print('%d %.2f %d' % (rc, time.perf_counter() - t, "
+            "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))")
+
+
+def _timed(command: list[str], log: Path) -> tuple[float, float]:
+    """(wall seconds, peak RSS in MB of the largest descendant) of a command run to completion."""
+    with open(log, "w") as out:
+        result = subprocess.run([sys.executable, "-c", _MEASURE, *command], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=out, text=True)
+    rc, seconds, rss_kb = result.stdout.split()[-3:]
+    if rc != "0":
+        raise RuntimeError(f"{' '.join(command)} failed (exit {rc}); see {log}")
+    return float(seconds), int(rss_kb) / 1024
+
+
+def bench_data_scale(multi30k: Path, sizes: list[int], folder: Path) -> list[dict]:
+    rows = []
+    for pairs in sizes:
+        corpus = folder / str(pairs)
+        _repeat_corpus(multi30k, pairs, corpus)
+        cache = corpus / "cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        args = ["-m", "transformer.train", "data=multi30k_de_en", f"data.path={corpus}", f"data.cache_dir={cache}",
+                "model=tiny", "trainer.max_steps=1", "trainer.test_at_end=false", "trainer.validate_every=1000000",
+                "trainer.overwrite=true", f"hydra.run.dir={corpus / 'run'}"]
+        row = {"section": "data_scale", "pairs": pairs}
+        row["cold_s"], row["cold_rss_mb"] = _timed([sys.executable, *args], corpus / "cold.log")
+        row["warm_s"], row["warm_rss_mb"] = _timed([sys.executable, *args], corpus / "warm.log")
+        if pairs == max(sizes):
+            shutil.rmtree(cache, ignore_errors=True)
+            ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+            row["ddp2_cold_s"], row["ddp2_max_rss_mb"] = _timed(ddp, corpus / "ddp.log")
+            row["ddp2_corpus_dirs"] = len(list((cache / "corpus").iterdir()))
+        rows.append(row)
+        print_row(row)
+    return rows
+
+
+def print_row(row: dict) -> None:
+    if row["section"] == "data":
+        print(f"data   prepare Multi30k (SentencePiece cached) {row['prepare_spm_cached_s']:.1f} s | all cached "
+              f"{row['prepare_all_cached_s']:.2f} s | {row['batches']} batches of max_tokens={row['max_tokens']} | "
+              f"padding {100 * row['padding_share']:.1f}% | collate 8k-token batch {row['collate_8k_ms_median']:.2f} ms "
+              f"(per-sentence loop {row['collate_8k_loop_ms_median']:.2f} ms)")
+    else:
+        ddp = (f" | torchrun x2 cold {row['ddp2_cold_s']:.0f} s, largest process {row['ddp2_max_rss_mb']:.0f} MB, "
+               f"{row['ddp2_corpus_dirs']} corpus dirs" if "ddp2_cold_s" in row else "")
+        print(f"scale  {row['pairs']:>9,} pairs | cold to first step {row['cold_s']:6.1f} s, {row['cold_rss_mb']:5.0f} MB | "
+              f"warm {row['warm_s']:5.1f} s, {row['warm_rss_mb']:5.0f} MB{ddp}")
+
+
+if __name__ == "__main__":
+    import argparse
+    import os
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1000000,4500000")
+    parser.add_argument("--folder", default="/tmp/bench-data-scale")
+    args = parser.parse_args()
+    bench_data_scale(Path(os.environ["MULTI30K_DIR"]), [int(x) for x in args.sizes.split(",")], Path(args.folder))

@@ -1,0 +1,222 @@
+"""Batches: padding, token-budget length-bucketed packing, and the DataLoader that feeds training.
+
+Everything here is vectorised with numpy: a batch is padded with one gather from the flat id array of
+a prepared corpus, and an epoch of millions of pairs is sorted and packed with a loop over distinct
+widths, not over sentences.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from transformer.data import DataError
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+
+@dataclass
+class Batch:
+    src: torch.Tensor        # (B, S) int64, EOS-terminated, PAD-padded
+    tgt_in: torch.Tensor     # (B, T) BOS + target
+    tgt_out: torch.Tensor    # (B, T) target + EOS
+    num_tgt_tokens: int
+    padding_share: float = 0.0   # padded positions / all positions of src and tgt_out
+
+    def to(self, device, non_blocking: bool = False) -> Batch:
+        return Batch(self.src.to(device, non_blocking=non_blocking),
+                     self.tgt_in.to(device, non_blocking=non_blocking),
+                     self.tgt_out.to(device, non_blocking=non_blocking), self.num_tgt_tokens, self.padding_share)
+
+    def pin_memory(self) -> Batch:
+        """Page-locked copies, so that `.to(cuda, non_blocking=True)` really overlaps (DataLoader calls this)."""
+        return Batch(self.src.pin_memory(), self.tgt_in.pin_memory(), self.tgt_out.pin_memory(),
+                     self.num_tgt_tokens, self.padding_share)
+
+
+def pad_flat(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, *, bos: bool = False,
+             eos: bool = False) -> np.ndarray:
+    """(B, W) int64 rows `[BOS] ids [EOS] PAD...` of the B sequences `flat[starts[b] : starts[b] + lengths[b]]`,
+    W = longest + specials, gathered in one indexing operation."""
+    shift = int(bos)
+    width = int(lengths.max(initial=0)) + shift + int(eos)
+    position = np.arange(width)[None, :] - shift                           # (1, W) index in the sequence
+    inside = (position >= 0) & (position < lengths[:, None])               # (B, W)
+    gather = np.where(inside, starts[:, None] + position, 0)               # (B, W)
+    out = np.where(inside, flat[gather] if len(flat) else 0, PAD_ID).astype(np.int64)
+    rows = np.arange(len(starts))
+    if bos:
+        out[:, 0] = BOS_ID
+    if eos:
+        out[rows, lengths + shift] = EOS_ID
+    return out
+
+
+def pad_sequences(seqs, prefix: list[int] = (), suffix: list[int] = ()) -> torch.Tensor:
+    """Lists of ids as a (B, W) PAD-padded int64 tensor with optional [BOS] prefix / [EOS] suffix."""
+    assert list(prefix) in ([], [BOS_ID]) and list(suffix) in ([], [EOS_ID])
+    lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+    flat = np.fromiter((i for s in seqs for i in s), dtype=np.int64, count=int(lengths.sum()))
+    starts = np.cumsum(lengths) - lengths
+    return torch.from_numpy(pad_flat(flat, starts, lengths, bos=bool(prefix), eos=bool(suffix)))
+
+
+def make_batch(src_flat, src_starts, src_lens, tgt_flat, tgt_starts, tgt_lens) -> Batch:
+    """A training batch from flat id arrays: src + EOS, BOS + tgt, tgt + EOS (lengths exclude specials)."""
+    src = pad_flat(src_flat, src_starts, src_lens, eos=True)
+    tgt = pad_flat(tgt_flat, tgt_starts, tgt_lens, bos=True, eos=True)    # (B, T + 1): BOS t... EOS
+    tgt_in = tgt[:, :-1].copy()
+    tgt_in[tgt_in == EOS_ID] = PAD_ID
+    tgt_out = np.ascontiguousarray(tgt[:, 1:])
+    real = int(src_lens.sum() + tgt_lens.sum()) + 2 * len(src_lens)
+    padding = 1.0 - real / max(1, src.size + tgt_out.size)
+    return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out),
+                 num_tgt_tokens=int(tgt_lens.sum()) + len(tgt_lens), padding_share=padding)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packing
+
+
+def pack_sorted(widths: np.ndarray, max_tokens: int) -> np.ndarray:
+    """Start offsets of the batches that cut a width-sorted (non-decreasing) sequence greedily so that
+    n_sentences * widest <= max_tokens; a sentence wider than the budget gets a batch of its own.
+
+    Equal to adding sentences one at a time and closing the batch when the next one does not fit, but
+    the loop runs over distinct widths: within a run of width w every batch holds max_tokens // w.
+    """
+    starts: list[np.ndarray] = []
+    values, firsts, counts = np.unique(widths, return_index=True, return_counts=True)
+    count = 0                                        # sentences in the open batch
+    for width, first, n in zip(values.tolist(), firsts.tolist(), counts.tolist()):
+        capacity = max(1, max_tokens // width)
+        if count and count + 1 > capacity:
+            count = 0
+        fill = 0 if count == 0 else min(n, capacity - count)      # joins the open batch
+        new = np.arange(first + fill, first + n, capacity)
+        starts.append(new)
+        count = count + n if len(new) == 0 else first + n - int(new[-1])
+    return np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
+
+
+class EpochBatches:
+    """One epoch's batches: views into a sorted order, in a shuffled batch order."""
+
+    def __init__(self, order: np.ndarray, starts: np.ndarray, permutation: np.ndarray):
+        self.order, self.bounds, self.permutation = order, np.append(starts, len(order)), permutation
+
+    def __len__(self) -> int:
+        return len(self.permutation)
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        b = self.permutation[k]
+        return self.order[self.bounds[b]:self.bounds[b + 1]]
+
+    def __iter__(self):
+        return (self[k] for k in range(len(self)))
+
+    def tolist(self) -> list[list[int]]:
+        return [batch.tolist() for batch in self]
+
+
+class TokenBatchSampler:
+    """Length-bucketed batches under a token budget, reshuffled per epoch from the seed.
+
+    Pairs are sorted by (padded width = max(source + EOS, BOS + target), source length, target length,
+    random tie-break) and packed greedily so that `n_sentences * widest <= max_tokens`; the batch
+    order is then shuffled. An epoch's batches depend only on (seed, epoch), so a position in an
+    epoch is all the state needed to resume exactly.
+    """
+
+    def __init__(self, src_lens, tgt_lens, max_tokens: int, seed: int):
+        self.src_lens = np.asarray(src_lens, dtype=np.int64) + 1   # + EOS
+        self.tgt_lens = np.asarray(tgt_lens, dtype=np.int64) + 1   # + BOS/EOS
+        self.widths = np.maximum(self.src_lens, self.tgt_lens)
+        self.max_tokens, self.seed = max_tokens, seed
+        longest = int(self.widths.max(initial=0))
+        if longest > max_tokens:
+            raise DataError(
+                f"trainer.max_tokens={max_tokens} is smaller than the longest sentence ({longest} tokens); "
+                f"raise trainer.max_tokens or lower data.max_len"
+            )
+
+    def batches(self, epoch: int) -> EpochBatches:
+        rng = np.random.default_rng([self.seed, epoch])
+        tie_break = rng.random(len(self.widths))
+        order = np.lexsort((tie_break, self.tgt_lens, self.src_lens, self.widths))
+        starts = pack_sorted(self.widths[order], self.max_tokens)
+        return EpochBatches(order, starts, rng.permutation(len(starts)))
+
+
+def batches_in_order(lengths, max_tokens: int) -> list[list[int]]:
+    """Deterministic length-sorted batches for evaluation/decoding (no shuffling); +1 for EOS."""
+    widths = np.asarray(lengths, dtype=np.int64) + 1
+    order = np.argsort(widths, kind="stable")
+    starts = pack_sorted(widths[order], max_tokens)
+    return [part.tolist() for part in np.split(order, starts[1:])] if len(order) else []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Feeding training through torch's DataLoader
+
+
+class UpdateSampler(torch.utils.data.Sampler):
+    """This rank's micro-batches for each optimizer update of one epoch, from a start position.
+
+    Update k at epoch position p takes global batches p + u * world + rank (u < update_freq); a rank
+    whose share runs past the end of the epoch repeats a batch with weight 0, so every rank runs the
+    same number of backward passes (DDP's all-reduce needs all of them). Yields
+    ([(indices, weight), ...], batches consumed by all ranks together).
+    """
+
+    def __init__(self, sampler: TokenBatchSampler, update_freq: int, rank: int = 0, world: int = 1):
+        self.sampler, self.update_freq, self.rank, self.world = sampler, update_freq, rank, world
+        self.epoch = self.position = 0
+
+    def start(self, epoch: int, position: int) -> None:
+        self.epoch, self.position = epoch, position
+
+    def __iter__(self):
+        batches = self.sampler.batches(self.epoch)
+        position = self.position
+        while position < len(batches):
+            plan = []
+            for u in range(self.update_freq):
+                index = position + u * self.world + self.rank
+                if index < len(batches):
+                    plan.append((batches[index], 1.0))
+                elif self.world > 1 and position + u * self.world < len(batches):
+                    plan.append((batches[0], 0.0))
+            consumed = min(self.update_freq * self.world, len(batches) - position)
+            yield plan, consumed
+            position += consumed
+
+
+class UpdateBatches(torch.utils.data.Dataset):
+    """Collates an update's plan from `UpdateSampler` into [(Batch, weight), ...] (in a worker when
+    num_workers > 0)."""
+
+    def __init__(self, corpus):
+        self.corpus = corpus
+
+    def __getitem__(self, item):
+        plan, consumed = item
+        return [(self.corpus.collate(indices), weight) for indices, weight in plan], consumed
+
+
+def _ignore_stop_signals(_worker_id: int) -> None:
+    # Ctrl-C reaches the whole process group: only the main process stops the run (and saves).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def update_loader(corpus, sampler: UpdateSampler, num_workers: int, pin_memory: bool):
+    """A DataLoader of updates. It has its own generator: creating its iterators must not draw from
+    the global torch RNG (dropout's stream), or a resumed run would not repeat an uninterrupted one."""
+    return torch.utils.data.DataLoader(
+        UpdateBatches(corpus), sampler=sampler, batch_size=None, num_workers=num_workers,
+        pin_memory=pin_memory, persistent_workers=num_workers > 0,
+        prefetch_factor=4 if num_workers > 0 else None, generator=torch.Generator(),
+        worker_init_fn=_ignore_stop_signals if num_workers > 0 else None)

@@ -1,0 +1,241 @@
+"""Prepared corpora: the SentencePiece model and every split's token ids in memory-mapped files.
+
+`make prepare` (`transformer-prepare`, the same Hydra config as training) builds them; `make train`
+builds whatever is missing. A split is stored under `data.cache_dir/corpus/<data.name>.<split>.<key>/`
+(the key hashes the source's content and the tokenizer) as
+
+    src.ids, tgt.ids            every pair's token ids, one flat uint16 (int32 for > 65536 pieces) array
+    src.offsets.npy, ...        int64, pairs + 1: pair i is ids[offsets[i] : offsets[i + 1]]
+    flags.npy                   uint8 per pair: 1 = a side is blank, 2 = a NUL byte
+    meta.json                   counts, dtype, where the text came from
+
+written into a temporary directory that is renamed into place, so a killed preparation leaves nothing
+half-written. Readers memory-map the files: N processes or ranks share one copy in the page cache.
+Preparation takes a file lock, so concurrent runs and torchrun ranks prepare a corpus once (the
+others wait on the lock, outside any collective, however long it takes) and then read it.
+Filtering (blank, NUL, longer than `data.max_len`) is a vectorised mask applied at load time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from transformer.batching import Batch, make_batch
+from transformer.config import ConfigError, DataConfig
+from transformer.data import DataError, SplitSource, open_split
+from transformer.tokenizer import Tokenizer, build_tokenizer
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+FLAG_BLANK, FLAG_NUL = 1, 2
+
+
+class EncodedCorpus:
+    """A prepared split, memory-mapped, with the pairs that pass the filters.
+
+    Positions 0..len-1 index the kept pairs; `src_lens` / `tgt_lens` are their lengths without
+    specials. Pickles as its directory (DataLoader workers re-open the files, never copy them).
+    """
+
+    def __init__(self, directory: Path, max_len: int | None, name: str):
+        self.directory, self.max_len, self.name = Path(directory), max_len, name
+        self._open()
+
+    def _open(self) -> None:
+        meta = json.loads((self.directory / "meta.json").read_text())
+        self.meta = meta
+        for side in ("src", "tgt"):
+            offsets = np.load(self.directory / f"{side}.offsets.npy")
+            ids = (np.memmap(self.directory / f"{side}.ids", dtype=meta["dtype"], mode="r", shape=(int(offsets[-1]),))
+                   if offsets[-1] else np.zeros(0, dtype=meta["dtype"]))
+            setattr(self, f"_{side}_ids", ids)
+            setattr(self, f"_{side}_offsets", offsets)
+        src_all, tgt_all = np.diff(self._src_offsets), np.diff(self._tgt_offsets)
+        flags = np.load(self.directory / "flags.npy")
+        blank = ((flags & FLAG_BLANK) != 0) | (src_all == 0) | (tgt_all == 0)
+        nul = ~blank & ((flags & FLAG_NUL) != 0)
+        too_long = np.zeros_like(blank)
+        if self.max_len is not None:
+            too_long = ~blank & ~nul & ((src_all > self.max_len) | (tgt_all > self.max_len))
+        self.pair_index = np.flatnonzero(~(blank | nul | too_long))       # kept position -> stored pair
+        self.src_lens, self.tgt_lens = src_all[self.pair_index], tgt_all[self.pair_index]
+        self.dropped = {"empty": int(blank.sum()), "NUL byte": int(nul.sum()), "too long": int(too_long.sum())}
+        self.total_pairs = len(flags)
+
+    def __getstate__(self):
+        return {"directory": self.directory, "max_len": self.max_len, "name": self.name}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._open()
+
+    def __len__(self) -> int:
+        return len(self.pair_index)
+
+    def collate(self, positions) -> Batch:
+        positions = np.asarray(positions, dtype=np.int64)
+        pairs = self.pair_index[positions]
+        return make_batch(self._src_ids, self._src_offsets[pairs], self.src_lens[positions],
+                          self._tgt_ids, self._tgt_offsets[pairs], self.tgt_lens[positions])
+
+    def ids(self, position: int) -> tuple[list[int], list[int]]:
+        """(source ids, target ids) of one kept pair (tests, debugging)."""
+        pair = self.pair_index[position]
+        return (self._src_ids[self._src_offsets[pair]:self._src_offsets[pair + 1]].tolist(),
+                self._tgt_ids[self._tgt_offsets[pair]:self._tgt_offsets[pair + 1]].tolist())
+
+    def report(self) -> None:
+        """Log what the filters dropped; refuse a split with nothing left."""
+        total = sum(self.dropped.values())
+        if total:
+            log.warning("%s: dropped %d of %d pairs (%s; data.max_len=%s)", self.name, total, self.total_pairs,
+                        ", ".join(f"{k}: {v}" for k, v in self.dropped.items() if v), self.max_len)
+        if not len(self):
+            raise DataError(f"{self.name} ({self.meta['source']}): no usable sentence pairs left after filtering "
+                            f"(all empty or longer than data.max_len={self.max_len})")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Preparing
+
+
+def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc: str) -> None:
+    """Encode `source` chunk by chunk (SentencePiece on every core) into the files of `directory`."""
+    vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+    dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
+    tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    lengths = {"src": [], "tgt": []}
+    flags = []
+    threads = os.cpu_count() or 1
+    with open(tmp / "src.ids", "wb") as src_file, open(tmp / "tgt.ids", "wb") as tgt_file, \
+            tqdm(desc=f"encoding {desc}", unit=" pairs", unit_scale=True, disable=None, leave=False) as bar:
+        for src, tgt in source.chunks():
+            for side, lines, out in (("src", src, src_file), ("tgt", tgt, tgt_file)):
+                encode = tokenizer.encode_src if side == "src" else tokenizer.encode_tgt
+                ids = encode(lines, num_threads=threads)
+                lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+                out.write(np.fromiter((i for seq in ids for i in seq), dtype=dtype, count=int(lens.sum())).tobytes())
+                lengths[side].append(lens)
+            flags.append(np.fromiter(((FLAG_BLANK if not s.strip() or not t.strip() else 0)
+                                      | (FLAG_NUL if "\0" in s or "\0" in t else 0) for s, t in zip(src, tgt)),
+                                     dtype=np.uint8, count=len(src)))
+            bar.update(len(src))
+    counts = {}
+    for side in ("src", "tgt"):
+        lens = np.concatenate(lengths[side]) if lengths[side] else np.zeros(0, dtype=np.int64)
+        np.save(tmp / f"{side}.offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+        counts[f"{side}_tokens"] = int(lens.sum())
+    flag_array = np.concatenate(flags) if flags else np.zeros(0, dtype=np.uint8)
+    np.save(tmp / "flags.npy", flag_array)
+    meta = {"format": FORMAT_VERSION, "pairs": len(flag_array), **counts, "dtype": dtype.name,
+            "source": source.where, "src_vocab": tokenizer.src_vocab_size, "tgt_vocab": tokenizer.tgt_vocab_size}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    try:
+        os.rename(tmp, directory)
+    except OSError:              # prepared meanwhile by a process that did not take the lock
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("%s: %d pairs, %d + %d tokens -> %s", desc, meta["pairs"], counts["src_tokens"], counts["tgt_tokens"],
+             directory)
+
+
+def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, split: str) -> EncodedCorpus:
+    """The prepared split for this source and tokenizer: read from the cache, or encoded now."""
+    key = hashlib.sha256(json.dumps({"source": source.fingerprint(), "tokenizer": tokenizer.fingerprint(),
+                                     "format": FORMAT_VERSION}).encode()).hexdigest()[:16]
+    name = f"{cfg.name}.{split}"
+    directory = Path(cfg.cache_dir) / "corpus" / f"{name}.{key}"
+    if (directory / "meta.json").exists():
+        log.info("%s: prepared corpus %s", name, directory)
+    else:
+        _encode_to(directory, source, tokenizer, name)
+    return EncodedCorpus(directory, cfg.max_len, name)
+
+
+@contextlib.contextmanager
+def preparation_lock(cfg: DataConfig):
+    """An exclusive lock per corpus name and cache directory, released when the process ends."""
+    folder = Path(cfg.cache_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f".prepare.{cfg.name}.lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is preparing %s in %s: waiting for it", cfg.name, folder)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+@dataclass
+class PreparedData:
+    tokenizer: Tokenizer
+    train: EncodedCorpus
+    valid: EncodedCorpus | None
+
+
+def train_tokenizer(cfg: DataConfig, source: SplitSource) -> Tokenizer:
+    return build_tokenizer(source.side("src"), source.side("tgt"), fingerprint=source.fingerprint(),
+                           where=source.where, vocab_size=cfg.vocab_size, model_type=cfg.tokenizer_type,
+                           joint=cfg.joint_vocab, character_coverage=cfg.character_coverage,
+                           sample=cfg.tokenizer_sample, cache_dir=cfg.cache_dir)
+
+
+def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train", "validation")) -> PreparedData:
+    """Tokenizer (trained on the training split unless given) and the encoded `splits`."""
+    sources = {split: open_split(cfg, split) for split in splits}
+    encoded = {}
+    with preparation_lock(cfg):
+        tokenizer = tokenizer or train_tokenizer(cfg, sources["train"])
+        for split, source in sources.items():
+            encoded[split] = encoded_split(source, tokenizer, cfg, split)
+            encoded[split].report()
+    log.info("data %s: %d training pairs%s", cfg.name, len(encoded["train"]),
+             f", {len(encoded['validation'])} validation pairs" if "validation" in encoded else "")
+    return PreparedData(tokenizer, encoded["train"], encoded.get("validation"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`transformer-prepare key=value ...` (`make prepare`): composes the same Hydra config as training
+    (no run directory is made) and prepares the tokenizer and every split."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    from transformer.config import CONF_DIR, Config
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    overrides = sys.argv[1:] if argv is None else argv
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            raw = compose("config", overrides=overrides)
+        cfg = Config.from_dict(OmegaConf.to_container(raw, resolve=True))
+        splits = ["train", "validation"]
+        try:
+            open_split(cfg.data, "test")
+            splits.append("test")
+        except DataError as error:
+            log.warning("no test split to prepare: %s", error)
+        prepared = prepare(cfg.data, splits=tuple(splits))
+    except (ConfigError, DataError, HydraException) as error:
+        print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+    print(f"prepared {cfg.data.name}: {len(prepared.train)} training pairs, vocabulary "
+          f"{prepared.tokenizer.src_vocab_size} pieces, in {Path(cfg.data.cache_dir).resolve()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
