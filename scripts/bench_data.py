@@ -96,17 +96,18 @@ def _repeat_corpus(multi30k: Path, pairs: int, folder: Path) -> None:
             shutil.copy(multi30k / f"{split}.{lang}", folder / f"{split}.{lang}")
 
 
-_MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); rc = subprocess.call(sys.argv[1:]); "
-            "print('%d %.2f %d' % (rc, time.perf_counter() - t, "
+_MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); rc = subprocess.call(sys.argv[2:]); "
+            "open(sys.argv[1], 'w').write('%d %.2f %d' % (rc, time.perf_counter() - t, "
             "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))")
 
 
 def _timed(command: list[str], log: Path) -> tuple[float, float]:
     """(wall seconds, peak RSS in MB of the largest descendant) of a command run to completion."""
+    result = log.with_suffix(".measure")
     with open(log, "w") as out:
-        result = subprocess.run([sys.executable, "-c", _MEASURE, *command], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=out, text=True)
-    rc, seconds, rss_kb = result.stdout.split()[-3:]
+        subprocess.run([sys.executable, "-c", _MEASURE, str(result), *command], cwd=ROOT, stdout=out,
+                       stderr=subprocess.STDOUT)
+    rc, seconds, rss_kb = result.read_text().split()
     if rc != "0":
         raise RuntimeError(f"{' '.join(command)} failed (exit {rc}); see {log}")
     return float(seconds), int(rss_kb) / 1024

@@ -122,6 +122,36 @@ def test_prepared_corpus_round_trips_and_pickles_as_its_directory(tmp_path):
                if isinstance(a, torch.Tensor))
 
 
+RACE = """
+import logging, sys, time
+import transformer.corpus as corpus
+from transformer.config import DataConfig
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+real = corpus._encode_to
+def slow(*args, **kwargs):
+    time.sleep(1.0)                 # hold the lock long enough for the other process to arrive
+    real(*args, **kwargs)
+corpus._encode_to = slow
+prepared = corpus.prepare(DataConfig(name="race", embedded=True, embedded_pairs=300, vocab_size=80,
+                                     cache_dir=sys.argv[1]))
+print("pairs", len(prepared.train))
+"""
+
+
+def test_concurrent_preparations_encode_once_and_share_the_files(tmp_path):
+    import subprocess
+    import sys
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    encoded = [out.count("tokens ->") for out in outputs]
+    assert sorted(encoded) == [0, 2], outputs            # one process encoded train and validation
+    assert all("pairs 300" in out for out in outputs)
+    assert len(list((tmp_path / "corpus").iterdir())) == 2
+    assert len(list((tmp_path / "spm").glob("*.model"))) == 1
+
+
 def test_streaming_across_blocks_keeps_line_numbers_and_alignment(tmp_path, monkeypatch):
     monkeypatch.setattr(data_module, "_BLOCK_BYTES", 16)          # many tiny blocks
     de = [f"Zeile {i} " + "ä" * (i % 7) for i in range(200)]

@@ -48,7 +48,7 @@ def test_two_ranks_equal_one_process_with_update_freq_2(tmp_path, data_cache):
 
 
 def test_ddp_resume_is_exact(tmp_path, data_cache):
-    common = COMMON + [f"data.cache_dir={data_cache}", "model.dropout=0.1"]
+    common = COMMON + [f"data.cache_dir={data_cache}", "model.dropout=0.1", "trainer.num_workers=1"]
     _run(common + ["trainer.max_steps=12", f"hydra.run.dir={tmp_path / 'full'}"], nproc=2)
     _run(common + ["trainer.max_steps=7", f"hydra.run.dir={tmp_path / 'split'}"], nproc=2)
     _run(common + ["trainer.max_steps=12", "trainer.resume=true", f"hydra.run.dir={tmp_path / 'split'}"], nproc=2)

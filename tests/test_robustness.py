@@ -78,6 +78,7 @@ def test_sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_
                      "trainer.max_steps=16", f"data.cache_dir={data_cache}"]
     reference = tmp_path / "reference"
     assert _start(common + [f"hydra.run.dir={reference}"]).wait(timeout=300) == 0
+    common.append("trainer.num_workers=2")       # killed and resumed runs collate in DataLoader workers
     expected = load_checkpoint(reference / "checkpoints" / "last.pt")["model"]
     rng = random.Random(7)
     for attempt in range(3):

@@ -50,10 +50,12 @@ def _params(path: Path) -> dict:
     return load_checkpoint(path)["model"]
 
 
-def test_resume_continues_exactly(tmp_path, data_cache):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_continues_exactly(tmp_path, data_cache, workers):
     common = FAST + ["data.embedded_pairs=800", "trainer.precision=fp32", "trainer.device=cpu", "trainer.update_freq=2",
                      "trainer.validate_every=5", "trainer.val_max_sentences=8", "decode.beam_size=1",
-                     "model.dropout=0.2", "trainer.max_minutes=0", "trainer.test_at_end=false"]
+                     "model.dropout=0.2", "trainer.max_minutes=0", "trainer.test_at_end=false",
+                     f"trainer.num_workers={workers}"]
     # Uninterrupted: 20 steps (two batches each: more than one epoch of the 800-pair corpus).
     train(compose_config(common + ["trainer.max_steps=20"], data_cache), tmp_path / "full")
     # Interrupted after 7 steps, then resumed to 20.
@@ -66,6 +68,11 @@ def test_resume_continues_exactly(tmp_path, data_cache):
     for name in full:
         assert torch.equal(full[name], resumed[name]), name
     assert metrics["stop_reason"] == "reached trainer.max_steps=20"
+    if workers:     # batches collated in worker processes train exactly like batches collated in-process
+        train(compose_config([c for c in common if "num_workers" not in c] + ["trainer.max_steps=20"], data_cache),
+              tmp_path / "in-process")
+        in_process = _params(tmp_path / "in-process/checkpoints/last.pt")
+        assert all(torch.equal(full[name], in_process[name]) for name in full)
 
 
 def test_refuses_a_run_directory_holding_another_run(trained_run, data_cache):
@@ -96,21 +103,28 @@ def test_cli_rejects_impossible_settings_naming_the_key(tmp_path):
         compose_config(["trainer.lr=-0.1"])
 
 
-def test_sigterm_finishes_the_step_saves_last_and_exits_zero(tmp_path, data_cache):
+@pytest.mark.parametrize("sig, whole_group", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_sigterm_finishes_the_step_saves_last_and_exits_zero(tmp_path, data_cache, sig, whole_group):
+    # DataLoader workers run: Ctrl-C in a terminal signals the whole process group, workers included.
     run_dir = tmp_path / "run"
     proc = _train_cli(FAST + ["trainer.max_steps=100000", "trainer.log_every=1", "trainer.validate_every=100000",
-                              f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"], ROOT)
+                              "trainer.num_workers=2", f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"],
+                      ROOT, start_new_session=True)
     deadline = time.time() + 180
     log = run_dir / "train.log"
     while time.time() < deadline and not (log.exists() and "step 5 |" in log.read_text()):
         time.sleep(0.5)
     assert proc.poll() is None, proc.stdout.read()
-    proc.send_signal(signal.SIGTERM)
+    if whole_group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     state = load_checkpoint(run_dir / "checkpoints" / "last.pt")
     assert state["step"] >= 5
-    assert "SIGTERM received" in out and "trainer.resume=true" in out
+    assert f"{sig.name} received" in out and "trainer.resume=true" in out
+    assert "Traceback" not in out
 
 
 def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cache, monkeypatch):
