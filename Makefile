@@ -60,8 +60,8 @@ bench: $(STAMP)  ## speed/memory benchmark: writes bench.json and prints a table
 lint: $(STAMP)  ## ruff check
 	$(VENV)/bin/ruff check .
 
-clean:  ## remove .venv, caches and data/ caches (keeps runs/)
-	rm -rf $(VENV) .pytest_cache .ruff_cache data/spm data/cache
+clean:  ## remove .venv, caches and data/ (tokenizers, prepared corpora; keeps runs/)
+	rm -rf $(VENV) .pytest_cache .ruff_cache data/spm data/cache data/corpus data/.prepare.*.lock
 
 # Hydra's "~key" deletions look like goals to make: accept and ignore them as goals.
 ~%:

@@ -35,6 +35,18 @@ def compose_config(overrides: list[str] = (), cache_dir: Path | None = None) -> 
     return Config.from_dict(raw)
 
 
+@pytest.fixture(autouse=True)
+def _fast_tests_train_nothing(request, monkeypatch):
+    """`make test-fast` (-m "not slow") must train nothing: a test without the `slow` marker that
+    reaches the training loop, itself or through a fixture, fails."""
+    if request.node.get_closest_marker("slow") is None:
+        import transformer.train as train_module
+
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"{request.node.nodeid} trains a model but is not marked slow")
+        monkeypatch.setattr(train_module.Trainer, "fit", refuse)
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> Path:
     """One SentencePiece/encoding cache for the whole session (what data/ is for a user)."""

@@ -37,7 +37,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise OSError("disk full")
     monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match=r"last\.pt: cannot write the checkpoint: disk full"):
         save_checkpoint(_state(2.0), path)
     assert load_checkpoint(path)["step"] == 1
     assert os.listdir(tmp_path) == ["last.pt"]

@@ -43,7 +43,10 @@ def test_training_learns_and_writes_the_run_directory(trained_run):
                 "val/cut_at_max_len"):
         assert tag in tags, tag
     assert "val/cross_attention" in events.Tags()["images"]
-    assert events.Tags()["tensors"]          # text samples
+    samples = events.Tensors("val/samples/text_summary")
+    text = samples[-1].tensor_proto.string_val[0].decode()
+    assert text.count("**src**") == 4 and text.count("**hyp**") == 4
+    assert "**ref** " in text and len(text) > 200
 
 
 def _params(path: Path) -> dict:
@@ -183,3 +186,18 @@ def test_overwrite_replaces_an_old_run(tmp_path, data_cache):
     train(compose_config(quick + ["trainer.max_steps=2", "trainer.overwrite=true"], data_cache), tmp_path)
     assert not (tmp_path / "checkpoints" / "step_3.pt").exists()
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 2
+
+
+def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer(trained_run, tmp_path, data_cache):
+    best = trained_run[0] / "checkpoints" / "best.pt"
+    cfg = compose_config(FAST + ["model.d_model=96", "model.d_ff=256", "data.embedded_pairs=4000",
+                                 f"trainer.init_from={best}", "trainer.max_steps=3", "trainer.lr=1e-4",
+                                 "trainer.warmup=10", "trainer.validate_every=3", "trainer.val_max_sentences=40",
+                                 "trainer.test_at_end=false", "trainer.max_minutes=0"], data_cache)
+    metrics = train(cfg, tmp_path)
+    state, source = load_checkpoint(tmp_path / "checkpoints" / "last.pt"), load_checkpoint(best)
+    assert state["step"] == 3                                       # a fresh step count
+    assert state["tokenizer"] == source["tokenizer"]                # the checkpoint's tokenizer, reused
+    assert state["scheduler"]["last_epoch"] == 3 and state["optimizer"]["state"][0]["step"] == 3
+    assert metrics["val_history"][0]["bleu"] > 60                   # it starts from the trained weights
+    assert any(not torch.equal(state["model"][k], source["model"][k]) for k in source["model"])

@@ -82,7 +82,7 @@ def test_python_api_and_evaluate_agree_with_the_cli(trained_checkpoint, trained_
     assert code == 0 and cli_bleu == pytest.approx(result["bleu"], abs=1e-9)
     assert result["bleu"] > 80
     greedy = evaluate(trained_checkpoint, split="test", beam_size=1)
-    assert greedy["bleu"] > 0
+    assert greedy["bleu"] > 75 and abs(greedy["bleu"] - result["bleu"]) < 10     # a trained model, both ways
     with open(result["hypotheses_file"]) as handle:
         assert len(handle.readlines()) == len(sources)
 

@@ -34,6 +34,8 @@ def save_checkpoint(state: dict, path: str | Path) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory; give a file name for the checkpoint")
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:
@@ -41,6 +43,13 @@ def save_checkpoint(state: dict, path: str | Path) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:
+        # torch reports a full disk as "RuntimeError ... unexpected pos", the OSError only chained.
+        cause = next((e for e in _chain(error) if isinstance(e, OSError) and e.errno), None)
+        if cause is None and isinstance(error, RuntimeError):
+            raise
+        reason = os.strerror(cause.errno) if cause is not None else str(error)
+        raise CheckpointError(f"{path}: cannot write the checkpoint: {reason}") from None
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -51,10 +60,18 @@ def save_checkpoint(state: dict, path: str | Path) -> None:
         os.close(directory)
 
 
+def _chain(error: BaseException):
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False) -> dict:
     """Load with `weights_only=True`. `mmap=True` reads tensors lazily: translating a training
     checkpoint then never reads its optimizer state from disk."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, not a checkpoint file (e.g. {path / 'checkpoints' / 'best.pt'})")
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     if mmap and not zipfile.is_zipfile(path):
@@ -153,6 +170,12 @@ def average_main(argv: list[str] | None = None) -> int:
                 raise CheckpointError(f"{args.inputs[0]}: no checkpoints/step_N.pt files to average")
         else:
             paths = [Path(p) for p in args.inputs]
+        output = Path(args.output)
+        if any(output.resolve() == p.resolve() for p in paths):
+            raise CheckpointError(f"-o {output}: is one of the checkpoints being averaged; write the average "
+                                  "to a new file")
+        if output.is_dir():
+            raise CheckpointError(f"-o {output}: is a directory; give a file name such as {output / 'avg.pt'}")
         state = average_checkpoints(paths)
         save_checkpoint(state, args.output)
     except CheckpointError as error:

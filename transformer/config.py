@@ -117,6 +117,7 @@ class TrainerConfig:
     compile: bool = False
     seed: int = 1
     resume: Any = False
+    init_from: str | None = None
     overwrite: bool = False
     log_every: int = 50
     num_threads: int = 0

@@ -80,5 +80,8 @@ def gather_objects(obj, info: DistInfo) -> list:
 
 
 def shutdown(info: DistInfo) -> None:
+    """Leave the process group together: a rank that tears down while another is still inside a
+    collective (rank 0 writing the last checkpoint, say) can abort the other's communication threads."""
     if info.enabled and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

@@ -24,6 +24,9 @@ def evaluate(checkpoint: str | Path, split: str = "test", src_file: str | None =
     if src_file or ref_file:
         if not (src_file and ref_file):
             raise DataError("give both --src and --ref")
+        for file in (src_file, ref_file):
+            if not Path(file).is_file():
+                raise DataError(f"{file}: no such file")
         sources, references = read_lines(Path(src_file)), read_lines(Path(ref_file))
         if len(sources) != len(references):
             raise DataError(f"line counts differ: {src_file} has {len(sources)}, {ref_file} has {len(references)}")
@@ -65,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                           args.precision, args.batch_tokens)
     except (CheckpointError, DataError, ValueError) as error:
         print(f"transformer-evaluate: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:          # e.g. the hypothesis file cannot be written beside the checkpoint
+        print(f"transformer-evaluate: error: {error.filename}: {error.strerror}", file=sys.stderr)
         return 2
     print(f"{result['split']}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  "
           f"({result['sentences']} sentences, beam {result['beam_size']}, {result['seconds']:.1f} s)")

@@ -3,10 +3,15 @@ run's log file and the signals that stop it cleanly. `Trainer` (train.py) uses t
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
+import os
 import random
 import shutil
 import signal
+import socket
+import time
 from pathlib import Path
 
 import torch
@@ -27,7 +32,7 @@ def find_resume_state(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> di
     `trainer.resume=true`. A directory holding checkpoints of another run is refused unless
     `trainer.overwrite=true`, which clears it."""
     if isinstance(tc.resume, str) and tc.resume not in ("", "true", "false"):
-        return load_checkpoint(tc.resume)
+        return _resumable(load_checkpoint(tc.resume), tc.resume)
     existing = sorted(ckpt_dir.glob("*.pt")) if ckpt_dir.exists() else []
     if dist.is_main and ckpt_dir.exists():
         for stale in ckpt_dir.glob(".*.pt.tmp*"):     # left by a process killed mid-write
@@ -46,16 +51,92 @@ def find_resume_state(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> di
             log.warning("trainer.resume=true but %s holds no checkpoint: starting a new run", ckpt_dir)
             return None
         log.info("resuming from %s (step %d)", newest, newest_step)
-        return load_checkpoint(newest)
+        return _resumable(load_checkpoint(newest), newest)
     if existing:
         if not tc.overwrite:
-            raise TrainingError(
-                f"{ckpt_dir} already holds checkpoints of another run; pass trainer.resume=true to "
-                "continue it, trainer.overwrite=true to replace it, or choose another hydra.run.dir")
+            raise foreign_run_error(ckpt_dir)
         D.barrier(dist)
         if dist.is_main:
             shutil.rmtree(ckpt_dir)
     return None
+
+
+def foreign_run_error(ckpt_dir: Path) -> TrainingError:
+    return TrainingError(f"{ckpt_dir} already holds checkpoints of another run; pass trainer.resume=true to "
+                         "continue it, trainer.overwrite=true to replace it, or choose another hydra.run.dir")
+
+
+def check_run_directory(run_dir: Path, overrides: list[str]) -> None:
+    """Before Hydra writes `.hydra/` and `train.log` into an explicitly named run directory: take its
+    lock and refuse one that holds another run's checkpoints, unless the overrides resume or replace it."""
+    RunDirectoryLock.acquire(run_dir)
+    keeps = [o for o in overrides if o.split("=", 1)[0].lstrip("+") in ("trainer.resume", "trainer.overwrite")
+             and o.split("=", 1)[1].lower() not in ("false", "", "null")]
+    if not keeps and any((run_dir / "checkpoints").glob("*.pt")):
+        raise foreign_run_error(run_dir / "checkpoints")
+
+
+def _resumable(state: dict, path) -> dict:
+    missing = [key for key in ("optimizer", "scheduler", "scaler", "rng", "data_state") if key not in state]
+    if missing:
+        raise TrainingError(
+            f"{path}: holds weights only (an averaged or exported checkpoint, without {', '.join(missing)}), so "
+            f"it cannot resume a run; translate or evaluate with it, or start a new run from its weights with "
+            f"trainer.init_from={path}")
+    return state
+
+
+class RunDirectoryLock:
+    """An exclusive lock on `<run_dir>/.lock` for the life of a run: a second run into the same
+    directory is refused with the holder's pid and host. The kernel releases it when the process
+    ends however it ends, so a killed run never leaves a stale lock.
+
+    A POSIX record lock (`lockf`), not `flock`: it belongs to the process, so DataLoader workers forked
+    from it do not inherit it and cannot keep a killed run's directory locked after it died.
+    """
+
+    _held: dict[Path, RunDirectoryLock] = {}
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir).resolve() / ".lock"
+        self.handle = None
+
+    @classmethod
+    def acquire(cls, run_dir: Path) -> RunDirectoryLock:
+        run_dir = Path(run_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise TrainingError(f"hydra.run.dir={run_dir}: is a file, not a directory; choose another run directory")
+        lock = cls(run_dir)
+        if lock.path in cls._held:
+            return cls._held[lock.path]
+        try:
+            lock.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(lock.path, "a+")
+        except OSError as error:
+            raise TrainingError(f"hydra.run.dir={run_dir}: cannot be created or written ({error.strerror})") from None
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise TrainingError(f"{run_dir} is in use by another training run ({holder}); wait for it to end or "
+                                "choose another hydra.run.dir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.flush()
+        lock.handle = handle
+        cls._held[lock.path] = lock
+        return lock
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self._held.pop(self.path, None)
+            self.handle.close()          # closing the descriptor releases the lock
+            self.handle = None
 
 
 def rng_state(device: torch.device) -> dict:

@@ -23,6 +23,10 @@ from transformer.config import DEFAULT_BATCH_TOKENS
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
+class Interrupted(Exception):
+    """Decoding stopped between batches because `stop()` said so (a training run's SIGTERM)."""
+
+
 @dataclass
 class Hypothesis:
     tokens: list[int]        # without BOS and EOS
@@ -115,7 +119,7 @@ def top_candidates(decoder, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor,
 def _candidates(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logprobs[:, PAD_ID] = float("-inf")           # never generated
     logprobs[:, BOS_ID] = float("-inf")
-    values, ids = row_topk(logprobs, k)                                           # (rows, k)
+    values, ids = row_topk(logprobs, min(k, logprobs.size(1)))                    # (rows, k)
     return values, ids, logprobs[:, EOS_ID]
 
 
@@ -171,18 +175,20 @@ def beam_search(decoder, max_lens: torch.Tensor, beam_size: int, alpha: float = 
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
     for step in range(int(max_lens.max())):
         n, beams = scores.shape
-        # A sentence's 2K best (beam, token) candidates are among each beam's 2K best tokens.
-        row_scores, row_tokens, eos_logprob = top_candidates(decoder, tokens, 2 * K)  # (n*beams, 2K)
+        # A sentence's 2K best (beam, token) candidates are among each beam's 2K best tokens
+        # (width = 2K, or the vocabulary size if that is smaller).
+        row_scores, row_tokens, eos_logprob = top_candidates(decoder, tokens, 2 * K)  # (n*beams, width)
+        width = row_scores.size(1)
         forced = step + 1 >= max_lens                                              # (n,)
         if forced.any():      # sentences at their length limit may only end
             forced_rows = forced.repeat_interleave(beams)
             row_scores[forced_rows] = float("-inf")
             row_scores[forced_rows, 0] = eos_logprob[forced_rows]
             row_tokens[forced_rows, 0] = EOS_ID
-        candidates = (scores.view(-1, 1) + row_scores).view(n, beams * 2 * K)
-        top_scores, top_ids = candidates.topk(2 * K, dim=1)                        # (n, 2K)
-        top_beams = top_ids // (2 * K)
-        top_tokens = row_tokens.view(n, beams * 2 * K).gather(1, top_ids)
+        candidates = (scores.view(-1, 1) + row_scores).view(n, beams * width)
+        top_scores, top_ids = candidates.topk(min(2 * K, beams * width), dim=1)     # (n, <= 2K)
+        top_beams = top_ids // width
+        top_tokens = row_tokens.view(n, beams * width).gather(1, top_ids)
         is_eos = top_tokens == EOS_ID
 
         # Finish EOS candidates that rank among the top K.
@@ -197,8 +203,9 @@ def beam_search(decoder, max_lens: torch.Tensor, beam_size: int, alpha: float = 
                 finished[sentence_list[i]].append(Hypothesis(tokens[row, 1:].tolist(), raw / penalty, raw,
                                                              forced_list[i]))
 
-        # Continue with the K best non-EOS candidates (at most K of the 2K are EOS).
-        next_scores, picks = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=1)   # (n, K)
+        # Continue with the K best non-EOS candidates (at most K of the 2K are EOS). With a beam wider
+        # than the vocabulary allows, fewer (and hypotheses at -inf, which can never finish).
+        next_scores, picks = top_scores.masked_fill(is_eos, float("-inf")).topk(min(K, top_scores.size(1)), dim=1)
         rows = (torch.arange(n, device=device)[:, None] * beams + top_beams.gather(1, picks)).view(-1)
         tokens = torch.cat([tokens[rows], top_tokens.gather(1, picks).view(-1, 1)], dim=1)
         scores = next_scores
@@ -208,7 +215,8 @@ def beam_search(decoder, max_lens: torch.Tensor, beam_size: int, alpha: float = 
             break
         if done.any():
             keep = (~done).nonzero().flatten()
-            keep_rows = (keep[:, None] * K + torch.arange(K, device=device)).view(-1)
+            kept_beams = scores.size(1)
+            keep_rows = (keep[:, None] * kept_beams + torch.arange(kept_beams, device=device)).view(-1)
             tokens, scores, open_ids, max_lens = tokens[keep_rows], scores[keep], open_ids[keep], max_lens[keep]
             decoder.select(rows[keep_rows], keep)
         else:
@@ -234,11 +242,11 @@ def _closed(finished, open_ids, scores, forced, max_lens, beam_size, alpha, nbes
 def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha: float = 0.0,
                   max_len_a: float = 1.2, max_len_b: int = 10, nbest: int = 1,
                   batch_tokens: int = DEFAULT_BATCH_TOKENS, device: torch.device | str = "cpu",
-                  use_cache: bool = True, progress=None, autocast=None) -> list[list[Hypothesis]]:
+                  use_cache: bool = True, progress=None, autocast=None, stop=None) -> list[list[Hypothesis]]:
     """Decode token-id sources (without EOS) in length-sorted batches; results in input order.
 
     `beam_size=1` runs greedy search. Sources longer than the model's positions are truncated by the
-    caller (see `Translator`).
+    caller (see `Translator`). `stop`, if given, is asked before every batch; True raises `Interrupted`.
     """
     results: list[list[Hypothesis]] = [[] for _ in sources]
     limit = model.cfg.max_positions - 1
@@ -272,6 +280,8 @@ def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha:
 
     try:
         for indices in batches_in_order([len(s) for s in sources], max(1, batch_tokens // beam_size)):
+            if stop is not None and stop():
+                raise Interrupted
             decode_batch(indices)
     finally:
         model.train(was_training)

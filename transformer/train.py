@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -28,13 +29,16 @@ from transformer.corpus import prepare
 from transformer.data import DataError, load_split_text
 from transformer.model import build_model
 from transformer.run_state import (
+    RunDirectoryLock,
     TrainingError,
     attach_log_file,
+    check_run_directory,
     find_resume_state,
     install_signal_handlers,
     restore_rng_state,
     rng_state,
 )
+from transformer.search import Interrupted
 from transformer.setup import (
     DTYPES,
     autocast_factory,
@@ -75,12 +79,20 @@ class Trainer:
         torch.manual_seed(tc.seed + self.dist.rank)
         random.seed(tc.seed + self.dist.rank)
         tokenizer = Tokenizer.from_state_dict(resume_state["tokenizer"]) if resume_state else None
+        init_state = None
+        if tc.init_from and not resume_state:       # fine-tuning: its weights and tokenizer, nothing else
+            init_state = load_checkpoint(tc.init_from, mmap=True)
+            tokenizer = Tokenizer.from_state_dict(init_state["tokenizer"])
         # Every rank calls this: one prepares under a file lock (no collective is waiting meanwhile),
         # the others then memory-map the same files.
         self.data = prepare(cfg.data, tokenizer)
         self.valid_text = load_split_text(cfg.data, "validation")
         tok = self.data.tokenizer
         self.model = build_model(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint).to(self.device)
+        if init_state is not None:
+            load_model_weights(self.model, init_state["model"], tc.init_from)
+            log.info("initialised the weights from %s (step %d); optimizer, schedule and step start afresh",
+                     tc.init_from, init_state["step"])
         self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.sampler = TokenBatchSampler(self.data.train.src_lens, self.data.train.tgt_lens, tc.max_tokens, tc.seed)
@@ -100,6 +112,15 @@ class Trainer:
         if tc.compile:
             self.train_model = torch.compile(self.train_model, dynamic=True)
         self.writer = SummaryWriter(str(self.run_dir / "tb")) if self.dist.is_main else None
+
+    def close(self) -> D.DistInfo:
+        """Flush TensorBoard, stop DataLoader workers, drop the DDP/compile wrappers; returns the
+        process-group info for the final `distributed.shutdown`."""
+        if self.writer:
+            self.writer.close()
+        self.loader = self.updates = None
+        self.train_model = None
+        return self.dist
 
     # ------------------------------------------------------------------------------------------------
     # State
@@ -137,7 +158,12 @@ class Trainer:
     def save(self, name: str) -> None:
         state = self.state_dict()           # every rank joins the RNG gather
         if self.dist.is_main:
-            save_checkpoint(state, self.ckpt_dir / name)
+            try:
+                save_checkpoint(state, self.ckpt_dir / name)
+            except CheckpointError as error:
+                kept = sorted(self.ckpt_dir.glob("*.pt"), key=lambda p: p.stat().st_mtime)
+                raise TrainingError(f"{error}; the last good checkpoint is "
+                                    f"{kept[-1] if kept else 'none (nothing was saved yet)'}") from None
 
     def _save_periodic(self) -> None:
         self.save(f"step_{self.step}.pt")
@@ -294,35 +320,16 @@ class Trainer:
 
     def validate(self) -> None:
         """Validation loss and BLEU on rank 0; the result is broadcast so every rank agrees."""
-        tc, dc = self.cfg.trainer, self.cfg.decode
         result = None
         if self.dist.is_main:
-            loss, nll = validation_loss(self.model, self.data.valid, tc.max_tokens, self.device, self.autocast,
-                                        tc.label_smoothing)
-            sources, references = self.valid_text
-            if tc.val_max_sentences:
-                sources, references = sources[: tc.val_max_sentences], references[: tc.val_max_sentences]
-            hyps, texts = decode_texts(self.model, self.data.tokenizer, sources, beam_size=tc.val_beam_size,
-                                       alpha=dc.alpha, max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
-                                       batch_tokens=dc.batch_tokens, device=self.device, autocast=self.autocast,
-                                       desc="validate")
-            scores = score(texts, references)
-            cut = sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps))
-            result = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "bleu": scores["bleu"],
-                      "chrf": scores["chrf"], "cut_at_max_len": cut}
-            log.info("validation step %d | loss %.3f | ppl %.2f | BLEU %.2f | chrF %.2f | cut %.1f%% | %s",
-                     self.step, loss, result["ppl"], scores["bleu"], scores["chrf"], 100 * cut,
-                     scores["bleu_signature"])
-            for key, value in result.items():
-                self.writer.add_scalar(f"val/{key}", value, self.step)
-            samples = "\n\n".join(f"**src** {s}  \n**ref** {r}  \n**hyp** {h}"
-                                  for s, r, h in list(zip(sources, references, texts))[:4])
-            self.writer.add_text("val/samples", samples, self.step)
-            self.writer.add_image("val/cross_attention",
-                                  cross_attention_image(self.model, self.data.tokenizer, sources[0],
-                                                        hyps[0][0].tokens, self.device), self.step)
-            self.writer.flush()
+            log.info("validating at step %d", self.step)
+            try:
+                result = self._validate_main()
+            except Interrupted:           # a stop signal arrived: skip the rest, the run saves and exits
+                log.warning("validation at step %d interrupted by %s", self.step, self.stop_signal)
         result = D.broadcast_object(result, self.dist)
+        if result is None:
+            return
         self.metrics.update({f"val_{k}": v for k, v in result.items()})
         self.metrics.setdefault("val_history", []).append({"step": self.step, **result})
         if result["bleu"] > self.best_bleu:
@@ -332,6 +339,37 @@ class Trainer:
                 self.save("best.pt")
         else:
             self.bad_validations += 1
+
+    def _validate_main(self) -> dict:
+        """Loss, BLEU, chrF, samples and a heatmap of the validation split (rank 0)."""
+        tc, dc = self.cfg.trainer, self.cfg.decode
+        stop = lambda: self.stop_signal is not None      # noqa: E731  (checked between batches)
+        loss, nll = validation_loss(self.model, self.data.valid, tc.max_tokens, self.device, self.autocast,
+                                    tc.label_smoothing, stop)
+        sources, references = self.valid_text
+        if tc.val_max_sentences:
+            sources, references = sources[: tc.val_max_sentences], references[: tc.val_max_sentences]
+        hyps, texts = decode_texts(self.model, self.data.tokenizer, sources, beam_size=tc.val_beam_size,
+                                   alpha=dc.alpha, max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
+                                   batch_tokens=dc.batch_tokens, device=self.device, autocast=self.autocast,
+                                   desc="validate", stop=stop)
+        scores = score(texts, references)
+        cut = sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps))
+        result = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "bleu": scores["bleu"],
+                  "chrf": scores["chrf"], "cut_at_max_len": cut}
+        log.info("validation step %d | loss %.3f | ppl %.2f | BLEU %.2f | chrF %.2f | cut %.1f%% | %s",
+                 self.step, loss, result["ppl"], scores["bleu"], scores["chrf"], 100 * cut,
+                 scores["bleu_signature"])
+        for key, value in result.items():
+            self.writer.add_scalar(f"val/{key}", value, self.step)
+        samples = "\n\n".join(f"**src** {s}  \n**ref** {r}  \n**hyp** {h}"
+                              for s, r, h in list(zip(sources, references, texts))[:4])
+        self.writer.add_text("val/samples", samples, self.step)
+        self.writer.add_image("val/cross_attention",
+                              cross_attention_image(self.model, self.data.tokenizer, sources[0],
+                                                    hyps[0][0].tokens, self.device), self.step)
+        self.writer.flush()
+        return result
 
     def test(self) -> dict | None:
         """Translate the test split with the decode config and the best weights; print BLEU."""
@@ -365,8 +403,15 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
         cfg = Config.from_dict(raw)
     run_dir = Path(run_dir or cfg.run_dir or "runs/default")
     cfg.run_dir = str(run_dir)
-    attach_log_file(run_dir, is_main=int(os.environ.get("RANK", "0")) == 0)
-    trainer = Trainer(cfg, run_dir)
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    lock = RunDirectoryLock.acquire(run_dir) if is_main else None     # one run per directory
+    try:
+        attach_log_file(run_dir, is_main=is_main)
+        trainer = Trainer(cfg, run_dir)
+    except BaseException:
+        if lock:
+            lock.release()
+        raise
     handlers = install_signal_handlers(trainer)
     try:
         metrics = trainer.fit()
@@ -378,14 +423,30 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
     finally:
         for sig, previous in handlers.items():
             signal.signal(sig, previous)
-        if trainer.writer:
-            trainer.writer.close()
-        D.shutdown(trainer.dist)
+        dist_info = trainer.close()
+        del trainer, handlers
+        # Whatever still references the process group (DDP's reducer, in a reference cycle with the
+        # model, say) must go while the interpreter is whole: gloo work objects freed during
+        # interpreter finalisation abort the process ("terminate called without an active exception").
+        gc.collect()
+        D.shutdown(dist_info)
+        if lock:
+            lock.release()
 
 
 def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
+
+    # Before Hydra writes .hydra/ and train.log into an explicitly named run directory, make sure no
+    # other run is using it (a timestamped default directory is taken again inside `train`).
+    run_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("hydra.run.dir=")]
+    if run_dirs and int(os.environ.get("RANK", "0")) == 0 and not {"-m", "--multirun"} & set(sys.argv):
+        try:
+            check_run_directory(Path(run_dirs[-1]), sys.argv[1:])
+        except TrainingError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
 
     # An absolute path: Hydra then finds conf/ however this module was started (-m, torchrun, -c).
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

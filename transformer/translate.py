@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -53,12 +54,19 @@ class Translator:
                              max_len_b: int | None = None, batch_tokens: int | None = None,
                              progress: bool = False) -> list[list[tuple[str, float]]]:
         """n-best (text, score) lists, best first. Empty sentences translate to ''."""
+        if isinstance(sentences, (str, bytes)) or not all(isinstance(s, str) for s in sentences):
+            kind = type(sentences).__name__ if isinstance(sentences, (str, bytes)) else \
+                next(type(s).__name__ for s in sentences if not isinstance(s, str))
+            raise TypeError(f"sentences must be a list of str (got {kind}); for one sentence write "
+                            "translate([text])")
         decode = self.config.decode
         beam_size = decode.beam_size if beam_size is None else beam_size
-        if beam_size < 1:
-            raise ValueError(f"beam_size={beam_size}: must be at least 1")
-        if not 1 <= nbest <= beam_size:
-            raise ValueError(f"nbest={nbest}: must be between 1 and the beam size ({beam_size})")
+        alpha = decode.alpha if alpha is None else alpha
+        max_len_a = decode.max_len_a if max_len_a is None else max_len_a
+        max_len_b = decode.max_len_b if max_len_b is None else max_len_b
+        batch_tokens = DEFAULT_BATCH_TOKENS if batch_tokens is None else batch_tokens
+        check_options(beam_size=beam_size, nbest=nbest, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
+                      batch_tokens=batch_tokens)
         limit = self.model.cfg.max_positions - 1
         sources = self.tokenizer.encode_src([s.strip() for s in sentences])
         truncated = sum(len(s) > limit for s in sources)
@@ -69,11 +77,8 @@ class Translator:
         results: list[list[Hypothesis]] = [[] for _ in sources]
         with tqdm(total=len(wanted), desc="translate", unit="sent", disable=not progress, leave=False) as bar:
             decoded = translate_ids(
-                self.model, [sources[i][:limit] for i in wanted], beam_size=beam_size,
-                alpha=decode.alpha if alpha is None else alpha, nbest=nbest,
-                max_len_a=decode.max_len_a if max_len_a is None else max_len_a,
-                max_len_b=decode.max_len_b if max_len_b is None else max_len_b,
-                batch_tokens=DEFAULT_BATCH_TOKENS if batch_tokens is None else batch_tokens,
+                self.model, [sources[i][:limit] for i in wanted], beam_size=beam_size, alpha=alpha, nbest=nbest,
+                max_len_a=max_len_a, max_len_b=max_len_b, batch_tokens=batch_tokens,
                 device=self.device, progress=bar, autocast=self.autocast)
         for index, hyps in zip(wanted, decoded):
             results[index] = hyps
@@ -84,6 +89,22 @@ class Translator:
     def translate(self, sentences: list[str], beam_size: int | None = None, **options) -> list[str]:
         """One translation per sentence (the best hypothesis)."""
         return [hyps[0][0] for hyps in self.translate_hypotheses(sentences, beam_size=beam_size, **options)]
+
+
+def check_options(*, beam_size, nbest, alpha, max_len_a, max_len_b, batch_tokens) -> None:
+    """Decoding options, checked the same way for the API and the CLIs: ValueError naming the option."""
+    def whole(name, value, low):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r}: must be a whole number >= {low}")
+    whole("beam_size", beam_size, 1)
+    whole("batch_tokens", batch_tokens, 1)
+    whole("max_len_b", max_len_b, 0)
+    whole("nbest", nbest, 1)
+    if nbest > beam_size:
+        raise ValueError(f"nbest={nbest}: must be between 1 and the beam size ({beam_size})")
+    for name, value in (("alpha", alpha), ("max_len_a", max_len_a)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}={value!r}: must be a finite number >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,12 +155,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformer-translate: error: {message}", file=sys.stderr)
         return 2
 
-    if args.beam < 1:
-        return fail(f"--beam {args.beam}: the beam size must be at least 1")
-    if args.nbest < 1 or args.nbest > args.beam:
-        return fail(f"--nbest {args.nbest}: must be between 1 and the beam size ({args.beam})")
-    if args.batch_tokens is not None and args.batch_tokens < 1:
-        return fail(f"--batch-tokens {args.batch_tokens}: must be at least 1")
+    try:
+        check_options(beam_size=args.beam, nbest=args.nbest, alpha=0.0 if args.alpha is None else args.alpha,
+                      max_len_a=0.0 if args.max_len_a is None else args.max_len_a,
+                      max_len_b=0 if args.max_len_b is None else args.max_len_b,
+                      batch_tokens=1 if args.batch_tokens is None else args.batch_tokens)
+    except ValueError as error:
+        option, _, rest = str(error).partition("=")
+        return fail(f"--{option.replace('_size', '').replace('_', '-')} {rest}")
+    if args.output and Path(args.output).is_dir():
+        return fail(f"--output {args.output}: is a directory; give a file name")
     if args.device == "cuda" and not torch.cuda.is_available():
         return fail("--device cuda: CUDA is not available")
     try:
@@ -173,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             for text, hyp_score in hyps:
                 out.write(f"{index}\t{hyp_score:.4f}\t{_one_line(text)}\n")
     if args.output:
-        Path(args.output).write_text(out.getvalue(), encoding="utf-8")
+        try:
+            Path(args.output).write_text(out.getvalue(), encoding="utf-8")
+        except OSError as error:
+            return fail(f"--output {args.output}: {error.strerror}")
     else:
         sys.stdout.buffer.write(out.getvalue().encode("utf-8"))
         sys.stdout.flush()

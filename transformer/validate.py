@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from transformer.batching import batches_in_order
 from transformer.loss import output_cross_entropy
-from transformer.search import translate_ids
+from transformer.search import Interrupted, translate_ids
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -31,13 +31,17 @@ def unwrap(model):
 
 
 @torch.no_grad()
-def validation_loss(model, corpus, max_tokens: int, device, autocast, smoothing: float):
-    """Per-token (label-smoothed loss, NLL) over a whole prepared split (an `EncodedCorpus`)."""
+def validation_loss(model, corpus, max_tokens: int, device, autocast, smoothing: float, stop=None):
+    """Per-token (label-smoothed loss, NLL) over a whole prepared split (an `EncodedCorpus`); `stop()`
+    is asked between batches and True raises `search.Interrupted`."""
     was_training = model.training
     model.eval()
     total_loss = total_nll = tokens = 0.0
     lengths = np.maximum(corpus.src_lens, corpus.tgt_lens)
     for indices in batches_in_order(lengths, max_tokens):
+        if stop is not None and stop():
+            model.train(was_training)
+            raise Interrupted
         batch = corpus.collate(indices).to(device)
         with autocast():
             loss, nll = batch_loss(model, batch, smoothing)
@@ -60,14 +64,14 @@ def score(hypotheses: list[str], references: list[str]) -> dict:
 
 def decode_texts(model, tokenizer, sources: list[str], *, beam_size: int, alpha: float, max_len_a: float,
                  max_len_b: int, batch_tokens: int, device, autocast=None, desc: str = "decoding",
-                 nbest: int = 1):
+                 nbest: int = 1, stop=None):
     """Translate raw source strings; returns (list of n-best Hypothesis lists, texts of the best)."""
     limit = model.cfg.max_positions - 1
     ids = [s[:limit] for s in tokenizer.encode_src(sources)]
     with tqdm(total=len(ids), desc=desc, unit="sent", leave=False, disable=None) as progress:
         results = translate_ids(model, ids, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
                                 max_len_b=max_len_b, nbest=nbest, batch_tokens=batch_tokens, device=device,
-                                progress=progress, autocast=autocast)
+                                progress=progress, autocast=autocast, stop=stop)
     texts = tokenizer.decode_tgt([hyps[0].tokens for hyps in results])
     return results, texts
 

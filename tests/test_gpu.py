@@ -1,0 +1,78 @@
+"""CUDA paths, run where a GPU is present (skipped elsewhere; `pytest -m gpu` selects them): SDPA against
+the reference formula, the fused loss under bf16/fp16 autocast, cached decoding, a fused-AdamW step with
+the fp16 GradScaler."""
+
+import pytest
+import torch
+
+from transformer.attention import attend, attention_math, causal_allowed
+from transformer.config import ModelConfig
+from transformer.loss import output_cross_entropy, output_cross_entropy_reference
+from transformer.model import build_model
+from transformer.search import translate_ids
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_matches_the_reference_formula(dtype, tol, causal):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 9, 16, device="cuda", dtype=dtype) for _ in range(3))
+    allowed = torch.ones(3, 1, 1, 9, dtype=torch.bool, device="cuda")
+    allowed[0, ..., 6:] = False                                    # padding in the first sentence
+    if causal:                 # decoder self-attention: SDPA's is_causal, no padding mask
+        out, _ = attend(q, k, v, None, causal=True)
+        mask = causal_allowed(9, 9, q.device)
+    else:
+        out, _ = attend(q, k, v, allowed)
+        mask = allowed
+    ref, _ = attention_math(q.float(), k.float(), v.float(), mask)
+    assert torch.allclose(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_loss_under_autocast_on_cuda(dtype):
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 64, device="cuda", requires_grad=True)
+    weight = (torch.randn(500, 64, device="cuda") * 0.2).requires_grad_()
+    target = torch.randint(0, 500, (300,), device="cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        loss, _ = output_cross_entropy(hidden, weight, target, 0.1)
+    loss.backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref, _ = output_cross_entropy_reference(hidden, weight, target, 0.1)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=2e-2)
+    assert torch.allclose(grads[0], hidden.grad, atol=5e-2) and torch.allclose(grads[1], weight.grad, atol=5e-2)
+
+
+def test_cached_decoding_equals_recomputation_on_cuda():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(d_model=64, n_heads=4, d_ff=128, dropout=0.0), 100, 100, True).cuda().eval()
+    sources = [[5 + (i * 7 + j) % 90 for j in range(3 + i % 5)] for i in range(12)]
+    for beam in (1, 4):
+        cached = translate_ids(model, sources, beam_size=beam, device="cuda", max_len_b=8)
+        plain = translate_ids(model, sources, beam_size=beam, device="cuda", max_len_b=8, use_cache=False)
+        assert [h[0].tokens for h in cached] == [h[0].tokens for h in plain]
+
+
+def test_fused_adamw_and_grad_scaler_step():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(d_model=64, n_heads=4, d_ff=128), 100, 100, True).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda")
+    src = torch.randint(4, 100, (8, 10), device="cuda")
+    tgt = torch.randint(4, 100, (8, 9), device="cuda")
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        with torch.autocast("cuda", dtype=torch.float16):
+            hidden = model(src, tgt, return_hidden=True).flatten(0, 1)
+            loss, _ = output_cross_entropy(hidden, model.output.weight, tgt.flatten(), 0.1)
+        scaler.scale(loss / tgt.numel()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    assert scaler.get_scale() > 0 and torch.isfinite(loss)
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))

@@ -1,0 +1,246 @@
+"""Misuse, as a table: every hostile input ends with exit code 2, one line that names the problem (and the
+fix), no traceback, and nothing on disk changed that should not be. Then the cases that need a running
+process: a run directory held by another run, SIGTERM during validation, a full disk while saving."""
+
+import errno
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import FAST, ROOT, compose_config
+from transformer.checkpoint import average_main, load_checkpoint
+from transformer.evaluate import main as evaluate_main
+from transformer.run_state import RunDirectoryLock, TrainingError
+from transformer.search import beam_search
+from transformer.translate import Translator
+from transformer.translate import main as translate_main
+
+pytestmark = pytest.mark.slow
+
+
+def _snapshot(root: Path) -> dict:
+    # `.lock` files are the run-directory locks a refused run may take and release: not content.
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+@pytest.fixture
+def workspace(tmp_path, trained_run):
+    """A copy of the trained run (so refusals can be checked for leaving it untouched), an averaged
+    checkpoint, a directory, an empty corpus and a plain file."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run[0] / "checkpoints", run / "checkpoints")
+    assert average_main([str(run / "checkpoints" / "best.pt"), str(run / "checkpoints" / "last.pt"),
+                         "-o", str(tmp_path / "avg.pt")]) == 0
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "blank").mkdir()
+    for split, text in (("train", "\n  \n\n"), ("val", "Hallo\n")):
+        for lang in ("de", "en"):
+            (tmp_path / "blank" / f"{split}.{lang}").write_text(text)
+    (tmp_path / "a_file").write_text("not a directory\n")
+    (tmp_path / "in.de").write_text("Der Hund.\n")
+    return tmp_path
+
+
+def _train_cli(*args, timeout=180):
+    proc = subprocess.run([sys.executable, "-m", "transformer.train", *FAST, "trainer.max_steps=2", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _in_process(main):
+    def run(capsys, *args):
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return code, out, err
+    return run
+
+
+translate, average, evaluate = _in_process(translate_main), _in_process(average_main), _in_process(evaluate_main)
+BEST = "{ws}/run/checkpoints/best.pt"
+
+# (id, runner, arguments with {ws} for the workspace, the one-line message expected on stderr)
+CASES = [
+    ("beam-0", "translate", [BEST, "--beam", "0", "--input", "{ws}/in.de"], r"--beam 0: must be a whole number >= 1"),
+    ("nbest>beam", "translate", [BEST, "--beam", "2", "--nbest", "3", "--input", "{ws}/in.de"], r"--nbest 3: must be between 1"),
+    ("max-len-a<0", "translate", [BEST, "--max-len-a", "-5", "--input", "{ws}/in.de"],
+     r"--max-len-a -5.0: must be a finite number >= 0"),
+    ("max-len-b<0", "translate", [BEST, "--max-len-b", "-1", "--input", "{ws}/in.de"], r"--max-len-b -1: must be a whole"),
+    ("alpha-nan", "translate", [BEST, "--alpha", "nan", "--input", "{ws}/in.de"], r"--alpha nan: must be a finite number"),
+    ("alpha-inf", "translate", [BEST, "--alpha", "inf", "--input", "{ws}/in.de"], r"--alpha inf: must be a finite number"),
+    ("batch-tokens-0", "translate", [BEST, "--batch-tokens", "0", "--input", "{ws}/in.de"], r"--batch-tokens 0: must be"),
+    ("output-is-dir", "translate", [BEST, "--input", "{ws}/in.de", "--output", "{ws}/folder"],
+     r"--output .*/folder: is a directory; give a file name"),
+    ("ckpt-is-dir", "translate", ["{ws}/run", "--input", "{ws}/in.de"], r".*/run: is a directory, not a checkpoint file"),
+    ("ckpt-missing", "translate", ["{ws}/nope.pt", "--input", "{ws}/in.de"], r".*/nope.pt: no such checkpoint file"),
+    ("input-missing", "translate", [BEST, "--input", "{ws}/nope.de"], r".*/nope.de: No such file or directory"),
+    ("average-onto-input", "average", ["{ws}/run/checkpoints/best.pt", "{ws}/run/checkpoints/last.pt",
+                                       "-o", "{ws}/run/checkpoints/last.pt"], r"-o .*last.pt: is one of the checkpoints"),
+    ("average-into-dir", "average", ["{ws}/run/checkpoints/best.pt", "-o", "{ws}/folder"], r"-o .*/folder: is a directory"),
+    ("average-nothing", "average", ["{ws}/folder", "-o", "{ws}/x.pt"], r".*/folder: no checkpoints/step_N.pt files"),
+    ("evaluate-src-missing", "evaluate", [BEST, "--src", "{ws}/nope.de", "--ref", "{ws}/in.de"], r".*/nope.de: no such file"),
+    ("evaluate-half-pair", "evaluate", [BEST, "--src", "{ws}/in.de"], r"give both --src and --ref"),
+    ("resume-averaged", "train", ["trainer.resume={ws}/avg.pt", "hydra.run.dir={ws}/new"],
+     r".*avg.pt: holds weights only .* trainer.init_from="),
+    ("run-dir-is-file", "train", ["hydra.run.dir={ws}/a_file"], r"hydra.run.dir=.*/a_file: is a file, not a directory"),
+    ("blank-training-split", "train", ["data=multi30k_de_en", "data.path={ws}/blank", "data.cache_dir={ws}/cache",
+                                       "hydra.run.dir={ws}/new"],
+     r".*blank/train.de \+ train.en: no usable sentence to train the tokenizer on"),
+    ("init-from-other-shape", "train", ["model.d_model=32", "trainer.init_from=" + BEST, "hydra.run.dir={ws}/new"],
+     r".*best.pt: weights do not fit this model"),
+    ("run-dir-of-another-run", "train", ["hydra.run.dir={ws}/run"], r".*/run/checkpoints already holds checkpoints"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_hostile_input_table(case, workspace, capsys, data_cache):
+    _, runner, args, pattern = case
+    args = [a.format(ws=workspace) for a in args]
+    before = _snapshot(workspace)
+    if runner == "train":
+        code, out, err = _train_cli(*args, f"data.cache_dir={data_cache}" if "data.cache_dir" not in " ".join(args)
+                                    else "trainer.seed=1")
+    else:
+        code, out, err = {"translate": translate, "average": average, "evaluate": evaluate}[runner](capsys, *args)
+    assert code == 2, (out, err)
+    assert "Traceback" not in out + err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert re.search(pattern, lines[0]), lines[0]
+    after = _snapshot(workspace)
+    changed = {p for p in set(before) | set(after) if before.get(p) != after.get(p)}
+    # A refused training run may leave only its own new directory behind (Hydra's log), never touch others.
+    assert all(workspace / "new" in p.parents or workspace / "cache" in p.parents for p in changed), changed
+
+
+def test_the_table_covers_every_defect_class():
+    assert len(CASES) == 21
+    assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
+
+
+def test_translator_api_refuses_what_the_cli_refuses(trained_checkpoint):
+    translator = Translator.from_checkpoint(trained_checkpoint, device="cpu")
+    for bad in ("Der Hund.", [None], [5], [b"Der Hund."]):
+        with pytest.raises(TypeError, match=r"sentences must be a list of str \(got \w+\)"):
+            translator.translate(bad)
+    for options, name in (({"alpha": math.nan}, "alpha"), ({"max_len_a": -5}, "max_len_a"),
+                          ({"beam_size": 0}, "beam_size"), ({"batch_tokens": 0}, "batch_tokens")):
+        with pytest.raises(ValueError, match=name):
+            translator.translate(["Der Hund."], **options)
+
+
+def test_beam_sizes_up_to_and_beyond_the_vocabulary(trained_checkpoint):
+    from tests.test_search import A, B, TableDecoder
+    best = {}
+    for beam in range(1, 12):                      # the table has 6 entries (4 that can be generated)
+        (hyps,) = beam_search(TableDecoder(), torch.tensor([6]), beam_size=beam, nbest=1)
+        assert math.isfinite(hyps[0].score)
+        best[beam] = hyps[0].tokens
+    assert best[1] == [A, A] and all(best[b] == [B] for b in range(2, 12))
+    translator = Translator.from_checkpoint(trained_checkpoint, device="cpu")
+    vocab = translator.tokenizer.tgt_vocab_size
+    reference = translator.translate(["Der Hund.", "Die Katze sieht den Hund."], beam_size=5)
+    assert all(reference)
+    for beam in (vocab // 2 + 1, vocab, vocab + 7):
+        for hyps in translator.translate_hypotheses(["Der Hund.", "Die Katze sieht den Hund."], beam_size=beam,
+                                                    nbest=3):
+            scores = [score for _, score in hyps]
+            assert len(hyps) == 3 and all(text for text, _ in hyps)
+            assert all(math.isfinite(s) for s in scores) and scores == sorted(scores, reverse=True)
+
+
+def test_a_second_run_into_a_busy_run_directory_is_refused_and_the_first_is_unharmed(tmp_path, data_cache):
+    run_dir = tmp_path / "shared"
+    first = subprocess.Popen([sys.executable, "-m", "transformer.train", *FAST, "trainer.max_steps=40",
+                              "trainer.validate_every=20", "trainer.val_max_sentences=4", "trainer.test_at_end=false",
+                              f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    log = run_dir / "train.log"
+    while time.time() < deadline and not (log.exists() and "training pairs" in log.read_text()):
+        time.sleep(0.2)                      # Hydra has written .hydra/ and the run has started
+    config_before = (run_dir / ".hydra" / "config.yaml").read_bytes()
+    code, out, err = _train_cli("trainer.lr=1e-4", f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}")
+    assert code == 2 and "Traceback" not in err
+    assert re.fullmatch(rf"error: {re.escape(str(run_dir))} is in use by another training run \(pid {first.pid} on "
+                        r"\S+ since [\d: -]+\); wait for it to end or choose another hydra.run.dir", err.strip()), err
+    assert (run_dir / ".hydra" / "config.yaml").read_bytes() == config_before        # its config untouched
+    assert first.wait(timeout=300) == 0, first.stdout.read()
+    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"] == 40
+    assert "lr: 0.0001" not in (run_dir / ".hydra" / "config.yaml").read_text()
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from transformer.run_state import RunDirectoryLock as L; "
+                               "L.acquire(Path(sys.argv[1])); print('held', flush=True); time.sleep(60)",
+                               str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(TrainingError, match=f"in use by another training run \\(pid {holder.pid} "):
+        RunDirectoryLock.acquire(tmp_path)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert "pid" in (tmp_path / ".lock").read_text()            # the file stays; the lock went with the process
+    lock = RunDirectoryLock.acquire(tmp_path)
+    assert f"pid {os.getpid()}" in (tmp_path / ".lock").read_text()
+    lock.release()
+
+
+def test_sigterm_during_validation_saves_and_exits_within_seconds(tmp_path, data_cache):
+    # An untrained model decodes every validation sentence to its length limit: a long validation.
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "transformer.train", *FAST, "trainer.max_steps=1000",
+                             "trainer.validate_every=3", "trainer.val_max_sentences=0", "decode.max_len_b=200",
+                             "decode.max_len_a=3", "trainer.val_beam_size=4", "decode.batch_tokens=64",
+                             f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = run_dir / "train.log"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and "validating at step 3" in log.read_text()):
+        time.sleep(0.1)
+    time.sleep(1.0)                                       # well inside the validation decode
+    proc.send_signal(signal.SIGTERM)
+    sent = time.time()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert time.time() - sent < 15, "the run took too long to stop"
+    assert "validation at step 3 interrupted by SIGTERM" in out
+    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"] == 3
+    assert "validation step 3 |" not in log.read_text()       # no half validation was reported
+
+
+def test_disk_full_while_saving_names_the_file_and_the_last_good_checkpoint(tmp_path, data_cache, monkeypatch):
+    import transformer.checkpoint as checkpoint
+    from transformer.train import train
+    real_save, calls = torch.save, {"n": 0}
+
+    def save_until_full(obj, handle, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] <= 2:                               # step_2.pt and last.pt fit on the disk
+            return real_save(obj, handle, *args, **kwargs)
+        handle.write(b"partial")
+        try:                                              # what torch does: ENOSPC only in the chain
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as error:
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4096 vs 0") from error
+
+    monkeypatch.setattr(checkpoint.torch, "save", save_until_full)
+    cfg = compose_config(FAST + ["trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.validate_every=100",
+                                 "trainer.test_at_end=false"], data_cache)
+    with pytest.raises(TrainingError) as error:
+        train(cfg, tmp_path)
+    message = str(error.value)
+    assert re.fullmatch(r".*/checkpoints/step_4.pt: cannot write the checkpoint: No space left on device; "
+                        r"the last good checkpoint is .*/checkpoints/(last|step_2).pt", message), message
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["last.pt", "step_2.pt"]              # no temporary file left behind
+    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 2

@@ -1,0 +1,102 @@
+"""The fused label-smoothed loss against plain autograd (smoothing, padding, chunks, bf16), and the
+learning-rate schedule against its formula."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformer.batching import pad_sequences
+from transformer.config import ModelConfig
+from transformer.loss import output_cross_entropy, output_cross_entropy_reference
+from transformer.model import build_model
+from transformer.setup import inverse_sqrt_schedule
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.validate import batch_loss
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
+@pytest.mark.parametrize("n_tokens", [13, 2100])       # 2100 spans several chunks
+def test_fused_loss_and_gradients_match_autograd_reference(smoothing, n_tokens):
+    torch.manual_seed(0)
+    hidden = torch.randn(n_tokens, 16)
+    weight = torch.randn(37, 16)
+    target = torch.randint(0, 37, (n_tokens,))
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, nll = output_cross_entropy(h1, w1, target, smoothing)
+    ref_loss, ref_nll = output_cross_entropy_reference(h2, w2, target, smoothing)
+    (2.5 * loss).backward()
+    (2.5 * ref_loss).backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert nll.item() == pytest.approx(ref_nll.item(), rel=1e-5)
+    assert torch.allclose(h1.grad, h2.grad, atol=1e-4)
+    assert torch.allclose(w1.grad, w2.grad, atol=1e-4)
+
+
+def test_fused_loss_under_bf16_autocast_is_close():
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(64, 32), torch.randn(50, 32) * 0.3
+    target = torch.randint(0, 50, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = output_cross_entropy(hidden, weight, target, 0.1)
+    ref, _ = output_cross_entropy_reference(hidden, weight, target, 0.1)
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(ref.item(), rel=2e-2)
+
+
+def test_loss_by_hand():
+    # one token, identity projection: logits = log([0.5, 0.25, 0.25])
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    loss, nll = output_cross_entropy(logits, torch.eye(3), torch.tensor([0]), 0.3)
+    expected = 0.7 * 0.6931472 + 0.3 * (0.6931472 + 2 * 1.3862944) / 3       # (1-ε) NLL + ε mean(-log p)
+    assert loss.item() == pytest.approx(expected, rel=1e-5) and nll.item() == pytest.approx(0.6931472, rel=1e-5)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_batch_loss_ignores_padding_like_cross_entropy_with_ignore_index(smoothing):
+    """Padded target positions contribute nothing: the fused loss over the real positions of a padded
+    batch equals torch's cross_entropy over all positions with ignore_index=PAD."""
+    from transformer.batching import Batch
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=1, decoder_layers=1,
+                                    dropout=0.0), 40, 40, True)
+    src = pad_sequences([[5, 6, 7], [8, 9], [10, 11, 12, 13]], suffix=[EOS_ID])
+    tgt = [[14, 15], [16, 17, 18, 19], [20]]
+    batch = Batch(src, pad_sequences(tgt, prefix=[BOS_ID]), pad_sequences(tgt, suffix=[EOS_ID]),
+                  num_tgt_tokens=sum(len(t) + 1 for t in tgt))
+    assert (batch.tgt_out == PAD_ID).sum() == 5
+    loss, nll = batch_loss(model, batch, smoothing)
+    logits = model(batch.src, batch.tgt_in)                                         # (B, T, V)
+    reference = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD_ID,
+                                label_smoothing=smoothing, reduction="sum")
+    reference_nll = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD_ID,
+                                    reduction="sum")
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-5)
+    assert nll.item() == pytest.approx(reference_nll.item(), rel=1e-5)
+
+
+def test_inverse_sqrt_schedule_by_hand():
+    factor = inverse_sqrt_schedule(warmup=400)
+    assert factor(0) == pytest.approx(1 / 400)            # step 0 counts as step 1
+    assert factor(100) == pytest.approx(0.25)              # linear warm-up
+    assert factor(400) == pytest.approx(1.0)               # the peak
+    assert factor(1600) == pytest.approx(0.5)              # sqrt(400 / 1600)
+    assert factor(40000) == pytest.approx(0.1)
+    no_warmup = inverse_sqrt_schedule(warmup=0)
+    assert no_warmup(1) == 1.0 and no_warmup(100) == pytest.approx(0.1)
+
+
+def test_the_optimizer_follows_the_schedule():
+    from transformer.config import TrainerConfig
+    from transformer.setup import build_optimizer
+    model = torch.nn.Linear(3, 3)
+    optimizer, scheduler = build_optimizer(model, TrainerConfig(lr=2e-3, warmup=10, max_steps=1), torch.device("cpu"))
+    lrs = []
+    for _ in range(40):
+        optimizer.step()
+        scheduler.step()
+        lrs.append(scheduler.get_last_lr()[0])
+    assert lrs[4] == pytest.approx(2e-3 * 5 / 10)
+    assert max(lrs) == pytest.approx(2e-3) and lrs.index(max(lrs)) == 9
+    assert lrs[39] == pytest.approx(2e-3 * math.sqrt(10 / 40))
