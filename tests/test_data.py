@@ -152,6 +152,22 @@ def test_concurrent_preparations_encode_once_and_share_the_files(tmp_path):
     assert len(list((tmp_path / "spm").glob("*.model"))) == 1
 
 
+def test_a_failed_preparation_leaves_no_temporary_files_and_its_own_error(tmp_path):
+    for lang, lines in (("de", "ein Hund\neine Katze\nein Haus\n"), ("en", "a dog\na cat\n")):
+        (tmp_path / f"train.{lang}").write_text(lines)
+        (tmp_path / f"validation.{lang}").write_text(lines)
+    cfg = DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache"), vocab_size=30)
+    with pytest.raises(DataError, match=r"^line counts differ: .*train.de has 3 lines"):   # not wrapped by SentencePiece
+        prepare(cfg)
+    from transformer.tokenizer import Tokenizer
+    tokenizer = build_tokenizer(["ein Hund"] * 5, ["a dog"] * 5, vocab_size=30, cache_dir=tmp_path / "cache")
+    assert isinstance(tokenizer, Tokenizer)
+    (tmp_path / "train.en").write_text("a dog\na cat\na house\n")            # train fine, validation not
+    with pytest.raises(DataError, match=r"line counts differ: .*validation.de has 3 lines"):
+        prepare(cfg, tokenizer)
+    assert not [p for p in (tmp_path / "cache" / "corpus").iterdir() if ".tmp" in p.name]
+
+
 def test_streaming_across_blocks_keeps_line_numbers_and_alignment(tmp_path, monkeypatch):
     monkeypatch.setattr(data_module, "_BLOCK_BYTES", 16)          # many tiny blocks
     de = [f"Zeile {i} " + "ä" * (i % 7) for i in range(200)]
@@ -174,8 +190,11 @@ def test_arrow_sources_stream_in_chunks(tmp_path):
     source = open_split(DataConfig(path=str(tmp_path)), "train")
     assert [len(s) for s, _ in source.chunks(size=10)] == [10, 10, 5]
     assert source.read_all() == ([f"Haus {i}" for i in range(25)], [f"house {i}" for i in range(25)])
-    with pytest.raises(DataError, match="lack 'fr'/'en' keys"):
+    with pytest.raises(DataError, match=r"'translation' column must map 'fr' and 'en' to text \(found keys \['de', 'en'\]\)"):
         open_split(DataConfig(path=str(tmp_path), src_lang="fr"), "train")
+    (tmp_path / "test.jsonl").write_text(json.dumps({"translation": "Haus -> house"}) + "\n")
+    with pytest.raises(DataError, match=r"test.jsonl: the 'translation' column must map .* \(found type string\)"):
+        open_split(DataConfig(path=str(tmp_path)), "test")
 
 
 def test_embedded_corpus_is_a_real_translation_task():

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -122,6 +123,16 @@ def test_hostile_input_table(case, workspace, capsys, data_cache):
     assert all(workspace / "new" in p.parents or workspace / "cache" in p.parents for p in changed), changed
 
 
+def test_resume_true_passes_over_a_weights_only_checkpoint(workspace):
+    from transformer.config import TrainerConfig
+    from transformer.distributed import DistInfo
+    from transformer.run_state import find_resume_state
+    checkpoints = workspace / "run" / "checkpoints"
+    assert average_main([str(checkpoints / "last.pt"), "-o", str(checkpoints / "avg.pt")]) == 0   # same step
+    state = find_resume_state(TrainerConfig(resume=True, max_steps=1), checkpoints, DistInfo())
+    assert "optimizer" in state and state["step"] == load_checkpoint(checkpoints / "last.pt")["step"]
+
+
 def test_the_table_covers_every_defect_class():
     assert len(CASES) == 21
     assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
@@ -129,7 +140,9 @@ def test_the_table_covers_every_defect_class():
 
 def test_translator_api_refuses_what_the_cli_refuses(trained_checkpoint):
     translator = Translator.from_checkpoint(trained_checkpoint, device="cpu")
-    for bad in ("Der Hund.", [None], [5], [b"Der Hund."]):
+    assert translator.translate(iter(["Der Hund.", ""])) == translator.translate(["Der Hund.", ""])
+    assert translator.translate(["Der Hund."], beam_size=np.int64(2)) == translator.translate(["Der Hund."], beam_size=2)
+    for bad in ("Der Hund.", [None], [5], [b"Der Hund."], iter(["ok", 5])):
         with pytest.raises(TypeError, match=r"sentences must be a list of str \(got \w+\)"):
             translator.translate(bad)
     for options, name in (({"alpha": math.nan}, "alpha"), ({"max_len_a": -5}, "max_len_a"),

@@ -54,7 +54,7 @@ def _params(path: Path) -> dict:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_resume_continues_exactly(tmp_path, data_cache, workers):
+def test_resume_continues_exactly(tmp_path, data_cache, workers, caplog):
     common = FAST + ["data.embedded_pairs=800", "trainer.precision=fp32", "trainer.device=cpu", "trainer.update_freq=2",
                      "trainer.validate_every=5", "trainer.val_max_sentences=8", "decode.beam_size=1",
                      "model.dropout=0.2", "trainer.max_minutes=0", "trainer.test_at_end=false",
@@ -71,6 +71,12 @@ def test_resume_continues_exactly(tmp_path, data_cache, workers):
     for name in full:
         assert torch.equal(full[name], resumed[name]), name
     assert metrics["stop_reason"] == "reached trainer.max_steps=20"
+    if not workers:       # a resume with other batching settings continues, but says it is not exact
+        import logging
+        with caplog.at_level(logging.WARNING):
+            train(compose_config(common + ["trainer.max_steps=21", "trainer.resume=true", "trainer.max_tokens=900"],
+                                 data_cache), tmp_path / "split")
+        assert "resuming with a different max_tokens than the checkpoint was written with" in caplog.text
     if workers:     # batches collated in worker processes train exactly like batches collated in-process
         train(compose_config([c for c in common if "num_workers" not in c] + ["trainer.max_steps=20"], data_cache),
               tmp_path / "in-process")

@@ -113,12 +113,30 @@ class EncodedCorpus:
 
 
 def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc: str) -> None:
-    """Encode `source` chunk by chunk (SentencePiece on every core) into the files of `directory`."""
+    """Encode `source` chunk by chunk (SentencePiece on every core) into the files of `directory`,
+    written in a temporary directory renamed into place."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    for stale in directory.parent.glob(f".{directory.name}.tmp*"):    # left by a killed preparation
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
+    tmp.mkdir()
+    try:
+        _write_split(tmp, source, tokenizer, desc)
+        try:
+            os.rename(tmp, directory)
+        except OSError:
+            if not (directory / "meta.json").exists():
+                raise                                   # not "another process was faster"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)         # on any failure, and if another process won
+    meta = json.loads((directory / "meta.json").read_text())
+    log.info("%s: %d pairs, %d + %d tokens -> %s", desc, meta["pairs"], meta["src_tokens"], meta["tgt_tokens"],
+             directory)
+
+
+def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str) -> None:
     vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
-    tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     lengths = {"src": [], "tgt": []}
     flags = []
     threads = os.cpu_count() or 1
@@ -145,22 +163,20 @@ def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc:
     meta = {"format": FORMAT_VERSION, "pairs": len(flag_array), **counts, "dtype": dtype.name,
             "source": source.where, "src_vocab": tokenizer.src_vocab_size, "tgt_vocab": tokenizer.tgt_vocab_size}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    try:
-        os.rename(tmp, directory)
-    except OSError:              # prepared meanwhile by a process that did not take the lock
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("%s: %d pairs, %d + %d tokens -> %s", desc, meta["pairs"], counts["src_tokens"], counts["tgt_tokens"],
-             directory)
 
 
-def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, split: str) -> EncodedCorpus:
-    """The prepared split for this source and tokenizer: read from the cache, or encoded now."""
+def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, split: str,
+                  build: bool = True) -> EncodedCorpus | None:
+    """The prepared split for this source and tokenizer: read from the cache, or encoded now (or None
+    when it is missing and `build` is false)."""
     key = hashlib.sha256(json.dumps({"source": source.fingerprint(), "tokenizer": tokenizer.fingerprint(),
                                      "format": FORMAT_VERSION}).encode()).hexdigest()[:16]
     name = f"{cfg.name}.{split}"
     directory = Path(cfg.cache_dir) / "corpus" / f"{name}.{key}"
     if (directory / "meta.json").exists():
         log.info("%s: prepared corpus %s", name, directory)
+    elif not build:
+        return None
     else:
         _encode_to(directory, source, tokenizer, name)
     return EncodedCorpus(directory, cfg.max_len, name)
@@ -187,21 +203,41 @@ class PreparedData:
     valid: EncodedCorpus | None
 
 
-def train_tokenizer(cfg: DataConfig, source: SplitSource) -> Tokenizer:
+def train_tokenizer(cfg: DataConfig, source: SplitSource, build: bool = True) -> Tokenizer | None:
     return build_tokenizer(source.side("src"), source.side("tgt"), fingerprint=source.fingerprint(),
                            where=source.where, vocab_size=cfg.vocab_size, model_type=cfg.tokenizer_type,
                            joint=cfg.joint_vocab, character_coverage=cfg.character_coverage,
-                           sample=cfg.tokenizer_sample, cache_dir=cfg.cache_dir)
+                           sample=cfg.tokenizer_sample, cache_dir=cfg.cache_dir, build=build)
 
 
 def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train", "validation")) -> PreparedData:
-    """Tokenizer (trained on the training split unless given) and the encoded `splits`."""
+    """Tokenizer (trained on the training split unless given) and the encoded `splits`.
+
+    Everything cached: read without the lock (every rank at once). Something missing: take the lock
+    and build what is still missing once it is held.
+    """
     sources = {split: open_split(cfg, split) for split in splits}
-    encoded = {}
-    with preparation_lock(cfg):
-        tokenizer = tokenizer or train_tokenizer(cfg, sources["train"])
+    for source in sources.values():
+        source.fingerprint()                      # hashed outside the lock, once per process
+
+    def collect(build: bool) -> dict | None:
+        tok = tokenizer or train_tokenizer(cfg, sources["train"], build=build)
+        if tok is None:
+            return None
+        found = {"tokenizer": tok}
         for split, source in sources.items():
-            encoded[split] = encoded_split(source, tokenizer, cfg, split)
+            found[split] = encoded_split(source, tok, cfg, split, build=build)
+            if found[split] is None:
+                return None
+        return found
+
+    encoded = collect(build=False)
+    if encoded is None:
+        with preparation_lock(cfg):
+            encoded = collect(build=True)
+    tokenizer = encoded["tokenizer"]
+    for split in ("train", "validation"):         # the test split is scored from its text: no filter report
+        if split in encoded:
             encoded[split].report()
     log.info("data %s: %d training pairs%s", cfg.name, len(encoded["train"]),
              f", {len(encoded['validation'])} validation pairs" if "validation" in encoded else "")

@@ -21,6 +21,11 @@ CHUNK_LINES = 100_000
 _BLOCK_BYTES = 8 << 20
 
 
+def pa_types():
+    import pyarrow.types
+    return pyarrow.types
+
+
 def _datasets():
     """HuggingFace `datasets`, imported on first use: translating needs none of it and starts faster."""
     import datasets
@@ -113,11 +118,17 @@ def _hash_files(*paths: Path) -> str:
 
 class SplitSource:
     """One split of a parallel corpus. `chunks()` streams (source lines, target lines);
-    `fingerprint()` identifies the content (cache keys); `where` names it in messages."""
+    `fingerprint()` identifies the content (cache keys; computed once); `where` names it in messages."""
 
     where: str
+    _fingerprint: str | None = None
 
     def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = self._compute_fingerprint()
+        return self._fingerprint
+
+    def _compute_fingerprint(self) -> str:
         raise NotImplementedError
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
@@ -154,7 +165,7 @@ class ParallelFiles(SplitSource):
         self.src_path, self.tgt_path = src_path, tgt_path
         self.where = f"{src_path} + {tgt_path.name}"
 
-    def fingerprint(self) -> str:
+    def _compute_fingerprint(self) -> str:
         return _hash_files(self.src_path, self.tgt_path)
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
@@ -182,7 +193,7 @@ class TsvFile(SplitSource):
     def __init__(self, path: Path):
         self.path, self.where = path, str(path)
 
-    def fingerprint(self) -> str:
+    def _compute_fingerprint(self) -> str:
         return _hash_files(self.path)
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
@@ -211,10 +222,13 @@ class ArrowTable(SplitSource):
         names = table.column_names
         if "translation" in names:
             self.columns = None
-            feature = table.features["translation"]
-            keys = set(getattr(feature, "languages", None) or (feature.keys() if isinstance(feature, dict) else ()))
-            if keys and not {cfg.src_lang, cfg.tgt_lang} <= keys:
-                raise self._key_error()
+            arrow_type = table.data.schema.field("translation").type
+            keys = {arrow_type.field(i).name for i in range(arrow_type.num_fields)} \
+                if pa_types().is_struct(arrow_type) else None
+            if keys is None or not {cfg.src_lang, cfg.tgt_lang} <= keys:
+                found = f"keys {sorted(keys)}" if keys is not None else f"type {arrow_type}"
+                raise DataError(f"{where}: the 'translation' column must map {cfg.src_lang!r} and {cfg.tgt_lang!r} "
+                                f"to text (found {found}); check data.src_lang and data.tgt_lang")
             return
         for src_col, tgt_col in ((cfg.src_lang, cfg.tgt_lang), ("src", "tgt"), ("source", "target")):
             if src_col in names and tgt_col in names:
@@ -227,7 +241,7 @@ class ArrowTable(SplitSource):
         return DataError(f"{self.where}: 'translation' entries lack {self.src_lang!r}/{self.tgt_lang!r} keys; "
                          "check data.src_lang and data.tgt_lang")
 
-    def fingerprint(self) -> str:
+    def _compute_fingerprint(self) -> str:
         return hashlib.sha256(f"{self.table._fingerprint}/{self.src_lang}/{self.tgt_lang}".encode()).hexdigest()[:16]
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
@@ -253,7 +267,7 @@ class InMemory(SplitSource):
             raise DataError(f"{where}: {len(src)} source lines but {len(tgt)} target lines")
         self.src, self.tgt, self.where = src, tgt, where
 
-    def fingerprint(self) -> str:
+    def _compute_fingerprint(self) -> str:
         digest = hashlib.sha256()
         for lines in (self.src, self.tgt):
             digest.update("\n".join(lines).encode("utf-8", "surrogatepass"))

@@ -79,9 +79,10 @@ def gather_objects(obj, info: DistInfo) -> list:
     return out
 
 
-def shutdown(info: DistInfo) -> None:
-    """Leave the process group together: a rank that tears down while another is still inside a
-    collective (rank 0 writing the last checkpoint, say) can abort the other's communication threads."""
+def shutdown(info: DistInfo, barrier: bool = True) -> None:
+    """Leave the process group; with `barrier`, together (no rank tears down while another is still
+    inside a collective, e.g. rank 0 writing the last checkpoint)."""
     if info.enabled and dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()

@@ -41,10 +41,11 @@ def find_resume_state(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> di
         newest, newest_step = None, -1
         for path in existing:
             try:   # memory-mapped: reading the step does not read the tensors of every file
-                step = load_checkpoint(path, mmap=True)["step"]
-            except CheckpointError as error:
+                state = _resumable(load_checkpoint(path, mmap=True), path)
+            except (CheckpointError, TrainingError) as error:
                 log.warning("skipping %s", error)
                 continue
+            step = state["step"]
             if step > newest_step:
                 newest, newest_step = path, step
         if newest is None:

@@ -70,17 +70,23 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
     corpus beyond reading it once.
     """
     model = io.BytesIO()
-    usable = [0]
+    usable, failure = [0], []
 
     def counted():
-        for line in lines:
-            if line.strip():
-                usable[0] += 1
-            yield line
+        try:
+            for line in lines:
+                if line.strip():
+                    usable[0] += 1
+                yield line
+        except DataError as error:        # SentencePiece would wrap it in "INTERNAL: DataError: ..."
+            failure.append(error)
+            raise
 
     try:
         _train(counted(), model, vocab_size, model_type, character_coverage, sample)
     except RuntimeError as error:
+        if failure:
+            raise failure[0] from None
         if usable[0] == 0:
             raise DataError(f"{where}: no usable sentence to train the tokenizer on (every line is empty); "
                             "check the files of the training split") from None
@@ -118,11 +124,11 @@ def corpus_fingerprint(src_lines: Sequence[str], tgt_lines: Sequence[str], setti
 def build_tokenizer(src_lines: Iterable[str], tgt_lines: Iterable[str], *, vocab_size: int,
                     model_type: str = "bpe", joint: bool = True, character_coverage: float = 1.0,
                     sample: int = 1_000_000, cache_dir: str | Path = "data", fingerprint: str | None = None,
-                    where: str = "the training split") -> Tokenizer:
+                    where: str = "the training split", build: bool = True) -> Tokenizer | None:
     """Load the cached tokenizer for this corpus and these settings, or train and cache it.
 
     `src_lines` / `tgt_lines` may be re-iterable streams; `fingerprint` identifies their content
-    (hashed from the lines when not given).
+    (hashed from the lines when not given). With `build=False`, None when nothing is cached.
     """
     settings = {"vocab_size": vocab_size, "model_type": model_type, "joint": joint,
                 "character_coverage": character_coverage, "sample": sample}
@@ -136,6 +142,8 @@ def build_tokenizer(src_lines: Iterable[str], tgt_lines: Iterable[str], *, vocab
     if all(p.exists() for p in paths):
         log.info("SentencePiece: using cached %s", ", ".join(str(p) for p in paths))
         models = [p.read_bytes() for p in paths]
+    elif not build:
+        return None
     else:
         log.info("SentencePiece: training %s %s vocabulary of %d pieces", "joint" if joint else "separate",
                  model_type, vocab_size)

@@ -113,14 +113,19 @@ class Trainer:
             self.train_model = torch.compile(self.train_model, dynamic=True)
         self.writer = SummaryWriter(str(self.run_dir / "tb")) if self.dist.is_main else None
 
-    def close(self) -> D.DistInfo:
-        """Flush TensorBoard, stop DataLoader workers, drop the DDP/compile wrappers; returns the
-        process-group info for the final `distributed.shutdown`."""
-        if self.writer:
-            self.writer.close()
+    def leave_process_group(self, clean: bool) -> None:
+        """Drop the DDP/compile wrappers and DataLoader workers, then leave the process group (after a
+        barrier on a clean exit, so that no rank tears down while another is still communicating;
+        without one after an error, when the other ranks may be inside a different collective).
+        Whatever references the process group (DDP's reducer, in a reference cycle with the model, say)
+        must go while the interpreter is whole: gloo work objects freed during interpreter finalisation
+        abort the process ("terminate called without an active exception"). Idempotent."""
+        if self.train_model is None:
+            return
         self.loader = self.updates = None
         self.train_model = None
-        return self.dist
+        gc.collect()
+        D.shutdown(self.dist, barrier=clean)
 
     # ------------------------------------------------------------------------------------------------
     # State
@@ -135,7 +140,8 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "rng": D.gather_objects(rng_state(self.device), self.dist),         # one entry per rank
-            "data_state": {"epoch": self.epoch, "position": self.position, "world_size": self.dist.world_size},
+            "data_state": {"epoch": self.epoch, "position": self.position, "world_size": self.dist.world_size,
+                           "batching": self._batching()},
             "metrics": {**self.metrics, "best_bleu": self.best_bleu, "bad_validations": self.bad_validations},
         }
 
@@ -150,10 +156,22 @@ class Trainer:
             raise TrainingError(f"checkpoint was written with {data_state.get('world_size')} processes; "
                                 f"resume with the same number (now {self.dist.world_size})")
         self.epoch, self.position = data_state["epoch"], data_state["position"]
+        saved, now = data_state.get("batching"), self._batching()
+        if saved != now:
+            differ = ", ".join(k for k in now if saved is None or saved.get(k) != now[k])
+            log.warning("resuming with a different %s than the checkpoint was written with: the batches from "
+                        "here on differ from those the interrupted run would have seen (not an exact resume)",
+                        differ if saved is not None else "batch order (the checkpoint predates this release)")
         self.metrics = dict(state.get("metrics", {}))
         self.best_bleu = self.metrics.pop("best_bleu", -1.0)
         self.bad_validations = self.metrics.pop("bad_validations", 0)
         restore_rng_state(state["rng"][self.dist.rank], self.device)
+
+    def _batching(self) -> dict:
+        """What the batch order depends on besides (seed, epoch): an exact resume needs all of it equal."""
+        tc = self.cfg.trainer
+        return {"corpus": self.data.train.directory.name, "max_len": self.cfg.data.max_len, "seed": tc.seed,
+                "max_tokens": tc.max_tokens, "update_freq": tc.update_freq, "order": "width,src,tgt,random"}
 
     def save(self, name: str) -> None:
         state = self.state_dict()           # every rank joins the RNG gather
@@ -255,7 +273,9 @@ class Trainer:
                 reason = self._stop_reason(started)
         bar.close()
         log.info("%s at step %d (epoch %d)", reason, self.step, self.epoch)
-        if self.step % tc.validate_every != 0 and self.stop_signal is None:
+        # A signal may have reached only some ranks: agree, or they would enter different collectives.
+        by_signal = D.any_rank(self.stop_signal is not None, self.dist, self.device)
+        if self.step % tc.validate_every != 0 and not by_signal:
             self.validate()
         if self.bad_steps == 0:
             self.save("last.pt")
@@ -415,6 +435,7 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
     handlers = install_signal_handlers(trainer)
     try:
         metrics = trainer.fit()
+        trainer.leave_process_group(clean=True)      # the test below runs on rank 0 alone
         if trainer.stop_signal is None and cfg.trainer.test_at_end:
             test_scores = trainer.test()
             if test_scores:
@@ -423,13 +444,9 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
     finally:
         for sig, previous in handlers.items():
             signal.signal(sig, previous)
-        dist_info = trainer.close()
-        del trainer, handlers
-        # Whatever still references the process group (DDP's reducer, in a reference cycle with the
-        # model, say) must go while the interpreter is whole: gloo work objects freed during
-        # interpreter finalisation abort the process ("terminate called without an active exception").
-        gc.collect()
-        D.shutdown(dist_info)
+        if trainer.writer:
+            trainer.writer.close()
+        trainer.leave_process_group(clean=False)     # after an error: no barrier
         if lock:
             lock.release()
 
@@ -441,7 +458,8 @@ def main() -> None:
     # Before Hydra writes .hydra/ and train.log into an explicitly named run directory, make sure no
     # other run is using it (a timestamped default directory is taken again inside `train`).
     run_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("hydra.run.dir=")]
-    if run_dirs and int(os.environ.get("RANK", "0")) == 0 and not {"-m", "--multirun"} & set(sys.argv):
+    literal = run_dirs and "${" not in run_dirs[-1] and run_dirs[-1][:1] not in ("'", '"')
+    if literal and int(os.environ.get("RANK", "0")) == 0 and not {"-m", "--multirun"} & set(sys.argv):
         try:
             check_run_directory(Path(run_dirs[-1]), sys.argv[1:])
         except TrainingError as error:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import io
 import math
+import numbers
 import sys
 import warnings
 from pathlib import Path
@@ -54,6 +55,8 @@ class Translator:
                              max_len_b: int | None = None, batch_tokens: int | None = None,
                              progress: bool = False) -> list[list[tuple[str, float]]]:
         """n-best (text, score) lists, best first. Empty sentences translate to ''."""
+        if not isinstance(sentences, (str, bytes)):
+            sentences = list(sentences)                  # any iterable of str, consumed once
         if isinstance(sentences, (str, bytes)) or not all(isinstance(s, str) for s in sentences):
             kind = type(sentences).__name__ if isinstance(sentences, (str, bytes)) else \
                 next(type(s).__name__ for s in sentences if not isinstance(s, str))
@@ -94,7 +97,7 @@ class Translator:
 def check_options(*, beam_size, nbest, alpha, max_len_a, max_len_b, batch_tokens) -> None:
     """Decoding options, checked the same way for the API and the CLIs: ValueError naming the option."""
     def whole(name, value, low):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
             raise ValueError(f"{name}={value!r}: must be a whole number >= {low}")
     whole("beam_size", beam_size, 1)
     whole("batch_tokens", batch_tokens, 1)
@@ -103,7 +106,7 @@ def check_options(*, beam_size, nbest, alpha, max_len_a, max_len_b, batch_tokens
     if nbest > beam_size:
         raise ValueError(f"nbest={nbest}: must be between 1 and the beam size ({beam_size})")
     for name, value in (("alpha", alpha), ("max_len_a", max_len_a)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{name}={value!r}: must be a finite number >= 0")
 
 
