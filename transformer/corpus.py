@@ -11,8 +11,9 @@ builds whatever is missing. A split is stored under `data.cache_dir/corpus/<data
 
 written into a temporary directory that is renamed into place, so a killed preparation leaves nothing
 half-written. Readers memory-map the files: N processes or ranks share one copy in the page cache.
-Preparation takes a file lock, so concurrent runs and torchrun ranks prepare a corpus once (the
-others wait on the lock, outside any collective, however long it takes) and then read it.
+When something is missing, preparation takes a file lock, so concurrent runs and torchrun ranks
+prepare a corpus once (the others wait on the lock, outside any collective, however long it takes)
+and then read it; when everything is cached, every process reads it at once without the lock.
 Filtering (blank, NUL, longer than `data.max_len`) is a vectorised mask applied at load time.
 """
 
