@@ -76,7 +76,7 @@ def test_tsv_and_jsonl_sources(tmp_path):
 
 
 def _corpus(tmp_path, src, tgt, max_len=20, vocab=60):
-    tokenizer = build_tokenizer(src * 5, tgt * 5, vocab_size=vocab, cache_dir=tmp_path)
+    tokenizer = build_tokenizer(InMemory(src * 5, tgt * 5, "unit"), vocab_size=vocab, cache_dir=tmp_path)
     cfg = DataConfig(name="unit", embedded=True, cache_dir=str(tmp_path), max_len=max_len)
     return encoded_split(InMemory(src, tgt, "unit"), tokenizer, cfg, "train"), tokenizer
 
@@ -160,7 +160,7 @@ def test_a_failed_preparation_leaves_no_temporary_files_and_its_own_error(tmp_pa
     with pytest.raises(DataError, match=r"^line counts differ: .*train.de has 3 lines"):   # not wrapped by SentencePiece
         prepare(cfg)
     from transformer.tokenizer import Tokenizer
-    tokenizer = build_tokenizer(["ein Hund"] * 5, ["a dog"] * 5, vocab_size=30, cache_dir=tmp_path / "cache")
+    tokenizer = build_tokenizer(InMemory(["ein Hund"] * 5, ["a dog"] * 5, "unit"), vocab_size=30, cache_dir=tmp_path / "cache")
     assert isinstance(tokenizer, Tokenizer)
     (tmp_path / "train.en").write_text("a dog\na cat\na house\n")            # train fine, validation not
     with pytest.raises(DataError, match=r"line counts differ: .*validation.de has 3 lines"):

@@ -1,10 +1,11 @@
 from transformer import toy
+from transformer.data import InMemory
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, build_tokenizer
 
 
 def test_round_trip_cache_and_special_ids(tmp_path):
     src, tgt = toy.generate(800, 10, 10)["train"]
-    tok = build_tokenizer(src, tgt, vocab_size=150, cache_dir=tmp_path)
+    tok = build_tokenizer(InMemory(src, tgt, "unit"), vocab_size=150, cache_dir=tmp_path)
     assert (tok.src.pad_id(), tok.src.unk_id(), tok.src.bos_id(), tok.src.eos_id()) == (PAD_ID, UNK_ID, BOS_ID, EOS_ID)
     ids = tok.encode_src(src[:20])
     assert all(PAD_ID not in s and EOS_ID not in s for s in ids)
@@ -12,9 +13,9 @@ def test_round_trip_cache_and_special_ids(tmp_path):
     files = list((tmp_path / "spm").glob("*.model"))
     assert len(files) == 1
     mtime = files[0].stat().st_mtime_ns
-    again = build_tokenizer(src, tgt, vocab_size=150, cache_dir=tmp_path)     # cached: not retrained
+    again = build_tokenizer(InMemory(src, tgt, "unit"), vocab_size=150, cache_dir=tmp_path)     # cached: not retrained
     assert files[0].stat().st_mtime_ns == mtime and again.src_model_bytes == tok.src_model_bytes
-    other = build_tokenizer(src, tgt, vocab_size=120, cache_dir=tmp_path)     # new settings: new model
+    other = build_tokenizer(InMemory(src, tgt, "unit"), vocab_size=120, cache_dir=tmp_path)     # new settings: new model
     assert len(list((tmp_path / "spm").glob("*.model"))) == 2 and other.src_vocab_size <= 120
     restored = Tokenizer.from_state_dict(tok.state_dict())
     assert restored.encode_src(src[:5]) == tok.encode_src(src[:5])
@@ -22,7 +23,7 @@ def test_round_trip_cache_and_special_ids(tmp_path):
 
 def test_separate_vocabularies(tmp_path):
     src, tgt = toy.generate(800, 10, 10)["train"]
-    tok = build_tokenizer(src, tgt, vocab_size=120, joint=False, cache_dir=tmp_path)
+    tok = build_tokenizer(InMemory(src, tgt, "unit"), vocab_size=120, joint=False, cache_dir=tmp_path)
     assert not tok.joint
     assert tok.decode_tgt(tok.encode_tgt(tgt[:5])) == tgt[:5]
     assert Tokenizer.from_state_dict(tok.state_dict()).tgt_model_bytes == tok.tgt_model_bytes

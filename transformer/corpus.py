@@ -202,22 +202,24 @@ class PreparedData:
     tokenizer: Tokenizer
     train: EncodedCorpus
     valid: EncodedCorpus | None
+    sources: dict[str, SplitSource]          # the splits' text (validation and test are scored from it)
 
 
 def train_tokenizer(cfg: DataConfig, source: SplitSource, build: bool = True) -> Tokenizer | None:
-    return build_tokenizer(source.side("src"), source.side("tgt"), fingerprint=source.fingerprint(),
-                           where=source.where, vocab_size=cfg.vocab_size, model_type=cfg.tokenizer_type,
-                           joint=cfg.joint_vocab, character_coverage=cfg.character_coverage,
-                           sample=cfg.tokenizer_sample, cache_dir=cfg.cache_dir, build=build)
+    return build_tokenizer(source, vocab_size=cfg.vocab_size, model_type=cfg.tokenizer_type, joint=cfg.joint_vocab,
+                           character_coverage=cfg.character_coverage, sample=cfg.tokenizer_sample,
+                           cache_dir=cfg.cache_dir, build=build)
 
 
-def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train", "validation")) -> PreparedData:
-    """Tokenizer (trained on the training split unless given) and the encoded `splits`.
+def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train", "validation"),
+            sources: dict[str, SplitSource] | None = None) -> PreparedData:
+    """Tokenizer (trained on the training split unless given) and the encoded `splits` (or `sources`,
+    already opened).
 
     Everything cached: read without the lock (every rank at once). Something missing: take the lock
     and build what is still missing once it is held.
     """
-    sources = {split: open_split(cfg, split) for split in splits}
+    sources = sources or {split: open_split(cfg, split) for split in splits}
     for source in sources.values():
         source.fingerprint()                      # hashed outside the lock, once per process
 
@@ -242,7 +244,7 @@ def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train"
             encoded[split].report()
     log.info("data %s: %d training pairs%s", cfg.name, len(encoded["train"]),
              f", {len(encoded['validation'])} validation pairs" if "validation" in encoded else "")
-    return PreparedData(tokenizer, encoded["train"], encoded.get("validation"))
+    return PreparedData(tokenizer, encoded["train"], encoded.get("validation"), sources)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -260,13 +262,12 @@ def main(argv: list[str] | None = None) -> None:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             raw = compose("config", overrides=overrides)
         cfg = Config.from_dict(OmegaConf.to_container(raw, resolve=True))
-        splits = ["train", "validation"]
+        sources = {split: open_split(cfg.data, split) for split in ("train", "validation")}
         try:
-            open_split(cfg.data, "test")
-            splits.append("test")
+            sources["test"] = open_split(cfg.data, "test")
         except DataError as error:
             log.warning("no test split to prepare: %s", error)
-        prepared = prepare(cfg.data, splits=tuple(splits))
+        prepared = prepare(cfg.data, sources=sources)
     except (ConfigError, DataError, HydraException) as error:
         print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)

@@ -141,18 +141,20 @@ class SplitSource:
             tgt.extend(t)
         return src, tgt
 
-    def side(self, which: str) -> _Side:
-        """A re-iterable over the lines of one side ("src" or "tgt"), streamed on every pass."""
-        return _Side(self, which)
+    def lines(self, *sides: str) -> _Lines:
+        """A re-iterable over the lines of `sides` ("src", "tgt" or both, chunk by chunk), streamed
+        anew on every pass: one pass over the split feeds a joint vocabulary both of its sides."""
+        return _Lines(self, [("src", "tgt").index(side) for side in sides])
 
 
-class _Side:
-    def __init__(self, source: SplitSource, which: str):
-        self.source, self.index = source, ("src", "tgt").index(which)
+class _Lines:
+    def __init__(self, source: SplitSource, indices: list[int]):
+        self.source, self.indices = source, indices
 
     def __iter__(self):
         for chunk in self.source.chunks():
-            yield from chunk[self.index]
+            for index in self.indices:
+                yield from chunk[index]
 
 
 class ParallelFiles(SplitSource):

@@ -52,7 +52,7 @@ def find_resume_state(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> di
             log.warning("trainer.resume=true but %s holds no checkpoint: starting a new run", ckpt_dir)
             return None
         log.info("resuming from %s (step %d)", newest, newest_step)
-        return _resumable(load_checkpoint(newest), newest)
+        return load_checkpoint(newest)
     if existing:
         if not tc.overwrite:
             raise foreign_run_error(ckpt_dir)

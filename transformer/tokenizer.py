@@ -16,7 +16,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from transformer.data import DataError
+from transformer.data import DataError, SplitSource
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
@@ -111,31 +111,15 @@ def _train(sentences, model, vocab_size, model_type, character_coverage, sample)
     )
 
 
-def corpus_fingerprint(src_lines: Sequence[str], tgt_lines: Sequence[str], settings: dict) -> str:
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    for lines in (src_lines, tgt_lines):
-        for line in lines:
-            digest.update(line.encode("utf-8", "surrogatepass"))
-            digest.update(b"\n")
-        digest.update(b"\0")
-    return digest.hexdigest()[:16]
-
-
-def build_tokenizer(src_lines: Iterable[str], tgt_lines: Iterable[str], *, vocab_size: int,
-                    model_type: str = "bpe", joint: bool = True, character_coverage: float = 1.0,
-                    sample: int = 1_000_000, cache_dir: str | Path = "data", fingerprint: str | None = None,
-                    where: str = "the training split", build: bool = True) -> Tokenizer | None:
-    """Load the cached tokenizer for this corpus and these settings, or train and cache it.
-
-    `src_lines` / `tgt_lines` may be re-iterable streams; `fingerprint` identifies their content
-    (hashed from the lines when not given). With `build=False`, None when nothing is cached.
-    """
+def build_tokenizer(source: SplitSource, *, vocab_size: int, model_type: str = "bpe", joint: bool = True,
+                    character_coverage: float = 1.0, sample: int = 1_000_000, cache_dir: str | Path = "data",
+                    build: bool = True) -> Tokenizer | None:
+    """Load the cached tokenizer for this training split (by its fingerprint) and these settings, or
+    train and cache it, streaming the split. With `build=False`, None when nothing is cached."""
     settings = {"vocab_size": vocab_size, "model_type": model_type, "joint": joint,
                 "character_coverage": character_coverage, "sample": sample}
-    if fingerprint is None:
-        key = corpus_fingerprint(src_lines, tgt_lines, settings)
-    else:
-        key = hashlib.sha256(json.dumps({**settings, "corpus": fingerprint}, sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps({**settings, "corpus": source.fingerprint()}, sort_keys=True).encode()
+                         ).hexdigest()[:16]
     folder = Path(cache_dir) / "spm"
     names = ["joint"] if joint else ["src", "tgt"]
     paths = [folder / f"{key}.{name}.model" for name in names]
@@ -148,11 +132,11 @@ def build_tokenizer(src_lines: Iterable[str], tgt_lines: Iterable[str], *, vocab
         log.info("SentencePiece: training %s %s vocabulary of %d pieces", "joint" if joint else "separate",
                  model_type, vocab_size)
         train = dict(vocab_size=vocab_size, model_type=model_type,
-                     character_coverage=character_coverage, sample=sample, where=where)
+                     character_coverage=character_coverage, sample=sample, where=source.where)
         if joint:
-            models = [train_sentencepiece(_chain(src_lines, tgt_lines), **train)]
+            models = [train_sentencepiece(source.lines("src", "tgt"), **train)]
         else:
-            models = [train_sentencepiece(src_lines, **train), train_sentencepiece(tgt_lines, **train)]
+            models = [train_sentencepiece(source.lines("src"), **train), train_sentencepiece(source.lines("tgt"), **train)]
         folder.mkdir(parents=True, exist_ok=True)
         for path, model in zip(paths, models):
             tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -167,7 +151,3 @@ def build_tokenizer(src_lines: Iterable[str], tgt_lines: Iterable[str], *, vocab
         log.info("SentencePiece: the vocabulary has %s pieces", sizes)
     return tokenizer
 
-
-def _chain(*parts: Iterable[str]):
-    for part in parts:
-        yield from part

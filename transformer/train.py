@@ -86,7 +86,7 @@ class Trainer:
         # Every rank calls this: one prepares under a file lock (no collective is waiting meanwhile),
         # the others then memory-map the same files.
         self.data = prepare(cfg.data, tokenizer)
-        self.valid_text = load_split_text(cfg.data, "validation")
+        self.valid_text = self.data.sources["validation"].read_all()
         tok = self.data.tokenizer
         self.model = build_model(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint).to(self.device)
         if init_state is not None:
@@ -360,19 +360,22 @@ class Trainer:
         else:
             self.bad_validations += 1
 
+    def _stopping(self) -> bool:
+        """Asked between validation batches: a stop signal abandons the validation."""
+        return self.stop_signal is not None
+
     def _validate_main(self) -> dict:
         """Loss, BLEU, chrF, samples and a heatmap of the validation split (rank 0)."""
         tc, dc = self.cfg.trainer, self.cfg.decode
-        stop = lambda: self.stop_signal is not None      # noqa: E731  (checked between batches)
         loss, nll = validation_loss(self.model, self.data.valid, tc.max_tokens, self.device, self.autocast,
-                                    tc.label_smoothing, stop)
+                                    tc.label_smoothing, self._stopping)
         sources, references = self.valid_text
         if tc.val_max_sentences:
             sources, references = sources[: tc.val_max_sentences], references[: tc.val_max_sentences]
         hyps, texts = decode_texts(self.model, self.data.tokenizer, sources, beam_size=tc.val_beam_size,
                                    alpha=dc.alpha, max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
                                    batch_tokens=dc.batch_tokens, device=self.device, autocast=self.autocast,
-                                   desc="validate", stop=stop)
+                                   desc="validate", stop=self._stopping)
         scores = score(texts, references)
         cut = sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps))
         result = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "bleu": scores["bleu"],

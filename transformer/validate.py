@@ -38,17 +38,18 @@ def validation_loss(model, corpus, max_tokens: int, device, autocast, smoothing:
     model.eval()
     total_loss = total_nll = tokens = 0.0
     lengths = np.maximum(corpus.src_lens, corpus.tgt_lens)
-    for indices in batches_in_order(lengths, max_tokens):
-        if stop is not None and stop():
-            model.train(was_training)
-            raise Interrupted
-        batch = corpus.collate(indices).to(device)
-        with autocast():
-            loss, nll = batch_loss(model, batch, smoothing)
-        total_loss += loss.item()
-        total_nll += nll.item()
-        tokens += batch.num_tgt_tokens
-    model.train(was_training)
+    try:
+        for indices in batches_in_order(lengths, max_tokens):
+            if stop is not None and stop():
+                raise Interrupted
+            batch = corpus.collate(indices).to(device)
+            with autocast():
+                loss, nll = batch_loss(model, batch, smoothing)
+            total_loss += loss.item()
+            total_nll += nll.item()
+            tokens += batch.num_tgt_tokens
+    finally:
+        model.train(was_training)
     return total_loss / tokens, total_nll / tokens
 
 
