@@ -1,8 +1,12 @@
 # `make help` lists the targets. Every target creates or refreshes .venv from pyproject.toml itself.
-# Anything after a target that looks like key=value (or +key=value, ~key) is passed to Hydra unchanged:
+# Anything after a target that looks like key=value (or +key=value, ~key) is passed to Hydra unchanged
+# ($ and spaces included; quote such values for your shell); Hydra's own flags go in ARGS:
 #   make train model=small data=multi30k_de_en trainer.max_steps=500
+#   make train data=custom data.path=DIR ARGS="--config-dir my_presets"
 
 PYTHON ?= python3
+# The exact torch every `make` installs (the package itself accepts torch >= 2.11): a CPU wheel here.
+TORCH  ?= torch==2.13.0
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
@@ -10,10 +14,17 @@ NPROC  ?= 2
 split  ?= test
 
 # Make's own variables and the targets are not Hydra overrides; everything else on the command line is.
-OWN_VARS    := NPROC CKPT split PYTHON ARGS
-TARGETS     := help install prepare train train-ddp evaluate translate tensorboard test test-fast bench lint clean
-HYDRA_ARGS  := $(filter-out $(foreach v,$(OWN_VARS),$(v)=%),$(MAKEOVERRIDES)) \
-               $(filter-out $(TARGETS),$(MAKECMDGOALS)) $(ARGS)
+OWN_VARS    := NPROC CKPT split PYTHON TORCH ARGS
+TARGETS     := help install prepare train sweep train-ddp evaluate translate tensorboard test test-fast bench lint clean
+empty       :=
+space       := $(empty) $(empty)
+# MAKEOVERRIDES escapes a space inside a value as "\ " and doubles "$": keep each override one word
+# while make's own variables are filtered out, then hand the shell "\ " and "\$" so that both reach
+# Hydra unchanged (hydra.run.dir='runs/${now:%H}' stays a Hydra interpolation).
+HYDRA_ARGS  := $(subst \$(space),@SPACE@,$(MAKEOVERRIDES))
+HYDRA_ARGS  := $(filter-out $(foreach v,$(OWN_VARS),$(v)=%),$(HYDRA_ARGS)) \
+               $(filter-out $(TARGETS),$(MAKECMDGOALS))
+HYDRA_ARGS  := $(subst @SPACE@,\$(space),$(subst $$$$,\$$,$(HYDRA_ARGS))) $(subst $$,\$$,$(value ARGS))
 
 .PHONY: $(TARGETS)
 .DEFAULT_GOAL := help
@@ -23,16 +34,19 @@ help:  ## list the targets
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check '$(TORCH)' -e '.[dev]'
 	@touch $(STAMP)
 
-install: $(STAMP)  ## create/refresh .venv (torch pinned in pyproject.toml)
+install: $(STAMP)  ## create/refresh .venv (torch pinned by TORCH above)
 
 prepare: $(STAMP)  ## SentencePiece + memory-mapped encoded corpus for the data config (train does it when missing)
 	$(PY) -m transformer.corpus $(HYDRA_ARGS)
 
 train: $(STAMP)  ## train; key=value args are Hydra overrides (default: tiny model on the embedded corpus)
 	$(PY) -m transformer.train $(HYDRA_ARGS)
+
+sweep: $(STAMP)  ## one training job per combination: make sweep trainer.lr=1e-3,5e-4 (summary in runs/sweeps/)
+	$(PY) -m transformer.train --multirun $(HYDRA_ARGS)
 
 train-ddp: $(STAMP)  ## train with torchrun on NPROC processes (NPROC=2 by default)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m transformer.train $(HYDRA_ARGS)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformer.attention import padding_mask  # noqa: E402
 from transformer.batching import TokenBatchSampler  # noqa: E402
-from transformer.config import Config  # noqa: E402
+from transformer.config import compose  # noqa: E402
 from transformer.corpus import prepare  # noqa: E402
 from transformer.loss import output_cross_entropy  # noqa: E402
 from transformer.model import SinusoidalPositions, build_model  # noqa: E402
@@ -50,15 +50,6 @@ from transformer.setup import (  # noqa: E402
 from transformer.tokenizer import PAD_ID  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
-
-
-def compose(overrides: list[str]) -> Config:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        cfg = hydra_compose("config", overrides=overrides)
-    return Config.from_dict(OmegaConf.to_container(cfg, resolve=True))
 
 
 class ReferenceTransformer(nn.Module):

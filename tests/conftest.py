@@ -7,13 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from transformer.config import Config
+from transformer.config import CONF_DIR, Config, compose  # noqa: F401 (CONF_DIR: for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = ROOT / "conf"
 
 torch.set_num_threads(2)
 
@@ -27,12 +24,8 @@ FAST = [
 
 def compose_config(overrides: list[str] = (), cache_dir: Path | None = None) -> Config:
     """The real conf/ tree composed with overrides, as `make train key=value` would see it."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides))
-    raw = OmegaConf.to_container(cfg, resolve=True)
-    if cache_dir is not None:
-        raw["data"]["cache_dir"] = str(cache_dir)
-    return Config.from_dict(raw)
+    extra = [f"data.cache_dir={cache_dir}"] if cache_dir is not None else []
+    return compose(list(overrides) + extra)
 
 
 @pytest.fixture(autouse=True)

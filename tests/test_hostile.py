@@ -84,6 +84,10 @@ CASES = [
     ("ckpt-is-dir", "translate", ["{ws}/run", "--input", "{ws}/in.de"], r".*/run: is a directory, not a checkpoint file"),
     ("ckpt-missing", "translate", ["{ws}/nope.pt", "--input", "{ws}/in.de"], r".*/nope.pt: no such checkpoint file"),
     ("input-missing", "translate", [BEST, "--input", "{ws}/nope.de"], r".*/nope.de: No such file or directory"),
+    ("device-unknown", "translate", [BEST, "--device", "gpu0", "--input", "{ws}/in.de"],
+     r"--device gpu0: must be auto, cpu, cuda or cuda:N"),
+    ("nbest>checkpoint-beam", "translate", [BEST, "--nbest", "7", "--input", "{ws}/in.de"],
+     r"--nbest 7: the checkpoint's beam size is 5; add --beam 7"),
     ("average-onto-input", "average", ["{ws}/run/checkpoints/best.pt", "{ws}/run/checkpoints/last.pt",
                                        "-o", "{ws}/run/checkpoints/last.pt"], r"-o .*last.pt: is one of the checkpoints"),
     ("average-into-dir", "average", ["{ws}/run/checkpoints/best.pt", "-o", "{ws}/folder"], r"-o .*/folder: is a directory"),
@@ -99,6 +103,8 @@ CASES = [
     ("init-from-other-shape", "train", ["model.d_model=32", "trainer.init_from=" + BEST, "hydra.run.dir={ws}/new"],
      r".*best.pt: weights do not fit this model"),
     ("run-dir-of-another-run", "train", ["hydra.run.dir={ws}/run"], r".*/run/checkpoints already holds checkpoints"),
+    ("own-corpus-with-toy", "train", ["data.path={ws}/blank", "hydra.run.dir={ws}/new"],
+     r"data.path=.*/blank is set but data=toy is the embedded corpus.*make train data=custom data.path="),
 ]
 
 
@@ -134,7 +140,7 @@ def test_resume_true_passes_over_a_weights_only_checkpoint(workspace):
 
 
 def test_the_table_covers_every_defect_class():
-    assert len(CASES) == 21
+    assert len(CASES) == 24
     assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
 
 

@@ -100,3 +100,45 @@ def test_the_optimizer_follows_the_schedule():
     assert lrs[4] == pytest.approx(2e-3 * 5 / 10)
     assert max(lrs) == pytest.approx(2e-3) and lrs.index(max(lrs)) == 9
     assert lrs[39] == pytest.approx(2e-3 * math.sqrt(10 / 40))
+
+
+@pytest.mark.parametrize("schedule, expected_at", [
+    # warm-up 10, decay to step 110 with min_lr = lr / 10: hand-computed lr factors
+    ("constant", {5: 0.5, 10: 1.0, 60: 1.0, 500: 1.0}),
+    ("linear", {5: 0.5, 10: 1.0, 60: 0.1 + 0.9 * 0.5, 110: 0.1, 500: 0.1}),
+    ("cosine", {5: 0.5, 10: 1.0, 35: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)), 60: 0.55, 110: 0.1, 500: 0.1}),
+])
+def test_schedules_by_hand(schedule, expected_at):
+    from transformer.config import TrainerConfig
+    from transformer.setup import build_optimizer
+    config = TrainerConfig(lr=2e-3, min_lr=2e-4, warmup=10, max_steps=110, schedule=schedule)
+    config.validate()
+    optimizer, scheduler = build_optimizer(torch.nn.Linear(3, 3), config, torch.device("cpu"))
+    lrs = {0: scheduler.get_last_lr()[0]}
+    for step in range(1, 501):
+        optimizer.step()
+        scheduler.step()
+        lrs[step] = scheduler.get_last_lr()[0]
+    assert lrs[0] == pytest.approx(2e-3 / 10)              # step 0 counts as step 1, as for inverse_sqrt
+    for step, factor in expected_at.items():
+        assert lrs[step] == pytest.approx(2e-3 * factor), (schedule, step)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.schedule=step", "trainer.schedule='step' must be one of inverse_sqrt, cosine, linear, constant"),
+    ("trainer.min_lr=1", "trainer.min_lr=1.0 must be in [0, trainer.lr="),
+])
+def test_schedule_keys_are_checked(override, message):
+    from tests.conftest import compose_config
+    from transformer.config import ConfigError
+    with pytest.raises(ConfigError) as error:
+        compose_config([override])
+    assert message in str(error.value)
+
+
+def test_a_decaying_schedule_needs_max_steps_beyond_warmup():
+    from tests.conftest import compose_config
+    from transformer.config import ConfigError
+    with pytest.raises(ConfigError, match="trainer.schedule=cosine decays from trainer.warmup=200 to trainer.max_steps=0"):
+        compose_config(["trainer.schedule=cosine", "trainer.max_steps=0"])
+    assert compose_config(["trainer.schedule=cosine"]).trainer.schedule == "cosine"

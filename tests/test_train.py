@@ -194,9 +194,9 @@ def test_overwrite_replaces_an_old_run(tmp_path, data_cache):
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 2
 
 
-def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer(trained_run, tmp_path, data_cache):
+def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer(trained_run, tmp_path, data_cache, caplog):
     best = trained_run[0] / "checkpoints" / "best.pt"
-    cfg = compose_config(FAST + ["model.d_model=96", "model.d_ff=256", "data.embedded_pairs=4000",
+    cfg = compose_config(FAST + ["model.d_model=96", "model.d_ff=256", "data.embedded_pairs=4000", "data.vocab_size=123",
                                  f"trainer.init_from={best}", "trainer.max_steps=3", "trainer.lr=1e-4",
                                  "trainer.warmup=10", "trainer.validate_every=3", "trainer.val_max_sentences=40",
                                  "trainer.test_at_end=false", "trainer.max_minutes=0"], data_cache)
@@ -204,6 +204,7 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer(trained_run,
     state, source = load_checkpoint(tmp_path / "checkpoints" / "last.pt"), load_checkpoint(best)
     assert state["step"] == 3                                       # a fresh step count
     assert state["tokenizer"] == source["tokenizer"]                # the checkpoint's tokenizer, reused
+    assert "tokenizer (data.vocab_size=200, joint_vocab=True) is kept; data.vocab_size=123" in caplog.text
     assert state["scheduler"]["last_epoch"] == 3 and state["optimizer"]["state"][0]["step"] == 3
     assert metrics["val_history"][0]["bleu"] > 60                   # it starts from the trained weights
     assert any(not torch.equal(state["model"][k], source["model"][k]) for k in source["model"])

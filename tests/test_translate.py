@@ -113,3 +113,26 @@ def test_keep_freed_memory_stops_reallocations_from_page_faulting_again():
 
     kept, mapped = faults("keep"), faults("mmap")
     assert kept * 5 < mapped, (kept, mapped)
+
+
+def test_the_default_beam_is_the_checkpoints_decode_config(trained_checkpoint, tmp_path):
+    import torch
+    state = torch.load(trained_checkpoint, weights_only=True)
+    state["config"]["decode"].update(name="greedy", beam_size=1, alpha=0.0)
+    greedy_checkpoint = tmp_path / "greedy.pt"
+    torch.save(state, greedy_checkpoint)
+    text = b"Der Hund sieht die Katze.\nDie Frau gibt dem Mann das Buch.\n"
+    code, default, _ = _cli(greedy_checkpoint, stdin=text)
+    assert code == 0 and default == _cli(greedy_checkpoint, "--beam", "1", stdin=text)[1]
+    code, _, err = _cli(greedy_checkpoint, "--nbest", "2", stdin=text)     # a beam of 1 has no second best
+    assert code == 2 and "the checkpoint's beam size is 1; add --beam 2" in err
+    assert _cli(trained_checkpoint, "--nbest", "2", stdin=text)[0] == 0       # beam 5 there
+
+
+def test_cuda_devices_by_number_are_understood():
+    code, _, err = _cli("missing.pt", "--device", "cuda:1", stdin=b"x\n")
+    assert code == 2
+    if not __import__("torch").cuda.is_available():
+        assert "--device cuda:1: CUDA is not available" in err
+    else:
+        assert "cuda:1" not in err or "CUDA device(s)" in err

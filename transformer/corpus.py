@@ -250,25 +250,19 @@ def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train"
 def main(argv: list[str] | None = None) -> None:
     """`transformer-prepare key=value ...` (`make prepare`): composes the same Hydra config as training
     (no run directory is made) and prepares the tokenizer and every split."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-
-    from transformer.config import CONF_DIR, Config
+    from transformer.config import compose
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     overrides = sys.argv[1:] if argv is None else argv
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            raw = compose("config", overrides=overrides)
-        cfg = Config.from_dict(OmegaConf.to_container(raw, resolve=True))
+        cfg = compose(overrides)
         sources = {split: open_split(cfg.data, split) for split in ("train", "validation")}
         try:
             sources["test"] = open_split(cfg.data, "test")
         except DataError as error:
             log.warning("no test split to prepare: %s", error)
         prepared = prepare(cfg.data, sources=sources)
-    except (ConfigError, DataError, HydraException) as error:
+    except (ConfigError, DataError) as error:
         print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
     print(f"prepared {cfg.data.name}: {len(prepared.train)} training pairs, vocabulary "

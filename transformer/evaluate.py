@@ -40,7 +40,7 @@ def evaluate(checkpoint: str | Path, split: str = "test", src_file: str | None =
                                       progress=sys.stderr.isatty())
     seconds = time.perf_counter() - started
     result = {"checkpoint": str(checkpoint), "split": name, "sentences": len(sources), "beam_size": beam,
-              "seconds": round(seconds, 2), **score(hypotheses, references)}
+              "seconds": round(seconds, 2), **score(hypotheses, references, translator.config.data.tgt_lang)}
     stem = Path(checkpoint).with_suffix("")
     hyp_path = Path(f"{stem}.{name}.beam{beam}.hyp")
     hyp_path.write_text("".join(h.replace("\n", " ") + "\n" for h in hypotheses), encoding="utf-8")

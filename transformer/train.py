@@ -83,6 +83,11 @@ class Trainer:
         if tc.init_from and not resume_state:       # fine-tuning: its weights and tokenizer, nothing else
             init_state = load_checkpoint(tc.init_from, mmap=True)
             tokenizer = Tokenizer.from_state_dict(init_state["tokenizer"])
+            saved = init_state["config"]["data"]
+            if (saved["vocab_size"], saved["joint_vocab"]) != (cfg.data.vocab_size, cfg.data.joint_vocab):
+                log.warning("trainer.init_from: the model's tokenizer (data.vocab_size=%s, joint_vocab=%s) is "
+                            "kept; data.vocab_size=%s, joint_vocab=%s are ignored", saved["vocab_size"],
+                            saved["joint_vocab"], cfg.data.vocab_size, cfg.data.joint_vocab)
         # Every rank calls this: one prepares under a file lock (no collective is waiting meanwhile),
         # the others then memory-map the same files.
         self.data = prepare(cfg.data, tokenizer)
@@ -283,7 +288,7 @@ class Trainer:
             log.info("saved %s; continue with: make train <same overrides> trainer.resume=true hydra.run.dir=%s",
                      self.ckpt_dir / "last.pt", self.run_dir)
         self.metrics["stop_reason"] = reason
-        return self.metrics
+        return {**self.metrics, "best_val_bleu": self.best_bleu}
 
     def _update(self, micro, consumed: int, window: dict, bar, started: float) -> str | None:
         """One optimizer update with its logging, validation and checkpoints; the stop reason, if any."""
@@ -376,7 +381,7 @@ class Trainer:
                                    alpha=dc.alpha, max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
                                    batch_tokens=dc.batch_tokens, device=self.device, autocast=self.autocast,
                                    desc="validate", stop=self._stopping)
-        scores = score(texts, references)
+        scores = score(texts, references, self.cfg.data.tgt_lang)
         cut = sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps))
         result = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "bleu": scores["bleu"],
                   "chrf": scores["chrf"], "cut_at_max_len": cut}
@@ -410,7 +415,7 @@ class Trainer:
         _, texts = decode_texts(self.model, self.data.tokenizer, sources, beam_size=dc.beam_size, alpha=dc.alpha,
                                 max_len_a=dc.max_len_a, max_len_b=dc.max_len_b, batch_tokens=dc.batch_tokens,
                                 device=self.device, autocast=self.autocast, desc="test")
-        scores = score(texts, references)
+        scores = score(texts, references, self.cfg.data.tgt_lang)
         message = (f"test BLEU {scores['bleu']:.2f} | chrF {scores['chrf']:.2f} ({len(sources)} sentences, "
                    f"beam {dc.beam_size}, {best if best.exists() else 'final weights'}) {scores['bleu_signature']}")
         log.info(message)
@@ -457,6 +462,7 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
 def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     # Before Hydra writes .hydra/ and train.log into an explicitly named run directory, make sure no
     # other run is using it (a timestamped default directory is taken again inside `train`).
@@ -471,13 +477,17 @@ def main() -> None:
 
     # An absolute path: Hydra then finds conf/ however this module was started (-m, torchrun, -c).
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-    def _main(cfg) -> None:
-        run_dir = cfg.get("run_dir") or HydraConfig.get().runtime.output_dir
+    def _main(cfg) -> float | None:
+        """Trains; returns the best validation BLEU (what a sweeper such as Optuna optimises)."""
+        hydra_cfg = HydraConfig.get()
+        run_dir = cfg.get("run_dir") or hydra_cfg.runtime.output_dir
         try:
-            train(cfg, run_dir)
+            return train(cfg, run_dir)["best_val_bleu"]
         except (ConfigError, DataError, CheckpointError, TrainingError) as error:
             logging.getLogger("transformer").error("%s", error)
             print(f"error: {error}", file=sys.stderr)
+            if hydra_cfg.mode == RunMode.MULTIRUN:
+                return None      # the sweep goes on with the next job; its summary marks this one failed
             sys.exit(2)
 
     _main()

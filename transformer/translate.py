@@ -13,6 +13,7 @@ import argparse
 import io
 import math
 import numbers
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -117,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("checkpoint", help="a .pt checkpoint written by training (best.pt, last.pt, ...)")
     parser.add_argument("--input", "-i", help="source text file (default: stdin)")
     parser.add_argument("--output", "-o", help="where to write translations (default: stdout)")
-    parser.add_argument("--beam", type=int, default=5, help="beam size; 1 = greedy (default 5)")
+    parser.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: the checkpoint's decode "
+                        "config, 5 unless it was trained with decode=greedy)")
     parser.add_argument("--nbest", type=int, default=1,
                         help="hypotheses per input; >1 writes INDEX<TAB>SCORE<TAB>TEXT lines (default 1)")
     parser.add_argument("--alpha", type=float, help="GNMT length penalty exponent (default: the checkpoint's)")
@@ -125,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-len-b", type=int)
     parser.add_argument("--batch-tokens", type=int, help=f"source tokens x beam per batch (default {DEFAULT_BATCH_TOKENS}); "
                         "smaller needs less memory")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     return parser
 
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     try:
-        check_options(beam_size=args.beam, nbest=args.nbest, alpha=0.0 if args.alpha is None else args.alpha,
+        check_options(beam_size=args.nbest if args.beam is None else args.beam, nbest=args.nbest, alpha=0.0 if args.alpha is None else args.alpha,
                       max_len_a=0.0 if args.max_len_a is None else args.max_len_a,
                       max_len_b=0 if args.max_len_b is None else args.max_len_b,
                       batch_tokens=1 if args.batch_tokens is None else args.batch_tokens)
@@ -168,12 +170,23 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--{option.replace('_size', '').replace('_', '-')} {rest}")
     if args.output and Path(args.output).is_dir():
         return fail(f"--output {args.output}: is a directory; give a file name")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        return fail("--device cuda: CUDA is not available")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        return fail(f"--device {args.device}: must be auto, cpu, cuda or cuda:N")
+    if args.device.startswith("cuda"):
+        index = int(args.device.partition(":")[2] or 0)
+        if not torch.cuda.is_available():
+            return fail(f"--device {args.device}: CUDA is not available")
+        if index >= torch.cuda.device_count():
+            return fail(f"--device {args.device}: there are {torch.cuda.device_count()} CUDA device(s) (0 to "
+                        f"{torch.cuda.device_count() - 1})")
     try:
         translator = Translator.from_checkpoint(args.checkpoint, device=args.device, precision=args.precision)
     except (CheckpointError, ConfigError) as error:
         return fail(str(error))
+    if args.beam is None:                 # the decode config the model was trained with
+        args.beam = translator.config.decode.beam_size
+        if args.nbest > args.beam:
+            return fail(f"--nbest {args.nbest}: the checkpoint's beam size is {args.beam}; add --beam {args.nbest}")
     try:
         if args.input:
             with open(args.input, "rb") as handle:

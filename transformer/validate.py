@@ -3,6 +3,9 @@ and the pictures TensorBoard shows (sample translations, a cross-attention heatm
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import numpy as np
 import sacrebleu
 import torch
@@ -12,6 +15,8 @@ from transformer.batching import batches_in_order
 from transformer.loss import output_cross_entropy
 from transformer.search import Interrupted, translate_ids
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+log = logging.getLogger(__name__)
 
 
 def batch_loss(model, batch, smoothing: float):
@@ -53,9 +58,22 @@ def validation_loss(model, corpus, max_tokens: int, device, autocast, smoothing:
     return total_loss / tokens, total_nll / tokens
 
 
-def score(hypotheses: list[str], references: list[str]) -> dict:
-    """Corpus sacreBLEU (13a, cased) and chrF with their signatures."""
-    bleu = sacrebleu.metrics.BLEU()
+@functools.cache
+def bleu_metric(tgt_lang: str | None) -> sacrebleu.metrics.BLEU:
+    """Cased sacreBLEU with the tokenizer sacreBLEU chooses for the target language: 13a for most,
+    zh for Chinese, ja-mecab / ko-mecab for Japanese / Korean. Those two need sacrebleu's extras;
+    without them the score falls back to character tokenization (said once, and in the signature)."""
+    try:
+        return sacrebleu.metrics.BLEU(trg_lang=tgt_lang or "")
+    except RuntimeError:
+        log.warning("BLEU for target language %r: sacreBLEU's tokenizer for it needs `pip install "
+                    "sacrebleu[%s]`; scoring with character tokenization instead (tok:char)", tgt_lang, tgt_lang)
+        return sacrebleu.metrics.BLEU(tokenize="char")
+
+
+def score(hypotheses: list[str], references: list[str], tgt_lang: str | None = None) -> dict:
+    """Corpus sacreBLEU (cased; tokenized for `tgt_lang`, see `bleu_metric`) and chrF with their signatures."""
+    bleu = bleu_metric(tgt_lang)
     chrf = sacrebleu.metrics.CHRF()
     bleu_score = bleu.corpus_score(hypotheses, [references])
     chrf_score = chrf.corpus_score(hypotheses, [references])

@@ -1,0 +1,74 @@
+"""Sweeps: `make sweep trainer.lr=1e-3,5e-4` (Hydra's --multirun) runs one training job per setting.
+
+Every job trains in its own directory under runs/sweeps/...; this Hydra callback (named in
+conf/config.yaml) appends a row per finished job to the sweep directory's `summary.tsv` and prints
+the table, best validation BLEU first, when the sweep ends. A job that fails is recorded as failed
+and the sweep goes on with the next one.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from pathlib import Path
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ("job", "overrides", "status", "best_val_bleu", "run_dir")
+
+
+def read_summary(path: Path) -> list[dict]:
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle, delimiter="\t"))
+
+
+def format_summary(rows: list[dict]) -> str:
+    """The rows as an aligned table, best validation BLEU first, failed jobs last; overrides that
+    every job shares are said once, above the table."""
+    def order(row):
+        return (row["status"] != "ok", -float(row["best_val_bleu"] or "-inf"), int(row["job"]))
+    settings = [row["overrides"].split() for row in rows]
+    common = [o for o in settings[0] if all(o in s for s in settings[1:])] if rows else []
+    header = ("job", "best val BLEU", "status", "swept settings")
+    table = [header] + [(r["job"], r["best_val_bleu"] or "-", r["status"],
+                         " ".join(o for o in r["overrides"].split() if o not in common) or "-")
+                        for r in sorted(rows, key=order)]
+    widths = [max(len(row[i]) for row in table) for i in range(3)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in table]
+    failed = sum(r["status"] != "ok" for r in rows)
+    if failed:
+        lines.append(f"{failed} of {len(rows)} jobs failed: see their train.log under the run_dir column of the .tsv")
+    return "\n".join(([f"common to every job: {' '.join(common)}"] if common else []) + lines)
+
+
+class SweepSummary(Callback):
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN:
+            return
+        path = Path(config.hydra.sweep.dir) / "summary.tsv"
+        # A job that failed with one of our errors (bad setting, unreadable data) returns None.
+        bleu = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
+        ok = bleu is not None
+        row = {
+            "job": str(config.hydra.job.num),
+            "overrides": " ".join(job_return.overrides or ()) or "(none)",
+            "status": "ok" if ok else "failed",
+            "best_val_bleu": "" if bleu is None or bleu < 0 else f"{bleu:.2f}",
+            "run_dir": config.hydra.runtime.output_dir,
+        }
+        new = not path.exists()
+        with open(path, "a", newline="") as handle:
+            writer = csv.DictWriter(handle, COLUMNS, delimiter="\t")
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        path = Path(config.hydra.sweep.dir) / "summary.tsv"
+        if path.exists():
+            print(f"\nsweep summary ({path}):\n{format_summary(read_summary(path))}", flush=True)
