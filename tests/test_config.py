@@ -58,7 +58,7 @@ def test_multi30k_reads_local_files_with_data_path():
     ("model.dropout=1.5", "model.dropout=1.5 must be in"),
     ("trainer.max_tokens=0", "trainer.max_tokens=0 must be > 0"),
     ("decode.nbest=9", "decode.nbest=9 cannot exceed decode.beam_size=5"),
-    ("+trainer.max_stepz=5", "unknown config key(s) trainer.max_stepz"),
+    ("+trainer.max_stepz=5", "unknown config key trainer.max_stepz; known keys: adam_eps, betas"),
     # type and key errors come from Hydra's own schema check, turned into one line
     ("trainer.max_stepz=5", "Could not override 'trainer.max_stepz'"),
     ("trainer.max_steps=abc", "trainer.max_steps: Value 'abc' of type 'str' could not be converted to Integer"),

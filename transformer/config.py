@@ -9,8 +9,6 @@ result (or a checkpoint's saved config) and rejects impossible values with an er
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,9 +216,22 @@ class Config:
 
     @classmethod
     def from_dict(cls, raw: dict) -> Config:
-        """Build and validate from a plain dict (e.g. `OmegaConf.to_container(cfg, resolve=True)`)."""
+        """Build and validate from a plain dict (`OmegaConf.to_container(cfg, resolve=True)`, a checkpoint's
+        saved config): the schema checks keys and types (keys missing from an older checkpoint take their
+        defaults), `validate` the values."""
+        from omegaconf import OmegaConf
+        from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
         raw = {k: v for k, v in raw.items() if k != "hydra"}
-        config = _build(cls, raw, prefix="")
+        try:
+            config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), raw))
+        except ConfigKeyError as error:
+            section = error.full_key.rpartition(".")[0]
+            known = [f.name for f in dataclasses.fields(cls)] if not section else \
+                [f.name for f in dataclasses.fields(type(getattr(cls(), section)))]
+            raise ConfigError(f"unknown config key {error.full_key}; known keys: {', '.join(sorted(known))}") from None
+        except OmegaConfBaseException as error:
+            raise ConfigError(composition_error_line(error)) from None
         config.validate()
         return config
 
@@ -238,9 +249,14 @@ def register_schema() -> None:
     """Put the dataclasses into Hydra's ConfigStore: `schema` types the whole tree (conf/config.yaml
     lists it first), and each group's default option is its dataclass (no YAML copy of a default)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     store = ConfigStore.instance()
-    store.store(name="schema", node=Config)
+    schema = OmegaConf.structured(Config)
+    # Hydra makes the composed tree "struct" (no new keys); this mapping's keys are the user's to add:
+    # data.local_splits='{validation: dev, test: newstest2014}' on the command line.
+    OmegaConf.set_struct(schema.data.local_splits, False)
+    store.store(name="schema", node=schema)
     store.store(group="model", name="tiny", node=ModelConfig)
     store.store(group="trainer", name="default", node=TrainerConfig)
     store.store(group="decode", name="beam", node=DecodeConfig)
@@ -267,7 +283,7 @@ def compose(overrides: list[str] = (), config_name: str = "config") -> Config:
 
 
 def composition_error_line(error: BaseException) -> str:
-    """One line from Hydra's composition errors: the OmegaConf cause (with its full key) when there is one."""
+    """One line from a Hydra composition error or an OmegaConf error: the message with its full key."""
     cause = error.__cause__ or error
     key = getattr(cause, "full_key", None)
     message = str(getattr(cause, "msg", None) or cause).splitlines()[0]
@@ -280,62 +296,3 @@ def composition_error_line(error: BaseException) -> str:
 def _positive(key: str, value: int | float) -> None:
     if value <= 0:
         raise ConfigError(f"{key}={value} must be > 0")
-
-
-def _build(cls: type, raw: dict, prefix: str):
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(
-            f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; known keys: "
-            f"{', '.join(sorted(known))}"
-        )
-    values = {}
-    for name, value in raw.items():
-        hint = hints[name]
-        key = prefix + name
-        if dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, value, prefix=key + ".")
-        else:
-            values[name] = _coerce(key, hint, value)
-    return cls(**values)
-
-
-def _coerce(key: str, hint: Any, value: Any) -> Any:
-    """Check `value` against a simple type hint; ints are accepted for floats."""
-    if hint is Any:
-        return value
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(key, option, value)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key}={value!r} has the wrong type; expected {hint}")
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}={value!r} must be a list")
-        (item,) = typing.get_args(hint)
-        return [_coerce(f"{key}[{i}]", item, v) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}={value!r} must be a mapping")
-        return dict(value)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is bool and not isinstance(value, bool):
-        raise ConfigError(f"{key}={value!r} must be true or false")
-    if hint in (int, float) and isinstance(value, bool):
-        raise ConfigError(f"{key}={value!r} must be a number")
-    if not isinstance(value, hint):
-        raise ConfigError(f"{key}={value!r} must be of type {hint.__name__}")
-    return value

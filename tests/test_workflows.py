@@ -1,0 +1,48 @@
+"""Workflows around training: sweeps (Hydra's --multirun) and the Makefile's pass-through of overrides."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import FAST, ROOT
+from transformer.sweep import format_summary, read_summary
+
+
+@pytest.mark.slow
+def test_a_sweep_survives_a_failing_job_and_summarises_by_validation_bleu(tmp_path, data_cache):
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer.train", "--multirun", *FAST, "data.embedded_pairs=600",
+         "trainer.max_steps=6", "trainer.validate_every=6", "trainer.test_at_end=false",
+         f"data.cache_dir={data_cache}", f"hydra.sweep.dir={sweep_dir}", "trainer.lr=-1,1e-3,3e-3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_summary(sweep_dir / "summary.tsv")
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "failed"), ("1", "ok"), ("2", "ok")]
+    assert [r["overrides"].split()[-1] for r in rows] == ["trainer.lr=-1", "trainer.lr=0.001", "trainer.lr=0.003"]
+    for row in rows[1:]:             # each job ran in its own directory and its BLEU is the best it validated
+        assert row["run_dir"] == str(sweep_dir / f"job{row['job']}")
+        assert float(row["best_val_bleu"]) >= 0 and (sweep_dir / f"job{row['job']}" / "checkpoints" / "best.pt").is_file()
+    assert "trainer.lr=-1.0 must be > 0" in (sweep_dir / "job0" / "train.log").read_text()
+    printed = proc.stdout[proc.stdout.index("sweep summary"):]
+    assert "1 of 3 jobs failed" in printed and printed.index("trainer.lr=0.00") < printed.index("trainer.lr=-1")
+
+
+def test_the_summary_puts_the_best_first_and_says_common_settings_once():
+    rows = [{"job": "0", "overrides": "model=small trainer.lr=1", "status": "ok", "best_val_bleu": "20.00"},
+            {"job": "1", "overrides": "model=small trainer.lr=2", "status": "ok", "best_val_bleu": "31.50"},
+            {"job": "2", "overrides": "model=small trainer.lr=3", "status": "failed", "best_val_bleu": ""}]
+    lines = format_summary(rows).splitlines()
+    assert lines[0] == "common to every job: model=small"
+    assert [line.split()[0] for line in lines[2:5]] == ["1", "0", "2"]
+    assert lines[2].endswith("trainer.lr=2") and "failed" in lines[4]
+
+
+def test_make_passes_dollar_signs_and_spaces_through_to_hydra():
+    proc = subprocess.run(["make", "--no-print-directory", "train", "run_dir=runs/x-${now:%Y}",
+                           "data.local_splits={validation: dev}", "ARGS=--cfg job --resolve"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "run_dir: runs/x-20" in proc.stdout                   # Hydra's ${now:...}, not the shell's $$
+    assert "local_splits:\n    validation: dev" in proc.stdout    # one override, space and all
