@@ -2,9 +2,12 @@
 
     python scripts/bench.py [--preset small] [--max-tokens 4096] [--checkpoint CKPT] [--quick]
 
-train  : target tokens/s and peak memory of our full training step (forward, fused label-smoothed loss,
+train  : target tokens/s and peak memory of our model's training step (forward, fused label-smoothed loss,
          backward, AdamW) vs a torch.nn.Transformer model of the same shape with tied embeddings and the
          same loss, on the same batches, interleaved; median over repeats, warm-up excluded.
+trainer: the trainer's own step (`Trainer.train_step`) on fresh batches from its DataLoader, collate and
+         copies to the device included, as `make train` runs it: target tokens/s, and on CUDA peak
+         memory and MFU. This is the figure to compare with other toolkits' training logs.
 data   : preparing Multi30k with the SentencePiece model cached, and with everything cached; padding
          share; collate time of 8k-token batches (scripts/bench_data.py).
 data_scale : Multi30k repeated to 1M and 4.5M pairs: cold and warm start to the first step, peak RSS,
@@ -12,7 +15,7 @@ data_scale : Multi30k repeated to 1M and 4.5M pairs: cold and warm start to the 
 decode : sentences/s for greedy and beam 5, with the key/value cache and recomputing the prefix.
 translate_cli : with --checkpoint and MULTI30K_DIR, seconds for `transformer-translate` to translate
          test_2016_flickr as a whole process (startup and model load included), beam 5 and greedy.
-mfu    : on CUDA, model FLOPs/s over the device's dense bf16 peak (FLOPs counted analytically below).
+mfu    : on CUDA, model FLOPs/s over the exact device's dense bf16 peak (FLOPs counted analytically below).
 
 Batches are real Multi30k batches when MULTI30K_DIR is set, otherwise the embedded corpus. A model
 whose loss is not finite or does not fall over the timed steps fails the bench (exit code 1).
@@ -49,7 +52,14 @@ from transformer.setup import (  # noqa: E402
 )
 from transformer.tokenizer import PAD_ID  # noqa: E402
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
+# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets, matched
+# against torch.cuda.get_device_name() in this order: the first key contained in the name wins.
+PEAK_BF16_TFLOPS = [
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),       # H100 SXM5 ("H100 80GB HBM3")
+    ("GH200", 989.0), ("H200", 989.0), ("H800", 989.0), ("B200", 2250.0), ("B100", 1750.0),
+    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0),
+    ("A10", 125.0), ("RTX 4090", 165.0), ("RTX 3090", 71.0),
+]
 
 
 class ReferenceTransformer(nn.Module):
@@ -102,7 +112,7 @@ def train_flops(cfg, batch, vocab: int) -> float:
 
 
 def time_training(models: dict, batches, device, dtype, repeats: int, smoothing: float = 0.1) -> dict:
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.98), fused=device.type == "cuda")
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.98), fused=True)
                   for name, m in models.items()}
     autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else None
     times = {name: [] for name in models}
@@ -186,6 +196,58 @@ def bench_train(cfg, data, device, args) -> list[dict]:
     return rows
 
 
+def bench_trainer(overrides: list[str], device, args) -> list[dict]:
+    """The trainer's own step on fresh batches from its DataLoader (see the module docstring)."""
+    import tempfile
+
+    from transformer.train import Trainer
+    precisions = ["fp32"] + (["bf16"] if device.type == "cuda" or cpu_has_native_bf16() else [])
+    rows = []
+    for precision in precisions:
+        for compiled in ([False, True] if args.compile else [False]):
+            cfg = compose(overrides + [f"trainer.precision={precision}", f"trainer.compile={compiled}",
+                                       f"trainer.device={device}", "trainer.log_every=100000"])
+            with tempfile.TemporaryDirectory() as run_dir:
+                trainer = Trainer(cfg, Path(run_dir))
+                try:
+                    rows.append(_time_trainer(trainer, cfg, device, args.trainer_steps, precision, compiled))
+                finally:
+                    trainer.leave_process_group(clean=True)
+                    trainer.writer.close()
+    return rows
+
+
+def _time_trainer(trainer, cfg, device, steps: int, precision: str, compiled: bool) -> dict:
+    trainer.updates.start(0, 0)
+    loader = iter(trainer.loader)
+    window = trainer._new_window()
+    for _ in range(5):                                   # warm-up: allocator, kernels, compile, workers
+        micro, _ = next(loader)
+        trainer._update_window(window, trainer.train_step(micro), micro)
+    window["device"].tolist()
+    window = trainer._new_window()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seen = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        micro, _ = next(loader)
+        trainer._update_window(window, trainer.train_step(micro), micro)
+        seen.extend(batch for batch, _ in micro)
+    loss_sum, _, tokens, _, skipped, all_tokens = window["device"].tolist()   # waits for the device
+    seconds = time.perf_counter() - start
+    row = {"section": "trainer", "precision": precision, "compiled": compiled, "preset": cfg.model.name,
+           "max_tokens": cfg.trainer.max_tokens, "steps": steps, "tokens_per_s": all_tokens / seconds,
+           "loss": loss_sum / max(tokens, 1), "loss_ok": skipped == 0 and math.isfinite(loss_sum)}
+    if device.type == "cuda":
+        row["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        peak = _peak_tflops(device)
+        if peak:
+            vocab = trainer.data.tokenizer.tgt_vocab_size
+            row["mfu"] = sum(train_flops(cfg.model, b, vocab) for b in seen) / seconds / (peak * 1e12)
+    return row
+
+
 class _compiled(nn.Module):
     def __init__(self, module):
         super().__init__()
@@ -198,7 +260,7 @@ class _compiled(nn.Module):
 
 def _peak_tflops(device) -> float | None:
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    return next((v for k, v in PEAK_BF16_TFLOPS if k in name), None)
 
 
 def bench_decode(model, tokenizer, sources: list[str], device, repeats: int) -> list[dict]:
@@ -248,6 +310,7 @@ def main() -> int:
     parser.add_argument("--preset", default="small", help="model preset to time (default small)")
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=8, help="batches per timed repeat")
+    parser.add_argument("--trainer-steps", type=int, default=30, help="timed steps of the trainer section")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--checkpoint", help="trained checkpoint for the decode section (default: train a tiny one)")
@@ -276,6 +339,8 @@ def main() -> int:
     rows = [bench_data(cfg)]
     data = prepare(cfg.data)
     rows += bench_train(cfg, data, device, args)
+    rows += bench_trainer(data_overrides + [f"model={args.preset}", f"trainer.max_tokens={args.max_tokens}"],
+                          device, args)
 
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
     from transformer.data import load_split_text
@@ -329,6 +394,12 @@ def _print_table(info: dict, rows: list[dict]) -> None:
             print(f"train  {row['precision']:4s} {'compiled' if row['compiled'] else 'eager   '} | ours "
                   f"{row['ours_tokens_per_s']:8.0f} tgt tok/s | nn.Transformer {row['reference_tokens_per_s']:8.0f} | "
                   f"ratio {row['speedup_vs_reference']:.2f}x | loss falls: {row['loss_ok']}{memory}{mfu}")
+        elif row["section"] == "trainer":
+            extra = (f" | peak MB {row['peak_memory_mb']:.0f}" if "peak_memory_mb" in row else "") + \
+                (f" | MFU {100 * row['mfu']:.1f}%" if "mfu" in row else "")
+            print(f"trainer {row['precision']:4s} {'compiled' if row['compiled'] else 'eager   '} | "
+                  f"{row['tokens_per_s']:8.0f} tgt tok/s, Trainer.train_step on DataLoader batches "
+                  f"({row['steps']} steps, max_tokens {row['max_tokens']}) | loss {row['loss']:.2f}{extra}")
         elif row["section"] in ("data", "data_scale"):
             from bench_data import print_row
             print_row(row)

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from transformer.attention import (
+    BACKENDS,
     MultiHeadAttention,
     SelfAttentionCache,
     attention_math,
@@ -146,3 +147,77 @@ def test_cpu_path_gradients_match_explicit_softmax_math():
         grads.append((x.grad.clone(), attn.qkv_proj.weight.grad.clone()))
     assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5)
     assert torch.allclose(grads[0][1], grads[1][1], atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Every backend of model.attention against the reference formula (attention_math), on the CPU:
+# self-attention, causal self-attention with a cache, cross-attention with folded beams, all with padding.
+# "sdpa_gpu" is what `auto` runs on a GPU (SDPA without cuDNN's kernel); on the CPU it runs SDPA's
+# CPU kernels under the same kernel restriction.
+
+ALL_BACKENDS = list(BACKENDS) + ["sdpa_gpu"]
+
+
+def _module(backend, cross=False, seed=0):
+    torch.manual_seed(seed)
+    attn = MultiHeadAttention(32, 4, cross=cross).eval()
+    attn.backend = backend          # the constructor accepts only the public names
+    return attn
+
+
+def _padding():
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    pad[2, 2:] = True
+    return pad
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_backend_matches_the_formula_in_self_attention_forward_and_backward(backend, causal):
+    x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1))
+    results = {}
+    for name in (backend, "math"):
+        attn = _module(name)
+        inputs = x.clone().requires_grad_(True)
+        out = attn(inputs, key_pad_mask=_padding(), causal=causal)
+        real = ~_padding()                                       # padded query rows are not compared
+        (out[real] * torch.linspace(-1, 1, 32)).sum().backward()
+        results[name] = (out[real].detach(), inputs.grad[real], attn.qkv_proj.weight.grad)
+    for fast, reference in zip(results[backend], results["math"]):
+        assert torch.allclose(fast, reference, atol=1e-5), backend
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_every_backend_matches_the_formula_with_a_cache(backend):
+    x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(2))
+    reference = _module("math")(x, causal=True)                   # full causal recomputation
+    attn = _module(backend)
+    cache = SelfAttentionCache()
+    # one position, then two at once (the bottom-right-aligned triangle), then one at a time
+    chunks = [(0, 1), (1, 3)] + [(t, t + 1) for t in range(3, 7)]
+    steps = [attn(x[:, a:b], causal=True, cache=cache) for a, b in chunks]
+    assert torch.allclose(torch.cat(steps, 1), reference, atol=1e-5), backend
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_every_backend_matches_the_formula_in_cross_attention(backend):
+    generator = torch.Generator().manual_seed(3)
+    memory, beams = torch.randn(3, 7, 32, generator=generator), 2
+    queries = torch.randn(3 * beams, 4, 32, generator=generator)
+    reference_attn = _module("math", cross=True)
+    reference = reference_attn(queries, memory=memory.repeat_interleave(beams, 0),
+                               key_pad_mask=_padding().repeat_interleave(beams, 0))
+    attn = _module(backend, cross=True)
+    folded = attn(queries, memory_kv=attn.project_memory(memory), key_pad_mask=_padding())   # beams folded
+    assert torch.allclose(folded, reference, atol=1e-5), backend
+
+
+def test_the_backend_is_a_model_setting():
+    from transformer.config import ATTENTION_BACKENDS, ModelConfig
+    from transformer.model import build_model
+    assert ATTENTION_BACKENDS == BACKENDS
+    model = build_model(ModelConfig(attention="sdpa"), 50, 50, True)
+    assert {m.backend for m in model.modules() if isinstance(m, MultiHeadAttention)} == {"sdpa"}
+    with pytest.raises(ValueError, match="attention backend 'flash'"):
+        MultiHeadAttention(16, 2, backend="flash")

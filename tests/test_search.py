@@ -2,6 +2,7 @@
 model (beam 1 == greedy, batch == one at a time, cache == recomputation)."""
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -183,14 +184,18 @@ def test_out_of_memory_in_decoding_splits_the_batch_and_retries(model_and_source
     model, sources = model_and_sources
     expected = translate_ids(model, sources, beam_size=3)
     real = search.beam_search
-    sizes = []
+    sizes, failed_attempts = [], []
 
     def small_memory(decoder, max_lens, *args, **kwargs):
+        # Every retry starts only after the failed attempts' encoder output and caches are gone.
+        assert all(ref() is None for ref in failed_attempts), "a failed attempt's tensors are still alive"
         sizes.append(max_lens.numel())
         if max_lens.numel() > 2:
+            failed_attempts.extend([weakref.ref(decoder.memory), weakref.ref(decoder.cache.memory_kv[0][0])])
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(decoder, max_lens, *args, **kwargs)
 
     monkeypatch.setattr(search, "beam_search", small_memory)
     assert [h[0].tokens for h in translate_ids(model, sources, beam_size=3)] == [h[0].tokens for h in expected]
     assert sizes == [5, 2, 3, 1, 2]              # 5 fails, halves: 2 | 3 fails, halves: 1, 2
+    assert len(failed_attempts) == 4

@@ -153,12 +153,16 @@ def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cach
                                  "trainer.val_max_sentences=4", "decode.beam_size=1", "trainer.precision=fp32",
                                  "trainer.test_at_end=false"],
                          data_cache)
-    with pytest.raises(TrainingError, match="not finite for 3 steps"):
+    # Checked where the step's numbers are read anyway (log steps, checkpoints): here at step 10.
+    with pytest.raises(TrainingError, match="not finite for 4 steps in a row"):
         train(cfg, tmp_path)
     for name in ("last.pt", "best.pt"):
         state = load_checkpoint(tmp_path / "checkpoints" / name)
         assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point()), name
-    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 6
+    # The non-finite updates were skipped on the device: step 8's weights are step 6's.
+    last, sixth = load_checkpoint(tmp_path / "checkpoints" / "last.pt"), load_checkpoint(tmp_path / "checkpoints" / "step_6.pt")
+    assert last["step"] == 8 and all(torch.equal(last["model"][k], sixth["model"][k]) for k in sixth["model"])
+    assert last["optimizer"]["state"][0]["step"] == 6          # nor did Adam count them
 
 
 def test_out_of_memory_on_one_batch_skips_it_and_training_goes_on(tmp_path, data_cache, monkeypatch, caplog):
@@ -182,6 +186,28 @@ def test_out_of_memory_on_one_batch_skips_it_and_training_goes_on(tmp_path, data
     assert "out of memory on a batch of" in caplog.text and "skipped" in caplog.text
     state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
     assert state["step"] == 6 and calls["n"] == 7      # 6 optimizer steps plus the skipped batch
+
+
+def test_a_batch_budget_too_large_for_the_device_stops_with_one_line(tmp_path, data_cache, monkeypatch):
+    import transformer.train as train_module
+    from transformer.run_state import TrainingError
+    calls = {"n": 0}
+    real_batch_loss = train_module.batch_loss
+
+    def no_memory_after_two(model, batch, smoothing):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_batch_loss(model, batch, smoothing)
+
+    monkeypatch.setattr(train_module, "batch_loss", no_memory_after_two)
+    cfg = compose_config(FAST + ["trainer.max_steps=50", "trainer.test_at_end=false"], data_cache)
+    with pytest.raises(TrainingError) as error:
+        train(cfg, tmp_path)
+    assert calls["n"] == 2 + train_module.OOM_SKIP_LIMIT                # not an endless loop of skips
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"out of memory on {train_module.OOM_SKIP_LIMIT} batches in a row")
+    assert "trainer.max_tokens=1024 is too large for this device; lower it (e.g. trainer.max_tokens=512)" in message
 
 
 def test_overwrite_replaces_an_old_run(tmp_path, data_cache):
@@ -208,3 +234,77 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer(trained_run,
     assert state["scheduler"]["last_epoch"] == 3 and state["optimizer"]["state"][0]["step"] == 3
     assert metrics["val_history"][0]["bleu"] > 60                   # it starts from the trained weights
     assert any(not torch.equal(state["model"][k], source["model"][k]) for k in source["model"])
+
+
+# Operations that make a GPU report a value to the host (the step then waits for the device).
+HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique",
+              "aten.repeat_interleave", "aten.equal", "aten.is_nonzero")
+
+
+class _HostReads:
+    """Counts, during a block, every tensor value read on the host: at the dispatcher (item, float,
+    bool, int, `if tensor`, boolean-mask indexing, nonzero, ...) and through tolist/numpy, which
+    bypass it."""
+
+    def __init__(self):
+        self.seen: list[str] = []
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        seen = self.seen
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func.overloadpacket)
+                bool_index = name == "aten.index" and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
+                if name.startswith(HOST_READS) or bool_index:
+                    seen.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.patches = [(name, getattr(torch.Tensor, name)) for name in ("tolist", "numpy")]
+        for name, original in self.patches:
+            setattr(torch.Tensor, name, self._counting(name, original))
+        self.mode.__enter__()
+        return self
+
+    def _counting(self, name, original):
+        def wrapper(tensor, *args, **kwargs):
+            self.seen.append(f"Tensor.{name}")
+            return original(tensor, *args, **kwargs)
+        return wrapper
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        for name, original in self.patches:
+            setattr(torch.Tensor, name, original)
+
+
+def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
+    from transformer.train import Trainer
+    cfg = compose_config(FAST + ["trainer.update_freq=2", "trainer.precision=fp32"], data_cache)
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        trainer.updates.start(0, 0)
+        loader = iter(trainer.loader)
+        window = trainer._new_window()
+        with _HostReads() as reads:            # the detector sees a read when there is one
+            float(torch.ones(()))
+            torch.ones(3)[torch.ones(3) > 0]
+            torch.ones(3).tolist()
+        assert reads.seen == ["aten._local_scalar_dense", "aten.index", "Tensor.tolist"]
+        for step in range(3):                  # steps 1-3 are not log steps (log_every=10)
+            micro, consumed = next(loader)
+            with _HostReads() as reads:
+                stats = trainer.train_step(micro)
+            assert reads.seen == [], f"step {step + 1} read tensor values on the host: {reads.seen}"
+            with _HostReads() as reads:
+                trainer._update_window(window, stats, micro)
+            assert reads.seen == []
+        assert trainer.optimizer.state_dict()["state"][0]["step"] == 3   # the steps were real updates
+        loss_sum, nll_sum, tokens, in_a_row, skipped, all_tokens = window["device"].tolist()
+        assert skipped == 0 and tokens == all_tokens > 0 and 0 < nll_sum / tokens < loss_sum / tokens < 10
+    finally:
+        trainer.leave_process_group(clean=True)
+        trainer.writer.close()

@@ -65,25 +65,51 @@ def attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     return weights @ v, weights
 
 
-def attend(q, k, v, allowed=None, causal=False, dropout_p=0.0, need_weights=False):
-    """Attention with SDPA's fused kernels on GPUs, two batched matmuls on CPUs, or the reference
-    formula when the weights are wanted.
+# `model.attention`: which implementation computes attention.
+#   auto    two batched matmuls on a CPU; on a GPU, SDPA limited to its flash, memory-efficient and math
+#           kernels (cuDNN's kernel builds a graph per new shape, and NMT batches change shape every step)
+#   sdpa    F.scaled_dot_product_attention with whichever kernel PyTorch picks
+#   matmul  two batched matmuls in the input dtype, the softmax in float32 (`matmul_attention`)
+#   math    `attention_math`, the reference formula (slow; for checks)
+BACKENDS = ("auto", "sdpa", "matmul", "math")
 
-    `causal=True` is only passed when Tq == Tk, where SDPA's top-left alignment is correct and lets it
-    pick a flash kernel without materialising a mask.
+
+def gpu_sdpa_kernels() -> list:
+    """The SDPA kernels `auto` allows on a GPU: all but cuDNN's."""
+    from torch.nn.attention import SDPBackend
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attend(q, k, v, allowed=None, causal=False, dropout_p=0.0, need_weights=False, backend="auto"):
+    """Attention by `backend` (see BACKENDS): (output (B, H, Tq, Dh), weights or None).
+
+    `need_weights` always takes the reference formula, whose weights it returns. `causal=True` is only
+    passed when Tq == Tk, where SDPA's top-left alignment is correct and lets it pick a flash kernel
+    without materialising a mask; the other backends get the mask instead.
     """
-    if causal and (need_weights or q.device.type == "cpu"):     # only SDPA takes `is_causal`
-        allowed, causal = with_causal(allowed, q.size(-2), k.size(-2), q.device), False
     if need_weights:
-        return attention_math(q, k, v, allowed, dropout_p)
-    if q.device.type == "cpu":
-        return _cpu_attention(q, k, v, allowed, dropout_p), None
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=causal)
-    return out, None
+        backend = "math"
+    elif backend == "auto":
+        backend = "matmul" if q.device.type == "cpu" else "sdpa_gpu"
+    if causal and backend in ("math", "matmul"):              # only SDPA takes `is_causal`
+        allowed, causal = with_causal(allowed, q.size(-2), k.size(-2), q.device), False
+    if backend == "math":
+        out, weights = attention_math(q, k, v, allowed, dropout_p)
+        return out, (weights if need_weights else None)
+    if backend == "matmul":
+        return matmul_attention(q, k, v, allowed, dropout_p), None
+    if backend == "sdpa_gpu":
+        from torch.nn.attention import sdpa_kernel
+        with sdpa_kernel(gpu_sdpa_kernels()):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
+                                                  is_causal=causal), None
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=causal), None
+    raise ValueError(f"unknown attention backend {backend!r}; one of {', '.join(BACKENDS)}")
 
 
-def _cpu_attention(q, k, v, allowed=None, dropout_p=0.0) -> torch.Tensor:
-    """Attention on the CPU: two batched matmuls in the input dtype, the softmax in float32.
+def matmul_attention(q, k, v, allowed=None, dropout_p=0.0) -> torch.Tensor:
+    """Attention as two batched matmuls in the input dtype, the softmax in float32 (`auto` on CPUs).
 
     At NMT shapes (a few dozen keys) PyTorch's CPU flash kernel is slower: in bf16 training this path
     gives about 1.3x the tokens/s of SDPA run in float32 (its bf16 backward is slower still), and in
@@ -110,8 +136,12 @@ class MultiHeadAttention(nn.Module):
     memory with one (D, 2D) matmul.
     """
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, cross: bool = False):
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, cross: bool = False,
+                 backend: str = "auto"):
         super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"attention backend {backend!r}: one of {', '.join(BACKENDS)}")
+        self.backend = backend
         self.n_heads = n_heads
         self.head_dim = d_model // n_heads
         self.dropout = dropout
@@ -155,7 +185,8 @@ class MultiHeadAttention(nn.Module):
             if beams > 1:   # (n*K, H, T, Dh) -> (n, H, K*T, Dh)
                 q = q.view(k.size(0), beams, self.n_heads, length, self.head_dim)
                 q = q.permute(0, 2, 1, 3, 4).reshape(k.size(0), self.n_heads, beams * length, self.head_dim)
-            out, weights = attend(q, k, v, allowed, dropout_p=dropout_p, need_weights=self.need_weights)
+            out, weights = attend(q, k, v, allowed, dropout_p=dropout_p, need_weights=self.need_weights,
+                                  backend=self.backend)
             if beams > 1:   # (n, H, K*T, Dh) -> (n*K, H, T, Dh)
                 out = out.view(k.size(0), self.n_heads, beams, length, self.head_dim)
                 out = out.permute(0, 2, 1, 3, 4).reshape(batch, self.n_heads, length, self.head_dim)
@@ -173,7 +204,7 @@ class MultiHeadAttention(nn.Module):
             elif causal and allowed is not None:
                 allowed, causal = with_causal(allowed, length, k.size(2), x.device), False
             out, weights = attend(q, k, v, allowed, causal=causal, dropout_p=dropout_p,
-                                  need_weights=self.need_weights)
+                                  need_weights=self.need_weights, backend=self.backend)
         self.last_weights = weights
         out = out.transpose(1, 2).reshape(batch, length, d_model)              # (B, T, D)
         return self.out_proj(out)

@@ -24,16 +24,27 @@ class Batch:
     tgt_out: torch.Tensor    # (B, T) target + EOS
     num_tgt_tokens: int
     padding_share: float = 0.0   # padded positions / all positions of src and tgt_out
+    # (N,) int64: where the N real target tokens sit in tgt_out.flatten(), N = num_tgt_tokens. Built in
+    # collate, so that the loss gathers them with an index; a boolean mask would make the GPU report
+    # N to the host (a sync) in every step. None: derived from the padding (`target_positions`).
+    tgt_positions: torch.Tensor | None = None
+
+    def _tensors(self) -> tuple:
+        return self.src, self.tgt_in, self.tgt_out, self.target_positions()
+
+    def target_positions(self) -> torch.Tensor:
+        if self.tgt_positions is None:
+            self.tgt_positions = (self.tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
+        return self.tgt_positions
 
     def to(self, device, non_blocking: bool = False) -> Batch:
-        return Batch(self.src.to(device, non_blocking=non_blocking),
-                     self.tgt_in.to(device, non_blocking=non_blocking),
-                     self.tgt_out.to(device, non_blocking=non_blocking), self.num_tgt_tokens, self.padding_share)
+        src, tgt_in, tgt_out, positions = (t.to(device, non_blocking=non_blocking) for t in self._tensors())
+        return Batch(src, tgt_in, tgt_out, self.num_tgt_tokens, self.padding_share, positions)
 
     def pin_memory(self) -> Batch:
         """Page-locked copies, so that `.to(cuda, non_blocking=True)` really overlaps (DataLoader calls this)."""
-        return Batch(self.src.pin_memory(), self.tgt_in.pin_memory(), self.tgt_out.pin_memory(),
-                     self.num_tgt_tokens, self.padding_share)
+        src, tgt_in, tgt_out, positions = (t.pin_memory() for t in self._tensors())
+        return Batch(src, tgt_in, tgt_out, self.num_tgt_tokens, self.padding_share, positions)
 
 
 def pad_flat(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, *, bos: bool = False,
@@ -72,8 +83,10 @@ def make_batch(src_flat, src_starts, src_lens, tgt_flat, tgt_starts, tgt_lens) -
     tgt_out = np.ascontiguousarray(tgt[:, 1:])
     real = int(src_lens.sum() + tgt_lens.sum()) + 2 * len(src_lens)
     padding = 1.0 - real / max(1, src.size + tgt_out.size)
+    positions = np.flatnonzero(tgt_out != PAD_ID)                                     # (N,) into (B * T)
     return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out),
-                 num_tgt_tokens=int(tgt_lens.sum()) + len(tgt_lens), padding_share=padding)
+                 num_tgt_tokens=int(tgt_lens.sum()) + len(tgt_lens), padding_share=padding,
+                 tgt_positions=torch.from_numpy(positions))
 
 
 # ---------------------------------------------------------------------------------------------------

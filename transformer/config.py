@@ -18,6 +18,10 @@ from typing import Any
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
+# transformer/attention.py's BACKENDS (config.py imports nothing of the model).
+ATTENTION_BACKENDS = ("auto", "sdpa", "matmul", "math")
+
+
 class ConfigError(ValueError):
     """A configuration value is unusable; the message names the key (e.g. `model.d_model`)."""
 
@@ -36,6 +40,9 @@ class ModelConfig:
     pre_norm: bool = True         # True: LayerNorm before each sublayer (stable); False: after (the paper)
     tie_embeddings: bool = True   # share target embeddings with the output layer (and the source, if joint)
     max_positions: int = 1024     # longest sequence the sinusoidal table covers; longer sources are truncated
+    # auto (matmuls on a CPU; SDPA's flash/efficient/math kernels on a GPU) | sdpa (PyTorch's pick,
+    # cuDNN included) | matmul | math (the reference formula); see transformer/attention.py
+    attention: str = "auto"
 
     def validate(self) -> None:
         for key in ("d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers", "max_positions"):
@@ -49,6 +56,8 @@ class ModelConfig:
             value = getattr(self, key)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"model.{key}={value} must be in [0, 1)")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ConfigError(f"model.attention={self.attention!r} must be one of {', '.join(ATTENTION_BACKENDS)}")
 
 
 @dataclass

@@ -46,12 +46,12 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def all_reduce_sum(values: list[float], info: DistInfo, device) -> list[float]:
-    if not info.enabled:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+def all_reduce_tensor(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The sum over ranks of a device tensor, left on the device (nothing is read back to the host)."""
+    if info.enabled:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+    return tensor
 
 
 def any_rank(flag: bool, info: DistInfo, device) -> bool:

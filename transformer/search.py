@@ -11,6 +11,7 @@ Shapes: n open sentences, K beam size, t tokens so far (BOS included), V vocabul
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 from dataclasses import dataclass
 
@@ -253,23 +254,30 @@ def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha:
     was_training = model.training
     model.eval()
 
-    def decode_batch(indices: list[int]) -> None:
+    def attempt(indices: list[int]) -> list[list[Hypothesis]]:
         src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(device)   # (B, S)
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            decoder = ModelDecoder(model, src, use_cache)
+            lens = max_lengths(src, max_len_a, max_len_b, limit)
+            if beam_size == 1:
+                return [[h] for h in greedy_search(decoder, lens)]
+            return beam_search(decoder, lens, beam_size, alpha, nbest)
+
+    def decode_batch(indices: list[int]) -> None:
         try:
-            with autocast() if autocast is not None else contextlib.nullcontext():
-                decoder = ModelDecoder(model, src, use_cache)
-                lens = max_lengths(src, max_len_a, max_len_b, limit)
-                if beam_size == 1:
-                    batch_results = [[h] for h in greedy_search(decoder, lens)]
-                else:
-                    batch_results = beam_search(decoder, lens, beam_size, alpha, nbest)
+            batch_results = attempt(indices)
         except torch.cuda.OutOfMemoryError:
             if len(indices) == 1:
                 raise
-            del src
+            batch_results = None
+        if batch_results is None:
+            # Out of memory. Only now, outside the `except` block, is the failed attempt's traceback
+            # gone, and with it the frames that held its encoder output, caches and logits: free them
+            # for real, then split the batch and retry each half.
+            gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            half = len(indices) // 2            # split the batch and retry each half
+            half = len(indices) // 2
             decode_batch(indices[:half])
             decode_batch(indices[half:])
             return

@@ -41,6 +41,7 @@ from transformer.run_state import (
 from transformer.search import Interrupted
 from transformer.setup import (
     DTYPES,
+    allow_tf32_for_training,
     autocast_factory,
     build_optimizer,
     resolve_device,
@@ -57,6 +58,9 @@ from transformer.validate import (
 
 log = logging.getLogger("transformer.train")
 
+# Consecutive out-of-memory batches after which training stops (trainer.max_tokens is too large).
+OOM_SKIP_LIMIT = 5
+
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path):
@@ -68,6 +72,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.precision = resolve_precision(tc.precision, self.device)
+        allow_tf32_for_training(self.device, self.precision)
         self.autocast = autocast_factory(self.device, DTYPES[self.precision])
         if tc.num_threads:
             torch.set_num_threads(tc.num_threads)
@@ -107,6 +112,7 @@ class Trainer:
         self.loader = update_loader(self.data.train, self.updates, workers, pin_memory=cuda)
         self.step, self.epoch, self.position = 0, 0, 0
         self.best_bleu, self.bad_validations, self.bad_steps, self.oom_skips = -1.0, 0, 0, 0
+        self.oom_in_a_row = 0
         self.metrics: dict = {}
         if resume_state:
             self._load_state(resume_state)
@@ -200,10 +206,19 @@ class Trainer:
     # The loop
 
     def train_step(self, micro_batches) -> dict:
+        """One optimizer update over `micro_batches` ((batch, weight) pairs).
+
+        Reads no tensor value on the host, so a GPU never waits for Python: the summed loss and NLL,
+        the gradient norm and whether the step was finite come back as device tensors, read only at
+        log steps (`_log_train`). A non-finite step is skipped on the device: the fused AdamW takes a
+        `found_inf` flag (the fp16 GradScaler sets the same flag) and leaves weights and moments alone.
+        """
         tc = self.cfg.trainer
-        tokens = sum(b.num_tgt_tokens * w for b, w in micro_batches)
-        (global_tokens,) = D.all_reduce_sum([tokens], self.dist, self.device)
-        loss_sum = nll_sum = 0.0
+        tokens = sum(b.num_tgt_tokens * w for b, w in micro_batches)      # host ints counted by collate
+        # The normaliser: every rank's target tokens. Under DDP an all-reduce on the device, not read back.
+        global_tokens = D.all_reduce_tensor(torch.tensor(float(tokens), device=self.device), self.dist) \
+            if self.dist.enabled else float(tokens)
+        loss_sum = nll_sum = torch.zeros((), device=self.device)
         for i, (batch, weight) in enumerate(micro_batches):
             batch = batch.to(self.device, non_blocking=True)
             last = i == len(micro_batches) - 1
@@ -216,54 +231,82 @@ class Trainer:
                     # sum(loss over all ranks' tokens) / global target tokens.
                     scaled = loss * (weight * self.dist.world_size / global_tokens)
                     self.scaler.scale(scaled).backward()
+                out_of_memory = False
             except torch.cuda.OutOfMemoryError:
                 # Under DDP the other ranks are already waiting in the all-reduce: skipping here
                 # would hang them, so the error stops the job instead.
                 if self.dist.enabled:
                     raise
-                log.warning("out of memory on a batch of %d sentences (source %d, target %d tokens wide): "
-                            "skipped; lower trainer.max_tokens or data.max_len if this repeats",
-                            batch.src.size(0), batch.src.size(1), batch.tgt_in.size(1))
-                del batch
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                return {"oom": True}
-            loss_sum += loss.item() * weight
-            nll_sum += nll.item() * weight
+                out_of_memory = True
+            if out_of_memory:
+                # Outside the `except` block: its traceback, which held the forward's activations, is gone.
+                return self._skip_out_of_memory(batch)
+            loss_sum = loss_sum + loss.detach() * weight
+            nll_sum = nll_sum + nll * weight
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_norm or float("inf"))
-        finite = bool(torch.isfinite(grad_norm))
-        if finite or self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)     # the fp16 scaler itself skips non-finite steps
+        finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)                       # () bool
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)          # passes its own found_inf to the fused AdamW
             self.scaler.update()
-            self.scheduler.step()
+        else:
+            self.optimizer.found_inf = (~finite).float()
+            self.optimizer.step()
+            del self.optimizer.found_inf
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, nll_sum = D.all_reduce_sum([loss_sum, nll_sum], self.dist, self.device)
-        return {"loss": loss_sum / global_tokens, "nll": nll_sum / global_tokens, "grad_norm": float(grad_norm),
-                "finite": finite and math.isfinite(loss_sum), "tokens": global_tokens}
+        sums = torch.stack([loss_sum, nll_sum])
+        if self.dist.enabled:
+            sums = D.all_reduce_tensor(sums, self.dist)
+        return {"sums": sums, "grad_norm": grad_norm.detach(), "finite": finite, "tokens": global_tokens}
 
-    def _stop_reason(self, started: float) -> str | None:
+    def _skip_out_of_memory(self, batch) -> dict:
+        """Drop the update whose batch ran out of GPU memory; after OOM_SKIP_LIMIT in a row, stop."""
+        self.oom_skips += 1
+        self.oom_in_a_row += 1
+        shape = (f"{batch.src.size(0)} sentences, source {batch.src.size(1)} and target "
+                 f"{batch.tgt_in.size(1)} tokens wide")
+        del batch
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self.oom_in_a_row >= OOM_SKIP_LIMIT:
+            raise TrainingError(
+                f"out of memory on {self.oom_in_a_row} batches in a row (the last: {shape}): "
+                f"trainer.max_tokens={self.cfg.trainer.max_tokens} is too large for this device; lower it "
+                f"(e.g. trainer.max_tokens={self.cfg.trainer.max_tokens // 2}) and raise trainer.update_freq "
+                "to keep the batch size")
+        log.warning("out of memory on a batch of %s: skipped; lower trainer.max_tokens or data.max_len if "
+                    "this repeats", shape)
+        return {"oom": True}
+
+    def _stop_reason(self, started: float, agree: bool = True) -> str | None:
+        """Why training stops now, or None. Step, epoch and patience limits are the same on every rank;
+        the clock and signals are not, so under DDP the ranks agree on those (a collective whose result
+        is read on the host) only where `agree` is true: at log steps and epoch ends."""
         tc = self.cfg.trainer
+        if tc.max_steps and self.step >= tc.max_steps:
+            return f"reached trainer.max_steps={tc.max_steps}"
+        if tc.max_epochs and self.epoch >= tc.max_epochs:
+            return f"reached trainer.max_epochs={tc.max_epochs}"
+        if tc.patience and self.bad_validations >= tc.patience:
+            return f"no BLEU improvement in trainer.patience={tc.patience} validations"
         reason = None
         if self.stop_signal:
             reason = f"stopped by {self.stop_signal}"
-        elif tc.max_steps and self.step >= tc.max_steps:
-            reason = f"reached trainer.max_steps={tc.max_steps}"
-        elif tc.max_epochs and self.epoch >= tc.max_epochs:
-            reason = f"reached trainer.max_epochs={tc.max_epochs}"
         elif tc.max_minutes and (time.monotonic() - started) / 60 >= tc.max_minutes:
             reason = f"reached trainer.max_minutes={tc.max_minutes}"
-        elif tc.patience and self.bad_validations >= tc.patience:
-            reason = f"no BLEU improvement in trainer.patience={tc.patience} validations"
-        if D.any_rank(reason is not None, self.dist, self.device):
+        if not self.dist.enabled:
+            return reason
+        if agree and D.any_rank(reason is not None, self.dist, self.device):
             return reason or "stopped on another rank"
         return None
 
     def fit(self) -> dict:
         tc = self.cfg.trainer
         started = time.monotonic()
-        window = {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "pad": 0.0, "steps": 0, "time": time.monotonic()}
+        window = self._new_window()
         bar = tqdm(total=tc.max_steps or None, initial=self.step, desc="train", unit="step",
                    disable=None if self.dist.is_main else True, dynamic_ncols=True)
         reason = self._stop_reason(started)
@@ -277,18 +320,25 @@ class Trainer:
                 self.epoch, self.position = self.epoch + 1, 0
                 reason = self._stop_reason(started)
         bar.close()
+        self._check_finite(window)
         log.info("%s at step %d (epoch %d)", reason, self.step, self.epoch)
         # A signal may have reached only some ranks: agree, or they would enter different collectives.
         by_signal = D.any_rank(self.stop_signal is not None, self.dist, self.device)
         if self.step % tc.validate_every != 0 and not by_signal:
             self.validate()
-        if self.bad_steps == 0:
-            self.save("last.pt")
+        self.save("last.pt")            # non-finite updates were skipped: the weights are finite
         if self.stop_signal:
             log.info("saved %s; continue with: make train <same overrides> trainer.resume=true hydra.run.dir=%s",
                      self.ckpt_dir / "last.pt", self.run_dir)
         self.metrics["stop_reason"] = reason
         return {**self.metrics, "best_val_bleu": self.best_bleu}
+
+    def _new_window(self) -> dict:
+        """What the steps between two log lines add up. `device`: summed loss and NLL and target tokens of
+        the finite steps, the current run of non-finite steps, their total, and all target tokens (of
+        every rank), kept on the device so that no step waits for them; the rest is counted on the host."""
+        return {"device": torch.zeros(6, dtype=torch.float64, device=self.device), "grad_norm": None,
+                "pad": 0.0, "steps": 0, "time": time.monotonic()}
 
     def _update(self, micro, consumed: int, window: dict, bar, started: float) -> str | None:
         """One optimizer update with its logging, validation and checkpoints; the stop reason, if any."""
@@ -296,52 +346,73 @@ class Trainer:
         stats = self.train_step(micro)
         self.position += consumed
         if stats.get("oom"):
-            self.oom_skips += 1
             if self.writer:
                 self.writer.add_scalar("train/oom_skipped_batches", self.oom_skips, self.step)
             return self._stop_reason(started)
         self.step += 1
+        self.oom_in_a_row = 0
         bar.update(1)
-        if not stats["finite"]:
-            self.bad_steps += 1
-            if self.writer:
-                self.writer.add_scalar("train/skipped_steps", self.bad_steps, self.step)
-            # fp16 overflows are routine while the scaler searches its scale: allow more of them.
-            limit = tc.max_bad_steps * (10 if self.precision == "fp16" else 1)
-            if self.bad_steps >= limit:
-                raise TrainingError(f"loss or gradients were not finite for {self.bad_steps} steps "
-                                    f"(trainer.max_bad_steps={tc.max_bad_steps}); lower trainer.lr or "
-                                    "use trainer.precision=bf16/fp32. Checkpoints keep the last finite weights.")
-        else:
-            self.bad_steps = 0
-            window["loss"] += stats["loss"] * stats["tokens"]
-            window["nll"] += stats["nll"] * stats["tokens"]
-            window["tokens"] += stats["tokens"]
-            window["pad"] += sum(b.padding_share for b, _ in micro) / max(1, len(micro))
-            window["steps"] += 1
-        if self.step % tc.log_every == 0 and window["steps"]:
-            self._log_train(window, stats, bar)
+        self._update_window(window, stats, micro)
+        log_step = self.step % tc.log_every == 0
+        if log_step:
+            self._log_train(window, bar)
         if self.step % tc.validate_every == 0:
             self.validate()
-        if self.step % (tc.checkpoint_every or tc.validate_every) == 0 and stats["finite"]:
+        if self.step % (tc.checkpoint_every or tc.validate_every) == 0:
+            self._check_finite(window)
             self._save_periodic()
-        return self._stop_reason(started)
+        return self._stop_reason(started, agree=log_step)
 
-    def _log_train(self, window: dict, stats: dict, bar) -> None:
+    @staticmethod
+    def _update_window(window: dict, stats: dict, micro) -> None:
+        """Add one step's numbers to the log window, on the device."""
+        finite = stats["finite"]
+        bad = (~finite).double()
+        sums = window["device"]                                         # (6,) float64, on the device
+        sums[:2] += torch.where(finite, stats["sums"], 0.0)             # loss, NLL of finite steps
+        sums[2] += (1.0 - bad) * stats["tokens"]                        # their target tokens
+        sums[3] = (sums[3] + 1.0) * bad                                 # non-finite steps in a row
+        sums[4] += bad                                                  # non-finite steps in the window
+        sums[5] += stats["tokens"]                                      # all target tokens, for tokens/s
+        window["grad_norm"] = stats["grad_norm"]
+        window["pad"] += sum(b.padding_share for b, _ in micro) / max(1, len(micro))
+        window["steps"] += 1
+
+    def _check_finite(self, window: dict) -> None:
+        """Stop after trainer.max_bad_steps non-finite steps in a row (read at log steps and checkpoints)."""
+        tc = self.cfg.trainer
+        in_a_row = int(window["device"][3])
+        # fp16 overflows are routine while the scaler searches its scale: allow more of them.
+        limit = tc.max_bad_steps * (10 if self.precision == "fp16" else 1)
+        if in_a_row >= limit:
+            raise TrainingError(f"loss or gradients were not finite for {in_a_row} steps in a row "
+                                f"(trainer.max_bad_steps={tc.max_bad_steps}); lower trainer.lr or "
+                                "use trainer.precision=bf16/fp32. Those steps were skipped: the checkpoints "
+                                "hold finite weights.")
+
+    def _log_train(self, window: dict, bar) -> None:
+        """The one place a training step's numbers are read back to the host."""
+        loss_sum, nll_sum, tokens, in_a_row, skipped, all_tokens = window["device"].tolist()
+        self.bad_steps += int(skipped)
+        self._check_finite(window)
         elapsed = time.monotonic() - window["time"]
-        loss, nll = window["loss"] / window["tokens"], window["nll"] / window["tokens"]
+        loss, nll = loss_sum / max(tokens, 1), nll_sum / max(tokens, 1)
         values = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "lr": self.scheduler.get_last_lr()[0],
-                  "grad_norm": stats["grad_norm"], "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else 1.0,
-                  "tokens_per_s": window["tokens"] / max(elapsed, 1e-9), "padding_share": window["pad"] / window["steps"]}
+                  "grad_norm": float(window["grad_norm"]),
+                  "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else 1.0,
+                  "tokens_per_s": all_tokens / max(elapsed, 1e-9), "padding_share": window["pad"] / window["steps"],
+                  "skipped_steps": self.bad_steps}
         if self.writer:
             for key, value in values.items():
                 self.writer.add_scalar(f"train/{key}", value, self.step)
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{values['lr']:.2e}", tok_s=f"{values['tokens_per_s']:.0f}")
-        log.info("step %d | epoch %d | loss %.3f | nll %.3f | ppl %.2f | lr %.3g | gnorm %.2f | tok/s %.0f | pad %.1f%%",
+        log.info("step %d | epoch %d | loss %.3f | nll %.3f | ppl %.2f | lr %.3g | gnorm %.2f | tok/s %.0f | pad %.1f%%%s",
                  self.step, self.epoch, loss, nll, values["ppl"], values["lr"], values["grad_norm"],
-                 values["tokens_per_s"], 100 * values["padding_share"])
+                 values["tokens_per_s"], 100 * values["padding_share"],
+                 f" | {int(skipped)} non-finite steps skipped" if skipped else "")
         self.metrics["train_tokens_per_s"] = values["tokens_per_s"]
-        window.update(loss=0.0, nll=0.0, tokens=0.0, pad=0.0, steps=0, time=time.monotonic())
+        window["device"][[0, 1, 2, 4, 5]] = 0.0           # the run of non-finite steps carries over
+        window.update(pad=0.0, steps=0, time=time.monotonic())
 
     def validate(self) -> None:
         """Validation loss and BLEU on rank 0; the result is broadcast so every rank agrees."""

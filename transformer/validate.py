@@ -14,7 +14,7 @@ from tqdm import tqdm
 from transformer.batching import batches_in_order
 from transformer.loss import output_cross_entropy
 from transformer.search import Interrupted, translate_ids
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.tokenizer import BOS_ID, EOS_ID
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +25,10 @@ def batch_loss(model, batch, smoothing: float):
     `model` may be wrapped (DDP, torch.compile): its forward runs, so wrappers see the whole graph.
     """
     hidden = model(batch.src, batch.tgt_in, return_hidden=True)                # (B, T, D)
-    real = batch.tgt_out != PAD_ID
-    return output_cross_entropy(hidden[real], unwrap(model).output.weight, batch.tgt_out[real], smoothing)
+    positions = batch.target_positions()                                       # (N,) into B * T
+    hidden = hidden.flatten(0, 1).index_select(0, positions)                   # (N, D)
+    target = batch.tgt_out.flatten().index_select(0, positions)                # (N,)
+    return output_cross_entropy(hidden, unwrap(model).output.weight, target, smoothing)
 
 
 def unwrap(model):
