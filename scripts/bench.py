@@ -218,27 +218,28 @@ def bench_trainer(overrides: list[str], device, args) -> list[dict]:
 
 
 def _time_trainer(trainer, cfg, device, steps: int, precision: str, compiled: bool) -> dict:
+    from transformer.train_log import TrainLog
     trainer.updates.start(0, 0)
     loader = iter(trainer.loader)
-    window = trainer._new_window()
     for _ in range(5):                                   # warm-up: allocator, kernels, compile, workers
         micro, _ = next(loader)
-        trainer._update_window(window, trainer.train_step(micro), micro)
-    window["device"].tolist()
-    window = trainer._new_window()
+        trainer.log.add(trainer.train_step(micro), micro)
+    trainer.log.read()
+    trainer.log = TrainLog(trainer.device, None, max_bad_steps=1)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     seen = []
     start = time.perf_counter()
     for _ in range(steps):
         micro, _ = next(loader)
-        trainer._update_window(window, trainer.train_step(micro), micro)
+        trainer.log.add(trainer.train_step(micro), micro)
         seen.extend(batch for batch, _ in micro)
-    loss_sum, _, tokens, _, skipped, all_tokens = window["device"].tolist()   # waits for the device
+    numbers = trainer.log.read()                         # waits for the device
     seconds = time.perf_counter() - start
     row = {"section": "trainer", "precision": precision, "compiled": compiled, "preset": cfg.model.name,
-           "max_tokens": cfg.trainer.max_tokens, "steps": steps, "tokens_per_s": all_tokens / seconds,
-           "loss": loss_sum / max(tokens, 1), "loss_ok": skipped == 0 and math.isfinite(loss_sum)}
+           "max_tokens": cfg.trainer.max_tokens, "steps": steps, "tokens_per_s": numbers["tokens"] / seconds,
+           "loss": numbers["loss_sum"] / max(numbers["finite_tokens"], 1),
+           "loss_ok": numbers["skipped"] == 0 and math.isfinite(numbers["loss_sum"])}
     if device.type == "cuda":
         row["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
         peak = _peak_tflops(device)

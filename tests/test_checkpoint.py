@@ -96,3 +96,15 @@ def test_averaging(tmp_path, capsys):
     assert averaged["model"]["n"].item() == 3 and averaged["step"] == 6
     assert average_main([str(tmp_path), "--last", "2", "-o", str(tmp_path / "avg.pt")]) == 0
     assert torch.allclose(load_checkpoint(tmp_path / "avg.pt")["model"]["w"], torch.full((2, 2), 4.0))
+
+
+def test_the_checkpoint_directory_keeps_the_newest_step_files(tmp_path):
+    from transformer.checkpoint import CheckpointDirectory
+    checkpoints = CheckpointDirectory(tmp_path / "checkpoints", keep_last=2, is_main=True)
+    for step in (2, 4, 6, 10):
+        checkpoints.save_periodic({"step": step, "model": {"w": torch.full((2,), float(step))}, "config": {},
+                                   "tokenizer": {}}, step)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt")) == ["last.pt", "step_10.pt", "step_6.pt"]
+    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 10
+    CheckpointDirectory(tmp_path / "other", keep_last=2, is_main=False).save({"step": 1}, "last.pt")
+    assert not (tmp_path / "other").exists()                   # only the main rank writes

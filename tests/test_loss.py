@@ -142,3 +142,26 @@ def test_a_decaying_schedule_needs_max_steps_beyond_warmup():
     with pytest.raises(ConfigError, match="trainer.schedule=cosine decays from trainer.warmup=200 to trainer.max_steps=0"):
         compose_config(["trainer.schedule=cosine", "trainer.max_steps=0"])
     assert compose_config(["trainer.schedule=cosine"]).trainer.schedule == "cosine"
+
+
+def test_fp16_keeps_the_gradients_of_improbable_tokens():
+    """Under fp16 the stored softmax must not flush a large vocabulary's small probabilities to zero
+    before the loss scale (here 2**16, as a GradScaler's) multiplies them in the backward pass."""
+    from transformer.loss import _FusedOutputCrossEntropy
+    torch.manual_seed(0)
+    direction = torch.full((16,), 0.25)                       # a unit vector
+    hidden = torch.randn(8, 16) * 0.5 + 4.0 * direction
+    weight = torch.randn(500, 16) * 0.5
+    weight[250:] = torch.randn(250, 16) * 0.05 - 3.0 * direction  # p ~ 1e-8: zero in fp16, not once scaled
+    target = torch.randint(0, 250, (8,))
+    probabilities = torch.softmax(hidden.double() @ weight.double().t(), 1)[:, 250:]
+    assert probabilities.max() < 3e-8 and probabilities.min() > 1e-10
+    w32 = weight.clone().requires_grad_()             # parameters stay fp32 under autocast; compute is fp16
+    loss, _ = _FusedOutputCrossEntropy.apply(hidden, w32, target, 0.0, torch.float16)
+    (loss * 2.0**16).backward()
+    w64 = weight.double().requires_grad_()
+    reference, _ = output_cross_entropy_reference(hidden.double(), w64, target, 0.0)
+    (reference * 2.0**16).backward()
+    improbable, ours = w64.grad[250:], w32.grad[250:].double()
+    assert (ours != 0).all()
+    assert (ours - improbable).norm() / improbable.norm() < 2e-2

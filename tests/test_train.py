@@ -1,5 +1,6 @@
 """End-to-end training: the default recipe learns, resume is exact, signals save, bad input stops early."""
 
+import math
 import os
 import signal
 import subprocess
@@ -288,7 +289,6 @@ def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
     try:
         trainer.updates.start(0, 0)
         loader = iter(trainer.loader)
-        window = trainer._new_window()
         with _HostReads() as reads:            # the detector sees a read when there is one
             float(torch.ones(()))
             torch.ones(3)[torch.ones(3) > 0]
@@ -300,11 +300,57 @@ def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
                 stats = trainer.train_step(micro)
             assert reads.seen == [], f"step {step + 1} read tensor values on the host: {reads.seen}"
             with _HostReads() as reads:
-                trainer._update_window(window, stats, micro)
+                trainer.log.add(stats, micro)
             assert reads.seen == []
         assert trainer.optimizer.state_dict()["state"][0]["step"] == 3   # the steps were real updates
-        loss_sum, nll_sum, tokens, in_a_row, skipped, all_tokens = window["device"].tolist()
-        assert skipped == 0 and tokens == all_tokens > 0 and 0 < nll_sum / tokens < loss_sum / tokens < 10
+        numbers = trainer.log.read()
+        tokens = numbers["finite_tokens"]
+        assert numbers["skipped"] == 0 and tokens == numbers["tokens"] > 0
+        assert 0 < numbers["nll_sum"] / tokens < numbers["loss_sum"] / tokens < 10
     finally:
         trainer.leave_process_group(clean=True)
         trainer.writer.close()
+
+
+def test_progress_keeps_the_best_score_and_the_patience_count_and_resumes_them():
+    from transformer.progress import Progress
+    progress = Progress(step=100)
+    assert progress.record_validation({"loss": 3.0, "bleu": 20.0})
+    progress.step = 200
+    assert not progress.record_validation({"loss": 2.9, "bleu": 19.5})
+    progress.step, progress.epoch, progress.position = 300, 2, 17
+    assert not progress.record_validation({"loss": 2.8, "bleu": 20.0})        # equal is no improvement
+    assert (progress.best_bleu, progress.best_step, progress.bad_validations) == (20.0, 100, 2)
+    state = {"step": progress.step, "metrics": progress.metrics(),
+             "data_state": progress.data_state(world_size=1, batching={})}
+    assert state["metrics"]["val_bleu"] == 20.0 and len(state["metrics"]["val_history"]) == 3
+    assert Progress.from_checkpoint(state) == progress
+
+
+def test_the_train_log_sums_finite_steps_on_the_device_and_stops_on_a_run_of_bad_ones():
+    from types import SimpleNamespace
+
+    from transformer.run_state import TrainingError
+    from transformer.train_log import TrainLog
+    log = TrainLog(torch.device("cpu"), writer=None, max_bad_steps=3)
+    micro = [(SimpleNamespace(padding_share=0.1), 1)]
+
+    def step(loss, tokens):
+        finite = torch.tensor(math.isfinite(loss))
+        log.add({"sums": torch.tensor([loss, loss / 2]), "finite": finite, "tokens": tokens,
+                 "grad_norm": torch.tensor(1.0)}, micro)
+
+    step(10.0, 5)
+    step(float("nan"), 7)                      # skipped: not in the loss, counted in tokens/s
+    step(6.0, 3)
+    numbers = log.read()
+    assert numbers == {"loss_sum": 16.0, "nll_sum": 8.0, "finite_tokens": 8.0, "bad_in_a_row": 0,
+                       "skipped": 1, "tokens": 15.0}
+    step(float("inf"), 1)
+    step(float("nan"), 1)
+    log.check_finite(fp16=False)               # two in a row: still below trainer.max_bad_steps=3
+    log.write(step=5, epoch=0, lr=1e-3, loss_scale=1.0, fp16=False, bar=SimpleNamespace(set_postfix=lambda **_: None))
+    step(float("nan"), 1)                      # the run carries over into the next window
+    with pytest.raises(TrainingError, match="not finite for 3 steps in a row"):
+        log.check_finite(fp16=False)
+    log.check_finite(fp16=True)                # fp16 allows ten times as many

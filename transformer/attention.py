@@ -116,8 +116,8 @@ def matmul_attention(q, k, v, allowed=None, dropout_p=0.0) -> torch.Tensor:
     decoding, one query per row, the bf16 kernel is 1.5-4x slower than these matmuls.
     """
     scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)                   # (B, H, Tq, Tk)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
+    if allowed is not None:       # in place: the matmul's backward needs q and k, not its output
+        scores.masked_fill_(~allowed, float("-inf"))
     weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)

@@ -60,6 +60,33 @@ def save_checkpoint(state: dict, path: str | Path) -> None:
         os.close(directory)
 
 
+class CheckpointDirectory:
+    """A run's checkpoints/: `last.pt`, `best.pt` and the `step_N.pt` files, of which the newest
+    `keep_last` are kept (0 keeps all). Only the main rank writes."""
+
+    def __init__(self, directory: Path, keep_last: int, is_main: bool):
+        self.directory, self.keep_last, self.is_main = Path(directory), keep_last, is_main
+
+    def save(self, state: dict, name: str) -> None:
+        """Write `name`; a failure says which checkpoint is the last good one."""
+        if not self.is_main:
+            return
+        try:
+            save_checkpoint(state, self.directory / name)
+        except CheckpointError as error:
+            kept = sorted(self.directory.glob("*.pt"), key=lambda p: p.stat().st_mtime)
+            raise CheckpointError(f"{error}; the last good checkpoint is "
+                                  f"{kept[-1] if kept else 'none (nothing was saved yet)'}") from None
+
+    def save_periodic(self, state: dict, step: int) -> None:
+        """step_N.pt and last.pt, then the step files beyond `keep_last` removed."""
+        self.save(state, f"step_{step}.pt")
+        self.save(state, "last.pt")
+        if self.is_main and self.keep_last:
+            for old in step_checkpoints(self.directory.parent)[: -self.keep_last]:
+                old.unlink()
+
+
 def _chain(error: BaseException):
     while error is not None:
         yield error

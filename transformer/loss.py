@@ -2,9 +2,16 @@
 
 For N target tokens and a vocabulary of V, the naive path (logits = h Wᵀ, log_softmax, gather, mean)
 writes and re-reads several (N, V) float tensors in the forward and the backward pass. Here the
-forward pass computes the logits chunk by chunk, turns each chunk in place into its gradient
-softmax(z) - (1 - ε) onehot(y) - ε / V, and keeps only that one (N, V) tensor for the backward pass,
-which is two matmuls. The loss per token is logsumexp(z) - (1 - ε) z[y] - ε mean(z).
+forward pass computes the logits chunk by chunk, turns each chunk into its gradient
+softmax(z) - (1 - ε) onehot(y) - ε / V with as few passes over it as it can (one fused log-softmax,
+one mean, one exp written straight into the stored gradient, one shift), and keeps only that one
+(N, V) tensor for the backward pass, which is two matmuls whose small (N, D) and (V, D) results,
+not the (N, V) tensor, take the incoming gradient's scale. The loss per token is
+-(1 - ε) log p[y] - ε mean(log p).
+
+The stored gradient has the compute dtype, except under fp16, whose range would flush the small
+probabilities of a large vocabulary to zero before the loss scale exists (it is only known in the
+backward pass): then it is kept in float32 and scaled before the cast.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK_ROWS = 1024
+# Rows of logits per chunk: the float32 chunk is CHUNK_ROWS x V (1024 x 32k = 128 MB). A GPU keeps its
+# cores busier with larger chunks; a CPU's caches prefer smaller ones.
+CHUNK_ROWS = {"cpu": 1024, "cuda": 4096}
 
 
 class _FusedOutputCrossEntropy(torch.autograd.Function):
@@ -20,40 +29,42 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, smoothing: float, compute_dtype: torch.dtype):
         # hidden (N, D), weight (V, D), target (N,) -> summed loss, summed NLL (float32 scalars)
         n_tokens, vocab = hidden.size(0), weight.size(0)
+        stored_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
+        chunk = CHUNK_ROWS.get(hidden.device.type, 1024)
         with torch.autocast(hidden.device.type, enabled=False):
             h = hidden.to(compute_dtype)
             w = weight.to(compute_dtype)
-            grad_logits = torch.empty(n_tokens, vocab, dtype=compute_dtype, device=hidden.device)
+            grad_logits = torch.empty(n_tokens, vocab, dtype=stored_dtype, device=hidden.device)
             loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
             nll_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for start in range(0, n_tokens, CHUNK_ROWS):
-                rows = slice(start, start + CHUNK_ROWS)
+            for start in range(0, n_tokens, chunk):
+                rows = slice(start, start + chunk)
                 tgt = target[rows]
-                z = (h[rows] @ w.t()).float()                                  # (n, V) logits
-                target_logit = z.gather(1, tgt[:, None]).squeeze(1)            # (n,)
-                mean_logit = z.mean(dim=1)
-                z_max = z.amax(dim=1, keepdim=True)
-                z.sub_(z_max).exp_()                                            # exp(z - max)
-                total = z.sum(dim=1, keepdim=True)
-                lse = (z_max + total.log()).squeeze(1)                          # logsumexp(z)
-                nll_sum += (lse - target_logit).sum()
-                loss_sum += (lse - (1.0 - smoothing) * target_logit - smoothing * mean_logit).sum()
-                z.div_(total)                                                   # softmax(z)
+                logp = F.log_softmax((h[rows] @ w.t()).float(), dim=1)         # (n, V) log-probabilities
+                nll = -logp.gather(1, tgt[:, None]).squeeze(1)                 # (n,)
+                nll_sum += nll.sum()
+                loss_sum += (1.0 - smoothing) * nll.sum() - smoothing * logp.mean(dim=1).sum()
+                grad = grad_logits[rows]
+                torch.exp(logp, out=grad)                                       # softmax, in the stored dtype
                 if smoothing:
-                    z.sub_(smoothing / vocab)
-                z[torch.arange(z.size(0), device=z.device), tgt] -= 1.0 - smoothing
-                grad_logits[rows] = z
+                    grad.sub_(smoothing / vocab)
+                grad[torch.arange(grad.size(0), device=grad.device), tgt] -= 1.0 - smoothing
         ctx.save_for_backward(grad_logits, h, w)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.dtypes = (hidden.dtype, weight.dtype, compute_dtype)
         return loss_sum, nll_sum
 
     @staticmethod
     def backward(ctx, grad_loss, grad_nll):
         grad_logits, h, w = ctx.saved_tensors
-        grad_logits = grad_logits * grad_loss.to(grad_logits.dtype)
+        hidden_dtype, weight_dtype, compute_dtype = ctx.dtypes
+        scale = grad_loss.float()
+        if grad_logits.dtype != compute_dtype:        # fp16: scale in float32, then into fp16's range
+            grad_logits = (grad_logits * scale).to(compute_dtype)
+            scale = None
         grad_hidden = grad_logits @ w                                           # (N, D)
         grad_weight = grad_logits.t() @ h                                       # (V, D)
-        hidden_dtype, weight_dtype = ctx.dtypes
+        if scale is not None:
+            grad_hidden, grad_weight = grad_hidden.float() * scale, grad_weight.float() * scale
         return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None, None
 
 

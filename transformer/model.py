@@ -34,33 +34,36 @@ class SinusoidalPositions(nn.Module):
         return self.table[offset: offset + length]                    # (L, D)
 
 
-def _random_int16(numel: int, device) -> torch.Tensor:
-    """`numel` uniform int16 values, three per 64-bit draw (the top 16 bits of random_() hold only 15)."""
+def _keep_mask(shape: torch.Size, threshold: int, device) -> torch.Tensor:
+    """A bool tensor of `shape`, False with probability threshold / 65536: uniform int16 values, three
+    per 64-bit draw (the top 16 bits of random_() hold only 15)."""
+    numel = shape.numel()
     draws = (numel + 2) // 3
     bits = torch.empty(draws, dtype=torch.int64, device=device).random_()
-    return bits.view(torch.int16).view(draws, 4)[:, :3].reshape(-1)[:numel]
+    values = bits.view(torch.int16).view(draws, 4)[:, :3].reshape(-1)[:numel]
+    return (values >= threshold - 32768).view(shape)
 
 
 class _CpuDropout(torch.autograd.Function):
     """Inverted dropout with a drop probability rounded to 1/65536.
 
     On the CPU, `F.dropout` draws one random number per element and spends ~15% of a training step
-    there; three 16-bit draws per 64-bit random number halve that. The drop mask is saved as bools.
+    there; three 16-bit draws per 64-bit random number halve that. The kept elements' scale is stored
+    as one tensor of x's dtype (0 or 1 / (1 - p)), so that forward and backward are one multiplication
+    each: about 30% less time than masking and scaling in two passes (and cloning for the mask).
     """
 
     @staticmethod
     def forward(ctx, x, p: float):
         threshold = round(p * 65536)
-        drop = _random_int16(x.numel(), x.device).view(x.shape) < (threshold - 32768)
-        scale = 1.0 / (1.0 - threshold / 65536)
-        ctx.save_for_backward(drop)
-        ctx.scale = scale
-        return x.masked_fill(drop, 0.0).mul_(scale)
+        keep = _keep_mask(x.shape, threshold, x.device).to(x.dtype).mul_(1.0 / (1.0 - threshold / 65536))
+        ctx.save_for_backward(keep)
+        return x * keep
 
     @staticmethod
     def backward(ctx, grad):
-        (drop,) = ctx.saved_tensors
-        return grad.masked_fill(drop, 0.0).mul_(ctx.scale), None
+        (keep,) = ctx.saved_tensors
+        return grad * keep, None
 
 
 class Dropout(nn.Dropout):

@@ -27,6 +27,22 @@ class TrainingError(RuntimeError):
     pass
 
 
+def starting_point(cfg, ckpt_dir: Path, dist: D.DistInfo) -> tuple[dict | None, dict | None]:
+    """What a run starts from: (a checkpoint to resume, None), (None, a checkpoint whose weights and
+    tokenizer to fine-tune: trainer.init_from), or (None, None) for a new model."""
+    tc = cfg.trainer
+    resume_state = find_resume_state(tc, ckpt_dir, dist)
+    if resume_state or not tc.init_from:
+        return resume_state, None
+    init_state = load_checkpoint(tc.init_from, mmap=True)
+    saved = init_state["config"]["data"]
+    if (saved["vocab_size"], saved["joint_vocab"]) != (cfg.data.vocab_size, cfg.data.joint_vocab):
+        log.warning("trainer.init_from: the model's tokenizer (data.vocab_size=%s, joint_vocab=%s) is kept; "
+                    "data.vocab_size=%s, joint_vocab=%s are ignored", saved["vocab_size"], saved["joint_vocab"],
+                    cfg.data.vocab_size, cfg.data.joint_vocab)
+    return None, init_state
+
+
 def find_resume_state(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> dict | None:
     """The state to resume from: `trainer.resume` as a path, or the newest checkpoint in `ckpt_dir` with
     `trainer.resume=true`. A directory holding checkpoints of another run is refused unless

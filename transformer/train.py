@@ -23,20 +23,21 @@ from tqdm import tqdm
 
 from transformer import distributed as D
 from transformer.batching import TokenBatchSampler, UpdateSampler, update_loader
-from transformer.checkpoint import CheckpointError, load_checkpoint, load_model_weights, save_checkpoint
+from transformer.checkpoint import CheckpointDirectory, CheckpointError, load_checkpoint, load_model_weights
 from transformer.config import CONF_DIR, Config, ConfigError
 from transformer.corpus import prepare
 from transformer.data import DataError, load_split_text
 from transformer.model import build_model
+from transformer.progress import Progress
 from transformer.run_state import (
     RunDirectoryLock,
     TrainingError,
     attach_log_file,
     check_run_directory,
-    find_resume_state,
     install_signal_handlers,
     restore_rng_state,
     rng_state,
+    starting_point,
 )
 from transformer.search import Interrupted
 from transformer.setup import (
@@ -48,6 +49,7 @@ from transformer.setup import (
     resolve_precision,
 )
 from transformer.tokenizer import Tokenizer
+from transformer.train_log import TrainLog
 from transformer.validate import (
     batch_loss,
     cross_attention_image,
@@ -78,21 +80,14 @@ class Trainer:
             torch.set_num_threads(tc.num_threads)
         self.run_dir = Path(D.broadcast_object(str(run_dir), self.dist))
         self.ckpt_dir = self.run_dir / "checkpoints"
+        self.checkpoints = CheckpointDirectory(self.ckpt_dir, tc.keep_last, self.dist.is_main)
         self.stop_signal: str | None = None
 
-        resume_state = find_resume_state(tc, self.ckpt_dir, self.dist)
+        resume_state, init_state = starting_point(cfg, self.ckpt_dir, self.dist)
         torch.manual_seed(tc.seed + self.dist.rank)
         random.seed(tc.seed + self.dist.rank)
-        tokenizer = Tokenizer.from_state_dict(resume_state["tokenizer"]) if resume_state else None
-        init_state = None
-        if tc.init_from and not resume_state:       # fine-tuning: its weights and tokenizer, nothing else
-            init_state = load_checkpoint(tc.init_from, mmap=True)
-            tokenizer = Tokenizer.from_state_dict(init_state["tokenizer"])
-            saved = init_state["config"]["data"]
-            if (saved["vocab_size"], saved["joint_vocab"]) != (cfg.data.vocab_size, cfg.data.joint_vocab):
-                log.warning("trainer.init_from: the model's tokenizer (data.vocab_size=%s, joint_vocab=%s) is "
-                            "kept; data.vocab_size=%s, joint_vocab=%s are ignored", saved["vocab_size"],
-                            saved["joint_vocab"], cfg.data.vocab_size, cfg.data.joint_vocab)
+        start = resume_state or init_state
+        tokenizer = Tokenizer.from_state_dict(start["tokenizer"]) if start else None
         # Every rank calls this: one prepares under a file lock (no collective is waiting meanwhile),
         # the others then memory-map the same files.
         self.data = prepare(cfg.data, tokenizer)
@@ -110,10 +105,8 @@ class Trainer:
         cuda = self.device.type == "cuda"
         workers = tc.num_workers if tc.num_workers is not None else (2 if cuda else 0)
         self.loader = update_loader(self.data.train, self.updates, workers, pin_memory=cuda)
-        self.step, self.epoch, self.position = 0, 0, 0
-        self.best_bleu, self.bad_validations, self.bad_steps, self.oom_skips = -1.0, 0, 0, 0
-        self.oom_in_a_row = 0
-        self.metrics: dict = {}
+        self.progress = Progress()
+        self.oom_skips = self.oom_in_a_row = 0
         if resume_state:
             self._load_state(resume_state)
         self.train_model = self.model
@@ -123,6 +116,7 @@ class Trainer:
         if tc.compile:
             self.train_model = torch.compile(self.train_model, dynamic=True)
         self.writer = SummaryWriter(str(self.run_dir / "tb")) if self.dist.is_main else None
+        self.log = TrainLog(self.device, self.writer, tc.max_bad_steps)
 
     def leave_process_group(self, clean: bool) -> None:
         """Drop the DDP/compile wrappers and DataLoader workers, then leave the process group (after a
@@ -146,14 +140,13 @@ class Trainer:
             "model": self.model.state_dict(),
             "config": self.cfg.to_dict(),
             "tokenizer": self.data.tokenizer.state_dict(),
-            "step": self.step,
+            "step": self.progress.step,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "rng": D.gather_objects(rng_state(self.device), self.dist),         # one entry per rank
-            "data_state": {"epoch": self.epoch, "position": self.position, "world_size": self.dist.world_size,
-                           "batching": self._batching()},
-            "metrics": {**self.metrics, "best_bleu": self.best_bleu, "bad_validations": self.bad_validations},
+            "data_state": self.progress.data_state(self.dist.world_size, self._batching()),
+            "metrics": self.progress.metrics(),
         }
 
     def _load_state(self, state: dict) -> None:
@@ -161,21 +154,17 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        self.step = state["step"]
         data_state = state["data_state"]
         if data_state.get("world_size", 1) != self.dist.world_size:
             raise TrainingError(f"checkpoint was written with {data_state.get('world_size')} processes; "
                                 f"resume with the same number (now {self.dist.world_size})")
-        self.epoch, self.position = data_state["epoch"], data_state["position"]
+        self.progress = Progress.from_checkpoint(state)
         saved, now = data_state.get("batching"), self._batching()
         if saved != now:
             differ = ", ".join(k for k in now if saved is None or saved.get(k) != now[k])
             log.warning("resuming with a different %s than the checkpoint was written with: the batches from "
                         "here on differ from those the interrupted run would have seen (not an exact resume)",
                         differ if saved is not None else "batch order (the checkpoint predates this release)")
-        self.metrics = dict(state.get("metrics", {}))
-        self.best_bleu = self.metrics.pop("best_bleu", -1.0)
-        self.bad_validations = self.metrics.pop("bad_validations", 0)
         restore_rng_state(state["rng"][self.dist.rank], self.device)
 
     def _batching(self) -> dict:
@@ -184,23 +173,16 @@ class Trainer:
         return {"corpus": self.data.train.directory.name, "max_len": self.cfg.data.max_len, "seed": tc.seed,
                 "max_tokens": tc.max_tokens, "update_freq": tc.update_freq, "order": "width,src,tgt,random"}
 
-    def save(self, name: str) -> None:
+    def save(self, name: str, periodic: bool = False) -> None:
+        """Write checkpoint `name` (with `periodic`, also step_N.pt, pruned to trainer.keep_last)."""
         state = self.state_dict()           # every rank joins the RNG gather
-        if self.dist.is_main:
-            try:
-                save_checkpoint(state, self.ckpt_dir / name)
-            except CheckpointError as error:
-                kept = sorted(self.ckpt_dir.glob("*.pt"), key=lambda p: p.stat().st_mtime)
-                raise TrainingError(f"{error}; the last good checkpoint is "
-                                    f"{kept[-1] if kept else 'none (nothing was saved yet)'}") from None
-
-    def _save_periodic(self) -> None:
-        self.save(f"step_{self.step}.pt")
-        self.save("last.pt")
-        if self.dist.is_main and self.cfg.trainer.keep_last:
-            steps = sorted(self.ckpt_dir.glob("step_*.pt"), key=lambda p: int(p.stem[5:]))
-            for old in steps[: -self.cfg.trainer.keep_last]:
-                old.unlink()
+        try:
+            if periodic:
+                self.checkpoints.save_periodic(state, self.progress.step)
+            else:
+                self.checkpoints.save(state, name)
+        except CheckpointError as error:
+            raise TrainingError(str(error)) from None
 
     # ------------------------------------------------------------------------------------------------
     # The loop
@@ -285,12 +267,12 @@ class Trainer:
         """Why training stops now, or None. Step, epoch and patience limits are the same on every rank;
         the clock and signals are not, so under DDP the ranks agree on those (a collective whose result
         is read on the host) only where `agree` is true: at log steps and epoch ends."""
-        tc = self.cfg.trainer
-        if tc.max_steps and self.step >= tc.max_steps:
+        tc, progress = self.cfg.trainer, self.progress
+        if tc.max_steps and progress.step >= tc.max_steps:
             return f"reached trainer.max_steps={tc.max_steps}"
-        if tc.max_epochs and self.epoch >= tc.max_epochs:
+        if tc.max_epochs and progress.epoch >= tc.max_epochs:
             return f"reached trainer.max_epochs={tc.max_epochs}"
-        if tc.patience and self.bad_validations >= tc.patience:
+        if tc.patience and progress.bad_validations >= tc.patience:
             return f"no BLEU improvement in trainer.patience={tc.patience} validations"
         reason = None
         if self.stop_signal:
@@ -304,137 +286,73 @@ class Trainer:
         return None
 
     def fit(self) -> dict:
-        tc = self.cfg.trainer
+        """The loop: updates until a stop reason, then a last validation and last.pt; returns the metrics."""
+        tc, progress = self.cfg.trainer, self.progress
         started = time.monotonic()
-        window = self._new_window()
-        bar = tqdm(total=tc.max_steps or None, initial=self.step, desc="train", unit="step",
+        bar = tqdm(total=tc.max_steps or None, initial=progress.step, desc="train", unit="step",
                    disable=None if self.dist.is_main else True, dynamic_ncols=True)
         reason = self._stop_reason(started)
         while reason is None:
-            self.updates.start(self.epoch, self.position)
+            self.updates.start(progress.epoch, progress.position)
             for micro, consumed in self.loader:            # one optimizer update per item
-                reason = self._update(micro, consumed, window, bar, started)
+                reason = self._update(micro, consumed, bar, started)
                 if reason is not None:
                     break
             else:
-                self.epoch, self.position = self.epoch + 1, 0
+                progress.epoch, progress.position = progress.epoch + 1, 0
                 reason = self._stop_reason(started)
         bar.close()
-        self._check_finite(window)
-        log.info("%s at step %d (epoch %d)", reason, self.step, self.epoch)
+        self.log.check_finite(self.precision == "fp16")
+        log.info("%s at step %d (epoch %d)", reason, progress.step, progress.epoch)
         # A signal may have reached only some ranks: agree, or they would enter different collectives.
         by_signal = D.any_rank(self.stop_signal is not None, self.dist, self.device)
-        if self.step % tc.validate_every != 0 and not by_signal:
+        if progress.step % tc.validate_every != 0 and not by_signal:
             self.validate()
         self.save("last.pt")            # non-finite updates were skipped: the weights are finite
         if self.stop_signal:
             log.info("saved %s; continue with: make train <same overrides> trainer.resume=true hydra.run.dir=%s",
                      self.ckpt_dir / "last.pt", self.run_dir)
-        self.metrics["stop_reason"] = reason
-        return {**self.metrics, "best_val_bleu": self.best_bleu}
+        progress.stop_reason = reason
+        return progress.metrics()
 
-    def _new_window(self) -> dict:
-        """What the steps between two log lines add up. `device`: summed loss and NLL and target tokens of
-        the finite steps, the current run of non-finite steps, their total, and all target tokens (of
-        every rank), kept on the device so that no step waits for them; the rest is counted on the host."""
-        return {"device": torch.zeros(6, dtype=torch.float64, device=self.device), "grad_norm": None,
-                "pad": 0.0, "steps": 0, "time": time.monotonic()}
-
-    def _update(self, micro, consumed: int, window: dict, bar, started: float) -> str | None:
+    def _update(self, micro, consumed: int, bar, started: float) -> str | None:
         """One optimizer update with its logging, validation and checkpoints; the stop reason, if any."""
-        tc = self.cfg.trainer
+        tc, progress = self.cfg.trainer, self.progress
         stats = self.train_step(micro)
-        self.position += consumed
+        progress.position += consumed
         if stats.get("oom"):
             if self.writer:
-                self.writer.add_scalar("train/oom_skipped_batches", self.oom_skips, self.step)
+                self.writer.add_scalar("train/oom_skipped_batches", self.oom_skips, progress.step)
             return self._stop_reason(started)
-        self.step += 1
+        progress.step += 1
         self.oom_in_a_row = 0
         bar.update(1)
-        self._update_window(window, stats, micro)
-        log_step = self.step % tc.log_every == 0
+        self.log.add(stats, micro)
+        log_step = progress.step % tc.log_every == 0
         if log_step:
-            self._log_train(window, bar)
-        if self.step % tc.validate_every == 0:
+            progress.train_tokens_per_s = self.log.write(
+                progress.step, progress.epoch, self.scheduler.get_last_lr()[0],
+                self.scaler.get_scale() if self.scaler.is_enabled() else 1.0, self.precision == "fp16", bar)
+        if progress.step % tc.validate_every == 0:
             self.validate()
-        if self.step % (tc.checkpoint_every or tc.validate_every) == 0:
-            self._check_finite(window)
-            self._save_periodic()
+        if progress.step % (tc.checkpoint_every or tc.validate_every) == 0:
+            self.log.check_finite(self.precision == "fp16")
+            self.save("last.pt", periodic=True)
         return self._stop_reason(started, agree=log_step)
-
-    @staticmethod
-    def _update_window(window: dict, stats: dict, micro) -> None:
-        """Add one step's numbers to the log window, on the device."""
-        finite = stats["finite"]
-        bad = (~finite).double()
-        sums = window["device"]                                         # (6,) float64, on the device
-        sums[:2] += torch.where(finite, stats["sums"], 0.0)             # loss, NLL of finite steps
-        sums[2] += (1.0 - bad) * stats["tokens"]                        # their target tokens
-        sums[3] = (sums[3] + 1.0) * bad                                 # non-finite steps in a row
-        sums[4] += bad                                                  # non-finite steps in the window
-        sums[5] += stats["tokens"]                                      # all target tokens, for tokens/s
-        window["grad_norm"] = stats["grad_norm"]
-        window["pad"] += sum(b.padding_share for b, _ in micro) / max(1, len(micro))
-        window["steps"] += 1
-
-    def _check_finite(self, window: dict) -> None:
-        """Stop after trainer.max_bad_steps non-finite steps in a row (read at log steps and checkpoints)."""
-        tc = self.cfg.trainer
-        in_a_row = int(window["device"][3])
-        # fp16 overflows are routine while the scaler searches its scale: allow more of them.
-        limit = tc.max_bad_steps * (10 if self.precision == "fp16" else 1)
-        if in_a_row >= limit:
-            raise TrainingError(f"loss or gradients were not finite for {in_a_row} steps in a row "
-                                f"(trainer.max_bad_steps={tc.max_bad_steps}); lower trainer.lr or "
-                                "use trainer.precision=bf16/fp32. Those steps were skipped: the checkpoints "
-                                "hold finite weights.")
-
-    def _log_train(self, window: dict, bar) -> None:
-        """The one place a training step's numbers are read back to the host."""
-        loss_sum, nll_sum, tokens, in_a_row, skipped, all_tokens = window["device"].tolist()
-        self.bad_steps += int(skipped)
-        self._check_finite(window)
-        elapsed = time.monotonic() - window["time"]
-        loss, nll = loss_sum / max(tokens, 1), nll_sum / max(tokens, 1)
-        values = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "lr": self.scheduler.get_last_lr()[0],
-                  "grad_norm": float(window["grad_norm"]),
-                  "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else 1.0,
-                  "tokens_per_s": all_tokens / max(elapsed, 1e-9), "padding_share": window["pad"] / window["steps"],
-                  "skipped_steps": self.bad_steps}
-        if self.writer:
-            for key, value in values.items():
-                self.writer.add_scalar(f"train/{key}", value, self.step)
-        bar.set_postfix(loss=f"{loss:.3f}", lr=f"{values['lr']:.2e}", tok_s=f"{values['tokens_per_s']:.0f}")
-        log.info("step %d | epoch %d | loss %.3f | nll %.3f | ppl %.2f | lr %.3g | gnorm %.2f | tok/s %.0f | pad %.1f%%%s",
-                 self.step, self.epoch, loss, nll, values["ppl"], values["lr"], values["grad_norm"],
-                 values["tokens_per_s"], 100 * values["padding_share"],
-                 f" | {int(skipped)} non-finite steps skipped" if skipped else "")
-        self.metrics["train_tokens_per_s"] = values["tokens_per_s"]
-        window["device"][[0, 1, 2, 4, 5]] = 0.0           # the run of non-finite steps carries over
-        window.update(pad=0.0, steps=0, time=time.monotonic())
 
     def validate(self) -> None:
         """Validation loss and BLEU on rank 0; the result is broadcast so every rank agrees."""
         result = None
+        step = self.progress.step
         if self.dist.is_main:
-            log.info("validating at step %d", self.step)
+            log.info("validating at step %d", step)
             try:
                 result = self._validate_main()
             except Interrupted:           # a stop signal arrived: skip the rest, the run saves and exits
-                log.warning("validation at step %d interrupted by %s", self.step, self.stop_signal)
+                log.warning("validation at step %d interrupted by %s", step, self.stop_signal)
         result = D.broadcast_object(result, self.dist)
-        if result is None:
-            return
-        self.metrics.update({f"val_{k}": v for k, v in result.items()})
-        self.metrics.setdefault("val_history", []).append({"step": self.step, **result})
-        if result["bleu"] > self.best_bleu:
-            self.best_bleu, self.bad_validations = result["bleu"], 0
-            self.metrics["best_step"] = self.step
-            if math.isfinite(result["loss"]):
-                self.save("best.pt")
-        else:
-            self.bad_validations += 1
+        if result is not None and self.progress.record_validation(result) and math.isfinite(result["loss"]):
+            self.save("best.pt")
 
     def _stopping(self) -> bool:
         """Asked between validation batches: a stop signal abandons the validation."""
@@ -457,16 +375,16 @@ class Trainer:
         result = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "bleu": scores["bleu"],
                   "chrf": scores["chrf"], "cut_at_max_len": cut}
         log.info("validation step %d | loss %.3f | ppl %.2f | BLEU %.2f | chrF %.2f | cut %.1f%% | %s",
-                 self.step, loss, result["ppl"], scores["bleu"], scores["chrf"], 100 * cut,
+                 self.progress.step, loss, result["ppl"], scores["bleu"], scores["chrf"], 100 * cut,
                  scores["bleu_signature"])
         for key, value in result.items():
-            self.writer.add_scalar(f"val/{key}", value, self.step)
+            self.writer.add_scalar(f"val/{key}", value, self.progress.step)
         samples = "\n\n".join(f"**src** {s}  \n**ref** {r}  \n**hyp** {h}"
                               for s, r, h in list(zip(sources, references, texts))[:4])
-        self.writer.add_text("val/samples", samples, self.step)
+        self.writer.add_text("val/samples", samples, self.progress.step)
         self.writer.add_image("val/cross_attention",
                               cross_attention_image(self.model, self.data.tokenizer, sources[0],
-                                                    hyps[0][0].tokens, self.device), self.step)
+                                                    hyps[0][0].tokens, self.device), self.progress.step)
         self.writer.flush()
         return result
 
@@ -553,7 +471,7 @@ def main() -> None:
         hydra_cfg = HydraConfig.get()
         run_dir = cfg.get("run_dir") or hydra_cfg.runtime.output_dir
         try:
-            return train(cfg, run_dir)["best_val_bleu"]
+            return train(cfg, run_dir)["best_bleu"]
         except (ConfigError, DataError, CheckpointError, TrainingError) as error:
             logging.getLogger("transformer").error("%s", error)
             print(f"error: {error}", file=sys.stderr)

@@ -1,0 +1,88 @@
+"""The numbers of the training steps between two log lines, and the log line itself.
+
+Each step adds its summed loss and NLL, token counts and whether it was finite to a small tensor on
+the device, so that no step waits for the GPU to report them; they are read back once per log line
+(`write`), which also checks the run of non-finite steps (`trainer.max_bad_steps`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from transformer.run_state import TrainingError
+
+log = logging.getLogger("transformer.train")
+
+# The slots of TrainLog.sums (float64, on the device).
+LOSS, NLL, FINITE_TOKENS, BAD_IN_A_ROW, BAD_IN_WINDOW, ALL_TOKENS = range(6)
+
+
+class TrainLog:
+    def __init__(self, device: torch.device, writer, max_bad_steps: int):
+        self.writer, self.max_bad_steps = writer, max_bad_steps
+        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
+        self.grad_norm: torch.Tensor | None = None
+        self.skipped_total = 0
+        self._start_window()
+
+    def _start_window(self) -> None:
+        self.sums[[LOSS, NLL, FINITE_TOKENS, BAD_IN_WINDOW, ALL_TOKENS]] = 0.0   # the run of bad steps carries on
+        self.padding, self.steps, self.started = 0.0, 0, time.monotonic()
+
+    def add(self, stats: dict, micro) -> None:
+        """One step's device tensors (`Trainer.train_step`) and its micro-batches; reads nothing back."""
+        finite = stats["finite"]
+        bad = (~finite).double()
+        sums = self.sums
+        sums[LOSS:NLL + 1] += torch.where(finite, stats["sums"], 0.0)   # loss, NLL of finite steps
+        sums[FINITE_TOKENS] += (1.0 - bad) * stats["tokens"]             # their target tokens
+        sums[BAD_IN_A_ROW] = (sums[BAD_IN_A_ROW] + 1.0) * bad            # non-finite steps in a row
+        sums[BAD_IN_WINDOW] += bad
+        sums[ALL_TOKENS] += stats["tokens"]                              # every rank's target tokens
+        self.grad_norm = stats["grad_norm"]
+        self.padding += sum(b.padding_share for b, _ in micro) / max(1, len(micro))
+        self.steps += 1
+
+    def read(self) -> dict:
+        """The window's sums, read back to the host (waits for the device)."""
+        loss, nll, finite_tokens, in_a_row, skipped, all_tokens = self.sums.tolist()
+        return {"loss_sum": loss, "nll_sum": nll, "finite_tokens": finite_tokens, "bad_in_a_row": int(in_a_row),
+                "skipped": int(skipped), "tokens": all_tokens}
+
+    def check_finite(self, fp16: bool) -> None:
+        """Stop after trainer.max_bad_steps non-finite steps in a row (x10 under fp16, whose loss scaler
+        overflows routinely while it searches its scale)."""
+        in_a_row = int(self.sums[BAD_IN_A_ROW])
+        limit = self.max_bad_steps * (10 if fp16 else 1)
+        if in_a_row >= limit:
+            raise TrainingError(f"loss or gradients were not finite for {in_a_row} steps in a row "
+                                f"(trainer.max_bad_steps={self.max_bad_steps}); lower trainer.lr or "
+                                "use trainer.precision=bf16/fp32. Those steps were skipped: the checkpoints "
+                                "hold finite weights.")
+
+    def write(self, step: int, epoch: int, lr: float, loss_scale: float, fp16: bool, bar) -> float:
+        """The log line, TensorBoard points and the progress bar; returns target tokens/s."""
+        numbers = self.read()
+        self.skipped_total += numbers["skipped"]
+        self.check_finite(fp16)
+        elapsed = time.monotonic() - self.started
+        tokens = max(numbers["finite_tokens"], 1.0)
+        loss, nll = numbers["loss_sum"] / tokens, numbers["nll_sum"] / tokens
+        values = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "lr": lr,
+                  "grad_norm": float(self.grad_norm), "loss_scale": loss_scale,
+                  "tokens_per_s": numbers["tokens"] / max(elapsed, 1e-9),
+                  "padding_share": self.padding / max(1, self.steps), "skipped_steps": self.skipped_total}
+        if self.writer:
+            for key, value in values.items():
+                self.writer.add_scalar(f"train/{key}", value, step)
+        bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{values['tokens_per_s']:.0f}")
+        log.info("step %d | epoch %d | loss %.3f | nll %.3f | ppl %.2f | lr %.3g | gnorm %.2f | tok/s %.0f | pad %.1f%%%s",
+                 step, epoch, loss, nll, values["ppl"], lr, values["grad_norm"], values["tokens_per_s"],
+                 100 * values["padding_share"],
+                 f" | {numbers['skipped']} non-finite steps skipped" if numbers["skipped"] else "")
+        self._start_window()
+        return values["tokens_per_s"]
