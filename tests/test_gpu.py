@@ -14,6 +14,13 @@ from transformer.search import translate_ids
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@pytest.fixture(autouse=True)
+def _full_fp32():
+    """fp32 training turns TF32 on for the process (setup.allow_tf32_for_training); these comparisons
+    of fp32 results need it off, whichever test ran before."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sdpa_matches_the_reference_formula(dtype, tol, causal):
@@ -76,3 +83,48 @@ def test_fused_adamw_and_grad_scaler_step():
         optimizer.zero_grad(set_to_none=True)
     assert scaler.get_scale() > 0 and torch.isfinite(loss)
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("precision", ["auto", "fp32"])
+def test_a_training_step_never_waits_for_the_gpu(precision, tmp_path, data_cache):
+    """On CUDA, PyTorch itself can refuse every operation that makes the host wait for the device."""
+    from tests.conftest import FAST, compose_config
+    from transformer.train import Trainer
+    cfg = compose_config(FAST + ["trainer.device=cuda", f"trainer.precision={precision}", "trainer.update_freq=2"],
+                         data_cache)
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        trainer.updates.start(0, 0)
+        loader = iter(trainer.loader)
+        micro, _ = next(loader)
+        trainer.log.add(trainer.train_step(micro), micro)            # warm-up: allocator, kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                micro, _ = next(loader)
+                trainer.log.add(trainer.train_step(micro), micro)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        numbers = trainer.log.read()
+        assert numbers["skipped"] == 0 and numbers["finite_tokens"] > 0
+    finally:
+        trainer.leave_process_group(clean=True)
+        trainer.writer.close()
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "matmul"])
+def test_every_backend_matches_the_formula_on_cuda(backend):
+    from transformer.attention import MultiHeadAttention, SelfAttentionCache
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 32, device="cuda")
+    pad = torch.zeros(3, 7, dtype=torch.bool, device="cuda")
+    pad[1, 5:] = True
+    reference = MultiHeadAttention(32, 4, backend="math").cuda().eval()
+    attn = MultiHeadAttention(32, 4, backend=backend).cuda().eval()
+    attn.load_state_dict(reference.state_dict())
+    real = ~pad
+    assert torch.allclose(attn(x, key_pad_mask=pad)[real], reference(x, key_pad_mask=pad)[real], atol=1e-4)
+    cache = SelfAttentionCache()
+    steps = torch.cat([attn(x[:, t:t + 1], causal=True, cache=cache) for t in range(7)], 1)
+    assert torch.allclose(steps, reference(x, causal=True), atol=1e-4)
