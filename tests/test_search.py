@@ -10,6 +10,7 @@ import torch
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.search import (
     ModelDecoder,
+    Sampling,
     beam_search,
     greedy_search,
     length_penalty,
@@ -199,3 +200,64 @@ def test_out_of_memory_in_decoding_splits_the_batch_and_retries(model_and_source
     assert [h[0].tokens for h in translate_ids(model, sources, beam_size=3)] == [h[0].tokens for h in expected]
     assert sizes == [5, 2, 3, 1, 2]              # 5 fails, halves: 2 | 3 fails, halves: 1, 2
     assert len(failed_attempts) == 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling (back-translation)
+
+class RandomDecoder:
+    """A StepDecoder with a fixed, different random distribution over 200 tokens at every position."""
+
+    def __init__(self, seed=0):
+        generator = torch.Generator().manual_seed(seed)
+        logits = torch.randn(40, 200, generator=generator) * 3                   # (position, V)
+        logits[:, [PAD_ID, BOS_ID]] = float("-inf")   # never generated (the search masks them too)
+        logits[:, EOS_ID] = -30.0                     # long samples: every step is checked
+        self.logprobs = torch.log_softmax(logits, dim=1)
+
+    def step(self, tokens):
+        return self.logprobs[tokens.size(1) - 1].expand(tokens.size(0), -1).clone()
+
+    def select(self, rows, sentences=None):
+        pass
+
+
+def _samples(sampling, rows=64, length=30):
+    return greedy_search(RandomDecoder(), torch.full((rows,), length), sampling)
+
+
+def test_sampling_with_a_seed_is_reproducible_and_differs_between_seeds():
+    first, again = _samples(Sampling(top_k=20, seed=3)), _samples(Sampling(top_k=20, seed=3))
+    assert [h.tokens for h in first] == [h.tokens for h in again]
+    assert [h.tokens for h in first] != [h.tokens for h in _samples(Sampling(top_k=20, seed=4))]
+    assert len({tuple(h.tokens) for h in first}) > 60            # 64 rows, (nearly) all different
+
+
+def test_top_k_never_draws_outside_the_k_most_probable():
+    decoder = RandomDecoder()
+    hyps = _samples(Sampling(top_k=5, seed=1))
+    for position in range(29):
+        allowed = set(decoder.logprobs[position].topk(5).indices.tolist())
+        drawn = {h.tokens[position] for h in hyps}
+        assert drawn <= allowed, position
+        assert len(drawn) > 1                                      # a sample, not the argmax
+    # the score is the model's own log-probability of the drawn tokens
+    expected = sum(decoder.logprobs[t, token].item() for t, token in enumerate(hyps[0].tokens))
+    assert hyps[0].logprob == pytest.approx(expected + decoder.logprobs[29, EOS_ID].item(), rel=1e-5)
+
+
+def test_top_p_draws_only_from_the_nucleus():
+    decoder = RandomDecoder()
+    hyps = _samples(Sampling(top_p=0.5, seed=1))
+    for position in range(29):
+        probs, order = decoder.logprobs[position].exp().sort(descending=True)
+        size = int((probs.cumsum(0) - probs < 0.5).sum())          # tokens needed to reach 0.5
+        assert {h.tokens[position] for h in hyps} <= set(order[:size].tolist()), position
+
+
+def test_sampling_at_a_low_temperature_is_greedy():
+    (greedy,) = greedy_search(TableDecoder(), torch.tensor([10]))
+    cold = greedy_search(TableDecoder(), torch.full((20,), 10), Sampling(temperature=1e-3, seed=5))
+    assert all(h.tokens == greedy.tokens for h in cold)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        Sampling(temperature=0.0)

@@ -136,3 +136,47 @@ def test_cuda_devices_by_number_are_understood():
         assert "--device cuda:1: CUDA is not available" in err
     else:
         assert "cuda:1" not in err or "CUDA device(s)" in err
+
+
+def test_reference_scores_are_sums_of_per_token_log_probabilities(trained_checkpoint, tmp_path):
+    import torch
+
+    from transformer.tokenizer import BOS_ID, EOS_ID
+    translator = Translator.from_checkpoint(trained_checkpoint, device="cpu", precision="fp32")
+    sources, references = load_split_text(translator.config.data, "test")
+    sources, references = sources[:30], references[:30]
+    references[3] = ""                                            # an empty translation: EOS alone
+    scores = translator.score(sources, references, batch_tokens=64)   # several length-sorted batches
+    model, tokenizer = translator.model, translator.tokenizer
+    for source, reference, value in zip(sources, references, scores):   # one sentence, one full forward
+        src = torch.tensor([tokenizer.encode_src([source])[0] + [EOS_ID]])
+        tgt = tokenizer.encode_tgt([reference])[0]
+        with torch.no_grad():
+            logits = model(src, torch.tensor([[BOS_ID] + tgt]))[0]                     # (T, V)
+        expected = torch.log_softmax(logits.double(), -1)[torch.arange(len(tgt) + 1), tgt + [EOS_ID]].sum()
+        assert value == pytest.approx(expected.item(), abs=1e-3)
+    translations = translator.translate(sources, beam_size=5)
+    assert sum(translator.score(sources, translations)) > sum(scores)     # the model prefers its own output
+    (tmp_path / "src").write_text("\n".join(sources) + "\n")
+    (tmp_path / "ref").write_text("\n".join(references) + "\n")
+    code, out, _ = _cli(trained_checkpoint, "--input", tmp_path / "src", "--score-reference", tmp_path / "ref",
+                        "--precision", "fp32")
+    assert code == 0 and [float(x) for x in out.split()] == pytest.approx(scores, abs=1e-3)
+    (tmp_path / "short").write_text("one line\n")
+    code, _, err = _cli(trained_checkpoint, "--input", tmp_path / "src", "--score-reference", tmp_path / "short")
+    assert code == 2 and "1 lines for 30 input lines" in err
+
+
+def test_cli_sampling_is_seeded(trained_checkpoint):
+    text = ("\n".join(["Der Hund sieht die Katze.", "Die Frau gibt dem Mann das Buch."] * 10) + "\n").encode()
+    runs = [_cli(trained_checkpoint, "--sampling", "topk:8", "--temperature", "1.5", "--seed", str(seed), stdin=text)
+            for seed in (7, 7, 8)]
+    assert all(code == 0 for code, _, _ in runs)
+    assert runs[0][1] == runs[1][1] != runs[2][1]
+    assert len(runs[0][1].splitlines()) == 20 and len(set(runs[0][1].splitlines())) > 2   # samples vary
+    for bad, message in ((["--sampling", "topx:3"], "--sampling topx:3: write topk:K"),
+                         (["--sampling", "topp:1.5"], "--sampling topp:1.5: write topk:K"),
+                         (["--sampling", "topk:4", "--beam", "4"], "leave out --beam and --nbest"),
+                         (["--sampling", "topk:4", "--temperature", "0"], "--temperature 0.0: must be")):
+        code, _, err = _cli(trained_checkpoint, *bad, stdin=b"Hallo\n")
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

@@ -124,9 +124,45 @@ def _candidates(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return values, ids, logprobs[:, EOS_ID]
 
 
+@dataclass
+class Sampling:
+    """Random sampling instead of search (back-translation, Edunov et al. 2018): each token is drawn from
+    the `top_k` most probable ones (0: all), or from the smallest set whose probability reaches `top_p`
+    (nucleus sampling; 1.0: all), after dividing the log-probabilities by `temperature`. A seeded
+    generator makes the same input give the same samples. Hypothesis scores stay the model's own
+    log-probabilities of the drawn tokens (untempered)."""
+    top_k: int = 0
+    top_p: float = 1.0
+    temperature: float = 1.0
+    seed: int = 1
+
+    def __post_init__(self):
+        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0 or not self.temperature > 0.0:
+            raise ValueError(f"sampling needs top_k >= 0, 0 < top_p <= 1 and temperature > 0 (got {self})")
+        self._generators: dict = {}
+
+    def __call__(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logprobs (n, V) float32 -> drawn tokens (n,) and their log-probabilities (n,)."""
+        scores = logprobs / self.temperature
+        if self.top_k and self.top_k < scores.size(1):
+            kth = scores.topk(self.top_k, dim=1).values[:, -1:]                  # (n, 1)
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p < 1.0:
+            ordered, order = scores.sort(dim=1, descending=True)                  # (n, V)
+            probs = ordered.softmax(dim=1)
+            outside = probs.cumsum(dim=1) - probs >= self.top_p                   # the first token always stays
+            scores = scores.scatter(1, order, ordered.masked_fill(outside, float("-inf")))
+        generator = self._generators.get(scores.device)
+        if generator is None:
+            generator = self._generators[scores.device] = torch.Generator(scores.device).manual_seed(self.seed)
+        tokens = torch.multinomial(scores.softmax(dim=1), 1, generator=generator).squeeze(1)
+        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
 @torch.no_grad()
-def greedy_search(decoder, max_lens: torch.Tensor) -> list[Hypothesis]:
-    """Pick the most probable token at every step; sentences leave the batch when they emit EOS."""
+def greedy_search(decoder, max_lens: torch.Tensor, sampling: Sampling | None = None) -> list[Hypothesis]:
+    """Pick the most probable token at every step (or draw one, with `sampling`); sentences leave the
+    batch when they emit EOS."""
     batch = max_lens.numel()
     device = max_lens.device
     tokens = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=device)     # (n, t)
@@ -134,10 +170,17 @@ def greedy_search(decoder, max_lens: torch.Tensor) -> list[Hypothesis]:
     open_ids = torch.arange(batch, device=device)       # original index of each open sentence
     results: list[Hypothesis | None] = [None] * batch
     for step in range(int(max_lens.max())):
-        best_logprob, best_token, eos_logprob = top_candidates(decoder, tokens, 1)  # (n, 1), (n, 1), (n,)
+        if sampling is None:
+            best_logprob, best_token, eos_logprob = top_candidates(decoder, tokens, 1)  # (n, 1), (n, 1), (n,)
+            best_logprob, best_token = best_logprob.squeeze(1), best_token.squeeze(1)
+        else:
+            logprobs = decoder.step(tokens)                                       # (n, V) float32
+            logprobs[:, PAD_ID] = logprobs[:, BOS_ID] = float("-inf")             # never generated
+            best_token, best_logprob = sampling(logprobs)
+            eos_logprob = logprobs[:, EOS_ID]
         forced = step + 1 >= max_lens                                             # (n,)
-        next_token = torch.where(forced, EOS_ID, best_token.squeeze(1))
-        token_logprob = torch.where(forced, eos_logprob, best_logprob.squeeze(1))
+        next_token = torch.where(forced, EOS_ID, best_token)
+        token_logprob = torch.where(forced, eos_logprob, best_logprob)
         logprob = logprob + token_logprob
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         done = next_token == EOS_ID
@@ -243,8 +286,10 @@ def _closed(finished, open_ids, scores, forced, max_lens, beam_size, alpha, nbes
 def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha: float = 0.0,
                   max_len_a: float = 1.2, max_len_b: int = 10, nbest: int = 1,
                   batch_tokens: int = DEFAULT_BATCH_TOKENS, device: torch.device | str = "cpu",
-                  use_cache: bool = True, progress=None, autocast=None, stop=None) -> list[list[Hypothesis]]:
+                  use_cache: bool = True, progress=None, autocast=None, stop=None,
+                  sampling: Sampling | None = None) -> list[list[Hypothesis]]:
     """Decode token-id sources (without EOS) in length-sorted batches; results in input order.
+    With `sampling`, one sampled hypothesis per sentence (the beam size is not used).
 
     `beam_size=1` runs greedy search. Sources longer than the model's positions are truncated by the
     caller (see `Translator`). `stop`, if given, is asked before every batch; True raises `Interrupted`.
@@ -259,8 +304,8 @@ def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha:
         with autocast() if autocast is not None else contextlib.nullcontext():
             decoder = ModelDecoder(model, src, use_cache)
             lens = max_lengths(src, max_len_a, max_len_b, limit)
-            if beam_size == 1:
-                return [[h] for h in greedy_search(decoder, lens)]
+            if beam_size == 1 or sampling is not None:
+                return [[h] for h in greedy_search(decoder, lens, sampling)]
             return beam_search(decoder, lens, beam_size, alpha, nbest)
 
     def decode_batch(indices: list[int]) -> None:

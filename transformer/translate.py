@@ -21,10 +21,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from transformer.batching import batches_in_order, pad_sequences
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import DEFAULT_BATCH_TOKENS, ConfigError
-from transformer.search import Hypothesis, translate_ids
+from transformer.search import Hypothesis, Sampling, translate_ids
 from transformer.setup import DTYPES, autocast_factory, keep_freed_memory, resolve_precision
+from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+# Target tokens per batch when scoring references (`Translator.score`).
+SCORE_BATCH_TOKENS = 2048
 
 
 class Translator:
@@ -54,8 +59,9 @@ class Translator:
     def translate_hypotheses(self, sentences: list[str], *, beam_size: int | None = None,
                              alpha: float | None = None, nbest: int = 1, max_len_a: float | None = None,
                              max_len_b: int | None = None, batch_tokens: int | None = None,
-                             progress: bool = False) -> list[list[tuple[str, float]]]:
-        """n-best (text, score) lists, best first. Empty sentences translate to ''."""
+                             progress: bool = False, sampling: Sampling | None = None) -> list[list[tuple[str, float]]]:
+        """n-best (text, score) lists, best first. Empty sentences translate to ''. With `sampling`
+        (`search.Sampling`), one sampled translation per sentence instead of a search."""
         if not isinstance(sentences, (str, bytes)):
             sentences = list(sentences)                  # any iterable of str, consumed once
         if isinstance(sentences, (str, bytes)) or not all(isinstance(s, str) for s in sentences):
@@ -83,12 +89,39 @@ class Translator:
             decoded = translate_ids(
                 self.model, [sources[i][:limit] for i in wanted], beam_size=beam_size, alpha=alpha, nbest=nbest,
                 max_len_a=max_len_a, max_len_b=max_len_b, batch_tokens=batch_tokens,
-                device=self.device, progress=bar, autocast=self.autocast)
+                device=self.device, progress=bar, autocast=self.autocast, sampling=sampling)
         for index, hyps in zip(wanted, decoded):
             results[index] = hyps
         flat = [h.tokens for hyps in results for h in hyps]
         texts = iter(self.tokenizer.decode_tgt(flat))
         return [[(next(texts), h.score) for h in hyps] if hyps else [("", 0.0)] * nbest for hyps in results]
+
+    @torch.inference_mode()
+    def score(self, sentences: list[str], references: list[str], batch_tokens: int | None = None) -> list[float]:
+        """Log-probability of each reference translation given its source under the model (forced
+        decoding): the sum over its tokens and the final EOS, as sentence scores for filtering corpora.
+        Sources and references longer than the model's positions are truncated."""
+        if len(sentences) != len(references):
+            raise ValueError(f"{len(sentences)} sources but {len(references)} references")
+        limit = self.model.cfg.max_positions - 1
+        sources = [ids[:limit] for ids in self.tokenizer.encode_src([s.strip() for s in sentences])]
+        targets = [ids[:limit] for ids in self.tokenizer.encode_tgt([r.strip() for r in references])]
+        widths = [max(len(a), len(b)) for a, b in zip(sources, targets)]
+        scores = [0.0] * len(sources)
+        self.model.eval()
+        # The (B, T, V) float32 log-probabilities bound the batch: 2048 tokens x 32k pieces = 256 MB.
+        for indices in batches_in_order(widths, batch_tokens or SCORE_BATCH_TOKENS):
+            src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(self.device)      # (B, S)
+            tgt = [targets[i] for i in indices]
+            tgt_in = pad_sequences(tgt, prefix=[BOS_ID]).to(self.device)                           # (B, T)
+            tgt_out = pad_sequences(tgt, suffix=[EOS_ID]).to(self.device)                          # (B, T)
+            with self.autocast():
+                logits = self.model(src, tgt_in)                                                   # (B, T, V)
+            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(2, tgt_out[:, :, None]).squeeze(2)
+            sums = logprobs.masked_fill(tgt_out == PAD_ID, 0.0).sum(dim=1)                         # (B,)
+            for index, value in zip(indices, sums.tolist()):
+                scores[index] = value
+        return scores
 
     def translate(self, sentences: list[str], beam_size: int | None = None, **options) -> list[str]:
         """One translation per sentence (the best hypothesis)."""
@@ -129,7 +162,29 @@ def build_parser() -> argparse.ArgumentParser:
                         "smaller needs less memory")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    parser.add_argument("--sampling", metavar="topk:K|topp:P",
+                        help="draw each token at random (back-translation) from the K most probable, or from "
+                        "the smallest set with probability P, instead of searching")
+    parser.add_argument("--temperature", type=float, default=1.0, help="with --sampling: divides the "
+                        "log-probabilities (default 1; lower is closer to greedy)")
+    parser.add_argument("--seed", type=int, default=1, help="with --sampling: the same seed, the same samples")
+    parser.add_argument("--score-reference", metavar="REF",
+                        help="write the log-probability of each line of REF (one translation per input line) "
+                        "given its source, instead of translating (forced decoding)")
     return parser
+
+
+def parse_sampling(text: str, temperature: float, seed: int) -> Sampling:
+    """`topk:K` or `topp:P` -> Sampling; ValueError with the fix otherwise."""
+    kind, _, value = text.partition(":")
+    try:
+        if kind == "topk" and value.isdigit() and int(value) >= 1:
+            return Sampling(top_k=int(value), temperature=temperature, seed=seed)
+        if kind == "topp" and 0.0 < float(value) <= 1.0:
+            return Sampling(top_p=float(value), temperature=temperature, seed=seed)
+    except ValueError:
+        pass
+    raise ValueError(f"--sampling {text}: write topk:K (a whole number >= 1) or topp:P (0 < P <= 1)")
 
 
 def read_input(stream) -> tuple[list[str], int]:
@@ -170,6 +225,16 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--{option.replace('_size', '').replace('_', '-')} {rest}")
     if args.output and Path(args.output).is_dir():
         return fail(f"--output {args.output}: is a directory; give a file name")
+    sampling = None
+    if args.sampling is not None:
+        if not (args.temperature > 0 and math.isfinite(args.temperature)):
+            return fail(f"--temperature {args.temperature}: must be a finite number > 0")
+        if args.nbest != 1 or (args.beam or 1) != 1:
+            return fail("--sampling draws one translation per line: leave out --beam and --nbest")
+        try:
+            sampling = parse_sampling(args.sampling, args.temperature, args.seed)
+        except ValueError as error:
+            return fail(str(error))
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         return fail(f"--device {args.device}: must be auto, cpu, cuda or cuda:N")
     if args.device.startswith("cuda"):
@@ -183,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         translator = Translator.from_checkpoint(args.checkpoint, device=args.device, precision=args.precision)
     except (CheckpointError, ConfigError) as error:
         return fail(str(error))
+    if args.beam is None and sampling is not None:
+        args.beam = 1
     if args.beam is None:                 # the decode config the model was trained with
         args.beam = translator.config.decode.beam_size
         if args.nbest > args.beam:
@@ -198,26 +265,42 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"transformer-translate: warning: {bad} input line(s) were not valid UTF-8; "
               "invalid bytes were replaced", file=sys.stderr)
+    out = io.StringIO()
+    if args.score_reference:
+        try:
+            with open(args.score_reference, "rb") as handle:
+                references, _ = read_input(handle)
+        except OSError as error:
+            return fail(f"--score-reference {args.score_reference}: {error.strerror}")
+        if len(references) != len(lines):
+            return fail(f"--score-reference {args.score_reference}: {len(references)} lines for "
+                        f"{len(lines)} input lines; give one translation per input line")
+        for value in translator.score(lines, references, batch_tokens=args.batch_tokens):
+            out.write(f"{value:.4f}\n")
+        return _write(out, args.output, fail)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         results = translator.translate_hypotheses(
             lines, beam_size=args.beam, alpha=args.alpha, nbest=args.nbest, max_len_a=args.max_len_a,
             max_len_b=args.max_len_b, batch_tokens=args.batch_tokens,
-            progress=bool(args.output) and sys.stderr.isatty())
+            progress=bool(args.output) and sys.stderr.isatty(), sampling=sampling)
     for warning in caught:
         print(f"transformer-translate: warning: {warning.message}", file=sys.stderr)
-    out = io.StringIO()
     for index, hyps in enumerate(results):
         if args.nbest == 1:
             out.write(_one_line(hyps[0][0]) + "\n")
         else:
             for text, hyp_score in hyps:
                 out.write(f"{index}\t{hyp_score:.4f}\t{_one_line(text)}\n")
-    if args.output:
+    return _write(out, args.output, fail)
+
+
+def _write(out: io.StringIO, output: str | None, fail) -> int:
+    if output:
         try:
-            Path(args.output).write_text(out.getvalue(), encoding="utf-8")
+            Path(output).write_text(out.getvalue(), encoding="utf-8")
         except OSError as error:
-            return fail(f"--output {args.output}: {error.strerror}")
+            return fail(f"--output {output}: {error.strerror}")
     else:
         sys.stdout.buffer.write(out.getvalue().encode("utf-8"))
         sys.stdout.flush()
