@@ -41,7 +41,6 @@ from transformer.attention import padding_mask  # noqa: E402
 from transformer.batching import TokenBatchSampler  # noqa: E402
 from transformer.config import compose  # noqa: E402
 from transformer.corpus import prepare  # noqa: E402
-from transformer.loss import output_cross_entropy  # noqa: E402
 from transformer.model import SinusoidalPositions, build_model  # noqa: E402
 from transformer.search import translate_ids  # noqa: E402
 from transformer.setup import (  # noqa: E402
@@ -51,6 +50,7 @@ from transformer.setup import (  # noqa: E402
     resolve_precision,
 )
 from transformer.tokenizer import PAD_ID  # noqa: E402
+from transformer.validate import batch_loss  # noqa: E402
 
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets, matched
 # against torch.cuda.get_device_name() in this order: the first key contained in the name wins.
@@ -93,9 +93,7 @@ class OurModel(nn.Module):
         self.model = model
 
     def loss(self, batch, smoothing: float):
-        hidden = self.model(batch.src, batch.tgt_in, return_hidden=True)
-        real = batch.tgt_out != PAD_ID
-        return output_cross_entropy(hidden[real], self.model.output.weight, batch.tgt_out[real], smoothing)[0]
+        return batch_loss(self.model, batch, smoothing)[0]          # the trainer's own loss
 
 
 def train_flops(cfg, batch, vocab: int) -> float:

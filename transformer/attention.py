@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformer.config import ATTENTION_BACKENDS
+
 # ---------------------------------------------------------------------------------------------------
 # Masks
 
@@ -71,7 +73,7 @@ def attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
 #   sdpa    F.scaled_dot_product_attention with whichever kernel PyTorch picks
 #   matmul  two batched matmuls in the input dtype, the softmax in float32 (`matmul_attention`)
 #   math    `attention_math`, the reference formula (slow; for checks)
-BACKENDS = ("auto", "sdpa", "matmul", "math")
+BACKENDS = ATTENTION_BACKENDS
 
 
 def gpu_sdpa_kernels() -> list:

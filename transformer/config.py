@@ -18,7 +18,7 @@ from typing import Any
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
-# transformer/attention.py's BACKENDS (config.py imports nothing of the model).
+# `model.attention`: what each one does is said in transformer/attention.py, which takes this list.
 ATTENTION_BACKENDS = ("auto", "sdpa", "matmul", "math")
 
 

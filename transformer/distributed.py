@@ -47,9 +47,9 @@ def barrier(info: DistInfo) -> None:
 
 
 def all_reduce_tensor(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """The sum over ranks of a device tensor, left on the device (nothing is read back to the host)."""
+    """Sums a device tensor over ranks in place and returns it, left on the device (nothing is read
+    back to the host)."""
     if info.enabled:
-        tensor = tensor.clone()
         dist.all_reduce(tensor)
     return tensor
 

@@ -117,9 +117,14 @@ def top_candidates(decoder, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor,
     return tuple(torch.cat(tensors) for tensors in zip(*parts))
 
 
+def _never_generated(logprobs: torch.Tensor) -> torch.Tensor:
+    """PAD and BOS masked out of (rows, V) log-probabilities, in place."""
+    logprobs[:, [PAD_ID, BOS_ID]] = float("-inf")
+    return logprobs
+
+
 def _candidates(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    logprobs[:, PAD_ID] = float("-inf")           # never generated
-    logprobs[:, BOS_ID] = float("-inf")
+    _never_generated(logprobs)
     values, ids = row_topk(logprobs, min(k, logprobs.size(1)))                    # (rows, k)
     return values, ids, logprobs[:, EOS_ID]
 
@@ -174,8 +179,7 @@ def greedy_search(decoder, max_lens: torch.Tensor, sampling: Sampling | None = N
             best_logprob, best_token, eos_logprob = top_candidates(decoder, tokens, 1)  # (n, 1), (n, 1), (n,)
             best_logprob, best_token = best_logprob.squeeze(1), best_token.squeeze(1)
         else:
-            logprobs = decoder.step(tokens)                                       # (n, V) float32
-            logprobs[:, PAD_ID] = logprobs[:, BOS_ID] = float("-inf")             # never generated
+            logprobs = _never_generated(decoder.step(tokens))                     # (n, V) float32
             best_token, best_logprob = sampling(logprobs)
             eos_logprob = logprobs[:, EOS_ID]
         forced = step + 1 >= max_lens                                             # (n,)
@@ -332,7 +336,8 @@ def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha:
             progress.update(len(indices))
 
     try:
-        for indices in batches_in_order([len(s) for s in sources], max(1, batch_tokens // beam_size)):
+        hypotheses = 1 if sampling is not None else beam_size          # rows per sentence in a batch
+        for indices in batches_in_order([len(s) for s in sources], max(1, batch_tokens // hypotheses)):
             if stop is not None and stop():
                 raise Interrupted
             decode_batch(indices)

@@ -192,7 +192,7 @@ class Trainer:
 
         Reads no tensor value on the host, so a GPU never waits for Python: the summed loss and NLL,
         the gradient norm and whether the step was finite come back as device tensors, read only at
-        log steps (`_log_train`). A non-finite step is skipped on the device: the fused AdamW takes a
+        log steps (`TrainLog.write`). A non-finite step is skipped on the device: the fused AdamW takes a
         `found_inf` flag (the fp16 GradScaler sets the same flag) and leaves weights and moments alone.
         """
         tc = self.cfg.trainer

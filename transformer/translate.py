@@ -41,6 +41,7 @@ class Translator:
 
     def __init__(self, model, tokenizer, config, device: torch.device, precision: str = "fp32"):
         self.model, self.tokenizer, self.config = model.to(device).eval(), tokenizer, config
+        self.max_length = model.cfg.max_positions - 1       # tokens of a sentence, EOS or BOS aside
         self.device = device
         self.autocast = autocast_factory(device, DTYPES[precision])
 
@@ -77,7 +78,7 @@ class Translator:
         batch_tokens = DEFAULT_BATCH_TOKENS if batch_tokens is None else batch_tokens
         check_options(beam_size=beam_size, nbest=nbest, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                       batch_tokens=batch_tokens)
-        limit = self.model.cfg.max_positions - 1
+        limit = self.max_length
         sources = self.tokenizer.encode_src([s.strip() for s in sentences])
         truncated = sum(len(s) > limit for s in sources)
         if truncated:
@@ -103,12 +104,11 @@ class Translator:
         Sources and references longer than the model's positions are truncated."""
         if len(sentences) != len(references):
             raise ValueError(f"{len(sentences)} sources but {len(references)} references")
-        limit = self.model.cfg.max_positions - 1
+        limit = self.max_length
         sources = [ids[:limit] for ids in self.tokenizer.encode_src([s.strip() for s in sentences])]
         targets = [ids[:limit] for ids in self.tokenizer.encode_tgt([r.strip() for r in references])]
         widths = [max(len(a), len(b)) for a, b in zip(sources, targets)]
         scores = [0.0] * len(sources)
-        self.model.eval()
         # The (B, T, V) float32 log-probabilities bound the batch: 2048 tokens x 32k pieces = 256 MB.
         for indices in batches_in_order(widths, batch_tokens or SCORE_BATCH_TOKENS):
             src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(self.device)      # (B, S)
