@@ -20,7 +20,7 @@ from transformer.validate import score
 def evaluate(checkpoint: str | Path, split: str = "test", src_file: str | None = None,
              ref_file: str | None = None, beam_size: int | None = None, alpha: float | None = None,
              device: str = "auto", precision: str = "auto", batch_tokens: int | None = None) -> dict:
-    translator = Translator.from_checkpoint(checkpoint, device=device, precision=precision)
+    translator = Translator.load(checkpoint, device=device, precision=precision)
     if src_file or ref_file:
         if not (src_file and ref_file):
             raise DataError("give both --src and --ref")

@@ -47,15 +47,26 @@ class Translator:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
-        if precision not in ("auto", *DTYPES):
-            raise ValueError(f"precision={precision!r} must be auto, bf16, fp16 or fp32")
-        precision = resolve_precision(precision, device)
-        state = load_checkpoint(path, mmap=True)
-        model, tokenizer, config = model_from_checkpoint(state, path)
+        """A `.pt` checkpoint written by training."""
+        device, precision = _device_and_precision(device, precision)
+        model, tokenizer, config = model_from_checkpoint(load_checkpoint(path, mmap=True), path)
         return cls(model, tokenizer, config, device, precision)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
+        """A directory written by `transformer-export --format hf`, or a HuggingFace Hub id holding one
+        (`owner/name`, downloaded and cached by huggingface_hub)."""
+        from transformer.export import load_pretrained
+
+        device, precision = _device_and_precision(device, precision)
+        return cls(*load_pretrained(path), device, precision)
+
+    @classmethod
+    def load(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
+        """A checkpoint file, or else an exported directory / hub id: what the command lines accept."""
+        if Path(path).is_file():
+            return cls.from_checkpoint(path, device, precision)
+        return cls.from_pretrained(path, device, precision)
 
     def translate_hypotheses(self, sentences: list[str], *, beam_size: int | None = None,
                              alpha: float | None = None, nbest: int = 1, max_len_a: float | None = None,
@@ -128,6 +139,15 @@ class Translator:
         return [hyps[0][0] for hyps in self.translate_hypotheses(sentences, beam_size=beam_size, **options)]
 
 
+def _device_and_precision(device: str, precision: str) -> tuple[torch.device, str]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if precision not in ("auto", *DTYPES):
+        raise ValueError(f"precision={precision!r} must be auto, bf16, fp16 or fp32")
+    return device, resolve_precision(precision, device)
+
+
 def check_options(*, beam_size, nbest, alpha, max_len_a, max_len_b, batch_tokens) -> None:
     """Decoding options, checked the same way for the API and the CLIs: ValueError naming the option."""
     def whole(name, value, low):
@@ -148,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="transformer-translate",
         description="Translate text with a trained checkpoint: one output line per input line.")
-    parser.add_argument("checkpoint", help="a .pt checkpoint written by training (best.pt, last.pt, ...)")
+    parser.add_argument("checkpoint", help="a .pt checkpoint written by training (best.pt, last.pt, ...), or a "
+                        "directory (or HuggingFace Hub id) written by transformer-export --format hf")
     parser.add_argument("--input", "-i", help="source text file (default: stdin)")
     parser.add_argument("--output", "-o", help="where to write translations (default: stdout)")
     parser.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: the checkpoint's decode "
@@ -245,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             return fail(f"--device {args.device}: there are {torch.cuda.device_count()} CUDA device(s) (0 to "
                         f"{torch.cuda.device_count() - 1})")
     try:
-        translator = Translator.from_checkpoint(args.checkpoint, device=args.device, precision=args.precision)
+        translator = Translator.load(args.checkpoint, device=args.device, precision=args.precision)
     except (CheckpointError, ConfigError) as error:
         return fail(str(error))
     if args.beam is None and sampling is not None:

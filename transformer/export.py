@@ -1,0 +1,266 @@
+"""Models that leave the repository: `transformer-export CKPT --format ctranslate2|hf OUT`.
+
+`--format hf` writes a shareable directory with no pickle in it, which `Translator.from_pretrained`
+loads (from disk, or from the HuggingFace Hub after `huggingface-cli upload`):
+
+    model.safetensors    the weights (a tied matrix stored once)
+    config.json          the training config (model shape, languages, decoding defaults) and the format version
+    spm.model            the joint SentencePiece model, or src.spm.model and tgt.spm.model
+
+`--format ctranslate2` writes a CTranslate2 model directory (through `ctranslate2.specs`) with the
+SentencePiece model(s) beside it. CTranslate2 (`pip install 'transformer[export]'`) is imported
+only here. CTranslate2 takes SentencePiece pieces as input: the exported model adds the source EOS
+itself, as our encoder expects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from transformer.config import Config, ConfigError
+from transformer.model import Transformer, build_model
+from transformer.tokenizer import Tokenizer
+
+FORMAT_NAME = "transformer-nmt"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
+                 "float32")
+
+
+def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
+    """File name -> SentencePiece model bytes, as both export formats lay them out."""
+    if tokenizer.joint:
+        return {"spm.model": tokenizer.src_model_bytes}
+    return {"src.spm.model": tokenizer.src_model_bytes, "tgt.spm.model": tokenizer.tgt_model_bytes}
+
+
+def _replace_directory(build, out: Path, overwrite: bool) -> None:
+    """Write a whole directory beside `out` with `build(tmp)`, then move it into place: a failed export
+    leaves no half-written model behind."""
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out}: already exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)          # mkdtemp makes it private; the model is meant to be shared
+    try:
+        build(tmp)
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+# ----- the shareable safetensors directory ---------------------------------------------------------
+
+def save_pretrained(model: Transformer, tokenizer: Tokenizer, config: Config, out: str | Path,
+                    overwrite: bool = False) -> Path:
+    from safetensors.torch import save_model
+
+    def build(tmp: Path) -> None:
+        save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT_NAME})
+        meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tokenizer": sorted(tokenizer_files(tokenizer)),
+                "config": config.to_dict()}
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        for name, data in tokenizer_files(tokenizer).items():
+            (tmp / name).write_bytes(data)
+
+    out = Path(out)
+    _replace_directory(build, out, overwrite)
+    return out
+
+
+def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
+    """A directory written by `save_pretrained`, or a HuggingFace Hub id (downloaded and cached by
+    huggingface_hub) -> (model, tokenizer, config). CheckpointError names what is wrong."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model
+
+    folder = Path(path)
+    if not folder.is_dir():
+        folder = _download(str(path))
+    config_path = folder / CONFIG_FILE
+    try:
+        meta = json.loads(config_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: no {CONFIG_FILE}; is this a directory written by "
+                              "`transformer-export --format hf`?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{config_path}: not valid JSON ({error})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{config_path}: not a {FORMAT_NAME} model (format {meta.get('format')!r}"
+                              if isinstance(meta, dict) else f"{config_path}: not a {FORMAT_NAME} model")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{config_path}: format version {meta['format_version']} is newer than this "
+                              f"package reads ({FORMAT_VERSION}); upgrade this package")
+    try:
+        config = Config.from_dict(meta["config"])
+    except (ConfigError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{config_path}: its config is invalid: {error}") from None
+    names = meta.get("tokenizer") or []
+    try:
+        if names == ["spm.model"]:
+            tokenizer = Tokenizer((folder / "spm.model").read_bytes())
+        elif names == ["src.spm.model", "tgt.spm.model"]:
+            tokenizer = Tokenizer((folder / "src.spm.model").read_bytes(), (folder / "tgt.spm.model").read_bytes())
+        else:
+            raise CheckpointError(f"{config_path}: unknown tokenizer files {names}")
+    except OSError as error:
+        raise CheckpointError(f"{folder}: {error.strerror}: {error.filename}") from None
+    model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
+    weights = folder / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{folder}: no {WEIGHTS_FILE}")
+    try:
+        missing, unexpected = load_model(model, str(weights), strict=False)
+    except (SafetensorError, RuntimeError) as error:
+        raise CheckpointError(f"{weights}: weights do not fit the model of {CONFIG_FILE}: "
+                              f"{str(error).splitlines()[0]}") from None
+    if missing or unexpected:
+        raise CheckpointError(f"{weights}: weights do not fit the model of {CONFIG_FILE}: missing "
+                              f"{', '.join(sorted(missing)[:3]) or 'none'}; unexpected "
+                              f"{', '.join(sorted(unexpected)[:3]) or 'none'}")
+    return model, tokenizer, config
+
+
+def _download(repo_id: str) -> Path:
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/")):
+        raise CheckpointError(f"{repo_id}: no such directory (a HuggingFace Hub id looks like owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(repo_id))
+    except Exception as error:     # offline, unknown repository, no access: one line either way
+        raise CheckpointError(f"{repo_id}: not a local directory, and the HuggingFace Hub did not provide it "
+                              f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
+
+
+# ----- CTranslate2 ---------------------------------------------------------------------------------
+
+def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer):
+    """Our architecture as a `ctranslate2.specs.TransformerSpec`, weights set (float32, on the CPU)."""
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    cfg = model.cfg
+    spec = transformer_spec.TransformerSpec.from_config(
+        (cfg.encoder_layers, cfg.decoder_layers), cfg.n_heads, pre_norm=cfg.pre_norm,
+        activation=common_spec.Activation.RELU)
+    spec.config.layer_norm_epsilon = model.encoder_layers[0].sub_attn.norm.eps
+    spec.config.add_source_eos = True           # our encoder reads "pieces </s>"
+    weight = {name: tensor.detach().float().cpu() for name, tensor in model.state_dict().items()}
+
+    def linear(target, name):
+        target.weight = weight[f"{name}.weight"]
+        if f"{name}.bias" in weight:
+            target.bias = weight[f"{name}.bias"]
+
+    def norm(target, name):
+        target.gamma, target.beta = weight[f"{name}.weight"], weight[f"{name}.bias"]
+
+    table = model.positions.table.float().cpu()                                    # (max_positions, D)
+    for side in (spec.encoder, spec.decoder):
+        side.scale_embeddings = True                                               # x * sqrt(D) + PE
+        side.position_encodings.encodings = table
+    spec.encoder.embeddings[0].weight = weight["src_embed.weight"]
+    spec.decoder.embeddings.weight = weight["tgt_embed.weight"]
+    linear(spec.decoder.projection, "output")
+    if cfg.pre_norm:
+        norm(spec.encoder.layer_norm, "encoder_norm")
+        norm(spec.decoder.layer_norm, "decoder_norm")
+    for i, layer in enumerate(spec.encoder.layer):
+        scope = f"encoder_layers.{i}"
+        linear(layer.self_attention.linear[0], f"{scope}.self_attn.qkv_proj")     # (3D, D): Q, K, V rows
+        linear(layer.self_attention.linear[1], f"{scope}.self_attn.out_proj")
+        norm(layer.self_attention.layer_norm, f"{scope}.sub_attn.norm")
+        linear(layer.ffn.linear_0, f"{scope}.feed_forward.up")
+        linear(layer.ffn.linear_1, f"{scope}.feed_forward.down")
+        norm(layer.ffn.layer_norm, f"{scope}.sub_ff.norm")
+    for i, layer in enumerate(spec.decoder.layer):
+        scope = f"decoder_layers.{i}"
+        linear(layer.self_attention.linear[0], f"{scope}.self_attn.qkv_proj")
+        linear(layer.self_attention.linear[1], f"{scope}.self_attn.out_proj")
+        norm(layer.self_attention.layer_norm, f"{scope}.sub_self.norm")
+        linear(layer.attention.linear[0], f"{scope}.cross_attn.q_proj")
+        linear(layer.attention.linear[1], f"{scope}.cross_attn.kv_proj")           # (2D, D): K, V rows
+        linear(layer.attention.linear[2], f"{scope}.cross_attn.out_proj")
+        norm(layer.attention.layer_norm, f"{scope}.sub_cross.norm")
+        linear(layer.ffn.linear_0, f"{scope}.feed_forward.up")
+        linear(layer.ffn.linear_1, f"{scope}.feed_forward.down")
+        norm(layer.ffn.layer_norm, f"{scope}.sub_ff.norm")
+    pieces = [tokenizer.src.id_to_piece(i) for i in range(tokenizer.src_vocab_size)]
+    spec.register_source_vocabulary(pieces)
+    spec.register_target_vocabulary([tokenizer.tgt.id_to_piece(i) for i in range(tokenizer.tgt_vocab_size)])
+    return spec
+
+
+def export_ctranslate2(model: Transformer, tokenizer: Tokenizer, out: str | Path, quantization: str | None = None,
+                       overwrite: bool = False) -> Path:
+    try:
+        from ctranslate2.converters.converter import Converter
+    except ImportError:
+        raise CheckpointError("--format ctranslate2 needs CTranslate2: pip install 'transformer[export]' "
+                              "(or pip install ctranslate2)") from None
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization}: one of {', '.join(QUANTIZATIONS)}")
+
+    class _Ours(Converter):               # CTranslate2's own validate / optimize (quantize) / save
+        def _load(self):
+            return ctranslate2_spec(model, tokenizer)
+
+    def build(tmp: Path) -> None:
+        _Ours().convert(str(tmp / "model"), quantization=quantization)
+        for name in os.listdir(tmp / "model"):
+            os.replace(tmp / "model" / name, tmp / name)
+        os.rmdir(tmp / "model")
+        for name, data in tokenizer_files(tokenizer).items():
+            (tmp / name).write_bytes(data)
+
+    out = Path(out)
+    _replace_directory(build, out, overwrite)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="transformer-export",
+        description="Write a checkpoint as a CTranslate2 model or as a shareable safetensors directory.")
+    parser.add_argument("checkpoint", help="a .pt checkpoint written by training (best.pt, avg.pt, ...)")
+    parser.add_argument("output", help="the directory to write")
+    parser.add_argument("--format", required=True, choices=["ctranslate2", "hf"],
+                        help="ctranslate2: for the CTranslate2 engine; hf: model.safetensors + config.json + "
+                        "SentencePiece, loaded by Translator.from_pretrained")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS,
+                        help="with --format ctranslate2: weight type (default: float32 as trained)")
+    parser.add_argument("--force", action="store_true", help="replace the output directory if it exists")
+    args = parser.parse_args(argv)
+    if args.quantization and args.format != "ctranslate2":
+        parser.error("--quantization applies to --format ctranslate2 only")
+    try:
+        model, tokenizer, config = model_from_checkpoint(load_checkpoint(args.checkpoint), args.checkpoint)
+        if args.format == "hf":
+            out = save_pretrained(model, tokenizer, config, args.output, overwrite=args.force)
+        else:
+            out = export_ctranslate2(model, tokenizer, args.output, args.quantization, overwrite=args.force)
+    except (CheckpointError, FileExistsError, ValueError) as error:
+        print(f"transformer-export: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"transformer-export: error: {error.filename}: {error.strerror}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({args.format}{', ' + args.quantization if args.quantization else ''})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
