@@ -59,7 +59,7 @@ def test_resume_continues_exactly(tmp_path, data_cache, workers, caplog):
     common = FAST + ["data.embedded_pairs=800", "trainer.precision=fp32", "trainer.device=cpu", "trainer.update_freq=2",
                      "trainer.validate_every=5", "trainer.val_max_sentences=8", "decode.beam_size=1",
                      "model.dropout=0.2", "trainer.max_minutes=0", "trainer.test_at_end=false",
-                     f"trainer.num_workers={workers}"]
+                     "trainer.ema_decay=0.8", f"trainer.num_workers={workers}"]
     # Uninterrupted: 20 steps (two batches each: more than one epoch of the 800-pair corpus).
     train(compose_config(common + ["trainer.max_steps=20"], data_cache), tmp_path / "full")
     # Interrupted after 7 steps, then resumed to 20.
@@ -71,6 +71,9 @@ def test_resume_continues_exactly(tmp_path, data_cache, workers, caplog):
     assert load_checkpoint(tmp_path / "full/checkpoints/last.pt")["data_state"]["epoch"] >= 1
     for name in full:
         assert torch.equal(full[name], resumed[name]), name
+    full_ema = load_checkpoint(tmp_path / "full/checkpoints/last.pt")["ema"]["weights"]
+    resumed_ema = load_checkpoint(tmp_path / "split/checkpoints/last.pt")["ema"]["weights"]
+    assert all(torch.equal(full_ema[name], resumed_ema[name]) for name in full_ema)      # the EMA resumes too
     assert metrics["stop_reason"] == "reached trainer.max_steps=20"
     if not workers:       # a resume with other batching settings continues, but says it is not exact
         import logging

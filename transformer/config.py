@@ -139,6 +139,10 @@ class TrainerConfig:
     val_max_sentences: int = 0    # decode only the first N validation sentences (0 = all)
     test_at_end: bool = True      # translate the test split with the best checkpoint at the end; print BLEU
     keep_last: int = 3            # step_N.pt files kept (0 = keep all)
+    # Weight averaging. Validation scores the raw weights and each average; best.pt holds whichever set
+    # scores best (its `weights` entry says which). 0 disables either.
+    ema_decay: float = 0.0        # exponential moving average of the weights after every update (e.g. 0.999)
+    average_last: int = 0         # at the end, average the last N step_N.pt (see checkpoint_every, keep_last)
     patience: int = 0             # stop after this many validations without a BLEU improvement (0 = never)
     max_bad_steps: int = 20       # stop after this many consecutive non-finite steps (x10 under fp16)
     compile: bool = False         # torch.compile the model
@@ -174,6 +178,13 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)} must be >= 0 (0 disables it)")
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"trainer.num_workers={self.num_workers} must be >= 0 (or null: 2 on CUDA, 0 on a CPU)")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"trainer.ema_decay={self.ema_decay} must be in [0, 1) (0 = no EMA; e.g. 0.999)")
+        if self.average_last == 1 or self.average_last < 0:
+            raise ConfigError(f"trainer.average_last={self.average_last} must be 0 (off) or at least 2")
+        if self.average_last and self.keep_last and self.keep_last < self.average_last:
+            raise ConfigError(f"trainer.average_last={self.average_last} needs that many step_N.pt files: set "
+                              f"trainer.keep_last={self.average_last} (now {self.keep_last})")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"trainer.label_smoothing={self.label_smoothing} must be in [0, 1)")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

@@ -50,12 +50,14 @@ def find_resume_state(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> di
     if isinstance(tc.resume, str) and tc.resume not in ("", "true", "false"):
         return _resumable(load_checkpoint(tc.resume), tc.resume)
     existing = sorted(ckpt_dir.glob("*.pt")) if ckpt_dir.exists() else []
+    # best.pt may hold averaged weights (trainer.ema_decay, average_last), never newer than last.pt.
+    resumable = [p for p in existing if p.name != "best.pt"]
     if dist.is_main and ckpt_dir.exists():
         for stale in ckpt_dir.glob(".*.pt.tmp*"):     # left by a process killed mid-write
             stale.unlink(missing_ok=True)
     if tc.resume in (True, "true"):
         newest, newest_step = None, -1
-        for path in existing:
+        for path in resumable:
             try:   # memory-mapped: reading the step does not read the tensors of every file
                 state = _resumable(load_checkpoint(path, mmap=True), path)
             except (CheckpointError, TrainingError) as error:

@@ -22,8 +22,16 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from transformer import distributed as D
+from transformer.averaging import ExponentialMovingAverage, weights_swapped
 from transformer.batching import TokenBatchSampler, UpdateSampler, update_loader
-from transformer.checkpoint import CheckpointDirectory, CheckpointError, load_checkpoint, load_model_weights
+from transformer.checkpoint import (
+    CheckpointDirectory,
+    CheckpointError,
+    average_checkpoints,
+    load_checkpoint,
+    load_model_weights,
+    step_checkpoints,
+)
 from transformer.config import CONF_DIR, Config, ConfigError
 from transformer.corpus import prepare
 from transformer.data import DataError, load_split_text
@@ -106,6 +114,7 @@ class Trainer:
         workers = tc.num_workers if tc.num_workers is not None else (2 if cuda else 0)
         self.loader = update_loader(self.data.train, self.updates, workers, pin_memory=cuda)
         self.progress = Progress()
+        self.ema = ExponentialMovingAverage(self.model, tc.ema_decay) if tc.ema_decay else None
         self.oom_skips = self.oom_in_a_row = 0
         if resume_state:
             self._load_state(resume_state)
@@ -147,6 +156,7 @@ class Trainer:
             "rng": D.gather_objects(rng_state(self.device), self.dist),         # one entry per rank
             "data_state": self.progress.data_state(self.dist.world_size, self._batching()),
             "metrics": self.progress.metrics(),
+            **({"ema": self.ema.state_dict()} if self.ema else {}),
         }
 
     def _load_state(self, state: dict) -> None:
@@ -159,6 +169,10 @@ class Trainer:
             raise TrainingError(f"checkpoint was written with {data_state.get('world_size')} processes; "
                                 f"resume with the same number (now {self.dist.world_size})")
         self.progress = Progress.from_checkpoint(state)
+        if self.ema and "ema" in state:
+            self.ema.load_state_dict(state["ema"])
+        elif self.ema:
+            log.warning("the checkpoint holds no EMA of the weights: the average starts from its weights")
         saved, now = data_state.get("batching"), self._batching()
         if saved != now:
             differ = ", ".join(k for k in now if saved is None or saved.get(k) != now[k])
@@ -173,9 +187,13 @@ class Trainer:
         return {"corpus": self.data.train.directory.name, "max_len": self.cfg.data.max_len, "seed": tc.seed,
                 "max_tokens": tc.max_tokens, "update_freq": tc.update_freq, "order": "width,src,tgt,random"}
 
-    def save(self, name: str, periodic: bool = False) -> None:
-        """Write checkpoint `name` (with `periodic`, also step_N.pt, pruned to trainer.keep_last)."""
+    def save(self, name: str, periodic: bool = False, weights: str = "raw") -> None:
+        """Write checkpoint `name` (with `periodic`, also step_N.pt, pruned to trainer.keep_last). With
+        `weights="ema"`, its `model` entry holds the moving average (best.pt, when the EMA validates best)."""
         state = self.state_dict()           # every rank joins the RNG gather
+        if weights == "ema":
+            state["model"] = self.ema.model_state(self.model)
+        state["weights"] = weights
         try:
             if periodic:
                 self.checkpoints.save_periodic(state, self.progress.step)
@@ -309,6 +327,8 @@ class Trainer:
         if progress.step % tc.validate_every != 0 and not by_signal:
             self.validate()
         self.save("last.pt")            # non-finite updates were skipped: the weights are finite
+        if tc.average_last and self.dist.is_main and not by_signal:
+            self.average_last()
         if self.stop_signal:
             log.info("saved %s; continue with: make train <same overrides> trainer.resume=true hydra.run.dir=%s",
                      self.ckpt_dir / "last.pt", self.run_dir)
@@ -326,6 +346,8 @@ class Trainer:
             return self._stop_reason(started)
         progress.step += 1
         self.oom_in_a_row = 0
+        if self.ema:
+            self.ema.update(progress.step)
         bar.update(1)
         self.log.add(stats, micro)
         log_step = progress.step % tc.log_every == 0
@@ -341,25 +363,49 @@ class Trainer:
         return self._stop_reason(started, agree=log_step)
 
     def validate(self) -> None:
-        """Validation loss and BLEU on rank 0; the result is broadcast so every rank agrees."""
+        """Validation loss and BLEU on rank 0 of the raw weights and, with trainer.ema_decay, of their
+        moving average; the better set counts (and goes into best.pt). The result is broadcast so every
+        rank agrees."""
         result = None
         step = self.progress.step
         if self.dist.is_main:
             log.info("validating at step %d", step)
             try:
                 result = self._validate_main()
+                if self.ema:
+                    with weights_swapped(self.model, self.ema.model_state(self.model)):
+                        result = _better(result, self._validate_main("ema"))
             except Interrupted:           # a stop signal arrived: skip the rest, the run saves and exits
                 log.warning("validation at step %d interrupted by %s", step, self.stop_signal)
         result = D.broadcast_object(result, self.dist)
         if result is not None and self.progress.record_validation(result) and math.isfinite(result["loss"]):
-            self.save("best.pt")
+            self.save("best.pt", weights=result["weights"])
+
+    def average_last(self) -> None:
+        """trainer.average_last: validate the average of the last N step_N.pt (rank 0, at the end of a
+        run); if it beats the best so far, it becomes best.pt."""
+        n = self.cfg.trainer.average_last
+        paths = step_checkpoints(self.run_dir)[-n:]
+        if len(paths) < 2:
+            log.warning("trainer.average_last=%d: %d step_N.pt file(s) in %s, nothing to average; lower "
+                        "trainer.checkpoint_every to write more", n, len(paths), self.ckpt_dir)
+            return
+        state = average_checkpoints(paths)
+        name = f"average of {', '.join(p.stem for p in paths)}"
+        log.info("validating the %s", name)
+        with weights_swapped(self.model, state["model"]):
+            result = {**self._validate_main("average"), "weights": name}
+        if self.progress.record_validation(result) and math.isfinite(result["loss"]):
+            state.update(weights=name, metrics=self.progress.metrics())
+            self.checkpoints.save(state, "best.pt")
 
     def _stopping(self) -> bool:
         """Asked between validation batches: a stop signal abandons the validation."""
         return self.stop_signal is not None
 
-    def _validate_main(self) -> dict:
-        """Loss, BLEU, chrF, samples and a heatmap of the validation split (rank 0)."""
+    def _validate_main(self, weights: str = "raw") -> dict:
+        """Loss, BLEU, chrF, samples and a heatmap of the validation split (rank 0), with the weights the
+        model holds (`weights` names them: raw, ema, average; TensorBoard's val/, val_ema/, ...)."""
         tc, dc = self.cfg.trainer, self.cfg.decode
         loss, nll = validation_loss(self.model, self.data.valid, tc.max_tokens, self.device, self.autocast,
                                     tc.label_smoothing, self._stopping)
@@ -374,11 +420,12 @@ class Trainer:
         cut = sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps))
         result = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "bleu": scores["bleu"],
                   "chrf": scores["chrf"], "cut_at_max_len": cut}
-        log.info("validation step %d | loss %.3f | ppl %.2f | BLEU %.2f | chrF %.2f | cut %.1f%% | %s",
-                 self.progress.step, loss, result["ppl"], scores["bleu"], scores["chrf"], 100 * cut,
-                 scores["bleu_signature"])
+        log.info("validation step %d%s | loss %.3f | ppl %.2f | BLEU %.2f | chrF %.2f | cut %.1f%% | %s",
+                 self.progress.step, "" if weights == "raw" else f" ({weights} weights)", loss, result["ppl"],
+                 scores["bleu"], scores["chrf"], 100 * cut, scores["bleu_signature"])
+        tag = "val" if weights == "raw" else f"val_{weights}"
         for key, value in result.items():
-            self.writer.add_scalar(f"val/{key}", value, self.progress.step)
+            self.writer.add_scalar(f"{tag}/{key}", value, self.progress.step)
         samples = "\n\n".join(f"**src** {s}  \n**ref** {r}  \n**hyp** {h}"
                               for s, r, h in list(zip(sources, references, texts))[:4])
         self.writer.add_text("val/samples", samples, self.progress.step)
@@ -386,7 +433,7 @@ class Trainer:
                               cross_attention_image(self.model, self.data.tokenizer, sources[0],
                                                     hyps[0][0].tokens, self.device), self.progress.step)
         self.writer.flush()
-        return result
+        return {**result, "weights": weights}
 
     def test(self) -> dict | None:
         """Translate the test split with the decode config and the best weights; print BLEU."""
@@ -410,6 +457,12 @@ class Trainer:
         log.info(message)
         print(message, flush=True)
         return scores
+
+
+def _better(raw: dict, other: dict) -> dict:
+    """Of two validation results of one step, the one with the higher BLEU, with both BLEUs recorded."""
+    best = other if other["bleu"] > raw["bleu"] else raw
+    return {**best, f"bleu_{raw['weights']}": raw["bleu"], f"bleu_{other['weights']}": other["bleu"]}
 
 
 def train(cfg, run_dir: str | Path | None = None) -> dict:
