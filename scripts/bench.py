@@ -42,10 +42,8 @@ from transformer.batching import TokenBatchSampler  # noqa: E402
 from transformer.config import compose  # noqa: E402
 from transformer.corpus import prepare  # noqa: E402
 from transformer.model import SinusoidalPositions, build_model  # noqa: E402
-from transformer.search import translate_ids  # noqa: E402
 from transformer.setup import (  # noqa: E402
     DTYPES,
-    autocast_factory,
     cpu_has_native_bf16,
     resolve_precision,
 )
@@ -262,11 +260,12 @@ def _peak_tflops(device) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS if k in name), None)
 
 
-def bench_decode(model, tokenizer, sources: list[str], device, repeats: int) -> list[dict]:
-    """Decoding inside this process at the precision `transformer-translate` picks (auto)."""
+def bench_decode(model, tokenizer, cfg, sources: list[str], device, repeats: int) -> list[dict]:
+    """Decoding inside this process through `Translator` (tokenizing included) at the precision
+    `transformer-translate` picks (auto), with the key/value cache and without."""
+    from transformer.translate import Translator
     precision = resolve_precision("auto", device)
-    autocast = autocast_factory(device, DTYPES[precision])
-    ids = [s[: model.cfg.max_positions - 1] for s in tokenizer.encode_src(sources)]
+    translator = Translator(model.to(device).eval(), tokenizer, cfg, device, precision)
     rows = []
     for beam in (1, 5):
         timings = {}
@@ -274,13 +273,12 @@ def bench_decode(model, tokenizer, sources: list[str], device, repeats: int) -> 
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                translate_ids(model, ids, beam_size=beam, alpha=0.6, device=device, use_cache=use_cache,
-                              autocast=autocast)
+                translator.hypotheses(sources, beam_size=beam, alpha=0.6, use_cache=use_cache)
                 times.append(time.perf_counter() - start)
             timings[use_cache] = statistics.median(times)
-        rows.append({"section": "decode", "beam": beam, "precision": precision, "sentences": len(ids),
-                     "cached_sentences_per_s": len(ids) / timings[True],
-                     "uncached_sentences_per_s": len(ids) / timings[False],
+        rows.append({"section": "decode", "beam": beam, "precision": precision, "sentences": len(sources),
+                     "cached_sentences_per_s": len(sources) / timings[True],
+                     "uncached_sentences_per_s": len(sources) / timings[False],
                      "cache_speedup": timings[False] / timings[True]})
     return rows
 
@@ -347,13 +345,15 @@ def main() -> int:
         model, tokenizer, ckpt_cfg = model_from_checkpoint(load_checkpoint(args.checkpoint), args.checkpoint)
         sources, _ = load_split_text(ckpt_cfg.data, "test")
     else:
-        model, tokenizer, sources = _quick_model()
+        model, tokenizer, ckpt_cfg, sources = _quick_model()
     if args.decode_sentences:
         sources = sources[: args.decode_sentences]
-    rows += bench_decode(model.to(device).eval(), tokenizer, sources, device, repeats=1)
+    rows += bench_decode(model, tokenizer, ckpt_cfg, sources, device, repeats=1)
     test_file = Path(multi30k or ".") / "test_2016_flickr.de"
     if args.checkpoint and multi30k and args.cli_repeats > 0 and test_file.exists():
         rows += bench_translate_cli(args.checkpoint, test_file, args.cli_repeats)
+        from bench_ctranslate2 import bench_ctranslate2
+        rows += bench_ctranslate2(args.checkpoint, test_file, test_file.with_suffix(".en"), args.cli_repeats)
     sizes = [int(x) for x in args.data_scale.split(",") if int(x) > 0]
     if multi30k and sizes:
         rows += bench_data_scale(Path(multi30k), sizes, Path(args.data_scale_dir))
@@ -379,7 +379,7 @@ def _quick_model():
     train(cfg, run_dir)
     state = load_checkpoint(run_dir / "checkpoints" / "best.pt")
     model, tokenizer, cfg = model_from_checkpoint(state)
-    return model, tokenizer, load_split_text(cfg.data, "test")[0]
+    return model, tokenizer, cfg, load_split_text(cfg.data, "test")[0]
 
 
 def _print_table(info: dict, rows: list[dict]) -> None:
@@ -402,6 +402,9 @@ def _print_table(info: dict, rows: list[dict]) -> None:
         elif row["section"] in ("data", "data_scale"):
             from bench_data import print_row
             print_row(row)
+        elif row["section"] == "ctranslate2":
+            from bench_ctranslate2 import print_row as print_ct2
+            print_ct2(row)
         elif row["section"] == "translate_cli":
             print(f"transformer-translate --beam {row['beam']} < {Path(row['file']).name} (whole process) | "
                   f"median {row['seconds_median']:.2f} s (min {row['seconds_min']:.2f}, max "

@@ -59,7 +59,7 @@ def test_multi30k_reads_local_files_with_data_path():
     ("model.attention=flash", "model.attention='flash' must be one of auto, sdpa, matmul, math"),
     ("trainer.max_tokens=0", "trainer.max_tokens=0 must be > 0"),
     ("decode.nbest=9", "decode.nbest=9 cannot exceed decode.beam_size=5"),
-    ("+trainer.max_stepz=5", "unknown config key trainer.max_stepz; known keys: adam_eps, betas"),
+    ("+trainer.max_stepz=5", "unknown config key trainer.max_stepz; known keys: adam_eps, average_last, betas"),
     # type and key errors come from Hydra's own schema check, turned into one line
     ("trainer.max_stepz=5", "Could not override 'trainer.max_stepz'"),
     ("trainer.max_steps=abc", "trainer.max_steps: Value 'abc' of type 'str' could not be converted to Integer"),

@@ -261,3 +261,14 @@ def test_sampling_at_a_low_temperature_is_greedy():
     assert all(h.tokens == greedy.tokens for h in cold)
     with pytest.raises(ValueError, match="temperature > 0"):
         Sampling(temperature=0.0)
+
+
+def test_decoders_meet_the_search_protocols():
+    from transformer.config import ModelConfig
+    from transformer.model import build_model
+    from transformer.search import LogitsDecoder, ModelDecoder, StepDecoder
+    model = build_model(ModelConfig(d_model=16, n_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1), 20, 20, True)
+    decoder = ModelDecoder(model.eval(), torch.tensor([[5, 6, 3]]))
+    assert isinstance(decoder, LogitsDecoder) and isinstance(decoder, StepDecoder)
+    table = TableDecoder.__new__(TableDecoder)
+    assert isinstance(table, StepDecoder) and not isinstance(table, LogitsDecoder)

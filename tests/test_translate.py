@@ -180,3 +180,47 @@ def test_cli_sampling_is_seeded(trained_checkpoint):
                          (["--sampling", "topk:4", "--temperature", "0"], "--temperature 0.0: must be")):
         code, _, err = _cli(trained_checkpoint, *bad, stdin=b"Hallo\n")
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_pipe_receives_the_first_translations_before_the_input_ends(trained_checkpoint, tmp_path):
+    import queue
+    import threading
+
+    from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+    _, _, config = model_from_checkpoint(load_checkpoint(trained_checkpoint))
+    sources = load_split_text(config.data, "validation")[0][:40]
+    proc = subprocess.Popen([sys.executable, "-m", "transformer.translate", str(trained_checkpoint), "--beam", "2",
+                             "--precision", "fp32"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(raw) for raw in iter(proc.stdout.readline, b"")], daemon=True).start()
+    try:
+        proc.stdin.write(("\n".join(sources[:3]) + "\n").encode())
+        proc.stdin.flush()
+        # The input is still open: the first three translations must come anyway.
+        first = [lines.get(timeout=120).decode().rstrip("\n") for _ in range(3)]
+        assert proc.poll() is None
+        proc.stdin.write(("\n".join(sources[3:]) + "\n\n").encode())      # the rest, and an empty line
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()
+    finally:
+        proc.kill()
+    rest = []
+    while not lines.empty():
+        rest.append(lines.get().decode().rstrip("\n"))
+    # Streamed in chunks, the output is what one batch of the whole file gives, line for line.
+    source_file = tmp_path / "in.de"
+    source_file.write_text("\n".join(sources) + "\n\n")
+    code, whole, err = _cli(trained_checkpoint, "--input", source_file, "--beam", "2", "--precision", "fp32")
+    assert code == 0, err
+    assert first + rest == whole.split("\n")[:-1] and len(first + rest) == 41 and rest[-1] == ""
+
+
+def test_stream_chunks_take_what_has_arrived(tmp_path):
+    import io
+
+    from transformer.translate import stream_chunks
+    data = "\ufeffeins\r\nzwei\n".encode() + b"\xff drei\n" + b"vier"
+    chunks = list(stream_chunks(io.BytesIO(data), max_lines=3))
+    assert [line for lines, _ in chunks for line in lines] == ["eins", "zwei", "\ufffd drei", "vier"]
+    assert all(len(lines) <= 3 for lines, _ in chunks) and sum(bad for _, bad in chunks) == 1

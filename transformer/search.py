@@ -1,9 +1,10 @@
 """Greedy decoding and batched beam search, both incremental over the decoder's key/value cache.
 
-The search functions talk to a `StepDecoder`: `step(tokens) -> log-probabilities of the next token`
-and `select(rows, sentences)` to follow the surviving hypotheses. `ModelDecoder` implements it for
-the Transformer (with the cache, or recomputing the prefix for comparison); tests implement it with
-hand-written probability tables.
+The search functions talk to a `StepDecoder` (the protocol below): `step(tokens) -> log-probabilities
+of the next token` and `select(rows, sentences)` to follow the surviving hypotheses. `ModelDecoder`
+implements it for any `EncoderDecoder` (with the cache, or recomputing the prefix for comparison);
+tests implement it with hand-written probability tables. Text in, text out goes through
+`transformer.translate.Translator`, which calls `translate_ids` here.
 
 Shapes: n open sentences, K beam size, t tokens so far (BOS included), V vocabulary.
 """
@@ -14,6 +15,7 @@ import contextlib
 import gc
 import math
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,40 @@ class Hypothesis:
     score: float             # log-probability / length penalty (what the beam ranks by)
     logprob: float           # total log-probability, EOS included
     hit_max_len: bool = False
+    text: str = ""           # detokenized (filled in by `Translator`)
+
+
+class EncoderDecoder(Protocol):
+    """What decoding needs of a model (`transformer.model.Transformer` is one)."""
+    cfg: object              # .max_positions
+    training: bool
+
+    def encode(self, src: torch.Tensor) -> torch.Tensor: ...                       # (B, S) -> (B, S, D)
+
+    def decode(self, tgt_in: torch.Tensor, memory, src_pad_mask, cache=None) -> torch.Tensor: ...  # (B, T, V)
+
+    def new_cache(self, memory: torch.Tensor, src_pad_mask: torch.Tensor): ...
+
+    def train(self, mode: bool = True): ...
+
+
+@runtime_checkable
+class StepDecoder(Protocol):
+    """One decoding step at a time over a batch of hypothesis rows."""
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (rows, t) -> float32 log-probabilities (rows, V) of token t+1."""
+
+    def select(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> None:
+        """Continue with hypothesis rows `rows`; if given, keep only sentence rows `sentences`."""
+
+
+@runtime_checkable
+class LogitsDecoder(StepDecoder, Protocol):
+    """A StepDecoder that also hands out raw logits, so that search takes log-probabilities in blocks."""
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (rows, t) -> logits (rows, V) of token t+1."""
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -51,7 +87,7 @@ def max_lengths(src: torch.Tensor, max_len_a: float, max_len_b: int, limit: int)
 class ModelDecoder:
     """Runs the Transformer decoder one step at a time for `search`."""
 
-    def __init__(self, model, src: torch.Tensor, use_cache: bool = True):
+    def __init__(self, model: EncoderDecoder, src: torch.Tensor, use_cache: bool = True):
         self.model = model
         memory = model.encode(src)                                      # (B, S, D)
         src_pad_mask = padding_mask(src, PAD_ID)                        # (B, S)
@@ -106,10 +142,10 @@ def row_topk(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tenso
 CPU_LOGPROB_BLOCK_ROWS = 128
 
 
-def top_candidates(decoder, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def top_candidates(decoder: StepDecoder, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tokens (rows, t) -> the k most probable next tokens per row (log-probabilities (rows, k) and
     ids (rows, k), best first; PAD and BOS excluded) and each row's EOS log-probability (rows,)."""
-    if not hasattr(decoder, "logits"):        # a decoder that only offers log-probabilities
+    if not isinstance(decoder, LogitsDecoder):        # one that only offers log-probabilities
         return _candidates(decoder.step(tokens), k)
     logits = decoder.logits(tokens)                                               # (rows, V)
     block = CPU_LOGPROB_BLOCK_ROWS if logits.device.type == "cpu" else max(1, logits.size(0))
@@ -165,7 +201,7 @@ class Sampling:
 
 
 @torch.no_grad()
-def greedy_search(decoder, max_lens: torch.Tensor, sampling: Sampling | None = None) -> list[Hypothesis]:
+def greedy_search(decoder: StepDecoder, max_lens: torch.Tensor, sampling: Sampling | None = None) -> list[Hypothesis]:
     """Pick the most probable token at every step (or draw one, with `sampling`); sentences leave the
     batch when they emit EOS."""
     batch = max_lens.numel()
@@ -203,7 +239,7 @@ def greedy_search(decoder, max_lens: torch.Tensor, sampling: Sampling | None = N
 
 
 @torch.no_grad()
-def beam_search(decoder, max_lens: torch.Tensor, beam_size: int, alpha: float = 0.0,
+def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, alpha: float = 0.0,
                 nbest: int = 1) -> list[list[Hypothesis]]:
     """Batched beam search; returns the `nbest` best finished hypotheses per sentence, best first.
 
@@ -287,7 +323,7 @@ def _closed(finished, open_ids, scores, forced, max_lens, beam_size, alpha, nbes
 
 
 @torch.inference_mode()       # no_grad, minus version counting and view tracking: a few % here
-def translate_ids(model, sources: list[list[int]], *, beam_size: int = 5, alpha: float = 0.0,
+def translate_ids(model: EncoderDecoder, sources: list[list[int]], *, beam_size: int = 5, alpha: float = 0.0,
                   max_len_a: float = 1.2, max_len_b: int = 10, nbest: int = 1,
                   batch_tokens: int = DEFAULT_BATCH_TOKENS, device: torch.device | str = "cpu",
                   use_cache: bool = True, progress=None, autocast=None, stop=None,

@@ -58,13 +58,8 @@ from transformer.setup import (
 )
 from transformer.tokenizer import Tokenizer
 from transformer.train_log import TrainLog
-from transformer.validate import (
-    batch_loss,
-    cross_attention_image,
-    decode_texts,
-    score,
-    validation_loss,
-)
+from transformer.translate import Translator
+from transformer.validate import batch_loss, cross_attention_image, score, validation_loss
 
 log = logging.getLogger("transformer.train")
 
@@ -107,6 +102,8 @@ class Trainer:
             log.info("initialised the weights from %s (step %d); optimizer, schedule and step start afresh",
                      tc.init_from, init_state["step"])
         self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device)
+        # Validation and the test decode through the same front end as transformer-translate.
+        self.translator = Translator(self.model, tok, cfg, self.device, autocast=self.autocast)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.sampler = TokenBatchSampler(self.data.train.src_lens, self.data.train.tgt_lens, tc.max_tokens, tc.seed)
         self.updates = UpdateSampler(self.sampler, tc.update_freq, self.dist.rank, self.dist.world_size)
@@ -412,10 +409,9 @@ class Trainer:
         sources, references = self.valid_text
         if tc.val_max_sentences:
             sources, references = sources[: tc.val_max_sentences], references[: tc.val_max_sentences]
-        hyps, texts = decode_texts(self.model, self.data.tokenizer, sources, beam_size=tc.val_beam_size,
-                                   alpha=dc.alpha, max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
-                                   batch_tokens=dc.batch_tokens, device=self.device, autocast=self.autocast,
-                                   desc="validate", stop=self._stopping)
+        hyps = self.translator.hypotheses(sources, beam_size=tc.val_beam_size, batch_tokens=dc.batch_tokens,
+                                          progress=None, desc="validate", stop=self._stopping)
+        texts = [h[0].text for h in hyps]
         scores = score(texts, references, self.cfg.data.tgt_lang)
         cut = sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps))
         result = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "bleu": scores["bleu"],
@@ -430,7 +426,7 @@ class Trainer:
                               for s, r, h in list(zip(sources, references, texts))[:4])
         self.writer.add_text("val/samples", samples, self.progress.step)
         self.writer.add_image("val/cross_attention",
-                              cross_attention_image(self.model, self.data.tokenizer, sources[0],
+                              cross_attention_image(self.model, self.translator.encode_sources(sources[:1])[0],
                                                     hyps[0][0].tokens, self.device), self.progress.step)
         self.writer.flush()
         return {**result, "weights": weights}
@@ -448,9 +444,7 @@ class Trainer:
             log.warning("no test split to score: %s", error)
             return None
         dc = self.cfg.decode
-        _, texts = decode_texts(self.model, self.data.tokenizer, sources, beam_size=dc.beam_size, alpha=dc.alpha,
-                                max_len_a=dc.max_len_a, max_len_b=dc.max_len_b, batch_tokens=dc.batch_tokens,
-                                device=self.device, autocast=self.autocast, desc="test")
+        texts = self.translator.translate(sources, batch_tokens=dc.batch_tokens, progress=None, desc="test")
         scores = score(texts, references, self.cfg.data.tgt_lang)
         message = (f"test BLEU {scores['bleu']:.2f} | chrF {scores['chrf']:.2f} ({len(sources)} sentences, "
                    f"beam {dc.beam_size}, {best if best.exists() else 'final weights'}) {scores['bleu_signature']}")

@@ -10,11 +10,16 @@ Needs nothing but the checkpoint file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import math
 import numbers
+import os
+import queue
 import re
+import stat
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -33,24 +38,28 @@ SCORE_BATCH_TOKENS = 2048
 
 
 class Translator:
-    """Translate raw sentences with a trained checkpoint.
+    """Text in, text out: the one path from raw sentences to translations, for the command line, the
+    Python API, validation and the test at the end of training, `evaluate` and the bench.
 
     >>> Translator.from_checkpoint("best.pt").translate(["Ein Hund rennt."], beam_size=5)
     ['A dog is running.']
+
+    Constructed around a model in use (training's), it leaves the model where it is and in the mode it
+    was in; `from_checkpoint` / `from_pretrained` move theirs to `device` in eval mode.
     """
 
-    def __init__(self, model, tokenizer, config, device: torch.device, precision: str = "fp32"):
-        self.model, self.tokenizer, self.config = model.to(device).eval(), tokenizer, config
+    def __init__(self, model, tokenizer, config, device: torch.device, precision: str = "fp32", autocast=None):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_length = model.cfg.max_positions - 1       # tokens of a sentence, EOS or BOS aside
         self.device = device
-        self.autocast = autocast_factory(device, DTYPES[precision])
+        self.autocast = autocast or autocast_factory(device, DTYPES[precision])
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
         """A `.pt` checkpoint written by training."""
         device, precision = _device_and_precision(device, precision)
         model, tokenizer, config = model_from_checkpoint(load_checkpoint(path, mmap=True), path)
-        return cls(model, tokenizer, config, device, precision)
+        return cls(model.to(device).eval(), tokenizer, config, device, precision)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
@@ -59,7 +68,8 @@ class Translator:
         from transformer.export import load_pretrained
 
         device, precision = _device_and_precision(device, precision)
-        return cls(*load_pretrained(path), device, precision)
+        model, tokenizer, config = load_pretrained(path)
+        return cls(model.to(device).eval(), tokenizer, config, device, precision)
 
     @classmethod
     def load(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
@@ -68,12 +78,29 @@ class Translator:
             return cls.from_checkpoint(path, device, precision)
         return cls.from_pretrained(path, device, precision)
 
-    def translate_hypotheses(self, sentences: list[str], *, beam_size: int | None = None,
-                             alpha: float | None = None, nbest: int = 1, max_len_a: float | None = None,
-                             max_len_b: int | None = None, batch_tokens: int | None = None,
-                             progress: bool = False, sampling: Sampling | None = None) -> list[list[tuple[str, float]]]:
-        """n-best (text, score) lists, best first. Empty sentences translate to ''. With `sampling`
-        (`search.Sampling`), one sampled translation per sentence instead of a search."""
+    def encode_sources(self, sentences: list[str]) -> list[list[int]]:
+        """Source token ids, each cut to the model's positions (with one warning for all that were)."""
+        limit = self.max_length
+        sources = self.tokenizer.encode_src([s.strip() for s in sentences])
+        truncated = sum(len(s) > limit for s in sources)
+        if truncated:
+            warnings.warn(f"{truncated} source sentence(s) longer than {limit} tokens were truncated "
+                          "to the model's maximum length", stacklevel=3)
+        return [s[:limit] for s in sources]
+
+    def translate_hypotheses(self, sentences: list[str], **options) -> list[list[tuple[str, float]]]:
+        """n-best (text, score) lists, best first; the options of `hypotheses`."""
+        return [[(h.text, h.score) for h in hyps] for hyps in self.hypotheses(sentences, **options)]
+
+    def hypotheses(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
+                   nbest: int = 1, max_len_a: float | None = None, max_len_b: int | None = None,
+                   batch_tokens: int | None = None, progress: bool | None = False, desc: str = "translate",
+                   sampling: Sampling | None = None, stop=None, use_cache: bool = True) -> list[list[Hypothesis]]:
+        """n-best `Hypothesis` lists (text, score, tokens, ...), best first. Options left out come from the
+        config's decode section. Empty sentences translate to ''. With `sampling` (`search.Sampling`), one
+        sampled translation per sentence instead of a search. `progress`: a tqdm bar (None: when stderr
+        is a terminal); `stop()`, asked between batches, may raise `search.Interrupted`; `use_cache=False`
+        recomputes every prefix (the bench's reference)."""
         if not isinstance(sentences, (str, bytes)):
             sentences = list(sentences)                  # any iterable of str, consumed once
         if isinstance(sentences, (str, bytes)) or not all(isinstance(s, str) for s in sentences):
@@ -89,24 +116,21 @@ class Translator:
         batch_tokens = DEFAULT_BATCH_TOKENS if batch_tokens is None else batch_tokens
         check_options(beam_size=beam_size, nbest=nbest, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                       batch_tokens=batch_tokens)
-        limit = self.max_length
-        sources = self.tokenizer.encode_src([s.strip() for s in sentences])
-        truncated = sum(len(s) > limit for s in sources)
-        if truncated:
-            warnings.warn(f"{truncated} source sentence(s) longer than {limit} tokens were truncated "
-                          "to the model's maximum length", stacklevel=2)
+        sources = self.encode_sources(sentences)
         wanted = [i for i, s in enumerate(sources) if s]
         results: list[list[Hypothesis]] = [[] for _ in sources]
-        with tqdm(total=len(wanted), desc="translate", unit="sent", disable=not progress, leave=False) as bar:
+        with tqdm(total=len(wanted), desc=desc, unit="sent", leave=False,
+                  disable=None if progress is None else not progress) as bar:
             decoded = translate_ids(
-                self.model, [sources[i][:limit] for i in wanted], beam_size=beam_size, alpha=alpha, nbest=nbest,
-                max_len_a=max_len_a, max_len_b=max_len_b, batch_tokens=batch_tokens,
-                device=self.device, progress=bar, autocast=self.autocast, sampling=sampling)
+                self.model, [sources[i] for i in wanted], beam_size=beam_size, alpha=alpha, nbest=nbest,
+                max_len_a=max_len_a, max_len_b=max_len_b, batch_tokens=batch_tokens, device=self.device,
+                progress=bar, autocast=self.autocast, sampling=sampling, stop=stop, use_cache=use_cache)
         for index, hyps in zip(wanted, decoded):
             results[index] = hyps
-        flat = [h.tokens for hyps in results for h in hyps]
-        texts = iter(self.tokenizer.decode_tgt(flat))
-        return [[(next(texts), h.score) for h in hyps] if hyps else [("", 0.0)] * nbest for hyps in results]
+        flat = [h for hyps in results for h in hyps]
+        for hyp, text in zip(flat, self.tokenizer.decode_tgt([h.tokens for h in flat])):
+            hyp.text = text
+        return [hyps or [Hypothesis([], 0.0, 0.0) for _ in range(nbest)] for hyps in results]
 
     @torch.inference_mode()
     def score(self, sentences: list[str], references: list[str], batch_tokens: int | None = None) -> list[float]:
@@ -115,9 +139,8 @@ class Translator:
         Sources and references longer than the model's positions are truncated."""
         if len(sentences) != len(references):
             raise ValueError(f"{len(sentences)} sources but {len(references)} references")
-        limit = self.max_length
-        sources = [ids[:limit] for ids in self.tokenizer.encode_src([s.strip() for s in sentences])]
-        targets = [ids[:limit] for ids in self.tokenizer.encode_tgt([r.strip() for r in references])]
+        sources = self.encode_sources(sentences)
+        targets = [ids[:self.max_length] for ids in self.tokenizer.encode_tgt([r.strip() for r in references])]
         widths = [max(len(a), len(b)) for a, b in zip(sources, targets)]
         scores = [0.0] * len(sources)
         # The (B, T, V) float32 log-probabilities bound the batch: 2048 tokens x 32k pieces = 256 MB.
@@ -126,7 +149,7 @@ class Translator:
             tgt = [targets[i] for i in indices]
             tgt_in = pad_sequences(tgt, prefix=[BOS_ID]).to(self.device)                           # (B, T)
             tgt_out = pad_sequences(tgt, suffix=[EOS_ID]).to(self.device)                          # (B, T)
-            with self.autocast():
+            with self.autocast(), _eval_mode(self.model):
                 logits = self.model(src, tgt_in)                                                   # (B, T, V)
             logprobs = torch.log_softmax(logits.float(), dim=-1).gather(2, tgt_out[:, :, None]).squeeze(2)
             sums = logprobs.masked_fill(tgt_out == PAD_ID, 0.0).sum(dim=1)                         # (B,)
@@ -137,6 +160,16 @@ class Translator:
     def translate(self, sentences: list[str], beam_size: int | None = None, **options) -> list[str]:
         """One translation per sentence (the best hypothesis)."""
         return [hyps[0][0] for hyps in self.translate_hypotheses(sentences, beam_size=beam_size, **options)]
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def _device_and_precision(device: str, precision: str) -> tuple[torch.device, str]:
@@ -208,24 +241,70 @@ def parse_sampling(text: str, temperature: float, seed: int) -> Sampling:
     raise ValueError(f"--sampling {text}: write topk:K (a whole number >= 1) or topp:P (0 < P <= 1)")
 
 
+def _text_line(raw: bytes) -> tuple[str, bool]:
+    """One input line (without its line break) as text; whether it was invalid UTF-8 (bytes replaced)."""
+    raw = raw[:-1] if raw.endswith(b"\r") else raw
+    try:
+        line, bad = raw.decode("utf-8"), False
+    except UnicodeDecodeError:
+        line, bad = raw.decode("utf-8", errors="replace"), True
+    # Control characters other than tab carry no meaning for translation.
+    return "".join(ch if ch >= " " or ch == "\t" else " " for ch in line), bad
+
+
 def read_input(stream) -> tuple[list[str], int]:
     """Lines of a binary stream decoded as UTF-8 (invalid bytes replaced); also the count of bad lines."""
-    lines, bad = [], 0
     data = stream.read()
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     parts = data.split(b"\n")
     if parts and parts[-1] == b"":
         parts.pop()
-    for raw in parts:
-        raw = raw[:-1] if raw.endswith(b"\r") else raw
+    decoded = [_text_line(raw) for raw in parts]
+    return [line for line, _ in decoded], sum(bad for _, bad in decoded)
+
+
+# At most this many lines are translated together while streaming.
+STREAM_CHUNK_LINES = 256
+
+
+def stream_chunks(stream, max_lines: int = STREAM_CHUNK_LINES):
+    """Lines of a binary stream in chunks as they arrive: (lines, invalid UTF-8 count) per chunk.
+
+    A reader thread queues lines as they come in; each chunk waits for one line, then takes whatever
+    else has already arrived. At a terminal that is one line at a time; from a pipe fed faster than
+    the model translates, chunks grow to `max_lines`, so a long-running filter keeps batching.
+    """
+    arrived: queue.Queue = queue.Queue()
+
+    def read() -> None:
         try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            line, bad = raw.decode("utf-8", errors="replace"), bad + 1
-        # Control characters other than tab carry no meaning for translation.
-        lines.append("".join(ch if ch >= " " or ch == "\t" else " " for ch in line))
-    return lines, bad
+            for raw in iter(stream.readline, b""):
+                arrived.put(raw)
+        finally:
+            arrived.put(None)                       # end of input
+
+    threading.Thread(target=read, name="translate-input", daemon=True).start()
+    first, ended = True, False
+    while not ended:
+        raw = arrived.get()
+        if raw is None:
+            return
+        chunk = [raw]
+        while len(chunk) < max_lines:
+            try:
+                raw = arrived.get_nowait()
+            except queue.Empty:
+                break
+            if raw is None:
+                ended = True
+                break
+            chunk.append(raw)
+        if first and chunk[0].startswith(b"\xef\xbb\xbf"):
+            chunk[0] = chunk[0][3:]
+        first = False
+        decoded = [_text_line(raw[:-1] if raw.endswith(b"\n") else raw) for raw in chunk]
+        yield [line for line, _ in decoded], sum(bad for _, bad in decoded)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         args.beam = translator.config.decode.beam_size
         if args.nbest > args.beam:
             return fail(f"--nbest {args.nbest}: the checkpoint's beam size is {args.beam}; add --beam {args.nbest}")
+    if args.score_reference is None and sampling is None and not args.input and _streams(sys.stdin):
+        return _translate_stream(translator, args, fail)
     try:
         if args.input:
             with open(args.input, "rb") as handle:
@@ -283,9 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             lines, bad = read_input(sys.stdin.buffer)
     except OSError as error:
         return fail(f"{args.input}: {error.strerror}")
-    if bad:
-        print(f"transformer-translate: warning: {bad} input line(s) were not valid UTF-8; "
-              "invalid bytes were replaced", file=sys.stderr)
+    _warn_invalid(bad)
     out = io.StringIO()
     if args.score_reference:
         try:
@@ -299,21 +378,73 @@ def main(argv: list[str] | None = None) -> int:
         for value in translator.score(lines, references, batch_tokens=args.batch_tokens):
             out.write(f"{value:.4f}\n")
         return _write(out, args.output, fail)
+    results = _translate_lines(translator, lines, args, sampling, progress=bool(args.output) and sys.stderr.isatty())
+    out.write(_format(results, args.nbest, first_index=0))
+    return _write(out, args.output, fail)
+
+
+def _streams(stdin) -> bool:
+    """Translate as input arrives when it comes from a pipe or a terminal; a redirected file is read whole
+    (one sorted pass batches best)."""
+    try:
+        return not stat.S_ISREG(os.fstat(stdin.fileno()).st_mode)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _translate_lines(translator: Translator, lines: list[str], args, sampling, progress: bool = False):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         results = translator.translate_hypotheses(
             lines, beam_size=args.beam, alpha=args.alpha, nbest=args.nbest, max_len_a=args.max_len_a,
-            max_len_b=args.max_len_b, batch_tokens=args.batch_tokens,
-            progress=bool(args.output) and sys.stderr.isatty(), sampling=sampling)
+            max_len_b=args.max_len_b, batch_tokens=args.batch_tokens, progress=progress, sampling=sampling)
     for warning in caught:
         print(f"transformer-translate: warning: {warning.message}", file=sys.stderr)
-    for index, hyps in enumerate(results):
-        if args.nbest == 1:
-            out.write(_one_line(hyps[0][0]) + "\n")
-        else:
-            for text, hyp_score in hyps:
-                out.write(f"{index}\t{hyp_score:.4f}\t{_one_line(text)}\n")
-    return _write(out, args.output, fail)
+    return results
+
+
+def _format(results, nbest: int, first_index: int) -> str:
+    if nbest == 1:
+        return "".join(_one_line(hyps[0][0]) + "\n" for hyps in results)
+    return "".join(f"{index}\t{score:.4f}\t{_one_line(text)}\n"
+                   for index, hyps in enumerate(results, start=first_index) for text, score in hyps)
+
+
+def _translate_stream(translator: Translator, args, fail) -> int:
+    """Input from a pipe or a terminal: translate chunk by chunk as lines arrive, each chunk's
+    translations written and flushed before the next is read (one output line per input line, in
+    order), so that the command serves as a long-running filter."""
+    if sys.stdin.isatty():
+        print("transformer-translate: translating each line as you type it; end with Ctrl-D", file=sys.stderr)
+    try:
+        out = open(args.output, "w", encoding="utf-8") if args.output else None
+    except OSError as error:
+        return fail(f"--output {args.output}: {error.strerror}")
+    done = 0
+    try:
+        for lines, bad in stream_chunks(sys.stdin.buffer):
+            _warn_invalid(bad)
+            text = _format(_translate_lines(translator, lines, args, None), args.nbest, first_index=done)
+            done += len(lines)
+            if out is not None:
+                out.write(text)
+                out.flush()
+            else:
+                sys.stdout.buffer.write(text.encode("utf-8"))
+                sys.stdout.flush()
+    except BrokenPipeError:                       # the reader went away (e.g. `| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())    # nothing left to flush at exit
+        return 0
+    finally:
+        if out is not None:
+            out.close()
+    return 0
+
+
+def _warn_invalid(bad: int) -> None:
+    if bad:
+        print(f"transformer-translate: warning: {bad} input line(s) were not valid UTF-8; "
+              "invalid bytes were replaced", file=sys.stderr)
 
 
 def _write(out: io.StringIO, output: str | None, fail) -> int:

@@ -1,5 +1,5 @@
-"""Validation and scoring: loss on a split, decoding a split with the search code, sacreBLEU/chrF,
-and the pictures TensorBoard shows (sample translations, a cross-attention heatmap)."""
+"""Validation and scoring: loss on a split, sacreBLEU/chrF, and the pictures TensorBoard shows (a
+cross-attention heatmap). Decoding a split goes through `transformer.translate.Translator`."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import logging
 import numpy as np
 import sacrebleu
 import torch
-from tqdm import tqdm
 
 from transformer.batching import batches_in_order
 from transformer.loss import output_cross_entropy
-from transformer.search import Interrupted, translate_ids
+from transformer.search import Interrupted
 from transformer.tokenizer import BOS_ID, EOS_ID
 
 log = logging.getLogger(__name__)
@@ -83,25 +82,12 @@ def score(hypotheses: list[str], references: list[str], tgt_lang: str | None = N
             "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
 
 
-def decode_texts(model, tokenizer, sources: list[str], *, beam_size: int, alpha: float, max_len_a: float,
-                 max_len_b: int, batch_tokens: int, device, autocast=None, desc: str = "decoding",
-                 nbest: int = 1, stop=None):
-    """Translate raw source strings; returns (list of n-best Hypothesis lists, texts of the best)."""
-    limit = model.cfg.max_positions - 1
-    ids = [s[:limit] for s in tokenizer.encode_src(sources)]
-    with tqdm(total=len(ids), desc=desc, unit="sent", leave=False, disable=None) as progress:
-        results = translate_ids(model, ids, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
-                                max_len_b=max_len_b, nbest=nbest, batch_tokens=batch_tokens, device=device,
-                                progress=progress, autocast=autocast, stop=stop)
-    texts = tokenizer.decode_tgt([hyps[0].tokens for hyps in results])
-    return results, texts
-
-
 @torch.no_grad()
-def cross_attention_image(model, tokenizer, source: str, hypothesis_ids: list[int], device) -> torch.Tensor:
-    """(3, T*8, S*8) image of the last decoder layer's cross-attention (mean over heads)."""
-    src_ids = tokenizer.encode_src([source])[0][: model.cfg.max_positions - 1] + [EOS_ID]
-    tgt_ids = [BOS_ID] + hypothesis_ids[: model.cfg.max_positions - 1]
+def cross_attention_image(model, source_ids: list[int], hypothesis_ids: list[int], device) -> torch.Tensor:
+    """(3, T*8, S*8) image of the last decoder layer's cross-attention (mean over heads), for a source
+    and its translation as token ids (within the model's positions, as `Translator` makes them)."""
+    src_ids = source_ids + [EOS_ID]
+    tgt_ids = [BOS_ID] + hypothesis_ids
     src = torch.tensor([src_ids], device=device)
     tgt = torch.tensor([tgt_ids], device=device)
     layer = model.decoder_layers[-1].cross_attn
