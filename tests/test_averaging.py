@@ -99,3 +99,11 @@ def test_a_run_validates_raw_ema_and_average_and_keeps_the_best(tmp_path, data_c
     assert last["weights"] == "raw" and "ema" in last
     if best["weights"] == "ema" and best["step"] == last["step"]:
         assert torch.equal(best["model"]["tgt_embed.weight"], last["ema"]["weights"]["tgt_embed.weight"])
+
+
+def test_a_checkpoint_holding_averaged_weights_cannot_resume_a_run():
+    from transformer.run_state import TrainingError, _resumable
+    full = {"optimizer": {}, "scheduler": {}, "scaler": {}, "rng": [], "data_state": {}}
+    assert _resumable({**full, "weights": "raw"}, "last.pt")
+    with pytest.raises(TrainingError, match="best.pt: holds the ema weights .* resume from last.pt"):
+        _resumable({**full, "weights": "ema"}, "best.pt")

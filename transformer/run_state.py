@@ -96,6 +96,11 @@ def check_run_directory(run_dir: Path, overrides: list[str]) -> None:
 
 
 def _resumable(state: dict, path) -> dict:
+    if state.get("weights", "raw") != "raw":
+        raise TrainingError(
+            f"{path}: holds the {state['weights']} weights (best.pt of a run with trainer.ema_decay or "
+            f"average_last), not the training state; resume from last.pt, or start a new run from these weights "
+            f"with trainer.init_from={path}")
     missing = [key for key in ("optimizer", "scheduler", "scaler", "rng", "data_state") if key not in state]
     if missing:
         raise TrainingError(

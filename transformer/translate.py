@@ -73,10 +73,13 @@ class Translator:
 
     @classmethod
     def load(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
-        """A checkpoint file, or else an exported directory / hub id: what the command lines accept."""
-        if Path(path).is_file():
-            return cls.from_checkpoint(path, device, precision)
-        return cls.from_pretrained(path, device, precision)
+        """A checkpoint file, an exported directory, or a hub id (`owner/name`, nothing of that name on
+        disk): what the command lines accept."""
+        where = Path(path)
+        hub_id = not where.exists() and str(path).count("/") == 1 and where.suffix != ".pt"
+        if where.is_dir() or hub_id:
+            return cls.from_pretrained(path, device, precision)
+        return cls.from_checkpoint(path, device, precision)
 
     def encode_sources(self, sentences: list[str]) -> list[list[int]]:
         """Source token ids, each cut to the model's positions (with one warning for all that were)."""
