@@ -59,7 +59,11 @@ def test_hf_directory_round_trip_translates_identically(trained_checkpoint, tmp_
 
 
 def test_from_pretrained_refuses_what_it_cannot_read(trained_checkpoint, tmp_path):
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match="is a directory, not a checkpoint file, and holds no config.json"):
+        load_pretrained(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "best.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"did you mean .*checkpoints/best.pt\?"):
         load_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match="owner/name"):
         load_pretrained(tmp_path / "nowhere")

@@ -95,8 +95,10 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
     try:
         meta = json.loads(config_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"{folder}: no {CONFIG_FILE}; is this a directory written by "
-                              "`transformer-export --format hf`?") from None
+        found = sorted(folder.glob("*.pt")) + sorted(folder.glob("checkpoints/*.pt"))
+        hint = f"; did you mean {next((p for p in found if p.name == 'best.pt'), found[0])}?" if found else ""
+        raise CheckpointError(f"{folder}: is a directory, not a checkpoint file, and holds no {CONFIG_FILE} of "
+                              f"an exported model (transformer-export --format hf){hint}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{config_path}: not valid JSON ({error})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
