@@ -130,6 +130,12 @@ def test_export_cli_refuses_bad_requests(trained_checkpoint, tmp_path):
                               capture_output=True, text=True)
     result = run(trained_checkpoint, tmp_path / "x", "--format", "hf", "--quantization", "int8")
     assert result.returncode == 2 and "--quantization applies to --format ctranslate2 only" in result.stderr
+    precious = tmp_path / "run"
+    (precious / "checkpoints").mkdir(parents=True)
+    (precious / "checkpoints" / "keep.pt").write_bytes(b"x")
+    result = run(trained_checkpoint, precious, "--format", "hf", "--force")   # --force replaces exports only
+    assert result.returncode == 2 and "is not an exported model" in result.stderr
+    assert (precious / "checkpoints" / "keep.pt").read_bytes() == b"x"
     result = run(tmp_path / "missing.pt", tmp_path / "y", "--format", "hf")
     assert result.returncode == 2 and "missing.pt" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "y").exists()

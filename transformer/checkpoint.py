@@ -156,7 +156,7 @@ def average_checkpoints(paths: list[str | Path]) -> dict:
     """Average the model weights of several checkpoints of one run; the rest is taken from the last."""
     if not paths:
         raise CheckpointError("no checkpoints to average")
-    states = [load_checkpoint(p) for p in paths]
+    states = [load_checkpoint(p, mmap=True) for p in paths]     # memory-mapped: weights read as summed
     reference = states[-1]["model"]
     for path, state in zip(paths, states):
         if set(state["model"]) != set(reference) or any(state["model"][k].shape != v.shape

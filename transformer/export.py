@@ -46,8 +46,12 @@ def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
 def _replace_directory(build, out: Path, overwrite: bool) -> None:
     """Write a whole directory beside `out` with `build(tmp)`, then move it into place: a failed export
     leaves no half-written model behind."""
+    out = out.resolve()
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out}: already exists; pass --force to replace it")
+    if out.exists() and not (out / CONFIG_FILE).is_file():
+        raise FileExistsError(f"{out}: exists and is not an exported model (no {CONFIG_FILE}); --force replaces "
+                              "only a previous export: choose a new directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     umask = os.umask(0)
@@ -102,8 +106,10 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{config_path}: not valid JSON ({error})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{config_path}: not a {FORMAT_NAME} model (format {meta.get('format')!r}"
+        raise CheckpointError(f"{config_path}: not a {FORMAT_NAME} model (format {meta.get('format')!r})"
                               if isinstance(meta, dict) else f"{config_path}: not a {FORMAT_NAME} model")
+    if not isinstance(meta.get("format_version", 0), int):
+        raise CheckpointError(f"{config_path}: format_version {meta['format_version']!r} is not a whole number")
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"{config_path}: format version {meta['format_version']} is newer than this "
                               f"package reads ({FORMAT_VERSION}); upgrade this package")
@@ -121,6 +127,9 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
             raise CheckpointError(f"{config_path}: unknown tokenizer files {names}")
     except OSError as error:
         raise CheckpointError(f"{folder}: {error.strerror}: {error.filename}") from None
+    except RuntimeError as error:       # sentencepiece: not a model (e.g. a git-lfs pointer cloned without lfs)
+        raise CheckpointError(f"{folder}: {', '.join(names)}: not a SentencePiece model ({str(error).splitlines()[0]}); "
+                              "if the directory was cloned with git, fetch its LFS files (git lfs pull)") from None
     model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():

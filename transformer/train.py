@@ -170,6 +170,7 @@ class Trainer:
             self.ema.load_state_dict(state["ema"])
         elif self.ema:
             log.warning("the checkpoint holds no EMA of the weights: the average starts from its weights")
+            self.ema = ExponentialMovingAverage(self.model, self.cfg.trainer.ema_decay)
         saved, now = data_state.get("batching"), self._batching()
         if saved != now:
             differ = ", ".join(k for k in now if saved is None or saved.get(k) != now[k])
@@ -323,9 +324,9 @@ class Trainer:
         by_signal = D.any_rank(self.stop_signal is not None, self.dist, self.device)
         if progress.step % tc.validate_every != 0 and not by_signal:
             self.validate()
+        if tc.average_last and not by_signal:
+            self.average_last()         # before last.pt, so that its metrics (best score, patience) count it
         self.save("last.pt")            # non-finite updates were skipped: the weights are finite
-        if tc.average_last and self.dist.is_main and not by_signal:
-            self.average_last()
         if self.stop_signal:
             log.info("saved %s; continue with: make train <same overrides> trainer.resume=true hydra.run.dir=%s",
                      self.ckpt_dir / "last.pt", self.run_dir)
@@ -379,22 +380,29 @@ class Trainer:
             self.save("best.pt", weights=result["weights"])
 
     def average_last(self) -> None:
-        """trainer.average_last: validate the average of the last N step_N.pt (rank 0, at the end of a
-        run); if it beats the best so far, it becomes best.pt."""
+        """trainer.average_last, at the end of a run: rank 0 validates the average of the last N
+        step_N.pt; every rank records the result; if it beats the best so far, it becomes best.pt."""
         n = self.cfg.trainer.average_last
-        paths = step_checkpoints(self.run_dir)[-n:]
-        if len(paths) < 2:
-            log.warning("trainer.average_last=%d: %d step_N.pt file(s) in %s, nothing to average; lower "
-                        "trainer.checkpoint_every to write more", n, len(paths), self.ckpt_dir)
-            return
-        state = average_checkpoints(paths)
-        name = f"average of {', '.join(p.stem for p in paths)}"
-        log.info("validating the %s", name)
-        with weights_swapped(self.model, state["model"]):
-            result = {**self._validate_main("average"), "weights": name}
-        if self.progress.record_validation(result) and math.isfinite(result["loss"]):
-            state.update(weights=name, metrics=self.progress.metrics())
-            self.checkpoints.save(state, "best.pt")
+        result = state = None
+        if self.dist.is_main:
+            paths = step_checkpoints(self.run_dir)[-n:]
+            if len(paths) < 2:
+                log.warning("trainer.average_last=%d: %d step_N.pt file(s) in %s, nothing to average; lower "
+                            "trainer.checkpoint_every to write more", n, len(paths), self.ckpt_dir)
+            else:
+                state = average_checkpoints(paths)
+                name = f"average of {', '.join(p.stem for p in paths)}"
+                log.info("validating the %s", name)
+                try:
+                    with weights_swapped(self.model, state["model"]):
+                        result = {**self._validate_main("average"), "weights": name}
+                except Interrupted:
+                    log.warning("validation of the %s interrupted by %s", name, self.stop_signal)
+        result = D.broadcast_object(result, self.dist)
+        if result is not None and self.progress.record_validation(result) and math.isfinite(result["loss"]):
+            if self.dist.is_main:
+                state.update(weights=result["weights"], metrics=self.progress.metrics())
+                self.checkpoints.save(state, "best.pt")
 
     def _stopping(self) -> bool:
         """Asked between validation batches: a stop signal abandons the validation."""

@@ -278,12 +278,15 @@ def stream_chunks(stream, max_lines: int = STREAM_CHUNK_LINES):
     else has already arrived. At a terminal that is one line at a time; from a pipe fed faster than
     the model translates, chunks grow to `max_lines`, so a long-running filter keeps batching.
     """
-    arrived: queue.Queue = queue.Queue()
+    # Bounded: a producer far faster than the model waits instead of queueing its whole input in memory.
+    arrived: queue.Queue = queue.Queue(maxsize=4 * max_lines)
 
     def read() -> None:
         try:
             for raw in iter(stream.readline, b""):
                 arrived.put(raw)
+        except OSError as error:                    # handed to the consumer: one error line, not a thread traceback
+            arrived.put(error)
         finally:
             arrived.put(None)                       # end of input
 
@@ -293,12 +296,16 @@ def stream_chunks(stream, max_lines: int = STREAM_CHUNK_LINES):
         raw = arrived.get()
         if raw is None:
             return
+        if isinstance(raw, OSError):
+            raise raw
         chunk = [raw]
         while len(chunk) < max_lines:
             try:
                 raw = arrived.get_nowait()
             except queue.Empty:
                 break
+            if isinstance(raw, OSError):
+                raise raw
             if raw is None:
                 ended = True
                 break
@@ -438,6 +445,10 @@ def _translate_stream(translator: Translator, args, fail) -> int:
     except BrokenPipeError:                       # the reader went away (e.g. `| head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())    # nothing left to flush at exit
         return 0
+    except KeyboardInterrupt:                     # Ctrl-C at the terminal: what was translated is written
+        return 130
+    except OSError as error:
+        return fail(f"reading the input: {error.strerror or error}")
     finally:
         if out is not None:
             out.close()
