@@ -283,25 +283,6 @@ def bench_decode(model, tokenizer, cfg, sources: list[str], device, repeats: int
     return rows
 
 
-def bench_translate_cli(checkpoint: str, source_file: Path, repeats: int) -> list[dict]:
-    """`transformer-translate CKPT --beam N < source_file` as a whole process, model load included."""
-    import subprocess
-    rows = []
-    for beam in (5, 1):
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            with open(source_file, "rb") as source:
-                subprocess.run([sys.executable, "-m", "transformer.translate", checkpoint, "--beam", str(beam)],
-                               stdin=source, stdout=subprocess.DEVNULL, check=True,
-                               cwd=Path(__file__).resolve().parents[1])
-            times.append(time.perf_counter() - start)
-        rows.append({"section": "translate_cli", "beam": beam, "file": str(source_file),
-                     "seconds_median": statistics.median(times), "seconds_min": min(times),
-                     "seconds_max": max(times), "repeats": repeats})
-    return rows
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small", help="model preset to time (default small)")
@@ -351,9 +332,10 @@ def main() -> int:
     rows += bench_decode(model, tokenizer, ckpt_cfg, sources, device, repeats=1)
     test_file = Path(multi30k or ".") / "test_2016_flickr.de"
     if args.checkpoint and multi30k and args.cli_repeats > 0 and test_file.exists():
-        rows += bench_translate_cli(args.checkpoint, test_file, args.cli_repeats)
-        from bench_ctranslate2 import bench_ctranslate2
-        rows += bench_ctranslate2(args.checkpoint, test_file, test_file.with_suffix(".en"), args.cli_repeats)
+        from bench_ctranslate2 import bench_ctranslate2, bench_translate_cli
+        ours = bench_translate_cli(args.checkpoint, test_file, test_file.with_suffix(".en"), args.cli_repeats)
+        rows += ours + bench_ctranslate2(args.checkpoint, test_file, test_file.with_suffix(".en"), args.cli_repeats,
+                                         ours)
     sizes = [int(x) for x in args.data_scale.split(",") if int(x) > 0]
     if multi30k and sizes:
         rows += bench_data_scale(Path(multi30k), sizes, Path(args.data_scale_dir))

@@ -1,5 +1,6 @@
-"""The bench's CTranslate2 section: a checkpoint exported with `transformer-export --format ctranslate2`
-(float32 and int8), translating a file as a whole process beside `transformer-translate`, with BLEU
+"""The bench's whole-process translation sections: `transformer-translate` itself, and a checkpoint
+exported with `transformer-export --format ctranslate2` (float32 and int8) translating the same file
+as a whole process beside it, with BLEU
 and the share of sentences where its greedy output equals ours. CTranslate2's length penalty is set
 to the checkpoint's decode.alpha (its normalisation differs slightly from our GNMT formula: with both
 at 0.6, validation BLEU of the README's model was 40.14 against our 40.13).
@@ -65,27 +66,41 @@ def _timed(command: list[str], source_file: Path, repeats: int) -> tuple[list[fl
     return times, output.splitlines()
 
 
-def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, repeats: int) -> list[dict]:
+def _bleu(lines: list[str], reference_file: Path) -> float:
+    import sacrebleu
+    references = reference_file.read_text(encoding="utf-8").splitlines()
+    return round(sacrebleu.corpus_bleu(lines, [references]).score, 2)
+
+
+def bench_translate_cli(checkpoint: str, source_file: Path, reference_file: Path, repeats: int) -> list[dict]:
+    """`transformer-translate CKPT --beam N < source_file` as a whole process, model load included."""
+    rows = []
+    for beam in (5, 1):
+        times, lines = _timed([sys.executable, "-m", "transformer.translate", checkpoint, "--beam", str(beam)],
+                              source_file, repeats)
+        rows.append({"section": "translate_cli", "beam": beam, "file": str(source_file),
+                     "seconds_median": statistics.median(times), "seconds_min": min(times),
+                     "seconds_max": max(times), "repeats": repeats, "bleu": _bleu(lines, reference_file)})
+    return rows
+
+
+def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, repeats: int,
+                      ours_rows: list[dict] | None = None) -> list[dict]:
+    """CTranslate2 rows beside `transformer-translate`'s (`ours_rows` from `bench_translate_cli`; timed
+    here when not given)."""
     try:
         import ctranslate2  # noqa: F401
     except ImportError:
         print("bench: CTranslate2 section skipped (pip install ctranslate2)", file=sys.stderr)
         return []
-    import sacrebleu
-
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
     from transformer.export import export_ctranslate2
 
-    references = reference_file.read_text(encoding="utf-8").splitlines()
-
     def bleu(lines):
-        return round(sacrebleu.corpus_bleu(lines, [references]).score, 2)
+        return _bleu(lines, reference_file)
 
-    ours = {}
-    for beam in (5, 1):
-        times, lines = _timed([sys.executable, "-m", "transformer.translate", checkpoint, "--beam", str(beam)],
-                              source_file, repeats)
-        ours[beam] = {"seconds": statistics.median(times), "bleu": bleu(lines)}
+    ours_rows = ours_rows or bench_translate_cli(checkpoint, source_file, reference_file, repeats)
+    ours = {row["beam"]: {"seconds": row["seconds_median"], "bleu": row["bleu"]} for row in ours_rows}
     _, ours_fp32_greedy = _timed([sys.executable, "-m", "transformer.translate", checkpoint, "--beam", "1",
                                   "--precision", "fp32"], source_file, 1)
     rows = []

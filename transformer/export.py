@@ -43,28 +43,29 @@ def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
     return {"src.spm.model": tokenizer.src_model_bytes, "tgt.spm.model": tokenizer.tgt_model_bytes}
 
 
-def _replace_directory(build, out: Path, overwrite: bool) -> None:
-    """Write a whole directory beside `out` with `build(tmp)`, then move it into place: a failed export
-    leaves no half-written model behind."""
-    out = out.resolve()
+def _write_model_directory(out: str | Path, overwrite: bool, tokenizer: Tokenizer, build) -> Path:
+    """`build(directory)` creates a model directory (a path that does not exist yet, beside `out`); the
+    SentencePiece model(s) are added and the whole is moved into place: a failed export leaves no
+    half-written model behind, and `--force` replaces only a previous export."""
+    out = Path(out).resolve()
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out}: already exists; pass --force to replace it")
     if out.exists() and not (out / CONFIG_FILE).is_file():
         raise FileExistsError(f"{out}: exists and is not an exported model (no {CONFIG_FILE}); --force replaces "
                               "only a previous export: choose a new directory")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)          # mkdtemp makes it private; the model is meant to be shared
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        build(tmp)
+        built = staging / "model"                   # created by `build` with the usual permissions
+        build(built)
+        for name, data in tokenizer_files(tokenizer).items():
+            (built / name).write_bytes(data)
         if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)
+            shutil.rmtree(out)
+        os.replace(built, out)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        shutil.rmtree(staging)
+    return out
 
 
 # ----- the shareable safetensors directory ---------------------------------------------------------
@@ -73,17 +74,14 @@ def save_pretrained(model: Transformer, tokenizer: Tokenizer, config: Config, ou
                     overwrite: bool = False) -> Path:
     from safetensors.torch import save_model
 
-    def build(tmp: Path) -> None:
-        save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT_NAME})
+    def build(directory: Path) -> None:
+        directory.mkdir()
+        save_model(model, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT_NAME})
         meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tokenizer": sorted(tokenizer_files(tokenizer)),
                 "config": config.to_dict()}
-        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        for name, data in tokenizer_files(tokenizer).items():
-            (tmp / name).write_bytes(data)
+        (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
-    out = Path(out)
-    _replace_directory(build, out, overwrite)
-    return out
+    return _write_model_directory(out, overwrite, tokenizer, build)
 
 
 def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
@@ -146,8 +144,15 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
     return model, tokenizer, config
 
 
+def looks_like_hub_id(path: str | Path) -> bool:
+    """`owner/name` with nothing of that name on disk: a HuggingFace Hub id rather than a local path."""
+    text = str(path)
+    return text.count("/") == 1 and not text.startswith((".", "/")) and not Path(text).exists() \
+        and Path(text).suffix != ".pt"
+
+
 def _download(repo_id: str) -> Path:
-    if repo_id.count("/") != 1 or repo_id.startswith((".", "/")):
+    if not looks_like_hub_id(repo_id):
         raise CheckpointError(f"{repo_id}: no such directory (a HuggingFace Hub id looks like owner/name)")
     try:
         from huggingface_hub import snapshot_download
@@ -229,17 +234,10 @@ def export_ctranslate2(model: Transformer, tokenizer: Tokenizer, out: str | Path
         def _load(self):
             return ctranslate2_spec(model, tokenizer)
 
-    def build(tmp: Path) -> None:
-        _Ours().convert(str(tmp / "model"), quantization=quantization)
-        for name in os.listdir(tmp / "model"):
-            os.replace(tmp / "model" / name, tmp / name)
-        os.rmdir(tmp / "model")
-        for name, data in tokenizer_files(tokenizer).items():
-            (tmp / name).write_bytes(data)
+    def build(directory: Path) -> None:
+        _Ours().convert(str(directory), quantization=quantization)
 
-    out = Path(out)
-    _replace_directory(build, out, overwrite)
-    return out
+    return _write_model_directory(out, overwrite, tokenizer, build)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ Shapes: src (B, S), tgt_in (B, T), hidden (B, L, D), logits (B, T, V).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -202,6 +203,17 @@ class Transformer(nn.Module):
         """Project the memory once per decoder layer for incremental decoding."""
         memory_kv = [layer.cross_attn.project_memory(memory) for layer in self.decoder_layers]
         return DecoderCache(memory_kv, src_pad_mask)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """Inside, `model` is in eval mode (no dropout); afterwards in the mode it was in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool) -> Transformer:

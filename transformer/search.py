@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from transformer.attention import padding_mask
 from transformer.batching import batches_in_order, pad_sequences
 from transformer.config import DEFAULT_BATCH_TOKENS
+from transformer.model import eval_mode
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -336,8 +337,6 @@ def translate_ids(model: EncoderDecoder, sources: list[list[int]], *, beam_size:
     """
     results: list[list[Hypothesis]] = [[] for _ in sources]
     limit = model.cfg.max_positions - 1
-    was_training = model.training
-    model.eval()
 
     def attempt(indices: list[int]) -> list[list[Hypothesis]]:
         src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(device)   # (B, S)
@@ -371,13 +370,11 @@ def translate_ids(model: EncoderDecoder, sources: list[list[int]], *, beam_size:
         if progress is not None:
             progress.update(len(indices))
 
-    try:
-        hypotheses = 1 if sampling is not None else beam_size          # rows per sentence in a batch
+    hypotheses = 1 if sampling is not None else beam_size              # rows per sentence in a batch
+    with eval_mode(model):
         for indices in batches_in_order([len(s) for s in sources], max(1, batch_tokens // hypotheses)):
             if stop is not None and stop():
                 raise Interrupted
             decode_batch(indices)
-    finally:
-        model.train(was_training)
     return results
 

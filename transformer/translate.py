@@ -10,7 +10,6 @@ Needs nothing but the checkpoint file.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import math
 import numbers
@@ -29,6 +28,7 @@ from tqdm import tqdm
 from transformer.batching import batches_in_order, pad_sequences
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import DEFAULT_BATCH_TOKENS, ConfigError
+from transformer.model import eval_mode
 from transformer.search import Hypothesis, Sampling, translate_ids
 from transformer.setup import DTYPES, autocast_factory, keep_freed_memory, resolve_precision
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -75,9 +75,9 @@ class Translator:
     def load(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
         """A checkpoint file, an exported directory, or a hub id (`owner/name`, nothing of that name on
         disk): what the command lines accept."""
-        where = Path(path)
-        hub_id = not where.exists() and str(path).count("/") == 1 and where.suffix != ".pt"
-        if where.is_dir() or hub_id:
+        from transformer.export import looks_like_hub_id
+
+        if Path(path).is_dir() or looks_like_hub_id(path):
             return cls.from_pretrained(path, device, precision)
         return cls.from_checkpoint(path, device, precision)
 
@@ -152,7 +152,7 @@ class Translator:
             tgt = [targets[i] for i in indices]
             tgt_in = pad_sequences(tgt, prefix=[BOS_ID]).to(self.device)                           # (B, T)
             tgt_out = pad_sequences(tgt, suffix=[EOS_ID]).to(self.device)                          # (B, T)
-            with self.autocast(), _eval_mode(self.model):
+            with self.autocast(), eval_mode(self.model):
                 logits = self.model(src, tgt_in)                                                   # (B, T, V)
             logprobs = torch.log_softmax(logits.float(), dim=-1).gather(2, tgt_out[:, :, None]).squeeze(2)
             sums = logprobs.masked_fill(tgt_out == PAD_ID, 0.0).sum(dim=1)                         # (B,)
@@ -163,16 +163,6 @@ class Translator:
     def translate(self, sentences: list[str], beam_size: int | None = None, **options) -> list[str]:
         """One translation per sentence (the best hypothesis)."""
         return [hyps[0][0] for hyps in self.translate_hypotheses(sentences, beam_size=beam_size, **options)]
-
-
-@contextlib.contextmanager
-def _eval_mode(model):
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 def _device_and_precision(device: str, precision: str) -> tuple[torch.device, str]:

@@ -12,6 +12,7 @@ import torch
 
 from transformer.batching import batches_in_order
 from transformer.loss import output_cross_entropy
+from transformer.model import eval_mode
 from transformer.search import Interrupted
 from transformer.tokenizer import BOS_ID, EOS_ID
 
@@ -40,11 +41,9 @@ def unwrap(model):
 def validation_loss(model, corpus, max_tokens: int, device, autocast, smoothing: float, stop=None):
     """Per-token (label-smoothed loss, NLL) over a whole prepared split (an `EncodedCorpus`); `stop()`
     is asked between batches and True raises `search.Interrupted`."""
-    was_training = model.training
-    model.eval()
     total_loss = total_nll = tokens = 0.0
     lengths = np.maximum(corpus.src_lens, corpus.tgt_lens)
-    try:
+    with eval_mode(model):
         for indices in batches_in_order(lengths, max_tokens):
             if stop is not None and stop():
                 raise Interrupted
@@ -54,8 +53,6 @@ def validation_loss(model, corpus, max_tokens: int, device, autocast, smoothing:
             total_loss += loss.item()
             total_nll += nll.item()
             tokens += batch.num_tgt_tokens
-    finally:
-        model.train(was_training)
     return total_loss / tokens, total_nll / tokens
 
 
@@ -91,15 +88,13 @@ def cross_attention_image(model, source_ids: list[int], hypothesis_ids: list[int
     src = torch.tensor([src_ids], device=device)
     tgt = torch.tensor([tgt_ids], device=device)
     layer = model.decoder_layers[-1].cross_attn
-    was_training = model.training
-    model.eval()
     layer.need_weights = True
     try:
-        model(src, tgt)
+        with eval_mode(model):
+            model(src, tgt)
         weights = layer.last_weights[0].float().mean(0)                 # (T, S)
     finally:
         layer.need_weights = False
-        model.train(was_training)
     image = weights / weights.max().clamp(min=1e-9)
     image = image.repeat_interleave(8, 0).repeat_interleave(8, 1)       # (T*8, S*8)
     return image[None].expand(3, -1, -1).cpu()
