@@ -75,9 +75,17 @@ def test_cpu_dropout_rate_scale_and_gradient():
     out = layer(x)
     dropped = out == 0
     assert abs(dropped.float().mean().item() - 0.25) < 0.005
+    # Each 64-bit draw serves four neighbouring elements: every one of the four must get its own
+    # uniform 16 bits (plain random_() leaves the fourth's top bit 0, which would never drop it).
+    per_lane = dropped.view(-1, 4).float().mean(0)
+    assert torch.allclose(per_lane, torch.full((4,), 0.25), atol=0.01), per_lane
     assert torch.allclose(out[~dropped], torch.tensor(1 / 0.75))
     out.sum().backward()
     assert torch.equal(x.grad == 0, dropped)                      # gradient flows only where kept
     torch.manual_seed(0)
     assert torch.equal(layer(x), out)                             # reproducible from the seed
     assert torch.equal(layer.eval()(x), x)
+    half = torch.ones(300, 300, dtype=torch.bfloat16)
+    out = layer.train()(half)
+    assert out.dtype == torch.bfloat16
+    assert set(out.unique().tolist()) == {0.0, float(torch.tensor(1 / 0.75, dtype=torch.bfloat16))}

@@ -22,9 +22,11 @@ def keep_freed_memory() -> None:
     """Ask glibc to keep freed memory for reuse rather than hand it back to the kernel (CLIs only).
 
     By default it maps blocks above a threshold that adapts between 128 KB and 32 MB and unmaps them
-    when freed, and trims the heap's free top. Decoding allocates tensors whose size changes every
-    step, so the same memory is page-faulted in again and again: about 500,000 faults and 1 s of
-    system time for test_2016_flickr at beam 5, about a tenth of the run. No-op off glibc.
+    when freed, and trims the heap's free top. Training and decoding free and reallocate tensors of
+    changing sizes all the time, so the same memory is page-faulted in again and again:
+    - decoding test_2016_flickr at beam 5: about 500,000 faults and 1 s of system time, a tenth of the run;
+    - training model=small on a 2-core CPU: 10-20% more target tokens/s in bf16, 2-5% in fp32.
+    No-op off glibc.
     """
     if platform.libc_ver()[0] != "glibc":
         return

@@ -53,6 +53,7 @@ from transformer.setup import (
     allow_tf32_for_training,
     autocast_factory,
     build_optimizer,
+    keep_freed_memory,
     resolve_device,
     resolve_precision,
 )
@@ -520,6 +521,7 @@ def main() -> None:
             sys.exit(2)
 
     # An absolute path: Hydra then finds conf/ however this module was started (-m, torchrun, -c).
+    keep_freed_memory()      # a CPU step frees and reallocates the same ~100 MB of activations
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
     def _main(cfg) -> float | None:
         """Trains; returns the best validation BLEU (what a sweeper such as Optuna optimises)."""
