@@ -2,12 +2,17 @@
 
 For N target tokens and a vocabulary of V, the naive path (logits = h Wᵀ, log_softmax, gather, mean)
 writes and re-reads several (N, V) float tensors in the forward and the backward pass. Here the
-forward pass computes the logits chunk by chunk, turns each chunk into its gradient
-softmax(z) - (1 - ε) onehot(y) - ε / V with as few passes over it as it can (one fused log-softmax,
-one mean, one exp written straight into the stored gradient, one shift), and keeps only that one
-(N, V) tensor for the backward pass, which is two matmuls whose small (N, D) and (V, D) results,
-not the (N, V) tensor, take the incoming gradient's scale. The loss per token is
--(1 - ε) log p[y] - ε mean(log p).
+forward pass computes the logits chunk by chunk and makes of each chunk one fused log-softmax and one
+exp written straight into the stored gradient softmax(z) - (1 - ε) onehot(y); that one (N, V) tensor
+is all the backward pass keeps, and it is two matmuls whose small (N, D) and (V, D) results, not the
+(N, V) tensor, take the incoming gradient's scale.
+
+Two terms that touch every logit are computed from (N, D) or (V, D) tensors instead:
+- the smoothing's mean log-probability: Σ_v log p_v = Σ_v z_v - V lse, with Σ_v z_v = h · Σ_v w_v and
+  lse = z_y - log p_y;
+- the smoothing's uniform part of the gradient, -ε/V at every logit: its products with W and h are
+  -ε/V Σ_v w_v (every row of the hidden gradient) and -ε/V Σ_n h_n (every row of the weight gradient).
+The loss per token is -(1 - ε) log p[y] - ε mean(log p).
 
 The stored gradient has the compute dtype, except under fp16, whose range would flush the small
 probabilities of a large vocabulary to zero before the loss scale exists (it is only known in the
@@ -34,23 +39,29 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             h = hidden.to(compute_dtype)
             w = weight.to(compute_dtype)
+            weight_sum = w.float().sum(0)                                       # (D,) Σ_v w_v
             grad_logits = torch.empty(n_tokens, vocab, dtype=stored_dtype, device=hidden.device)
-            loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            nll_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            nll = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
+            logit_of_target = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
             for start in range(0, n_tokens, chunk):
                 rows = slice(start, start + chunk)
-                tgt = target[rows]
-                logp = F.log_softmax((h[rows] @ w.t()).float(), dim=1)         # (n, V) log-probabilities
-                nll = -logp.gather(1, tgt[:, None]).squeeze(1)                 # (n,)
-                nll_sum += nll.sum()
-                loss_sum += (1.0 - smoothing) * nll.sum() - smoothing * logp.mean(dim=1).sum()
+                tgt = target[rows][:, None]
+                logits = (h[rows] @ w.t()).float()                             # (n, V)
+                logp = F.log_softmax(logits, dim=1)                             # (n, V) log-probabilities
+                nll[rows] = -logp.gather(1, tgt).squeeze(1)
+                logit_of_target[rows] = logits.gather(1, tgt).squeeze(1)
                 grad = grad_logits[rows]
                 torch.exp(logp, out=grad)                                       # softmax, in the stored dtype
-                if smoothing:
-                    grad.sub_(smoothing / vocab)
-                grad[torch.arange(grad.size(0), device=grad.device), tgt] -= 1.0 - smoothing
+                grad[torch.arange(grad.size(0), device=grad.device), tgt[:, 0]] -= 1.0 - smoothing
+            nll_sum = nll.sum()
+            loss_sum = (1.0 - smoothing) * nll_sum
+            if smoothing:
+                log_partition = logit_of_target + nll                           # (N,) lse = z_y - log p_y
+                mean_logp = (h.float() @ weight_sum) / vocab - log_partition    # (N,) mean_v log p_v
+                loss_sum = loss_sum - smoothing * mean_logp.sum()
         ctx.save_for_backward(grad_logits, h, w)
         ctx.dtypes = (hidden.dtype, weight.dtype, compute_dtype)
+        ctx.uniform = smoothing / vocab
         return loss_sum, nll_sum
 
     @staticmethod
@@ -59,12 +70,15 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
         hidden_dtype, weight_dtype, compute_dtype = ctx.dtypes
         scale = grad_loss.float()
         if grad_logits.dtype != compute_dtype:        # fp16: scale in float32, then into fp16's range
-            grad_logits = (grad_logits * scale).to(compute_dtype)
-            scale = None
-        grad_hidden = grad_logits @ w                                           # (N, D)
-        grad_weight = grad_logits.t() @ h                                       # (V, D)
-        if scale is not None:
-            grad_hidden, grad_weight = grad_hidden.float() * scale, grad_weight.float() * scale
+            scaled = (grad_logits * scale).to(compute_dtype)
+            grad_hidden = (scaled @ w).float()                                                  # (N, D)
+            grad_weight = (scaled.t() @ h).float()                                              # (V, D)
+        else:
+            grad_hidden = (grad_logits @ w).float() * scale                                     # (N, D)
+            grad_weight = (grad_logits.t() @ h).float() * scale                                 # (V, D)
+        if ctx.uniform:                               # the -ε/V at every logit, through each matmul
+            grad_hidden -= (scale * ctx.uniform) * w.float().sum(0)
+            grad_weight -= (scale * ctx.uniform) * h.float().sum(0)
         return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None, None
 
 
