@@ -24,12 +24,31 @@ def test_the_presets_only_override_the_schema_defaults():
     from transformer.config import DataConfig, DecodeConfig, ModelConfig, TrainerConfig
     defaults = {"model": ModelConfig(), "data": DataConfig(), "trainer": TrainerConfig(), "decode": DecodeConfig()}
     for path in sorted(CONF_DIR.glob("*/*.yaml")):
+        if path.parent.name == "recipe":          # recipes override data presets: the next test
+            continue
         preset = yaml.safe_load(path.read_text())
         sections = preset if path.parent.name == "data" else {path.parent.name: preset}   # data: _global_
         for section, values in sections.items():
             for key, value in values.items():
                 if key not in ("name", "src_lang", "tgt_lang"):    # what names a preset may be said again
                     assert getattr(defaults[section], key) != value, f"{path.name}: {section}.{key}={value} is the default"
+
+
+def test_a_recipe_changes_every_key_it_sets_and_the_command_line_still_wins():
+    """recipe=multi30k_long comes after the data preset: each key it sets changes the composed config
+    (none restates what `data=multi30k_de_en model=small` already gives; the recipe replaces the model),
+    and key=value overrides it."""
+    import yaml
+    base = compose_config(["data=multi30k_de_en", "data.path=/corpus", "model=small"])
+    recipe = compose_config(["data=multi30k_de_en", "data.path=/corpus", "model=small", "recipe=multi30k_long"])
+    values = yaml.safe_load((CONF_DIR / "recipe" / "multi30k_long.yaml").read_text())
+    for section, keys in values.items():
+        for key, value in keys.items():
+            assert getattr(getattr(recipe, section), key) == value
+            assert getattr(getattr(base, section), key) != value, f"recipe {section}.{key}={value} changes nothing"
+    assert recipe.decode.alpha == base.decode.alpha == 1.5 and recipe.data == base.data
+    mine = compose_config(["data=multi30k_de_en", "data.path=/corpus", "recipe=multi30k_long", "trainer.lr=1e-3"])
+    assert mine.trainer.lr == 1e-3 and mine.model.d_model == 128
 
 
 def test_the_trainer_defaults_are_the_dataclass_defaults():
