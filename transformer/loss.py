@@ -39,7 +39,6 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             h = hidden.to(compute_dtype)
             w = weight.to(compute_dtype)
-            weight_sum = w.float().sum(0)                                       # (D,) Σ_v w_v
             grad_logits = torch.empty(n_tokens, vocab, dtype=stored_dtype, device=hidden.device)
             nll = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
             logit_of_target = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
@@ -49,15 +48,17 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
                 logits = (h[rows] @ w.t()).float()                             # (n, V)
                 logp = F.log_softmax(logits, dim=1)                             # (n, V) log-probabilities
                 nll[rows] = -logp.gather(1, tgt).squeeze(1)
-                logit_of_target[rows] = logits.gather(1, tgt).squeeze(1)
+                if smoothing:
+                    logit_of_target[rows] = logits.gather(1, tgt).squeeze(1)
                 grad = grad_logits[rows]
                 torch.exp(logp, out=grad)                                       # softmax, in the stored dtype
                 grad[torch.arange(grad.size(0), device=grad.device), tgt[:, 0]] -= 1.0 - smoothing
             nll_sum = nll.sum()
             loss_sum = (1.0 - smoothing) * nll_sum
+            ctx.weight_sum = w.float().sum(0) if smoothing else None           # (D,) Σ_v w_v, also for backward
             if smoothing:
                 log_partition = logit_of_target + nll                           # (N,) lse = z_y - log p_y
-                mean_logp = (h.float() @ weight_sum) / vocab - log_partition    # (N,) mean_v log p_v
+                mean_logp = (h.float() @ ctx.weight_sum) / vocab - log_partition  # (N,) mean_v log p_v
                 loss_sum = loss_sum - smoothing * mean_logp.sum()
         ctx.save_for_backward(grad_logits, h, w)
         ctx.dtypes = (hidden.dtype, weight.dtype, compute_dtype)
@@ -77,7 +78,7 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
             grad_hidden = (grad_logits @ w).float() * scale                                     # (N, D)
             grad_weight = (grad_logits.t() @ h).float() * scale                                 # (V, D)
         if ctx.uniform:                               # the -ε/V at every logit, through each matmul
-            grad_hidden -= (scale * ctx.uniform) * w.float().sum(0)
+            grad_hidden -= (scale * ctx.uniform) * ctx.weight_sum
             grad_weight -= (scale * ctx.uniform) * h.float().sum(0)
         return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None, None
 
