@@ -89,3 +89,52 @@ def test_cpu_dropout_rate_scale_and_gradient():
     out = layer.train()(half)
     assert out.dtype == torch.bfloat16
     assert set(out.unique().tolist()) == {0.0, float(torch.tensor(1 / 0.75, dtype=torch.bfloat16))}
+
+
+@pytest.mark.parametrize("branch_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_dropout_added_to_the_residual_equals_the_unfused_sum(branch_dtype):
+    # Sublayer's residual + dropout(f) is one addcmul on the CPU; with the same seed it must give the
+    # unfused residual + Dropout(f), its gradients, and keep the branch's dtype for f's gradient
+    # (an fp32 residual stream next to a bf16 branch under autocast).
+    from transformer.model import Dropout
+    layer = Dropout(0.3).train()
+    residual = torch.randn(6, 9, 40, requires_grad=True)
+    branch = torch.randn(6, 9, 40, dtype=branch_dtype, requires_grad=True)
+    upstream = torch.randn(6, 9, 40)
+    torch.manual_seed(3)
+    fused = layer.add_to(residual, branch)
+    assert type(fused.grad_fn).__name__ == "_CpuDropoutBackward"        # the fused path ran
+    (fused * upstream).sum().backward()
+    grads = residual.grad.clone(), branch.grad.clone()
+    residual.grad = branch.grad = None
+    torch.manual_seed(3)
+    unfused = residual + layer(branch)
+    (unfused * upstream).sum().backward()
+    assert fused.dtype == unfused.dtype == torch.float32
+    tolerance = 1e-6 if branch_dtype == torch.float32 else 2e-2    # unfused rounds the dropped branch to bf16
+    assert torch.allclose(fused, unfused, rtol=tolerance, atol=tolerance)
+    assert 0.25 < (fused == residual).float().mean().item() < 0.35       # dropped: the residual alone
+    assert torch.equal(grads[0], residual.grad)                          # the residual's gradient passes
+    assert grads[1].dtype == branch_dtype
+    assert torch.allclose(grads[1].float(), branch.grad.float(), rtol=tolerance, atol=tolerance)
+    assert torch.equal(layer.eval().add_to(residual, branch), residual + branch)
+
+
+def test_feed_forward_relu_after_dropout_matches_the_textbook_order():
+    # FeedForward applies the ReLU in place after dropout; with the same mask that must equal
+    # down(dropout(relu(up(x)))) exactly, gradients included.
+    from transformer.model import FeedForward
+    ff = FeedForward(16, 64, dropout=0.3).train()
+    x = torch.randn(5, 7, 16, requires_grad=True)
+    torch.manual_seed(11)
+    out = ff(x)
+    out.square().sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in ff.parameters()]
+    x.grad = None
+    ff.zero_grad()
+    torch.manual_seed(11)
+    reference = ff.down(ff.dropout(torch.relu(ff.up(x))))
+    reference.square().sum().backward()
+    assert torch.equal(out, reference)
+    for got, want in zip(grads, [x.grad] + [p.grad for p in ff.parameters()]):
+        assert torch.allclose(got, want, atol=1e-6)

@@ -45,26 +45,31 @@ def _keep_mask(shape: torch.Size, threshold: int, device) -> torch.Tensor:
 
 
 class _CpuDropout(torch.autograd.Function):
-    """Inverted dropout with a drop probability rounded to 1/65536.
+    """Inverted dropout with a drop probability rounded to 1/65536, optionally added to a residual.
 
     On the CPU, `F.dropout` draws one random number per element (a float, then a Bernoulli test) and
     spends more time there than in the rest of the layer. Here each 64-bit draw serves four elements,
     the one-byte keep mask is all the backward pass stores, and forward and backward are each one
-    `addcmul` (0 + scale * x * keep): mask and scale in one pass, in x's dtype.
+    `addcmul`: base + scale * x * keep, where base is the residual stream (the residual add comes free)
+    or zero.
     """
 
     @staticmethod
-    def forward(ctx, x, p: float):
+    def forward(ctx, x, p: float, residual=None):
         threshold = round(p * 65536)
         keep = _keep_mask(x.shape, threshold, x.device)
         ctx.scale = 1.0 / (1.0 - threshold / 65536)
+        ctx.x_dtype, ctx.has_residual = x.dtype, residual is not None
         ctx.save_for_backward(keep)
-        return torch.addcmul(x.new_zeros(()), x, keep, value=ctx.scale)
+        base = residual if residual is not None else x.new_zeros(())
+        return torch.addcmul(base, x, keep, value=ctx.scale)
 
     @staticmethod
     def backward(ctx, grad):
         (keep,) = ctx.saved_tensors
-        return torch.addcmul(grad.new_zeros(()), grad, keep, value=ctx.scale), None
+        grad_x = torch.empty(keep.shape, dtype=ctx.x_dtype, device=grad.device)   # in x's dtype, one pass
+        torch.addcmul(grad.new_zeros(()), grad, keep, value=ctx.scale, out=grad_x)
+        return grad_x, None, grad if ctx.has_residual else None
 
 
 class Dropout(nn.Dropout):
@@ -75,6 +80,13 @@ class Dropout(nn.Dropout):
             return _CpuDropout.apply(x, self.p)
         return super().forward(x)
 
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + dropout(x), on the CPU in one pass."""
+        if self.training and self.p > 0.0 and x.device.type == "cpu":
+            return _CpuDropout.apply(x, self.p, residual)
+        return residual + self(x)
+
+
 
 class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, dropout: float):
@@ -84,7 +96,10 @@ class FeedForward(nn.Module):
         self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.dropout(torch.relu(self.up(x))))
+        # dropout(relu(h)) == relu(dropout(h)) exactly (dropout multiplies by 0 or a positive scale), and
+        # the in-place ReLU of dropout's output makes the tensor it saves for backward the one `down`
+        # saves: one (B, L, d_ff) activation kept instead of two.
+        return self.down(torch.relu_(self.dropout(self.up(x))))
 
 
 class Sublayer(nn.Module):
@@ -98,8 +113,8 @@ class Sublayer(nn.Module):
 
     def forward(self, x: torch.Tensor, fn) -> torch.Tensor:
         if self.pre_norm:
-            return x + self.dropout(fn(self.norm(x)))
-        return self.norm(x + self.dropout(fn(x)))
+            return self.dropout.add_to(x, fn(self.norm(x)))
+        return self.norm(self.dropout.add_to(x, fn(x)))
 
 
 class EncoderLayer(nn.Module):
