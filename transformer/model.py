@@ -87,7 +87,6 @@ class Dropout(nn.Dropout):
         return residual + self(x)
 
 
-
 class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, dropout: float):
         super().__init__()
