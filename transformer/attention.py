@@ -119,11 +119,12 @@ def cpu_backend(dtype: torch.dtype, dropout_p: float) -> str:
 
 
 def matmul_attention(q, k, v, allowed=None, dropout_p=0.0) -> torch.Tensor:
-    """Attention as two batched matmuls in the input dtype, the softmax in float32 (`auto` on CPUs).
+    """Attention as two batched matmuls in the input dtype, the softmax in float32 (`auto` on CPUs
+    in bf16/fp16 or with attention dropout).
 
-    At NMT shapes (a few dozen keys) PyTorch's CPU flash kernel is slower: in bf16 training this path
-    gives about 1.3x the tokens/s of SDPA run in float32 (its bf16 backward is slower still), and in
-    decoding, one query per row, the bf16 kernel is 1.5-4x slower than these matmuls.
+    At NMT shapes (a few dozen keys) PyTorch's CPU flash kernel is slower in bf16: bf16 training gets
+    about 1.5x the tokens/s of SDPA from this path, and in decoding, one query per row, the bf16 kernel
+    is 1.5-4x slower than these matmuls. In float32 the kernel is the faster (`cpu_backend`).
     """
     scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)                   # (B, H, Tq, Tk)
     if allowed is not None:       # in place: the matmul's backward needs q and k, not its output

@@ -75,16 +75,15 @@ class _CpuDropout(torch.autograd.Function):
 class Dropout(nn.Dropout):
     """nn.Dropout, with the faster mask of `_CpuDropout` for CPU tensors."""
 
+    def _cpu_mask(self, x: torch.Tensor) -> bool:
+        return self.training and self.p > 0.0 and x.device.type == "cpu"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and self.p > 0.0 and x.device.type == "cpu":
-            return _CpuDropout.apply(x, self.p)
-        return super().forward(x)
+        return _CpuDropout.apply(x, self.p) if self._cpu_mask(x) else super().forward(x)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + dropout(x), on the CPU in one pass."""
-        if self.training and self.p > 0.0 and x.device.type == "cpu":
-            return _CpuDropout.apply(x, self.p, residual)
-        return residual + self(x)
+        return _CpuDropout.apply(x, self.p, residual) if self._cpu_mask(x) else residual + self(x)
 
 
 class FeedForward(nn.Module):
