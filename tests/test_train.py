@@ -357,3 +357,18 @@ def test_the_train_log_sums_finite_steps_on_the_device_and_stops_on_a_run_of_bad
     with pytest.raises(TrainingError, match="not finite for 3 steps in a row"):
         log.check_finite(fp16=False)
     log.check_finite(fp16=True)                # fp16 allows ten times as many
+
+
+def test_resuming_into_fp16_starts_the_loss_scaler_afresh_from_a_bf16_or_fp32_checkpoint(caplog):
+    from transformer.train import load_scaler_state
+    written_in_bf16 = torch.amp.GradScaler("cpu", enabled=False).state_dict()
+    assert written_in_bf16 == {}
+    fp16 = torch.amp.GradScaler("cpu", enabled=True, init_scale=1024.0)
+    with caplog.at_level("INFO", logger="transformer.train"):
+        load_scaler_state(fp16, written_in_bf16)            # GradScaler itself raises on an empty state
+    assert fp16.get_scale() == 1024.0 and "starts at 1024" in caplog.text
+
+    written_in_fp16 = torch.amp.GradScaler("cpu", enabled=True, init_scale=8.0, growth_interval=7).state_dict()
+    load_scaler_state(fp16, written_in_fp16)
+    assert fp16.get_scale() == 8.0 and fp16.state_dict()["growth_interval"] == 7
+    load_scaler_state(torch.amp.GradScaler("cpu", enabled=False), written_in_fp16)   # fp16 -> bf16: ignored

@@ -156,7 +156,8 @@ def top_candidates(decoder: StepDecoder, tokens: torch.Tensor, k: int) -> tuple[
 
 def _never_generated(logprobs: torch.Tensor) -> torch.Tensor:
     """PAD and BOS masked out of (rows, V) log-probabilities, in place."""
-    logprobs[:, [PAD_ID, BOS_ID]] = float("-inf")
+    logprobs[:, PAD_ID] = float("-inf")      # integer indices: a fill on the device, no index tensor
+    logprobs[:, BOS_ID] = float("-inf")      # copied from the host
     return logprobs
 
 

@@ -118,8 +118,10 @@ class Trainer:
             self._load_state(resume_state)
         self.train_model = self.model
         if self.dist.enabled:
+            # No buffer changes during training (the sinusoid table is a constant): nothing to broadcast.
             self.train_model = DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False)
         if tc.compile:
             self.train_model = torch.compile(self.train_model, dynamic=True)
         self.writer = SummaryWriter(str(self.run_dir / "tb")) if self.dist.is_main else None
@@ -161,7 +163,7 @@ class Trainer:
         load_model_weights(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        load_scaler_state(self.scaler, state["scaler"])
         data_state = state["data_state"]
         if data_state.get("world_size", 1) != self.dist.world_size:
             raise TrainingError(f"checkpoint was written with {data_state.get('world_size')} processes; "
@@ -215,7 +217,8 @@ class Trainer:
         tc = self.cfg.trainer
         tokens = sum(b.num_tgt_tokens * w for b, w in micro_batches)      # host ints counted by collate
         # The normaliser: every rank's target tokens. Under DDP an all-reduce on the device, not read back.
-        global_tokens = D.all_reduce_tensor(torch.tensor(float(tokens), device=self.device), self.dist) \
+        # torch.full fills on the device; torch.tensor(x, device="cuda") would copy from the host and sync.
+        global_tokens = D.all_reduce_tensor(torch.full((), float(tokens), device=self.device), self.dist) \
             if self.dist.enabled else float(tokens)
         loss_sum = nll_sum = torch.zeros((), device=self.device)
         for i, (batch, weight) in enumerate(micro_batches):
@@ -460,6 +463,16 @@ class Trainer:
         log.info(message)
         print(message, flush=True)
         return scores
+
+
+def load_scaler_state(scaler: torch.amp.GradScaler, state: dict) -> None:
+    """Restore the fp16 loss scaler, or start it afresh when the checkpoint was written in bf16/fp32
+    (whose disabled scaler saved nothing: GradScaler refuses an empty state)."""
+    if state or not scaler.is_enabled():
+        scaler.load_state_dict(state)
+    else:
+        log.info("the checkpoint has no fp16 loss-scaler state (it was trained in bf16 or fp32); "
+                 "the scaler starts at %g", scaler.get_scale())
 
 
 def _better(raw: dict, other: dict) -> dict:
