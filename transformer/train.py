@@ -468,9 +468,9 @@ class Trainer:
 def load_scaler_state(scaler: torch.amp.GradScaler, state: dict) -> None:
     """Restore the fp16 loss scaler, or start it afresh when the checkpoint was written in bf16/fp32
     (whose disabled scaler saved nothing: GradScaler refuses an empty state)."""
-    if state or not scaler.is_enabled():
-        scaler.load_state_dict(state)
-    else:
+    if state:
+        scaler.load_state_dict(state)           # a disabled (bf16/fp32) scaler ignores it
+    elif scaler.is_enabled():
         log.info("the checkpoint has no fp16 loss-scaler state (it was trained in bf16 or fp32); "
                  "the scaler starts at %g", scaler.get_scale())
 
