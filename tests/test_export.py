@@ -30,7 +30,10 @@ def test_hf_directory_round_trip_translates_identically(trained_checkpoint, tmp_
     result = subprocess.run([sys.executable, "-m", "transformer.export", str(trained_checkpoint), str(out),
                              "--format", "hf"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "spm.model"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "export-manifest.json", "model.safetensors",
+                                                     "spm.model"]
+    assert json.loads((out / "export-manifest.json").read_text()) == {
+        "format": "hf", "files": ["config.json", "export-manifest.json", "model.safetensors", "spm.model"]}
     meta = json.loads((out / "config.json").read_text())
     assert meta["format"] == "transformer-nmt" and meta["config"]["model"]["d_model"] == 96
     # No pickle anywhere: the weights are plain safetensors, the tied matrix stored once.
@@ -134,7 +137,7 @@ def test_export_cli_refuses_bad_requests(trained_checkpoint, tmp_path):
     (precious / "checkpoints").mkdir(parents=True)
     (precious / "checkpoints" / "keep.pt").write_bytes(b"x")
     result = run(trained_checkpoint, precious, "--format", "hf", "--force")   # --force replaces exports only
-    assert result.returncode == 2 and "is not an exported model" in result.stderr
+    assert result.returncode == 2 and "is not an exported model (it holds checkpoints)" in result.stderr
     assert (precious / "checkpoints" / "keep.pt").read_bytes() == b"x"
     result = run(tmp_path / "missing.pt", tmp_path / "y", "--format", "hf")
     assert result.returncode == 2 and "missing.pt" in result.stderr and "Traceback" not in result.stderr

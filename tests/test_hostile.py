@@ -105,6 +105,13 @@ CASES = [
     ("run-dir-of-another-run", "train", ["hydra.run.dir={ws}/run"], r".*/run/checkpoints already holds checkpoints"),
     ("own-corpus-with-toy", "train", ["data.path={ws}/blank", "hydra.run.dir={ws}/new"],
      r"data.path=.*/blank is set but data=toy is the embedded corpus.*make train data=custom data.path="),
+    # --- issue 27: export and average (--force, damaged checkpoints, full disks: tests/test_misuse_export.py)
+    ("average-onto-a-run-checkpoint", "average", [BEST, "-o", "{ws}/run/checkpoints/last.pt"],
+     r"-o .*/last.pt: exists and is not an averaged checkpoint written by transformer-average; .* pass --force"),
+    ("average-onto-a-text-file", "average", [BEST, "-o", "{ws}/a_file"],
+     r"-o .*/a_file: exists and is not an averaged checkpoint written by transformer-average"),
+    ("average-under-a-file", "average", [BEST, "-o", "{ws}/a_file/avg.pt"],
+     r".*/a_file/avg.pt: cannot write the checkpoint: a part of .*/a_file is a file, not a directory"),
 ]
 
 
@@ -140,7 +147,7 @@ def test_resume_true_passes_over_a_weights_only_checkpoint(workspace):
 
 
 def test_the_table_covers_every_defect_class():
-    assert len(CASES) == 24
+    assert len(CASES) == 27
     assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
 
 

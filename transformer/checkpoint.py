@@ -1,7 +1,7 @@
 """Checkpoints: one self-contained file, written atomically, loaded without executing code.
 
 Keys (DESIGN §5): model, config, tokenizer, step, optimizer, scheduler, scaler, rng, data_state,
-metrics. Everything is tensors, numbers, strings, bytes, lists and dicts, so
+metrics, and format_version (written by `save_checkpoint`; a file without it predates it). Everything is tensors, numbers, strings, bytes, lists and dicts, so
 `torch.load(path, weights_only=True)` reads it and a crafted pickle cannot run code.
 """
 
@@ -21,6 +21,9 @@ from transformer.model import Transformer, build_model
 from transformer.tokenizer import Tokenizer
 
 REQUIRED_KEYS = ("model", "config", "tokenizer", "step")
+# Raised when a change to the keys or their meaning would mislead an older release reading the file: that
+# release then refuses the file (load_checkpoint) instead of misreading it.
+CHECKPOINT_FORMAT_VERSION = 1
 
 
 class CheckpointError(RuntimeError):
@@ -33,19 +36,25 @@ def save_checkpoint(state: dict, path: str | Path) -> None:
     A crash at any moment leaves either the old file or the new one, never a half-written file.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_dir():
         raise CheckpointError(f"{path}: is a directory; give a file name for the checkpoint")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise CheckpointError(f"{path}: cannot write the checkpoint: a part of {path.parent} is a file, "
+                              "not a directory") from None
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot write the checkpoint: {error.strerror}") from None
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:
-            torch.save(state, handle)
+            torch.save({**state, "format_version": CHECKPOINT_FORMAT_VERSION}, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as error:
         # torch reports a full disk as "RuntimeError ... unexpected pos", the OSError only chained.
-        cause = next((e for e in _chain(error) if isinstance(e, OSError) and e.errno), None)
+        cause = os_error_in(error)
         if cause is None and isinstance(error, RuntimeError):
             raise
         reason = os.strerror(cause.errno) if cause is not None else str(error)
@@ -58,6 +67,16 @@ def save_checkpoint(state: dict, path: str | Path) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The first OSError with an errno in `error`'s chain: torch and CTranslate2 wrap a full disk or a
+    denied write in errors of their own."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 class CheckpointDirectory:
@@ -87,12 +106,6 @@ class CheckpointDirectory:
                 old.unlink()
 
 
-def _chain(error: BaseException):
-    while error is not None:
-        yield error
-        error = error.__cause__ or error.__context__
-
-
 def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False) -> dict:
     """Load with `weights_only=True`. `mmap=True` reads tensors lazily: translating a training
     checkpoint then never reads its optimizer state from disk."""
@@ -117,19 +130,61 @@ def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False) ->
                               f"{type(error).__name__}: {detail})") from None
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED_KEYS):
         raise CheckpointError(f"{path}: not a transformer checkpoint (expected keys {', '.join(REQUIRED_KEYS)})")
+    version = state.get("format_version", 0)        # files from before the key: version 0, read as they are
+    if type(version) is not int:
+        raise CheckpointError(f"{path}: format_version {version!r} is not a whole number; the file is damaged")
+    if version > CHECKPOINT_FORMAT_VERSION:
+        raise CheckpointError(f"{path}: written by a newer version of this package (checkpoint format {version}; "
+                              f"this one reads up to {CHECKPOINT_FORMAT_VERSION}); upgrade: pip install -U transformer")
     return state
 
 
 def model_from_checkpoint(state: dict, path: str | Path = "checkpoint") -> tuple[Transformer, Tokenizer, Config]:
-    """Rebuild the model, tokenizer and config stored in a checkpoint."""
+    """Rebuild the model, tokenizer and config stored in a checkpoint; CheckpointError names the file and
+    what is wrong (an invalid config, a damaged tokenizer, weights that do not fit or are not finite)."""
     try:
         config = Config.from_dict(state["config"])
     except ConfigError as error:
         raise CheckpointError(f"{path}: its stored config is invalid: {error}") from None
-    tokenizer = Tokenizer.from_state_dict(state["tokenizer"])
+    except (AttributeError, TypeError):
+        raise CheckpointError(f"{path}: its stored config is not a mapping of settings; the file is damaged") from None
+    tokenizer = _embedded_tokenizer(state["tokenizer"], path)
+    weights = state["model"]
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise CheckpointError(f"{path}: its model entry is not a set of named tensors; the file is damaged")
+    bad = first_non_finite(weights)
+    if bad is not None:
+        raise CheckpointError(f"{path}: weight {bad} holds NaN or infinite values (the run diverged before it "
+                              "was saved); use an earlier checkpoint of the run")
     model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
-    load_model_weights(model, state["model"], path)
+    load_model_weights(model, weights, path)
     return model, tokenizer, config
+
+
+def _embedded_tokenizer(entry, path: str | Path) -> Tokenizer:
+    """The SentencePiece model(s) a checkpoint carries, or CheckpointError: absent, empty or not a model."""
+    damaged = f"{path}: its embedded tokenizer is"
+    fix = "the file is damaged; use another checkpoint of the run"
+    if not isinstance(entry, dict) or not isinstance(entry.get("src"), (bytes, bytearray)) \
+            or not isinstance(entry.get("tgt"), (bytes, bytearray, type(None))):
+        raise CheckpointError(f"{damaged} missing (no SentencePiece model bytes under 'tokenizer'); {fix}")
+    if not entry["src"] or entry.get("tgt") == b"":
+        # An empty model is never loaded by SentencePiece, which would later print errors of its own.
+        raise CheckpointError(f"{damaged} empty (0 bytes); {fix}")
+    try:
+        return Tokenizer.from_state_dict(entry)
+    except RuntimeError as error:
+        detail = str(error).strip().splitlines()[0][:120] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{damaged} not a SentencePiece model ({detail}); {fix}") from None
+
+
+def first_non_finite(weights: dict) -> str | None:
+    """The name of the first floating-point tensor in `weights` (a state dict) holding a NaN or an
+    infinity, or None when all are finite."""
+    for name, tensor in weights.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            return name
+    return None
 
 
 def load_model_weights(model: torch.nn.Module, weights: dict, path: str | Path = "checkpoint") -> None:
@@ -182,6 +237,17 @@ def step_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.stem[5:]))
 
 
+def written_by_average(path: Path) -> bool:
+    """Whether `path` is a checkpoint that transformer-average wrote (weights without an optimizer, and
+    the `averaged_from` that `average_checkpoints` records; a run's best.pt records its own metrics)."""
+    try:
+        state = load_checkpoint(path, mmap=True)
+    except CheckpointError:
+        return False
+    metrics = state.get("metrics")
+    return "optimizer" not in state and isinstance(metrics, dict) and "averaged_from" in metrics
+
+
 def average_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="transformer-average",
@@ -189,6 +255,8 @@ def average_main(argv: list[str] | None = None) -> int:
     parser.add_argument("inputs", nargs="+", help="a run directory, or checkpoint files to average")
     parser.add_argument("--last", type=int, default=5, help="with a run directory: how many step_N.pt to use")
     parser.add_argument("--output", "-o", required=True, help="where to write the averaged checkpoint")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing -o file that is not an earlier output of transformer-average")
     args = parser.parse_args(argv)
     try:
         if len(args.inputs) == 1 and Path(args.inputs[0]).is_dir():
@@ -203,11 +271,21 @@ def average_main(argv: list[str] | None = None) -> int:
                                   "to a new file")
         if output.is_dir():
             raise CheckpointError(f"-o {output}: is a directory; give a file name such as {output / 'avg.pt'}")
+        if output.exists() and not args.force and not written_by_average(output):
+            raise CheckpointError(f"-o {output}: exists and is not an averaged checkpoint written by "
+                                  "transformer-average; choose a new file name, or pass --force to replace it")
         state = average_checkpoints(paths)
-        save_checkpoint(state, args.output)
+        bad = first_non_finite(state["model"])
+        if bad is not None:
+            raise CheckpointError(f"the average of {', '.join(map(str, paths))} holds NaN or infinite values in "
+                                  f"{bad}: one of them holds diverged weights; average checkpoints from before it")
+        save_checkpoint(state, output)
     except CheckpointError as error:
         print(f"transformer-average: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("transformer-average: interrupted", file=sys.stderr)
+        return 130
     print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {args.output}")
     return 0
 

@@ -6,6 +6,8 @@ loads (from disk, or from the HuggingFace Hub after `huggingface-cli upload`):
     model.safetensors    the weights (a tied matrix stored once)
     config.json          the training config (model shape, languages, decoding defaults) and the format version
     spm.model            the joint SentencePiece model, or src.spm.model and tgt.spm.model
+    export-manifest.json the names of the files the export wrote (both formats): `--force` replaces a
+                         directory only when it holds these files and nothing else
 
 `--format ctranslate2` writes a CTranslate2 model directory (through `ctranslate2.specs`) with the
 SentencePiece model(s) beside it. CTranslate2 (`pip install 'transformer[export]'`) is imported
@@ -18,12 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from transformer.checkpoint import (
+    CheckpointError,
+    first_non_finite,
+    load_checkpoint,
+    model_from_checkpoint,
+    os_error_in,
+)
 from transformer.config import Config, ConfigError
 from transformer.model import Transformer, build_model
 from transformer.tokenizer import Tokenizer
@@ -32,6 +41,7 @@ FORMAT_NAME = "transformer-nmt"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+MANIFEST_FILE = "export-manifest.json"
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
                  "float32")
 
@@ -43,45 +53,128 @@ def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
     return {"src.spm.model": tokenizer.src_model_bytes, "tgt.spm.model": tokenizer.tgt_model_bytes}
 
 
-def _write_model_directory(out: str | Path, overwrite: bool, tokenizer: Tokenizer, build) -> Path:
-    """`build(directory)` creates a model directory (a path that does not exist yet, beside `out`); the
-    SentencePiece model(s) are added and the whole is moved into place: a failed export leaves no
-    half-written model behind, and `--force` replaces only a previous export."""
-    out = Path(out).resolve()
-    if out.exists() and not overwrite:
+def check_output_directory(out: Path, overwrite: bool) -> None:
+    """Refuse an existing `out` unless `overwrite` (--force) and it holds a previous export's files and
+    nothing else, and is not the directory this process runs in (or one above it)."""
+    if not out.exists():
+        return
+    if not overwrite:
         raise FileExistsError(f"{out}: already exists; pass --force to replace it")
-    if out.exists() and not (out / CONFIG_FILE).is_file():
-        raise FileExistsError(f"{out}: exists and is not an exported model (no {CONFIG_FILE}); --force replaces "
-                              "only a previous export: choose a new directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    if not out.is_dir():
+        raise FileExistsError(f"{out}: exists and is not a directory; choose a new directory for the export")
+    exported = _exported_files(out)
+    unexpected = sorted(entry.name for entry in out.iterdir() if exported is None or entry.name not in exported
+                        or (entry.is_dir() and not entry.is_symlink()))
+    if unexpected and exported is None:
+        raise FileExistsError(f"{out}: is not an exported model (it holds {_listing(unexpected)}); --force replaces "
+                              "only a previous export and nothing else: choose a new directory")
+    if unexpected:
+        raise FileExistsError(f"{out}: holds files the previous export did not write ({_listing(unexpected)}); "
+                              "--force replaces only a previous export and nothing else: move them out or choose a "
+                              "new directory")
+    here = Path.cwd().resolve()
+    if out == here or out in here.parents:
+        raise FileExistsError(f"{out}: is the current directory or holds it; run transformer-export from outside "
+                              "it to replace it, or choose a new directory")
+
+
+def _exported_files(directory: Path) -> set[str] | None:
+    """The names of the files a previous export wrote into `directory`: those its manifest lists (an hf
+    export from before manifests: those its config.json names), or None when it holds no export."""
+    try:
+        files = json.loads((directory / MANIFEST_FILE).read_text(encoding="utf-8"))["files"]
+        return set(files) if isinstance(files, list) and all(isinstance(f, str) for f in files) else None
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError):       # unreadable, not JSON, not a manifest
+        return None
+    try:
+        meta = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    layouts = (["spm.model"], ["src.spm.model", "tgt.spm.model"])
+    if isinstance(meta, dict) and meta.get("format") == FORMAT_NAME and meta.get("tokenizer") in layouts:
+        return {CONFIG_FILE, WEIGHTS_FILE, *meta["tokenizer"]}
+    return None
+
+
+def _listing(names: list[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _write_model_directory(out: str | Path, overwrite: bool, tokenizer: Tokenizer, build, export_format: str) -> Path:
+    """`build(directory)` creates a model directory (a path that does not exist yet, in a staging directory
+    beside `out`); the SentencePiece model(s) and the manifest are added and the whole is moved into place.
+    A failed export leaves no half-written model behind and a previous export as it was; `--force`
+    replaces only a previous export (check_output_directory)."""
+    out = Path(out).resolve()
+    check_output_directory(out, overwrite)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except (FileExistsError, NotADirectoryError):
+        raise CheckpointError(f"{out}: cannot write the export: a part of {out.parent} is a file, not a "
+                              "directory") from None
+    except OSError as error:
+        raise CheckpointError(f"{out}: cannot write the export: {_failure_reason(error)}") from None
     try:
         built = staging / "model"                   # created by `build` with the usual permissions
-        build(built)
-        for name, data in tokenizer_files(tokenizer).items():
-            (built / name).write_bytes(data)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(built, out)
+        try:
+            build(built)
+            for name, data in tokenizer_files(tokenizer).items():
+                (built / name).write_bytes(data)
+            files = sorted([entry.name for entry in built.iterdir()] + [MANIFEST_FILE])
+            (built / MANIFEST_FILE).write_text(json.dumps({"format": export_format, "files": files}, indent=2) + "\n",
+                                               encoding="utf-8")
+        except (OSError, RuntimeError) as error:    # a full disk; CTranslate2 and safetensors wrap theirs
+            raise CheckpointError(f"{out}: cannot write the export: {_failure_reason(error)}") from None
+        previous = staging / "previous"
+        try:
+            if out.exists():
+                check_output_directory(out, overwrite)      # again: nothing was added while the model was built
+                os.replace(out, previous)
+            os.replace(built, out)
+        except BaseException:
+            if previous.exists() and not out.exists():
+                os.replace(previous, out)
+            raise
     finally:
         shutil.rmtree(staging)
     return out
+
+
+def _failure_reason(error: BaseException) -> str:
+    """What made a write fail, in words: the OSError in its chain (a full disk is ENOSPC), the error
+    code in a safetensors message, else the error's own first line."""
+    cause = os_error_in(error)
+    if cause is not None:
+        return os.strerror(cause.errno)
+    text = str(error).strip()
+    code = re.search(r"\bOs \{ code: (\d+)", text)          # safetensors: IoError(Os { code: 28, ... })
+    if code:
+        return os.strerror(int(code.group(1)))
+    return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 # ----- the shareable safetensors directory ---------------------------------------------------------
 
 def save_pretrained(model: Transformer, tokenizer: Tokenizer, config: Config, out: str | Path,
                     overwrite: bool = False) -> Path:
+    from safetensors import SafetensorError
     from safetensors.torch import save_model
 
+    _refuse_non_finite(model, "the model")
     def build(directory: Path) -> None:
         directory.mkdir()
-        save_model(model, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT_NAME})
+        try:
+            save_model(model, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT_NAME})
+        except SafetensorError as error:            # its writer's I/O errors (a full disk) come as these
+            raise RuntimeError(str(error)) from None
         meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tokenizer": sorted(tokenizer_files(tokenizer)),
                 "config": config.to_dict()}
         (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
-    return _write_model_directory(out, overwrite, tokenizer, build)
+    return _write_model_directory(out, overwrite, tokenizer, build, "hf")
 
 
 def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
@@ -141,7 +234,15 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
         raise CheckpointError(f"{weights}: weights do not fit the model of {CONFIG_FILE}: missing "
                               f"{', '.join(sorted(missing)[:3]) or 'none'}; unexpected "
                               f"{', '.join(sorted(unexpected)[:3]) or 'none'}")
+    _refuse_non_finite(model, weights)
     return model, tokenizer, config
+
+
+def _refuse_non_finite(model: Transformer, where: str | Path) -> None:
+    bad = first_non_finite(model.state_dict())
+    if bad is not None:
+        raise CheckpointError(f"{where}: weight {bad} holds NaN or infinite values (the run diverged); export a "
+                              "checkpoint from before it")
 
 
 def looks_like_hub_id(path: str | Path) -> bool:
@@ -229,6 +330,7 @@ def export_ctranslate2(model: Transformer, tokenizer: Tokenizer, out: str | Path
                               "(or pip install ctranslate2)") from None
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization}: one of {', '.join(QUANTIZATIONS)}")
+    _refuse_non_finite(model, "the model")
 
     class _Ours(Converter):               # CTranslate2's own validate / optimize (quantize) / save
         def _load(self):
@@ -237,7 +339,7 @@ def export_ctranslate2(model: Transformer, tokenizer: Tokenizer, out: str | Path
     def build(directory: Path) -> None:
         _Ours().convert(str(directory), quantization=quantization)
 
-    return _write_model_directory(out, overwrite, tokenizer, build)
+    return _write_model_directory(out, overwrite, tokenizer, build, "ctranslate2")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quantization and args.format != "ctranslate2":
         parser.error("--quantization applies to --format ctranslate2 only")
     try:
+        check_output_directory(Path(args.output).resolve(), args.force)     # before reading the checkpoint
         model, tokenizer, config = model_from_checkpoint(load_checkpoint(args.checkpoint), args.checkpoint)
         if args.format == "hf":
             out = save_pretrained(model, tokenizer, config, args.output, overwrite=args.force)
@@ -264,9 +367,12 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, FileExistsError, ValueError) as error:
         print(f"transformer-export: error: {error}", file=sys.stderr)
         return 2
-    except OSError as error:
-        print(f"transformer-export: error: {error.filename}: {error.strerror}", file=sys.stderr)
+    except OSError as error:          # e.g. the output directory cannot be listed
+        print(f"transformer-export: error: {error.filename or args.output}: {_failure_reason(error)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:         # the staging directory is removed, a previous export kept
+        print("transformer-export: interrupted; nothing was exported", file=sys.stderr)
+        return 130
     print(f"wrote {out} ({args.format}{', ' + args.quantization if args.quantization else ''})")
     return 0
 

@@ -1,0 +1,385 @@
+"""transformer-export and transformer-average misused (issue 27): `--force` replaces only a previous export
+and `-o` only a previous average; a checkpoint from a newer release, with a damaged tokenizer or with
+non-finite weights, and a full disk while exporting, each end in one line (exit 2) with nothing lost.
+Nothing here trains: the checkpoint is an untrained tiny model with a small SentencePiece model."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import FAST, compose_config
+from transformer import export
+from transformer.checkpoint import (
+    CHECKPOINT_FORMAT_VERSION,
+    CheckpointError,
+    average_main,
+    first_non_finite,
+    load_checkpoint,
+    model_from_checkpoint,
+    save_checkpoint,
+)
+from transformer.evaluate import main as evaluate_main
+from transformer.model import build_model
+from transformer.tokenizer import Tokenizer, train_sentencepiece
+from transformer.toy import generate
+from transformer.translate import main as translate_main
+
+try:
+    import ctranslate2  # noqa: F401
+    FORMATS = ["hf", "ctranslate2"]
+except ImportError:                     # the [export] extra is not installed: the hf format only
+    FORMATS = ["hf"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """best.pt of an untrained tiny model, as training writes it (weights, config, tokenizer, step)."""
+    config = compose_config(FAST)
+    src, tgt = generate(400, 10, 10)["train"]
+    tokenizer = Tokenizer(train_sentencepiece(src + tgt, vocab_size=120, model_type="bpe", character_coverage=1.0,
+                                              sample=10_000))
+    torch.manual_seed(0)
+    model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
+    path = tmp_path_factory.mktemp("run") / "checkpoints" / "best.pt"
+    save_checkpoint({"model": model.state_dict(), "config": config.to_dict(), "tokenizer": tokenizer.state_dict(),
+                     "step": 10, "metrics": {}}, path)
+    return path
+
+
+def _run(main, capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _export(capsys, checkpoint, out, fmt, *extra):
+    return _run(export.main, capsys, checkpoint, out, "--format", fmt, *extra)
+
+
+# ----- 1. --force replaces a previous export and nothing else ------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_force_refuses_a_directory_that_merely_holds_a_config_json(fmt, checkpoint, tmp_path, capsys):
+    project = tmp_path / "p"
+    (project / "src").mkdir(parents=True)
+    (project / "config.json").write_text("{}\n")
+    (project / "src" / "main.py").write_text("x\n")
+    before = _tree(project)
+    code, _, err = _export(capsys, checkpoint, project, fmt, "--force")
+    assert code == 2
+    assert "is not an exported model (it holds config.json, src)" in _one_line(err)
+    assert _tree(project) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]          # no staging directory left behind
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_force_from_inside_the_directory_loses_nothing(fmt, checkpoint, tmp_path, capsys, monkeypatch):
+    project = tmp_path / "p"
+    (project / "src").mkdir(parents=True)
+    (project / "config.json").write_text("{}\n")
+    (project / "src" / "main.py").write_text("x\n")
+    before = _tree(project)
+    monkeypatch.chdir(project)
+    code, _, err = _export(capsys, checkpoint, ".", fmt, "--force")
+    assert code == 2 and "config.json, src" in _one_line(err)
+    assert _tree(project) == before and Path.cwd() == project
+
+    # Even a directory that holds only a previous export is not replaced from inside it; from below it,
+    # the directory the shell is in is not the export's, so it is named and kept.
+    shutil.rmtree(project / "src")
+    (project / "config.json").unlink()
+    monkeypatch.chdir(tmp_path)
+    assert _export(capsys, checkpoint, project, fmt, "--force")[0] == 0
+    exported = _tree(project)
+    monkeypatch.chdir(project)
+    code, _, err = _export(capsys, checkpoint, ".", fmt, "--force")
+    assert code == 2 and "is the current directory or holds it" in _one_line(err)
+    (project / "sub").mkdir()
+    monkeypatch.chdir(project / "sub")
+    code, _, err = _export(capsys, checkpoint, "..", fmt, "--force")
+    assert code == 2 and "did not write (sub)" in _one_line(err)
+    assert _tree(project) == exported and (project / "sub").is_dir()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reexport_into_an_export_holding_user_files_keeps_them(fmt, checkpoint, tmp_path, capsys):
+    out = tmp_path / "model"
+    assert _export(capsys, checkpoint, out, fmt)[0] == 0
+    manifest = json.loads((out / export.MANIFEST_FILE).read_text())
+    assert manifest["format"] == fmt and sorted(manifest["files"]) == sorted(p.name for p in out.iterdir())
+    (out / "README.md").write_text("my notes\n")
+    (out / "extra").mkdir()
+    (out / "extra" / "data.txt").write_text("keep\n")
+    shutil.copy(checkpoint, out / "best.pt")
+    before = _tree(out)
+    code, _, err = _export(capsys, checkpoint, out, fmt, "--force")
+    assert code == 2
+    assert "holds files the previous export did not write (README.md, best.pt, extra)" in _one_line(err)
+    assert _tree(out) == before
+
+    for name in ("README.md", "best.pt"):
+        (out / name).unlink()
+    shutil.rmtree(out / "extra")
+    (out / "config.json").write_text("edited\n")       # an export's own file, edited: replaced with --force
+    code, out_text, err = _export(capsys, checkpoint, out, fmt, "--force")
+    assert code == 0, err
+    assert (out / "config.json").read_text() != "edited\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_force_replaces_an_hf_export_from_before_manifests(checkpoint, tmp_path, capsys):
+    out = tmp_path / "model"
+    assert _export(capsys, checkpoint, out, "hf")[0] == 0
+    (out / export.MANIFEST_FILE).unlink()              # as exports were written before the manifest
+    assert _export(capsys, checkpoint, out, "hf", "--force")[0] == 0
+    assert (out / export.MANIFEST_FILE).is_file()
+    (out / export.MANIFEST_FILE).unlink()
+    (out / "notes.txt").write_text("mine\n")
+    code, _, err = _export(capsys, checkpoint, out, "hf", "--force")
+    assert code == 2 and "(notes.txt)" in _one_line(err) and (out / "notes.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_force_refuses_a_file_and_a_checkpoint_directory(fmt, checkpoint, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    code, _, err = _export(capsys, checkpoint, tmp_path / "notes.txt", fmt, "--force")
+    assert code == 2 and "notes.txt: exists and is not a directory" in _one_line(err)
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+    before = _tree(checkpoint.parent)
+    code, _, err = _export(capsys, checkpoint, checkpoint.parent, fmt, "--force")
+    assert code == 2 and "is not an exported model (it holds best.pt)" in _one_line(err)
+    assert _tree(checkpoint.parent) == before
+    code, _, err = _export(capsys, checkpoint, tmp_path / "notes.txt" / "model", fmt)
+    assert code == 2 and "a part of" in _one_line(err) and "is a file, not a directory" in err
+
+
+# ----- 6. a full disk while exporting ------------------------------------------------------------------
+
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("failure", ["enospc", "bare-oserror", "runtime-error"])
+def test_a_failed_write_says_what_failed_and_keeps_the_previous_export(fmt, failure, checkpoint, tmp_path, capsys,
+                                                                       monkeypatch):
+    out = tmp_path / "model"
+    assert _export(capsys, checkpoint, out, fmt)[0] == 0
+    previous = _tree(out)
+
+    def fail(*args, **kwargs):
+        if failure == "enospc":
+            _disk_full()
+        if failure == "bare-oserror":             # CTranslate2's: no errno, no filename, no strerror
+            raise OSError()
+        try:                                       # a writer that wraps the OSError (as torch does)
+            _disk_full()
+        except OSError as error:
+            raise RuntimeError("write failed") from error
+
+    if fmt == "hf":
+        import safetensors.torch
+        monkeypatch.setattr(safetensors.torch, "save_model", fail)
+    else:
+        from ctranslate2.specs import model_spec
+        monkeypatch.setattr(model_spec.ModelSpec, "_serialize", fail)
+    code, _, err = _export(capsys, checkpoint, out, fmt, "--force")
+    assert code == 2
+    reason = "OSError" if failure == "bare-oserror" else "No space left on device"
+    assert _one_line(err) == f"transformer-export: error: {out}: cannot write the export: {reason}"
+    assert _tree(out) == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]      # no staging directory left behind
+
+    code, _, err = _export(capsys, checkpoint, tmp_path / "new", fmt)
+    assert code == 2 and "cannot write the export" in _one_line(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_full_disk_in_safetensors_own_words(checkpoint, tmp_path, capsys, monkeypatch):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
+    monkeypatch.setattr(safetensors.torch, "save_model", full)
+    code, _, err = _export(capsys, checkpoint, tmp_path / "model", "hf")
+    assert code == 2 and _one_line(err).endswith("model: cannot write the export: No space left on device")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_while_writing_the_json_and_the_tokenizer(checkpoint, tmp_path, capsys, monkeypatch):
+    real_write_text, real_write_bytes = Path.write_text, Path.write_bytes
+    for method, real in (("write_text", real_write_text), ("write_bytes", real_write_bytes)):
+        monkeypatch.setattr(Path, method, lambda self, *a, **k: _disk_full())
+        code, _, err = _export(capsys, checkpoint, tmp_path / "model", "hf")
+        assert code == 2 and _one_line(err).endswith("cannot write the export: No space left on device"), method
+        assert list(tmp_path.iterdir()) == []
+        monkeypatch.setattr(Path, method, real)
+
+
+def test_interrupted_export_keeps_the_previous_one(checkpoint, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "model"
+    assert _export(capsys, checkpoint, out, "hf")[0] == 0
+    previous = _tree(out)
+    real_replace, renames = os.replace, []
+
+    def interrupt_second_rename(src, dst):        # Ctrl-C once the previous export was moved aside
+        renames.append(dst)
+        if len(renames) == 2:
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+    monkeypatch.setattr(export.os, "replace", interrupt_second_rename)
+    code, _, err = _export(capsys, checkpoint, out, "hf", "--force")
+    monkeypatch.setattr(export.os, "replace", real_replace)
+    assert code == 130 and "interrupted" in _one_line(err)
+    assert _tree(out) == previous and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+# ----- 2. transformer-average -o replaces only an earlier average --------------------------------------
+
+def test_average_replaces_an_earlier_average_and_with_force_anything(checkpoint, tmp_path, capsys):
+    avg = tmp_path / "avg.pt"
+    assert _run(average_main, capsys, checkpoint, "-o", avg)[0] == 0
+    assert _run(average_main, capsys, checkpoint, "-o", avg)[0] == 0           # an earlier average: replaced
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    code, _, err = _run(average_main, capsys, checkpoint, "-o", notes)
+    assert code == 2 and "exists and is not an averaged checkpoint written by transformer-average" in _one_line(err)
+    assert notes.read_text() == "mine\n"
+    assert _run(average_main, capsys, checkpoint, "-o", notes, "--force")[0] == 0
+    assert load_checkpoint(notes)["metrics"]["averaged_from"] == [str(checkpoint)]
+    code, _, err = _run(average_main, capsys, checkpoint, "-o", checkpoint, "--force")   # never an input
+    assert code == 2 and "is one of the checkpoints being averaged" in _one_line(err)
+
+
+def test_average_refuses_to_write_a_non_finite_average(checkpoint, tmp_path, capsys):
+    state = load_checkpoint(checkpoint)
+    name = next(iter(state["model"]))
+    state["model"][name][0] = float("nan")
+    save_checkpoint(state, tmp_path / "diverged.pt")
+    code, _, err = _run(average_main, capsys, checkpoint, tmp_path / "diverged.pt", "-o", tmp_path / "avg.pt")
+    assert code == 2 and f"holds NaN or infinite values in {name}" in _one_line(err)
+    assert not (tmp_path / "avg.pt").exists()
+
+
+# ----- 3. the checkpoint format version ----------------------------------------------------------------
+
+def test_a_checkpoint_from_a_newer_release_is_refused_and_an_old_one_loads(checkpoint, tmp_path, capsys):
+    state = torch.load(checkpoint, weights_only=True)
+    assert state["format_version"] == CHECKPOINT_FORMAT_VERSION
+    newer = tmp_path / "newer.pt"
+    torch.save({**state, "format_version": CHECKPOINT_FORMAT_VERSION + 1}, newer)
+    with pytest.raises(CheckpointError, match=r"newer.pt: written by a newer version of this package .*; upgrade"):
+        load_checkpoint(newer)
+    for main, args in ((translate_main, [newer, "--input", checkpoint]), (export.main, [newer, tmp_path / "x", "--format", "hf"]),
+                       (average_main, [newer, "-o", tmp_path / "avg.pt"])):
+        code, _, err = _run(main, capsys, *args)
+        assert code == 2 and "written by a newer version of this package" in _one_line(err)
+    old = tmp_path / "old.pt"
+    torch.save({k: v for k, v in state.items() if k != "format_version"}, old)
+    model_from_checkpoint(load_checkpoint(old), old)
+    assert _run(average_main, capsys, old, "-o", tmp_path / "avg.pt")[0] == 0
+    assert torch.load(tmp_path / "avg.pt", weights_only=True)["format_version"] == CHECKPOINT_FORMAT_VERSION
+    torch.save({**state, "format_version": "2"}, tmp_path / "odd.pt")
+    with pytest.raises(CheckpointError, match="format_version '2' is not a whole number"):
+        load_checkpoint(tmp_path / "odd.pt")
+
+
+# ----- 4 and 5. a damaged tokenizer, non-finite weights ------------------------------------------------
+
+def _damaged(checkpoint, directory, **changes) -> Path:
+    state = load_checkpoint(checkpoint)
+    state.update(changes)
+    path = directory / "damaged.pt"
+    save_checkpoint(state, path)
+    return path
+
+
+@pytest.mark.parametrize("tokenizer,problem", [
+    ({"src": b"\x00garbage\xff" * 8, "tgt": None}, "is not a SentencePiece model"),
+    ({}, "is missing"),
+    ("spm", "is missing"),
+    ({"src": None}, "is missing"),
+])
+def test_a_damaged_embedded_tokenizer_is_one_line(tokenizer, problem, checkpoint, tmp_path, capsys):
+    path = _damaged(checkpoint, tmp_path, tokenizer=tokenizer)
+    with pytest.raises(CheckpointError, match=f"damaged.pt: its embedded tokenizer {problem}"):
+        model_from_checkpoint(load_checkpoint(path), path)
+    (tmp_path / "in.de").write_text("Der Hund.\n")
+    for main, args in ((translate_main, [path, "--input", tmp_path / "in.de"]),
+                       (export.main, [path, tmp_path / "x", "--format", "hf"]),
+                       (evaluate_main, [path, "--src", tmp_path / "in.de", "--ref", tmp_path / "in.de"])):
+        code, out, err = _run(main, capsys, *args)
+        assert code == 2 and f"its embedded tokenizer {problem}" in _one_line(err), (main, err)
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_empty_tokenizer_is_named_before_sentencepiece_sees_it(checkpoint, capfd):
+    # (torch cannot store b"" under weights_only; a state dict built in code can hold it)
+    state = load_checkpoint(checkpoint)
+    for entry in ({"src": b"", "tgt": None}, {"src": state["tokenizer"]["src"], "tgt": b""}):
+        with pytest.raises(CheckpointError, match="best.pt: its embedded tokenizer is empty"):
+            model_from_checkpoint({**state, "tokenizer": entry}, checkpoint)
+    assert capfd.readouterr().err == ""                 # no SentencePiece log lines
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(value, checkpoint, tmp_path, capsys):
+    state = load_checkpoint(checkpoint)
+    name = sorted(k for k, v in state["model"].items() if v.is_floating_point())[3]
+    weights = {k: v.clone() for k, v in state["model"].items()}
+    weights[name].view(-1)[-1] = value
+    assert first_non_finite(weights) == name and first_non_finite(state["model"]) is None
+    path = _damaged(checkpoint, tmp_path, model=weights)
+    with pytest.raises(CheckpointError, match=f"damaged.pt: weight {name} holds NaN or infinite values"):
+        model_from_checkpoint(load_checkpoint(path), path)
+    (tmp_path / "in.de").write_text("Der Hund.\n")
+    for main, args in ((translate_main, [path, "--input", tmp_path / "in.de"]),
+                       (export.main, [path, tmp_path / "x", "--format", FORMATS[-1]]),
+                       (evaluate_main, [path, "--src", tmp_path / "in.de", "--ref", tmp_path / "in.de"])):
+        code, _, err = _run(main, capsys, *args)
+        assert code == 2 and f"weight {name} holds NaN or infinite values" in _one_line(err)
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_exported_directory_with_non_finite_weights_is_refused(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+    model, tokenizer, config = model_from_checkpoint(load_checkpoint(checkpoint))
+    out = export.save_pretrained(model, tokenizer, config, tmp_path / "hf")
+    weights = load_file(out / export.WEIGHTS_FILE)
+    name = sorted(weights)[0]
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, out / export.WEIGHTS_FILE, metadata={"format": export.FORMAT_NAME})
+    with pytest.raises(CheckpointError, match=f"model.safetensors: weight {name} holds NaN"):
+        export.load_pretrained(out)
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] = float("inf")
+    with pytest.raises(CheckpointError, match="the model: weight .* holds NaN or infinite values"):
+        export.save_pretrained(model, tokenizer, config, tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_damaged_config_or_model_entry_is_one_line(checkpoint, tmp_path):
+    for changes, problem in (({"config": "x"}, "its stored config is not a mapping"),
+                             ({"model": {"w": "not a tensor"}}, "its model entry is not a set of named tensors")):
+        path = _damaged(checkpoint, tmp_path, **changes)
+        with pytest.raises(CheckpointError, match=problem):
+            model_from_checkpoint(load_checkpoint(path), path)
