@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                         "SentencePiece, loaded by Translator.from_pretrained")
     parser.add_argument("--quantization", choices=QUANTIZATIONS,
                         help="with --format ctranslate2: weight type (default: float32 as trained)")
-    parser.add_argument("--force", action="store_true", help="replace the output directory if it exists")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a previous export in the output directory (refused if it holds anything else)")
     args = parser.parse_args(argv)
     if args.quantization and args.format != "ctranslate2":
         parser.error("--quantization applies to --format ctranslate2 only")
