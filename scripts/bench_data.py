@@ -5,9 +5,11 @@ data       : seconds to prepare Multi30k train + validation with the SentencePie
              8k-token batches (vectorised, and the plain per-sentence loop it replaced, for scale).
 data_scale : Multi30k train repeated to 1M and 4.5M pairs (WMT14 en-de's size); per size, whole processes
              of `transformer.train model=tiny trainer.max_steps=1`: cold (nothing cached: SentencePiece,
-             encoding, batching, one step) and warm (everything cached), wall time and peak RSS; for the
-             largest, also a cold `torchrun --nproc_per_node=2` run: peak RSS of the largest process
-             and the number of prepared corpus directories (one per split: prepared once).
+             encoding, batching, one step) and warm (everything cached and checked), wall time and peak
+             RSS; the seconds that checking the prepared training split takes (sizes and CRC-32 of
+             every file, part of every warm start); for the largest, also a cold
+             `torchrun --nproc_per_node=2` run: peak RSS of the largest process and the number of
+             prepared corpus directories (one per split: prepared once).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from transformer.batching import TokenBatchSampler  # noqa: E402
-from transformer.corpus import prepare  # noqa: E402
+from transformer.corpus import check_prepared, prepare  # noqa: E402
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 
 
@@ -126,6 +128,11 @@ def bench_data_scale(multi30k: Path, sizes: list[int], folder: Path) -> list[dic
         row = {"section": "data_scale", "pairs": pairs}
         row["cold_s"], row["cold_rss_mb"] = _timed([sys.executable, *args], corpus / "cold.log")
         row["warm_s"], row["warm_rss_mb"] = _timed([sys.executable, *args], corpus / "warm.log")
+        (train_dir,) = (cache / "corpus").glob("*.train.*")
+        started = time.perf_counter()
+        check_prepared(train_dir)
+        row["check_s"] = time.perf_counter() - started
+        row["train_split_mb"] = sum(file.stat().st_size for file in train_dir.iterdir()) / 1e6
         if pairs == max(sizes):
             shutil.rmtree(cache, ignore_errors=True)
             ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
@@ -146,7 +153,8 @@ def print_row(row: dict) -> None:
         ddp = (f" | torchrun x2 cold {row['ddp2_cold_s']:.0f} s, largest process {row['ddp2_max_rss_mb']:.0f} MB, "
                f"{row['ddp2_corpus_dirs']} corpus dirs" if "ddp2_cold_s" in row else "")
         print(f"scale  {row['pairs']:>9,} pairs | cold to first step {row['cold_s']:6.1f} s, {row['cold_rss_mb']:5.0f} MB | "
-              f"warm {row['warm_s']:5.1f} s, {row['warm_rss_mb']:5.0f} MB{ddp}")
+              f"warm {row['warm_s']:5.1f} s, {row['warm_rss_mb']:5.0f} MB (checking the {row['train_split_mb']:.0f} MB "
+              f"training split {row['check_s']:.2f} s){ddp}")
 
 
 if __name__ == "__main__":

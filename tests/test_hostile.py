@@ -105,6 +105,9 @@ CASES = [
     ("run-dir-of-another-run", "train", ["hydra.run.dir={ws}/run"], r".*/run/checkpoints already holds checkpoints"),
     ("own-corpus-with-toy", "train", ["data.path={ws}/blank", "hydra.run.dir={ws}/new"],
      r"data.path=.*/blank is set but data=toy is the embedded corpus.*make train data=custom data.path="),
+    # --- issue 27: prepared data and caches
+    ("data-path-is-a-device", "train", ["data=multi30k_de_en", "data.path=/dev/null", "hydra.run.dir={ws}/new"],
+     r"data.path=/dev/null: is not a regular file or a directory \(it is a character device\)"),
 ]
 
 
@@ -140,7 +143,7 @@ def test_resume_true_passes_over_a_weights_only_checkpoint(workspace):
 
 
 def test_the_table_covers_every_defect_class():
-    assert len(CASES) == 24
+    assert len(CASES) == 25
     assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
 
 
