@@ -80,7 +80,7 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
                 if line.strip():
                     usable[0] += 1
                 yield line
-        except DataError as error:        # SentencePiece would wrap it in "INTERNAL: DataError: ..."
+        except (DataError, KeyboardInterrupt) as error:   # SentencePiece would wrap it in "INTERNAL: ..."
             failure.append(error)
             raise
 
