@@ -5,9 +5,11 @@ data       : seconds to prepare Multi30k train + validation with the SentencePie
              8k-token batches (vectorised, and the plain per-sentence loop it replaced, for scale).
 data_scale : Multi30k train repeated to 1M and 4.5M pairs (WMT14 en-de's size); per size, whole processes
              of `transformer.train model=tiny trainer.max_steps=1`: cold (nothing cached: SentencePiece,
-             encoding, batching, one step) and warm (everything cached), wall time and peak RSS; for the
-             largest, also a cold `torchrun --nproc_per_node=2` run: peak RSS of the largest process
-             and the number of prepared corpus directories (one per split: prepared once).
+             encoding, batching, one step) and warm (everything cached and checked), wall time, time to
+             the end of the first step (from the log) and peak RSS; the seconds that checking the
+             prepared training split takes (sizes and CRC-32 of every file, part of every warm start);
+             for the largest, also a cold `torchrun --nproc_per_node=2` run: peak RSS of the largest
+             process and the number of prepared corpus directories (one per split: prepared once).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from transformer.batching import TokenBatchSampler  # noqa: E402
-from transformer.corpus import prepare  # noqa: E402
+from transformer.corpus import check_prepared, prepare  # noqa: E402
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 
 
@@ -113,6 +116,12 @@ def _timed(command: list[str], log: Path) -> tuple[float, float]:
     return float(seconds), int(rss_kb) / 1024
 
 
+def _to_first_step(log: Path, started: float) -> float:
+    """Seconds from `started` (time.time()) to the log line that says the first step is done."""
+    line = next(line for line in log.read_text().splitlines() if "reached trainer.max_steps" in line)
+    return datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp() - started
+
+
 def bench_data_scale(multi30k: Path, sizes: list[int], folder: Path) -> list[dict]:
     rows = []
     for pairs in sizes:
@@ -120,12 +129,22 @@ def bench_data_scale(multi30k: Path, sizes: list[int], folder: Path) -> list[dic
         _repeat_corpus(multi30k, pairs, corpus)
         cache = corpus / "cache"
         shutil.rmtree(cache, ignore_errors=True)
+        # The run validates once at its end: on one sentence and without EMA, since an untrained model
+        # decodes every sentence to its length limit (a minute of decoding, not of starting up).
         args = ["-m", "transformer.train", "data=multi30k_de_en", f"data.path={corpus}", f"data.cache_dir={cache}",
                 "model=tiny", "trainer.max_steps=1", "trainer.test_at_end=false", "trainer.validate_every=1000000",
+                "trainer.val_max_sentences=1", "trainer.ema_decay=0", "trainer.average_last=0",
                 "trainer.overwrite=true", f"hydra.run.dir={corpus / 'run'}"]
         row = {"section": "data_scale", "pairs": pairs}
-        row["cold_s"], row["cold_rss_mb"] = _timed([sys.executable, *args], corpus / "cold.log")
-        row["warm_s"], row["warm_rss_mb"] = _timed([sys.executable, *args], corpus / "warm.log")
+        for run in ("cold", "warm"):
+            started = time.time()
+            row[f"{run}_s"], row[f"{run}_rss_mb"] = _timed([sys.executable, *args], corpus / f"{run}.log")
+            row[f"{run}_first_step_s"] = _to_first_step(corpus / f"{run}.log", started)
+        (train_dir,) = (cache / "corpus").glob("*.train.*")
+        started = time.perf_counter()
+        check_prepared(train_dir)
+        row["check_s"] = time.perf_counter() - started
+        row["train_split_mb"] = sum(file.stat().st_size for file in train_dir.iterdir()) / 1e6
         if pairs == max(sizes):
             shutil.rmtree(cache, ignore_errors=True)
             ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
@@ -145,8 +164,10 @@ def print_row(row: dict) -> None:
     else:
         ddp = (f" | torchrun x2 cold {row['ddp2_cold_s']:.0f} s, largest process {row['ddp2_max_rss_mb']:.0f} MB, "
                f"{row['ddp2_corpus_dirs']} corpus dirs" if "ddp2_cold_s" in row else "")
-        print(f"scale  {row['pairs']:>9,} pairs | cold to first step {row['cold_s']:6.1f} s, {row['cold_rss_mb']:5.0f} MB | "
-              f"warm {row['warm_s']:5.1f} s, {row['warm_rss_mb']:5.0f} MB{ddp}")
+        print(f"scale  {row['pairs']:>9,} pairs | cold {row['cold_s']:6.1f} s (first step after "
+              f"{row['cold_first_step_s']:.1f} s), {row['cold_rss_mb']:5.0f} MB | warm {row['warm_s']:5.1f} s (first step "
+              f"after {row['warm_first_step_s']:.1f} s), {row['warm_rss_mb']:5.0f} MB, checking the "
+              f"{row['train_split_mb']:.0f} MB training split {row['check_s']:.2f} s{ddp}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 import json
 import logging
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -55,6 +57,26 @@ def test_missing_path_and_split_name_the_key(tmp_path):
         load_split_text(DataConfig(path=str(tmp_path / "nope")), "train")
     with pytest.raises(DataError, match="no files for split 'train'"):
         load_split_text(DataConfig(path=str(tmp_path)), "train")
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a character device", "a directory"])
+def test_a_split_file_that_is_not_a_regular_file_is_named_as_such(tmp_path, kind):
+    (tmp_path / "train.en").write_text("a dog\n")
+    make = {"a FIFO": os.mkfifo, "a character device": lambda path: path.symlink_to("/dev/null"),
+            "a directory": Path.mkdir}[kind]
+    make(tmp_path / "train.de")
+    with pytest.raises(DataError, match=rf"^{tmp_path}/train.de: is not a regular file \(it is {kind}\); "
+                                        "give the text in a regular file$"):
+        open_split(DataConfig(path=str(tmp_path)), "train")
+
+
+def test_a_data_path_or_tsv_that_is_not_a_regular_file_is_named_as_such(tmp_path):
+    (tmp_path / "train.tsv").mkdir()
+    with pytest.raises(DataError, match=r"train.tsv: is not a regular file \(it is a directory\)"):
+        open_split(DataConfig(path=str(tmp_path)), "train")
+    with pytest.raises(DataError, match=r"^data.path=/dev/null: is not a regular file or a directory \(it is a "
+                                        r"character device\); point it at the directory of your corpus files$"):
+        open_split(DataConfig(path="/dev/null"), "train")
 
 
 def test_unknown_hub_dataset_fails_with_the_key(monkeypatch):

@@ -112,6 +112,9 @@ CASES = [
      r"-o .*/a_file: exists and is not an averaged checkpoint written by transformer-average"),
     ("average-under-a-file", "average", [BEST, "-o", "{ws}/a_file/avg.pt"],
      r".*/a_file/avg.pt: cannot write the checkpoint: a part of .*/a_file is a file, not a directory"),
+    # --- issue 27: prepared data and caches
+    ("data-path-is-a-device", "train", ["data=multi30k_de_en", "data.path=/dev/null", "hydra.run.dir={ws}/new"],
+     r"data.path=/dev/null: is not a regular file or a directory \(it is a character device\)"),
 ]
 
 
@@ -147,7 +150,7 @@ def test_resume_true_passes_over_a_weights_only_checkpoint(workspace):
 
 
 def test_the_table_covers_every_defect_class():
-    assert len(CASES) == 27
+    assert len(CASES) == 28
     assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
 
 

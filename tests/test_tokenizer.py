@@ -1,3 +1,5 @@
+import pytest
+
 from transformer import toy
 from transformer.data import InMemory
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, build_tokenizer
@@ -27,3 +29,13 @@ def test_separate_vocabularies(tmp_path):
     assert not tok.joint
     assert tok.decode_tgt(tok.encode_tgt(tgt[:5])) == tgt[:5]
     assert Tokenizer.from_state_dict(tok.state_dict()).tgt_model_bytes == tok.tgt_model_bytes
+
+
+def test_ctrl_c_while_sentencepiece_reads_the_corpus_stays_a_keyboard_interrupt():
+    from transformer.tokenizer import train_sentencepiece
+
+    def lines_until_ctrl_c():
+        yield from (f"ein Hund {i}" for i in range(100))
+        raise KeyboardInterrupt                     # SentencePiece would turn it into "INTERNAL: ..." RuntimeError
+    with pytest.raises(KeyboardInterrupt):
+        train_sentencepiece(lines_until_ctrl_c(), vocab_size=30, model_type="bpe", character_coverage=1.0, sample=1000)

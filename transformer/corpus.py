@@ -7,13 +7,15 @@ builds whatever is missing. A split is stored under `data.cache_dir/corpus/<data
     src.ids, tgt.ids            every pair's token ids, one flat uint16 (int32 for > 65536 pieces) array
     src.offsets.npy, ...        int64, pairs + 1: pair i is ids[offsets[i] : offsets[i + 1]]
     flags.npy                   uint8 per pair: 1 = a side is blank, 2 = a NUL byte
-    meta.json                   counts, dtype, where the text came from
+    meta.json                   counts, dtype, where the text came from, every file's size and CRC-32
 
 written into a temporary directory that is renamed into place, so a killed preparation leaves nothing
 half-written. Readers memory-map the files: N processes or ranks share one copy in the page cache.
-When something is missing, preparation takes a file lock, so concurrent runs and torchrun ranks
-prepare a corpus once (the others wait on the lock, outside any collective, however long it takes)
-and then read it; when everything is cached, every process reads it at once without the lock.
+Before a split is used its files are checked against meta.json (sizes and CRC-32, transformer/cache.py):
+a damaged split is prepared again, with one warning that names the file and what was wrong.
+When something is missing or damaged, preparation takes a file lock, so concurrent runs and torchrun
+ranks prepare a corpus once (the others wait on the lock, outside any collective, however long it
+takes) and then read it; when everything is cached, every process reads it at once without the lock.
 Filtering (blank, NUL, longer than `data.max_len`) is a vectorised mask applied at load time.
 """
 
@@ -34,14 +36,16 @@ import numpy as np
 from tqdm import tqdm
 
 from transformer.batching import Batch, make_batch
+from transformer.cache import CacheDamage, check_file, file_record, read_record, sealed, write_failure
 from transformer.config import ConfigError, DataConfig
 from transformer.data import DataError, SplitSource, open_split
 from transformer.tokenizer import Tokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                 # 2: meta.json records every file's size and CRC-32
 FLAG_BLANK, FLAG_NUL = 1, 2
+DATA_FILES = ("src.ids", "tgt.ids", "src.offsets.npy", "tgt.offsets.npy", "flags.npy")
 
 
 class EncodedCorpus:
@@ -56,7 +60,11 @@ class EncodedCorpus:
         self._open()
 
     def _open(self) -> None:
-        meta = json.loads((self.directory / "meta.json").read_text())
+        try:                                    # sizes only: the checksums were checked by prepare()
+            meta = check_prepared(self.directory, checksums=False)
+        except CacheDamage as damage:           # damaged since (a DataLoader worker re-opening it)
+            raise DataError(f"{damage}: the prepared corpus was damaged after it was checked; "
+                            "run `make prepare` again") from None
         self.meta = meta
         for side in ("src", "tgt"):
             offsets = np.load(self.directory / f"{side}.offsets.npy")
@@ -113,29 +121,55 @@ class EncodedCorpus:
 # Preparing
 
 
+def check_prepared(directory: Path, checksums: bool = True) -> dict:
+    """The metadata of the prepared split in `directory` once its files match it (sizes and, with
+    `checksums`, CRC-32); CacheDamage naming the first file that does not."""
+    meta = read_record(directory / "meta.json")
+    files = meta.get("files")
+    if meta.get("format") != FORMAT_VERSION or not isinstance(files, dict) or set(files) != set(DATA_FILES):
+        raise CacheDamage(directory / "meta.json", "unreadable metadata (not this version's layout)")
+    for name in DATA_FILES:
+        check_file(directory / name, files[name], checksum=checksums)
+    return meta
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Temporary and damaged copies of `directory` left by killed preparations (under the lock)."""
+    for leftover in directory.parent.glob(f".{directory.name}.*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _move_aside(directory: Path, damage: CacheDamage) -> None:
+    """Take a damaged split out of the way (under the lock): processes that still have its files
+    memory-mapped keep reading them; the next ones find the split missing and wait for the lock."""
+    aside = directory.with_name(f".{directory.name}.damaged{os.getpid()}")
+    try:
+        os.rename(directory, aside)
+    except OSError as error:
+        raise DataError(f"{damage}, and {directory} cannot be moved aside to prepare it again "
+                        f"({error.strerror}); delete it") from None
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc: str) -> None:
     """Encode `source` chunk by chunk (SentencePiece on every core) into the files of `directory`,
-    written in a temporary directory renamed into place."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    for stale in directory.parent.glob(f".{directory.name}.tmp*"):    # left by a killed preparation
-        shutil.rmtree(stale, ignore_errors=True)
+    written in a temporary directory renamed into place. Called under the preparation lock."""
     tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
-    tmp.mkdir()
     try:
-        _write_split(tmp, source, tokenizer, desc)
-        try:
-            os.rename(tmp, directory)
-        except OSError:
-            if not (directory / "meta.json").exists():
-                raise                                   # not "another process was faster"
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(directory)
+        tmp.mkdir()
+        meta = _write_split(tmp, source, tokenizer, desc)
+        os.rename(tmp, directory)
+    except OSError as error:                    # a full disk, a read-only cache: one line, not a traceback
+        raise write_failure(error, "the prepared corpus", directory) from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)         # on any failure, and if another process won
-    meta = json.loads((directory / "meta.json").read_text())
+        shutil.rmtree(tmp, ignore_errors=True)  # on any failure (Ctrl-C included): nothing half-written
     log.info("%s: %d pairs, %d + %d tokens -> %s", desc, meta["pairs"], meta["src_tokens"], meta["tgt_tokens"],
              directory)
 
 
-def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str) -> None:
+def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str) -> dict:
     vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
     lengths = {"src": [], "tgt": []}
@@ -162,23 +196,30 @@ def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str
     flag_array = np.concatenate(flags) if flags else np.zeros(0, dtype=np.uint8)
     np.save(tmp / "flags.npy", flag_array)
     meta = {"format": FORMAT_VERSION, "pairs": len(flag_array), **counts, "dtype": dtype.name,
-            "source": source.where, "src_vocab": tokenizer.src_vocab_size, "tgt_vocab": tokenizer.tgt_vocab_size}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            "source": source.where, "src_vocab": tokenizer.src_vocab_size, "tgt_vocab": tokenizer.tgt_vocab_size,
+            "files": {name: file_record(tmp / name) for name in DATA_FILES}}
+    (tmp / "meta.json").write_text(sealed(meta))
+    return meta
 
 
 def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, split: str,
                   build: bool = True) -> EncodedCorpus | None:
-    """The prepared split for this source and tokenizer: read from the cache, or encoded now (or None
-    when it is missing and `build` is false)."""
+    """The prepared split for this source and tokenizer: read from the cache once its files are checked,
+    or encoded now (or None when it is missing or damaged and `build` is false). With `build`, call it
+    under `preparation_lock`: a damaged split is moved aside and encoded again."""
     key = hashlib.sha256(json.dumps({"source": source.fingerprint(), "tokenizer": tokenizer.fingerprint(),
                                      "format": FORMAT_VERSION}).encode()).hexdigest()[:16]
     name = f"{cfg.name}.{split}"
     directory = Path(cfg.cache_dir) / "corpus" / f"{name}.{key}"
-    if (directory / "meta.json").exists():
+    try:
+        check_prepared(directory)
         log.info("%s: prepared corpus %s", name, directory)
-    elif not build:
-        return None
-    else:
+    except CacheDamage as damage:
+        if not build:
+            return None
+        if directory.exists():                  # damaged, not simply never prepared
+            log.warning("%s; preparing %s again", damage, name)
+            _move_aside(directory, damage)
         _encode_to(directory, source, tokenizer, name)
     return EncodedCorpus(directory, cfg.max_len, name)
 
@@ -187,8 +228,12 @@ def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, sp
 def preparation_lock(cfg: DataConfig):
     """An exclusive lock per corpus name and cache directory, released when the process ends."""
     folder = Path(cfg.cache_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / f".prepare.{cfg.name}.lock", "a+") as handle:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / f".prepare.{cfg.name}.lock", "a+")
+    except OSError as error:
+        raise write_failure(error, "the preparation lock", folder) from None
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -216,12 +261,13 @@ def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train"
     """Tokenizer (trained on the training split unless given) and the encoded `splits` (or `sources`,
     already opened).
 
-    Everything cached: read without the lock (every rank at once). Something missing: take the lock
-    and build what is still missing once it is held.
+    Everything cached and whole: read without the lock (every rank at once). Something missing or
+    damaged: take the lock and build what is still missing or damaged once it is held.
     """
     sources = sources or {split: open_split(cfg, split) for split in splits}
     for source in sources.values():
         source.fingerprint()                      # hashed outside the lock, once per process
+    checked: dict[tuple[str, str], EncodedCorpus] = {}    # (split, tokenizer): checked once per process
 
     def collect(build: bool) -> dict | None:
         tok = tokenizer or train_tokenizer(cfg, sources["train"], build=build)
@@ -229,9 +275,13 @@ def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train"
             return None
         found = {"tokenizer": tok}
         for split, source in sources.items():
-            found[split] = encoded_split(source, tok, cfg, split, build=build)
-            if found[split] is None:
-                return None
+            key = (split, tok.fingerprint())
+            if key not in checked:
+                corpus = encoded_split(source, tok, cfg, split, build=build)
+                if corpus is None:
+                    return None
+                checked[key] = corpus
+            found[split] = checked[key]
         return found
 
     encoded = collect(build=False)
@@ -252,7 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     (no run directory is made) and prepares the tokenizer and every split."""
     from transformer.config import compose
 
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    # The log on stdout (as Hydra's for training), so that stderr holds nothing but an error line.
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     overrides = sys.argv[1:] if argv is None else argv
     try:
         cfg = compose(overrides)
@@ -265,6 +317,10 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, DataError) as error:
         print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted: preparation stopped; what was finished is kept, nothing half-written is left "
+              "(run it again to finish)", file=sys.stderr)
+        sys.exit(130)
     print(f"prepared {cfg.data.name}: {len(prepared.train)} training pairs, vocabulary "
           f"{prepared.tokenizer.src_vocab_size} pieces, in {Path(cfg.data.cache_dir).resolve()}", flush=True)
 

@@ -11,6 +11,7 @@ stops with the file and line.
 from __future__ import annotations
 
 import hashlib
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,10 +63,36 @@ def _decode(block: bytes, path: Path, first_line: int) -> list[str]:
     return lines
 
 
+def _not_regular(path: Path) -> str | None:
+    """What `path` is when it exists but is not a regular file (a directory, a FIFO, a device)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    kinds = ((stat.S_ISREG, None), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
+
+
+def _refuse_irregular(path: Path) -> None:
+    """Text that is read more than once (fingerprint, vocabulary, encoding) must be in a regular file:
+    /dev/null would read as an empty corpus, a FIFO once or never."""
+    kind = _not_regular(path)
+    if kind:
+        raise DataError(f"{path}: is not a regular file (it is {kind}); give the text in a regular file")
+
+
+def _open_for_reading(path: Path):
+    try:
+        return open(path, "rb")
+    except OSError as error:
+        raise DataError(f"{path}: cannot read it: {error.strerror}") from None
+
+
 def iter_line_blocks(path: Path) -> Iterator[list[str]]:
     """The lines of a UTF-8 file in blocks of about 8 MB (a BOM is stripped)."""
     line_no, rest, first = 1, b"", True
-    with open(path, "rb") as handle:
+    with _open_for_reading(path) as handle:
         while True:
             block = handle.read(_BLOCK_BYTES)
             if first and block.startswith(b"\xef\xbb\xbf"):
@@ -105,7 +132,7 @@ def _rechunk(blocks: Iterator[list[str]], size: int) -> Iterator[list[str]]:
 def _hash_files(*paths: Path) -> str:
     digest = hashlib.sha256()
     for path in paths:
-        with open(path, "rb") as handle:
+        with _open_for_reading(path) as handle:
             while block := handle.read(_BLOCK_BYTES):
                 digest.update(block)
         digest.update(b"\0")
@@ -162,8 +189,9 @@ class ParallelFiles(SplitSource):
 
     def __init__(self, src_path: Path, tgt_path: Path):
         for path in (src_path, tgt_path):
-            if not path.is_file():
+            if not path.exists():
                 raise DataError(f"{path}: file not found (check data.path and the language codes)")
+            _refuse_irregular(path)
         self.src_path, self.tgt_path = src_path, tgt_path
         self.where = f"{src_path} + {tgt_path.name}"
 
@@ -305,6 +333,10 @@ def _open_local(cfg: DataConfig, split: str) -> SplitSource:
     if not root.exists():
         raise DataError(f"data.path={cfg.path}: no such file or directory")
     name = cfg.split_name(split)
+    kind = _not_regular(root)
+    if kind not in (None, "a directory"):
+        raise DataError(f"data.path={cfg.path}: is not a regular file or a directory (it is {kind}); "
+                        "point it at the directory of your corpus files")
     if root.is_file():
         candidates = [root]
     else:
@@ -313,8 +345,9 @@ def _open_local(cfg: DataConfig, split: str) -> SplitSource:
             return ParallelFiles(src_file, tgt_file)
         candidates = [root / f"{name}.{ext}" for ext in ("tsv", "jsonl", "json", "parquet")]
     for file in candidates:
-        if not file.is_file():
+        if not file.exists():
             continue
+        _refuse_irregular(file)
         if file.suffix == ".tsv":
             return TsvFile(file)
         builder = "parquet" if file.suffix == ".parquet" else "json"

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from transformer.cache import CacheDamage, bytes_record, check_bytes, read_record, sealed, write_failure
 from transformer.data import DataError, SplitSource
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+CACHE_VERSION = 2            # 2: each cached model's size and CRC-32 recorded beside it
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
                 if line.strip():
                     usable[0] += 1
                 yield line
-        except DataError as error:        # SentencePiece would wrap it in "INTERNAL: DataError: ..."
+        except (DataError, KeyboardInterrupt) as error:   # SentencePiece would wrap it in "INTERNAL: ..."
             failure.append(error)
             raise
 
@@ -115,20 +117,25 @@ def build_tokenizer(source: SplitSource, *, vocab_size: int, model_type: str = "
                     character_coverage: float = 1.0, sample: int = 1_000_000, cache_dir: str | Path = "data",
                     build: bool = True) -> Tokenizer | None:
     """Load the cached tokenizer for this training split (by its fingerprint) and these settings, or
-    train and cache it, streaming the split. With `build=False`, None when nothing is cached."""
+    train and cache it, streaming the split. With `build=False`, None when nothing (whole) is cached.
+
+    The cache is `spm/<key>.joint.model` (or `.src.model` + `.tgt.model`) and `spm/<key>.json`, which
+    records each model's size and CRC-32: a damaged or missing model is trained again, with a warning."""
     settings = {"vocab_size": vocab_size, "model_type": model_type, "joint": joint,
                 "character_coverage": character_coverage, "sample": sample}
-    key = hashlib.sha256(json.dumps({**settings, "corpus": source.fingerprint()}, sort_keys=True).encode()
-                         ).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps({**settings, "corpus": source.fingerprint(), "cache": CACHE_VERSION},
+                                    sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cache_dir) / "spm"
-    names = ["joint"] if joint else ["src", "tgt"]
-    paths = [folder / f"{key}.{name}.model" for name in names]
-    if all(p.exists() for p in paths):
+    paths = [folder / f"{key}.{name}.model" for name in (["joint"] if joint else ["src", "tgt"])]
+    record_path = folder / f"{key}.json"
+    try:
+        models = _read_cached(record_path, paths)
         log.info("SentencePiece: using cached %s", ", ".join(str(p) for p in paths))
-        models = [p.read_bytes() for p in paths]
-    elif not build:
-        return None
-    else:
+    except CacheDamage as damage:
+        if not build:
+            return None
+        if record_path.exists() or any(p.exists() for p in paths):     # damaged, not simply never trained
+            log.warning("%s; training SentencePiece again", damage)
         log.info("SentencePiece: training %s %s vocabulary of %d pieces", "joint" if joint else "separate",
                  model_type, vocab_size)
         train = dict(vocab_size=vocab_size, model_type=model_type,
@@ -137,11 +144,7 @@ def build_tokenizer(source: SplitSource, *, vocab_size: int, model_type: str = "
             models = [train_sentencepiece(source.lines("src", "tgt"), **train)]
         else:
             models = [train_sentencepiece(source.lines("src"), **train), train_sentencepiece(source.lines("tgt"), **train)]
-        folder.mkdir(parents=True, exist_ok=True)
-        for path, model in zip(paths, models):
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(model)
-            os.replace(tmp, path)
+        _write_cached(record_path, paths, models, {**settings, "corpus": source.where})
     tokenizer = Tokenizer(models[0], None if joint else models[1])
     sizes = f"{tokenizer.src_vocab_size}" if joint else f"{tokenizer.src_vocab_size} + {tokenizer.tgt_vocab_size}"
     if max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) < vocab_size:
@@ -151,3 +154,38 @@ def build_tokenizer(source: SplitSource, *, vocab_size: int, model_type: str = "
         log.info("SentencePiece: the vocabulary has %s pieces", sizes)
     return tokenizer
 
+
+def _read_cached(record_path: Path, paths: list[Path]) -> list[bytes]:
+    """The cached models once they match their record; CacheDamage naming the first that does not."""
+    record = read_record(record_path)
+    models = []
+    for path in paths:
+        if not isinstance(record.get("models"), dict) or path.name not in record["models"]:
+            raise CacheDamage(record_path, f"unreadable metadata (no record of {path.name})")
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise CacheDamage(path, "missing") from None
+        except OSError as error:
+            raise CacheDamage(path, f"unreadable ({error.strerror})") from None
+        check_bytes(data, path, record["models"][path.name])
+        models.append(data)
+    return models
+
+
+def _write_cached(record_path: Path, paths: list[Path], models: list[bytes], about: dict) -> None:
+    """Each model, then the record of them all, each into a temporary file renamed into place: a
+    reader finds a model that matches the record or one it knows to be damaged."""
+    record = sealed({**about, "models": {path.name: bytes_record(model) for path, model in zip(paths, models)}})
+    temporary = []
+    try:
+        record_path.parent.mkdir(parents=True, exist_ok=True)
+        for path, content in [*zip(paths, models), (record_path, record.encode())]:
+            temporary.append(path.with_name(f".{path.name}.tmp{os.getpid()}"))
+            temporary[-1].write_bytes(content)
+            os.replace(temporary[-1], path)
+    except OSError as error:                    # a full disk, a read-only cache: one line, not a traceback
+        raise write_failure(error, "the SentencePiece model", record_path.parent) from None
+    finally:
+        for tmp in temporary:                   # on any failure (Ctrl-C included): no temporary file left
+            tmp.unlink(missing_ok=True)
