@@ -105,6 +105,17 @@ CASES = [
     ("run-dir-of-another-run", "train", ["hydra.run.dir={ws}/run"], r".*/run/checkpoints already holds checkpoints"),
     ("own-corpus-with-toy", "train", ["data.path={ws}/blank", "hydra.run.dir={ws}/new"],
      r"data.path=.*/blank is set but data=toy is the embedded corpus.*make train data=custom data.path="),
+    # --- issue 27: training (values that cannot work are refused before training; non-finite weights unsaved)
+    ("lr-inf", "train", ["trainer.lr=inf", "hydra.run.dir={ws}/new"],
+     r"^error: trainer.lr=inf is not finite; give a finite number \(the default is 0.0007\)$"),
+    ("lr-nan", "train", ["trainer.lr=nan", "hydra.run.dir={ws}/new"], r"^error: trainer.lr=nan is not finite"),
+    ("max-minutes-nan", "train", ["trainer.max_minutes=nan", "hydra.run.dir={ws}/new"],
+     r"^error: trainer.max_minutes=nan is not finite"),
+    ("decode-alpha-nan", "train", ["decode.alpha=nan", "hydra.run.dir={ws}/new"], r"^error: decode.alpha=nan is not finite"),
+    ("max-positions-below-max-len", "train", ["model.max_positions=32", "hydra.run.dir={ws}/new"],
+     r"model.max_positions=32 is too small for data.max_len=64: .* set model.max_positions=65 or more"),
+    ("lr-overflows-the-weights", "train", ["trainer.lr=1e300", "trainer.warmup=1", "hydra.run.dir={ws}/new"],
+     r"^error: step 2: the weights are not finite \(.*\), so nothing was saved; .* no checkpoint was written before"),
 ]
 
 
@@ -140,7 +151,7 @@ def test_resume_true_passes_over_a_weights_only_checkpoint(workspace):
 
 
 def test_the_table_covers_every_defect_class():
-    assert len(CASES) == 24
+    assert len(CASES) == 30
     assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
 
 
