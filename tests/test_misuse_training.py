@@ -124,6 +124,24 @@ def test_cli_resume_true_with_only_best_exits_2_with_one_line_and_best_byte_iden
                         r".* trainer.init_from=.*/best.pt, or pass trainer.overwrite=true .*", lines[0]), lines[0]
     assert best.read_bytes() == before
     assert sorted(p.name for p in best.parent.iterdir()) == ["best.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "checkpoints"]     # nor .hydra/ nor train.log
+
+
+def test_the_cli_refuses_before_hydra_writes_into_the_run_directory(tmp_path):
+    from transformer.run_state import RunDirectoryLock, check_run_directory
+    best = _checkpoint(tmp_path / "checkpoints" / "best.pt", 40)
+    elsewhere = _checkpoint(tmp_path / "other" / "last.pt", 7)
+    refused = {("trainer.resume=true",): "finds no checkpoint to resume from (last.pt is missing; only best.pt",
+               (f"trainer.resume={elsewhere}",): "already holds checkpoints of another run",
+               ("trainer.max_steps=3",): "already holds checkpoints of another run"}
+    try:
+        for overrides, message in refused.items():
+            with pytest.raises(TrainingError, match=re.escape(message)):
+                check_run_directory(tmp_path, ["trainer.max_steps=3", *overrides])
+        check_run_directory(tmp_path, ["trainer.resume=true", "trainer.overwrite=true"])
+        check_run_directory(tmp_path, [f"+trainer.resume={best.parent / 'last.pt'}"])    # its own checkpoint
+    finally:
+        RunDirectoryLock.acquire(tmp_path).release()           # the lock this process holds
 
 
 # --- non-finite weights are never saved ---------------------------------------------------------------
@@ -227,7 +245,7 @@ def test_an_update_freq_beyond_an_epoch_and_a_warmup_beyond_the_run_are_said(cap
         caplog.clear()
         trainer = SimpleNamespace(cfg=compose_config(list(overrides)), dist=DistInfo(), sampler=sampler)
         with caplog.at_level(logging.WARNING):
-            Trainer._warn_about_settings_short_of_their_value(trainer)
+            Trainer._warn_about_settings_the_run_cannot_honour(trainer)
         return [r.getMessage() for r in caplog.records]
 
     assert warnings_for("trainer.update_freq=4", "trainer.max_tokens=100") == []

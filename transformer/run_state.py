@@ -19,7 +19,7 @@ import torch
 
 from transformer import distributed as D
 from transformer.checkpoint import CheckpointError, load_checkpoint
-from transformer.config import TrainerConfig
+from transformer.config import DecodeConfig, TrainerConfig
 
 log = logging.getLogger("transformer.train")
 
@@ -66,7 +66,7 @@ HONOURED_ON_RESUME = {
     "trainer": ("device", "precision", "max_steps", "max_epochs", "max_minutes", "validate_every", "checkpoint_every",
                 "val_beam_size", "val_max_sentences", "test_at_end", "keep_last", "average_last", "patience",
                 "max_bad_steps", "compile", "resume", "overwrite", "log_every", "num_threads", "num_workers"),
-    "decode": ("name", "beam_size", "alpha", "max_len_a", "max_len_b", "batch_tokens", "nbest"),
+    "decode": tuple(spec.name for spec in dataclasses.fields(DecodeConfig)),      # every decoding key
 }
 # Every other key (dropout, label smoothing, clipping, the schedule, the batches, the corpus, the seed of
 # the batch order, the EMA decay) takes effect from the resumed step on: one warning says the run does
@@ -74,9 +74,10 @@ HONOURED_ON_RESUME = {
 
 
 def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> None:
-    """Compare the config of a run resumed from `state` (read from `path`) with the checkpoint's: the keys the checkpoint fixes
-    take its values (so that the config saved with the run is what it runs with), and one warning names
-    them; one more names the keys that change the run from here on. Keys an older checkpoint lacks pass."""
+    """Compare the config of a run resumed from `state` (read from `path`) with the checkpoint's: the
+    keys the checkpoint fixes take its values (so that the config saved with the run is what it runs
+    with), and one warning names them; one more names the keys that change the run from here on. Keys
+    an older checkpoint lacks pass."""
     saved, ignored, changed = state["config"], [], []
     for section in ("model", "data", "trainer", "decode"):
         values, old_values = getattr(cfg, section), saved.get(section, {})
@@ -128,6 +129,8 @@ def _resume_checkpoint(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> t
     if tc.resume in (True, "true"):
         # best.pt may hold averaged weights (trainer.ema_decay, average_last), never newer than last.pt.
         newest, unusable = _newest_resumable([p for p in existing if p.name != "best.pt"])
+        for error in unusable.values():
+            log.warning("skipping %s", error)
         if newest is not None:
             if tc.overwrite:
                 log.warning("trainer.overwrite=true is ignored: trainer.resume=true continues the run in %s",
@@ -152,7 +155,6 @@ def _newest_resumable(paths: list[Path]) -> tuple[Path | None, dict[Path, Except
         try:   # memory-mapped: reading the step does not read the tensors of every file
             step = _resumable(load_checkpoint(path, mmap=True), path)["step"]
         except (CheckpointError, TrainingError) as error:
-            log.warning("skipping %s", error)
             unusable[path] = error
             continue
         if step > newest_step:
@@ -206,12 +208,25 @@ def foreign_run_error(ckpt_dir: Path) -> TrainingError:
 
 def check_run_directory(run_dir: Path, overrides: list[str]) -> None:
     """Before Hydra writes `.hydra/` and `train.log` into an explicitly named run directory: take its
-    lock and refuse one that holds another run's checkpoints, unless the overrides resume or replace it."""
+    lock and refuse what `find_resume_state` would refuse there (checkpoints of another run, or none
+    that trainer.resume=true can resume), so that a refused run leaves the directory as it was."""
     RunDirectoryLock.acquire(run_dir)
-    keeps = [o for o in overrides if o.split("=", 1)[0].lstrip("+") in ("trainer.resume", "trainer.overwrite")
-             and o.split("=", 1)[1].lower() not in ("false", "", "null")]
-    if not keeps and any((run_dir / "checkpoints").glob("*.pt")):
-        raise foreign_run_error(run_dir / "checkpoints")
+    given = dict(o.lstrip("+").split("=", 1) for o in overrides if "=" in o)
+    ckpt_dir = run_dir / "checkpoints"
+    existing = sorted(ckpt_dir.glob("*.pt"))
+    if not existing or _switched_on(given.get("trainer.overwrite", "false")):
+        return
+    resume = given.get("trainer.resume", "false")
+    if resume.lower() == "true":
+        newest, unusable = _newest_resumable([p for p in existing if p.name != "best.pt"])
+        if newest is None:
+            raise nothing_to_resume_error(ckpt_dir, existing, unusable)
+    elif not _switched_on(resume) or ("${" not in resume and Path(resume).resolve().parent != ckpt_dir.resolve()):
+        raise foreign_run_error(ckpt_dir)
+
+
+def _switched_on(value: str) -> bool:
+    return value.lower() not in ("false", "", "null")
 
 
 def _resumable(state: dict, path) -> dict:

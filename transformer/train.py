@@ -111,7 +111,7 @@ class Trainer:
         self.sampler = TokenBatchSampler(self.data.train.src_lens, self.data.train.tgt_lens, tc.max_tokens, tc.seed)
         self.updates = UpdateSampler(self.sampler, tc.update_freq, self.dist.rank, self.dist.world_size)
         if self.dist.is_main:
-            self._warn_about_settings_short_of_their_value()
+            self._warn_about_settings_the_run_cannot_honour()
         cuda = self.device.type == "cuda"
         workers = tc.num_workers if tc.num_workers is not None else (2 if cuda else 0)
         self.loader = update_loader(self.data.train, self.updates, workers, pin_memory=cuda)
@@ -131,7 +131,7 @@ class Trainer:
         self.writer = SummaryWriter(str(self.run_dir / "tb")) if self.dist.is_main else None
         self.log = TrainLog(self.device, self.writer, tc.max_bad_steps)
 
-    def _warn_about_settings_short_of_their_value(self) -> None:
+    def _warn_about_settings_the_run_cannot_honour(self) -> None:
         """Settings the run cannot honour in full, said once: more batches per update than an epoch has
         (an update never spans two epochs), a warm-up longer than the run (the peak lr is never reached)."""
         tc, world = self.cfg.trainer, self.dist.world_size
