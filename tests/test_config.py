@@ -97,3 +97,46 @@ def test_impossible_settings_name_the_key(override, message):
 def test_no_stopping_rule_is_refused():
     with pytest.raises(ConfigError, match="no stopping rule"):
         compose_config(["trainer.max_steps=0", "trainer.max_minutes=0"])
+
+
+def _float_keys() -> list[str]:
+    """Every float key of the schema (lists of floats too), found from the dataclasses: a new key is
+    covered without a change here."""
+    import dataclasses
+    return [f"{section.name}.{spec.name}" for section in dataclasses.fields(Config) if section.name != "run_dir"
+            for spec in dataclasses.fields(section.default_factory()) if "float" in str(spec.type)]
+
+
+def test_the_schema_has_the_float_keys_the_next_test_covers():
+    keys = _float_keys()
+    assert {"model.dropout", "data.character_coverage", "trainer.lr", "trainer.betas", "trainer.max_minutes",
+            "decode.alpha", "decode.max_len_a"} <= set(keys)
+    assert {k.split(".")[0] for k in keys} == {"model", "data", "trainer", "decode"}
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("key", _float_keys())
+def test_every_float_key_refuses_a_non_finite_value_naming_it(key, value):
+    from transformer.config import DataConfig, DecodeConfig, ModelConfig, TrainerConfig
+    schema = {"model": ModelConfig, "data": DataConfig, "trainer": TrainerConfig, "decode": DecodeConfig}
+    section, name = key.split(".")
+    given = f"[0.9,{value}]" if isinstance(getattr(schema[section](), name), list) else value
+    with pytest.raises(ConfigError) as error:
+        compose_config([f"{key}={given}"])
+    message = str(error.value)
+    assert message.startswith(f"{key}=") and "is not finite; give a finite number (the default is" in message, message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("max_len, max_positions, ok", [(64, 64, False), (64, 65, True), (200, 128, False)])
+def test_the_positions_cover_the_longest_training_sentence_with_its_eos_or_bos(max_len, max_positions, ok):
+    overrides = [f"data.max_len={max_len}", f"model.max_positions={max_positions}"]
+    if ok:
+        assert compose_config(overrides).model.max_positions == max_positions
+        return
+    with pytest.raises(ConfigError) as error:
+        compose_config(overrides)
+    assert str(error.value) == (
+        f"model.max_positions={max_positions} is too small for data.max_len={max_len}: a sentence of {max_len} "
+        f"tokens and its EOS (source) or BOS (target) take {max_len + 1} positions; set model.max_positions="
+        f"{max_len + 1} or more, or data.max_len={max_positions - 1} or less")

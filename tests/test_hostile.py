@@ -115,6 +115,17 @@ CASES = [
     # --- issue 27: prepared data and caches
     ("data-path-is-a-device", "train", ["data=multi30k_de_en", "data.path=/dev/null", "hydra.run.dir={ws}/new"],
      r"data.path=/dev/null: is not a regular file or a directory \(it is a character device\)"),
+    # --- issue 27: training (values that cannot work are refused before training; non-finite weights unsaved)
+    ("lr-inf", "train", ["trainer.lr=inf", "hydra.run.dir={ws}/new"],
+     r"^error: trainer.lr=inf is not finite; give a finite number \(the default is 0.0007\)$"),
+    ("lr-nan", "train", ["trainer.lr=nan", "hydra.run.dir={ws}/new"], r"^error: trainer.lr=nan is not finite"),
+    ("max-minutes-nan", "train", ["trainer.max_minutes=nan", "hydra.run.dir={ws}/new"],
+     r"^error: trainer.max_minutes=nan is not finite"),
+    ("decode-alpha-nan", "train", ["decode.alpha=nan", "hydra.run.dir={ws}/new"], r"^error: decode.alpha=nan is not finite"),
+    ("max-positions-below-max-len", "train", ["model.max_positions=32", "hydra.run.dir={ws}/new"],
+     r"model.max_positions=32 is too small for data.max_len=64: .* set model.max_positions=65 or more"),
+    ("lr-overflows-the-weights", "train", ["trainer.lr=1e300", "trainer.warmup=1", "hydra.run.dir={ws}/new"],
+     r"^error: step 2: the weights are not finite \(.*\), so nothing was saved; .* no checkpoint was written before"),
 ]
 
 
@@ -150,7 +161,7 @@ def test_resume_true_passes_over_a_weights_only_checkpoint(workspace):
 
 
 def test_the_table_covers_every_defect_class():
-    assert len(CASES) == 28
+    assert len(CASES) == 34
     assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
 
 

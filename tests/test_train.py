@@ -80,7 +80,9 @@ def test_resume_continues_exactly(tmp_path, data_cache, workers, caplog):
         with caplog.at_level(logging.WARNING):
             train(compose_config(common + ["trainer.max_steps=21", "trainer.resume=true", "trainer.max_tokens=900"],
                                  data_cache), tmp_path / "split")
-        assert "resuming with a different max_tokens than the checkpoint was written with" in caplog.text
+        assert "trainer.resume: trainer.max_tokens 1024 -> 900 differ from the checkpoint: they apply from its " \
+               "step 20 on, so the run does not continue as the interrupted one would have" in caplog.text
+        assert "trainer.max_steps 20 -> 21" not in caplog.text      # honoured on resume: no warning
     if workers:     # batches collated in worker processes train exactly like batches collated in-process
         train(compose_config([c for c in common if "num_workers" not in c] + ["trainer.max_steps=20"], data_cache),
               tmp_path / "in-process")

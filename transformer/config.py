@@ -9,6 +9,7 @@ result (or a checkpoint's saved config) and rejects impossible values with an er
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ class ModelConfig:
     attention: str = "auto"
 
     def validate(self) -> None:
+        _require_finite("model", self)
         for key in ("d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers", "max_positions"):
             _positive(f"model.{key}", getattr(self, key))
         if self.d_model % self.n_heads:
@@ -86,6 +88,7 @@ class DataConfig:
     cache_dir: str = "data"       # SentencePiece models (spm/) and encoded corpora (cache/, corpus/) go here
 
     def validate(self) -> None:
+        _require_finite("data", self)
         _positive("data.max_len", self.max_len)
         _positive("data.vocab_size", self.vocab_size)
         if self.tokenizer_type not in ("bpe", "unigram"):
@@ -155,6 +158,7 @@ class TrainerConfig:
     num_workers: int | None = None  # DataLoader processes collating the next batches (null = 2 on CUDA, 0 on CPU)
 
     def validate(self) -> None:
+        _require_finite("trainer", self)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"trainer.device={self.device!r} must be auto, cpu, cuda or cuda:N")
         if self.precision not in ("auto", "bf16", "fp16", "fp32"):
@@ -217,6 +221,7 @@ class DecodeConfig:
     nbest: int = 1                # hypotheses returned per sentence (<= beam_size)
 
     def validate(self) -> None:
+        _require_finite("decode", self)
         _positive("decode.beam_size", self.beam_size)
         _positive("decode.batch_tokens", self.batch_tokens)
         _positive("decode.nbest", self.nbest)
@@ -260,6 +265,14 @@ class Config:
         self.data.validate()
         self.trainer.validate()
         self.decode.validate()
+        # A training pair of data.max_len tokens takes one position more: the source its EOS, the
+        # target input its BOS. (Decoding caps its output at model.max_positions - 1 tokens itself.)
+        if self.model.max_positions < self.data.max_len + 1:
+            raise ConfigError(
+                f"model.max_positions={self.model.max_positions} is too small for data.max_len={self.data.max_len}: "
+                f"a sentence of {self.data.max_len} tokens and its EOS (source) or BOS (target) take "
+                f"{self.data.max_len + 1} positions; set model.max_positions={self.data.max_len + 1} or more, or "
+                f"data.max_len={self.model.max_positions - 1} or less")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -311,6 +324,20 @@ def composition_error_line(error: BaseException) -> str:
     if key and key not in message:
         message = f"{key}: {message}"
     return message if cause is error else f"{head}: {message}"
+
+
+def _require_finite(section: str, values) -> None:
+    """Every float key of a config section (lists of floats too) holds a finite number: nan and inf
+    pass comparisons such as `lr <= 0` unnoticed, then train nothing or make every weight non-finite."""
+    for spec in dataclasses.fields(values):
+        if "float" not in str(spec.type):
+            continue
+        value = getattr(values, spec.name)
+        numbers = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(number, float) and not math.isfinite(number) for number in numbers):
+            default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
+            raise ConfigError(f"{section}.{spec.name}={value} is not finite; give a finite number "
+                              f"(the default is {default})")
 
 
 def _positive(key: str, value: int | float) -> None:

@@ -3,6 +3,7 @@ run's log file and the signals that stop it cleanly. `Trainer` (train.py) uses t
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -18,7 +19,7 @@ import torch
 
 from transformer import distributed as D
 from transformer.checkpoint import CheckpointError, load_checkpoint
-from transformer.config import TrainerConfig
+from transformer.config import DecodeConfig, TrainerConfig
 
 log = logging.getLogger("transformer.train")
 
@@ -29,11 +30,16 @@ class TrainingError(RuntimeError):
 
 def starting_point(cfg, ckpt_dir: Path, dist: D.DistInfo) -> tuple[dict | None, dict | None]:
     """What a run starts from: (a checkpoint to resume, None), (None, a checkpoint whose weights and
-    tokenizer to fine-tune: trainer.init_from), or (None, None) for a new model."""
+    tokenizer to fine-tune: trainer.init_from), or (None, None) for a new model. On resume, `cfg` takes
+    the checkpoint's values of the keys it fixes (`adopt_resumed_config`)."""
     tc = cfg.trainer
-    resume_state = find_resume_state(tc, ckpt_dir, dist)
-    if resume_state or not tc.init_from:
-        return resume_state, None
+    resumed = _resume_checkpoint(tc, ckpt_dir, dist)
+    if resumed:
+        state, path = resumed
+        adopt_resumed_config(cfg, state, path, warn=dist.is_main)
+        return state, None
+    if not tc.init_from:
+        return None, None
     init_state = load_checkpoint(tc.init_from, mmap=True)
     saved = init_state["config"]["data"]
     if (saved["vocab_size"], saved["joint_vocab"]) != (cfg.data.vocab_size, cfg.data.joint_vocab):
@@ -43,41 +49,156 @@ def starting_point(cfg, ckpt_dir: Path, dist: D.DistInfo) -> tuple[dict | None, 
     return None, init_state
 
 
+# On resume the checkpoint fixes these, whatever the command line says: the model is rebuilt as saved,
+# the tokenizer is the saved one, the optimizer restores its own hyper-parameters (lr, betas, eps, weight
+# decay) and the run started from what it started from. A different value given is ignored (one warning).
+FIXED_BY_CHECKPOINT = {
+    "model": ("name", "d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers", "pre_norm", "tie_embeddings"),
+    "data": ("vocab_size", "tokenizer_type", "joint_vocab", "character_coverage", "tokenizer_sample"),
+    "trainer": ("lr", "betas", "adam_eps", "weight_decay", "init_from"),
+}
+# Honoured on resume without changing the run itself: how long it goes on, how often it logs, validates
+# and saves, where and how fast it runs, how it decodes. (trainer.max_steps also ends a cosine or linear
+# decay: with those schedules a new value changes the learning rates.)
+HONOURED_ON_RESUME = {
+    "model": ("attention", "max_positions"),
+    "data": ("name", "cache_dir", "test_split"),
+    "trainer": ("device", "precision", "max_steps", "max_epochs", "max_minutes", "validate_every", "checkpoint_every",
+                "val_beam_size", "val_max_sentences", "test_at_end", "keep_last", "average_last", "patience",
+                "max_bad_steps", "compile", "resume", "overwrite", "log_every", "num_threads", "num_workers"),
+    "decode": tuple(spec.name for spec in dataclasses.fields(DecodeConfig)),      # every decoding key
+}
+# Every other key (dropout, label smoothing, clipping, the schedule, the batches, the corpus, the seed of
+# the batch order, the EMA decay) takes effect from the resumed step on: one warning says the run does
+# not continue as the interrupted one would have.
+
+
+def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> None:
+    """Compare the config of a run resumed from `state` (read from `path`) with the checkpoint's: the
+    keys the checkpoint fixes take its values (so that the config saved with the run is what it runs
+    with), and one warning names them; one more names the keys that change the run from here on. Keys
+    an older checkpoint lacks pass."""
+    saved, ignored, changed = state["config"], [], []
+    for section in ("model", "data", "trainer", "decode"):
+        values, old_values = getattr(cfg, section), saved.get(section, {})
+        decays = section == "trainer" and values.schedule in ("cosine", "linear")
+        for spec in dataclasses.fields(values):
+            key, new = spec.name, getattr(values, spec.name)
+            if key not in old_values or old_values[key] == new:
+                continue
+            old = old_values[key]
+            if key in FIXED_BY_CHECKPOINT.get(section, ()):
+                ignored.append(f"{section}.{key}={new} (keeps {old})")
+                setattr(values, key, old)
+            elif key not in HONOURED_ON_RESUME.get(section, ()) or (key == "max_steps" and decays):
+                changed.append(f"{section}.{key} {old} -> {new}")
+    if ignored:
+        cfg.validate()
+    if not warn:
+        return
+    if ignored:
+        log.warning("trainer.resume: %s ignored: a resumed run keeps the model, tokenizer and optimizer settings of "
+                    "its checkpoint; to change them start a new run from its weights with trainer.init_from=%s",
+                    ", ".join(ignored), path)
+    if changed:
+        log.warning("trainer.resume: %s differ from the checkpoint: they apply from its step %s on, so the run "
+                    "does not continue as the interrupted one would have (not an exact resume)",
+                    ", ".join(changed), state["step"])
+
+
 def find_resume_state(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> dict | None:
     """The state to resume from: `trainer.resume` as a path, or the newest checkpoint in `ckpt_dir` with
-    `trainer.resume=true`. A directory holding checkpoints of another run is refused unless
-    `trainer.overwrite=true`, which clears it."""
-    if isinstance(tc.resume, str) and tc.resume not in ("", "true", "false"):
-        return _resumable(load_checkpoint(tc.resume), tc.resume)
+    `trainer.resume=true`; None for a new run. A directory holding checkpoints, of another run or none
+    of them resumable, is refused unless `trainer.overwrite=true`, which clears it."""
+    resumed = _resume_checkpoint(tc, ckpt_dir, dist)
+    return resumed[0] if resumed else None
+
+
+def _resume_checkpoint(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> tuple[dict, Path] | None:
+    """`find_resume_state`, with the path of the checkpoint."""
     existing = sorted(ckpt_dir.glob("*.pt")) if ckpt_dir.exists() else []
-    # best.pt may hold averaged weights (trainer.ema_decay, average_last), never newer than last.pt.
-    resumable = [p for p in existing if p.name != "best.pt"]
+    if isinstance(tc.resume, str) and tc.resume not in ("", "true", "false"):
+        path = Path(tc.resume)
+        state = _resumable(load_checkpoint(path), path)
+        if path.resolve().parent != ckpt_dir.resolve():      # continued in a directory of its own
+            _clear_for_a_new_run(tc, existing, ckpt_dir, dist)
+        return state, path
     if dist.is_main and ckpt_dir.exists():
         for stale in ckpt_dir.glob(".*.pt.tmp*"):     # left by a process killed mid-write
             stale.unlink(missing_ok=True)
     if tc.resume in (True, "true"):
-        newest, newest_step = None, -1
-        for path in resumable:
-            try:   # memory-mapped: reading the step does not read the tensors of every file
-                state = _resumable(load_checkpoint(path, mmap=True), path)
-            except (CheckpointError, TrainingError) as error:
-                log.warning("skipping %s", error)
-                continue
-            step = state["step"]
-            if step > newest_step:
-                newest, newest_step = path, step
-        if newest is None:
+        # best.pt may hold averaged weights (trainer.ema_decay, average_last), never newer than last.pt.
+        newest, unusable = _newest_resumable([p for p in existing if p.name != "best.pt"])
+        for error in unusable.values():
+            log.warning("skipping %s", error)
+        if newest is not None:
+            if tc.overwrite:
+                log.warning("trainer.overwrite=true is ignored: trainer.resume=true continues the run in %s",
+                            ckpt_dir)
+            state = load_checkpoint(newest)
+            log.info("resuming from %s (step %d)", newest, state["step"])
+            return state, newest
+        if not existing:
             log.warning("trainer.resume=true but %s holds no checkpoint: starting a new run", ckpt_dir)
             return None
-        log.info("resuming from %s (step %d)", newest, newest_step)
-        return load_checkpoint(newest)
-    if existing:
         if not tc.overwrite:
-            raise foreign_run_error(ckpt_dir)
-        D.barrier(dist)
-        if dist.is_main:
-            shutil.rmtree(ckpt_dir)
+            raise nothing_to_resume_error(ckpt_dir, existing, unusable)
+    _clear_for_a_new_run(tc, existing, ckpt_dir, dist)
     return None
+
+
+def _newest_resumable(paths: list[Path]) -> tuple[Path | None, dict[Path, Exception]]:
+    """Of `paths`, the checkpoint with the highest step that can resume a run, and why each of the
+    others cannot."""
+    newest, newest_step, unusable = None, -1, {}
+    for path in paths:
+        try:   # memory-mapped: reading the step does not read the tensors of every file
+            step = _resumable(load_checkpoint(path, mmap=True), path)["step"]
+        except (CheckpointError, TrainingError) as error:
+            unusable[path] = error
+            continue
+        if step > newest_step:
+            newest, newest_step = path, step
+    return newest, unusable
+
+
+def nothing_to_resume_error(ckpt_dir: Path, existing: list[Path], unusable: dict[Path, Exception]) -> TrainingError:
+    """trainer.resume=true in a directory whose checkpoints cannot resume the run (last.pt missing or
+    damaged): starting a new run there would overwrite them, best.pt included."""
+    def readable(path: Path) -> bool:
+        if path in unusable:
+            return isinstance(unusable[path], TrainingError)     # weights only: readable, not resumable
+        try:
+            load_checkpoint(path, mmap=True)
+            return True
+        except CheckpointError:
+            return False
+
+    weights = sorted((p for p in existing if readable(p)), key=lambda p: p.name != "best.pt")
+    found = [] if ckpt_dir / "last.pt" in existing else ["last.pt is missing"]
+    found += [f"{p.name} is damaged" for p in existing if p not in weights]
+    found += [f"{p.name} holds no training state" for p, error in unusable.items() if isinstance(error, TrainingError)]
+    where = f"{ckpt_dir}: trainer.resume=true finds no checkpoint to resume from ({', '.join(found)}"
+    if not weights:
+        return TrainingError(f"{where}; nothing in it is readable); pass trainer.overwrite=true to delete these "
+                             "checkpoints and start a new run here, or choose another hydra.run.dir")
+    return TrainingError(
+        f"{where}; only {', '.join(p.name for p in weights)} {'is' if len(weights) == 1 else 'are'} readable); "
+        f"to fine-tune from its weights start a new run in another hydra.run.dir with "
+        f"trainer.init_from={weights[0]}, or pass trainer.overwrite=true to delete these checkpoints and start "
+        "a new run here")
+
+
+def _clear_for_a_new_run(tc: TrainerConfig, existing: list[Path], ckpt_dir: Path, dist: D.DistInfo) -> None:
+    """A new run writes into `ckpt_dir`: checkpoints of another run there are refused unless
+    trainer.overwrite=true, which deletes them."""
+    if not existing:
+        return
+    if not tc.overwrite:
+        raise foreign_run_error(ckpt_dir)
+    D.barrier(dist)
+    if dist.is_main:
+        shutil.rmtree(ckpt_dir)
 
 
 def foreign_run_error(ckpt_dir: Path) -> TrainingError:
@@ -87,12 +208,25 @@ def foreign_run_error(ckpt_dir: Path) -> TrainingError:
 
 def check_run_directory(run_dir: Path, overrides: list[str]) -> None:
     """Before Hydra writes `.hydra/` and `train.log` into an explicitly named run directory: take its
-    lock and refuse one that holds another run's checkpoints, unless the overrides resume or replace it."""
+    lock and refuse what `find_resume_state` would refuse there (checkpoints of another run, or none
+    that trainer.resume=true can resume), so that a refused run leaves the directory as it was."""
     RunDirectoryLock.acquire(run_dir)
-    keeps = [o for o in overrides if o.split("=", 1)[0].lstrip("+") in ("trainer.resume", "trainer.overwrite")
-             and o.split("=", 1)[1].lower() not in ("false", "", "null")]
-    if not keeps and any((run_dir / "checkpoints").glob("*.pt")):
-        raise foreign_run_error(run_dir / "checkpoints")
+    given = dict(o.lstrip("+").split("=", 1) for o in overrides if "=" in o)
+    ckpt_dir = run_dir / "checkpoints"
+    existing = sorted(ckpt_dir.glob("*.pt"))
+    if not existing or _switched_on(given.get("trainer.overwrite", "false")):
+        return
+    resume = given.get("trainer.resume", "false")
+    if resume.lower() == "true":
+        newest, unusable = _newest_resumable([p for p in existing if p.name != "best.pt"])
+        if newest is None:
+            raise nothing_to_resume_error(ckpt_dir, existing, unusable)
+    elif not _switched_on(resume) or ("${" not in resume and Path(resume).resolve().parent != ckpt_dir.resolve()):
+        raise foreign_run_error(ckpt_dir)
+
+
+def _switched_on(value: str) -> bool:
+    return value.lower() not in ("false", "", "null")
 
 
 def _resumable(state: dict, path) -> dict:
@@ -161,6 +295,17 @@ class RunDirectoryLock:
             self._held.pop(self.path, None)
             self.handle.close()          # closing the descriptor releases the lock
             self.handle = None
+
+
+def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point tensors holding a NaN or an infinity (one read on the host)."""
+    floating = [(name, t) for name, t in tensors.items() if t.is_floating_point() and t.numel()]
+    if not floating:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in floating])
+    if bool(finite.all()):
+        return []
+    return [name for (name, _), ok in zip(floating, finite.tolist()) if not ok]
 
 
 def rng_state(device: torch.device) -> dict:

@@ -2,14 +2,16 @@
 
 Every job trains in its own directory under runs/sweeps/...; this Hydra callback (named in
 conf/config.yaml) appends a row per finished job to the sweep directory's `summary.tsv` and prints
-the table, best validation BLEU first, when the sweep ends. A job that fails is recorded as failed
-and the sweep goes on with the next one.
+the table, best validation BLEU first, when the sweep ends. A job that fails, whatever the error, is
+recorded as failed with its one-line reason (the traceback of an unexpected error goes to its
+train.log) and the sweep goes on with the next one; a sweep whose every job failed exits with 2.
 """
 
 from __future__ import annotations
 
 import csv
 import logging
+import sys
 from pathlib import Path
 
 from hydra.core.utils import JobReturn, JobStatus
@@ -19,7 +21,17 @@ from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ("job", "overrides", "status", "best_val_bleu", "run_dir")
+COLUMNS = ("job", "overrides", "status", "best_val_bleu", "run_dir", "error")
+
+# Why the job running in this process failed: set by the training job (`job_failed`), read when it ends.
+# A module variable, not the job's return value: that is the best BLEU a sweeper such as Optuna reads.
+_failure: str | None = None
+
+
+def job_failed(reason: str) -> None:
+    """The training job of a sweep failed: its summary row says `reason` (one line)."""
+    global _failure
+    _failure = " ".join(reason.split())
 
 
 def read_summary(path: Path) -> list[dict]:
@@ -40,26 +52,33 @@ def format_summary(rows: list[dict]) -> str:
                         for r in sorted(rows, key=order)]
     widths = [max(len(row[i]) for row in table) for i in range(3)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in table]
-    failed = sum(r["status"] != "ok" for r in rows)
+    failed = [r for r in sorted(rows, key=lambda r: int(r["job"])) if r["status"] != "ok"]
+    lines += [f"job {r['job']} failed: {r.get('error') or 'see its train.log'}" for r in failed]
     if failed:
-        lines.append(f"{failed} of {len(rows)} jobs failed: see their train.log under the run_dir column of the .tsv")
+        lines.append(f"{len(failed)} of {len(rows)} jobs failed: see their train.log under the run_dir column of "
+                     "the .tsv")
     return "\n".join(([f"common to every job: {' '.join(common)}"] if common else []) + lines)
 
 
 class SweepSummary(Callback):
+    def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        global _failure
+        _failure = None
+
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
         if config.hydra.mode != RunMode.MULTIRUN:
             return
         path = Path(config.hydra.sweep.dir) / "summary.tsv"
-        # A job that failed with one of our errors (bad setting, unreadable data) returns None.
-        bleu = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
-        ok = bleu is not None
+        completed = job_return.status == JobStatus.COMPLETED
+        error = _failure if completed else f"{type(job_return._return_value).__name__}: {job_return._return_value}"
+        bleu = job_return.return_value if completed and error is None else None
         row = {
             "job": str(config.hydra.job.num),
             "overrides": " ".join(job_return.overrides or ()) or "(none)",
-            "status": "ok" if ok else "failed",
+            "status": "failed" if error else "ok",
             "best_val_bleu": "" if bleu is None or bleu < 0 else f"{bleu:.2f}",
             "run_dir": config.hydra.runtime.output_dir,
+            "error": " ".join((error or "").split()),
         }
         new = not path.exists()
         with open(path, "a", newline="") as handle:
@@ -70,5 +89,11 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         path = Path(config.hydra.sweep.dir) / "summary.tsv"
-        if path.exists():
-            print(f"\nsweep summary ({path}):\n{format_summary(read_summary(path))}", flush=True)
+        if not path.exists():
+            return
+        rows = read_summary(path)
+        print(f"\nsweep summary ({path}):\n{format_summary(rows)}", flush=True)
+        if rows and all(r["status"] != "ok" for r in rows):
+            print(f"error: every job of the sweep failed ({len(rows)} of {len(rows)}); the reasons are above and "
+                  f"in {path}", file=sys.stderr, flush=True)
+            sys.exit(2)

@@ -43,6 +43,7 @@ from transformer.run_state import (
     attach_log_file,
     check_run_directory,
     install_signal_handlers,
+    non_finite_tensors,
     restore_rng_state,
     rng_state,
     starting_point,
@@ -57,6 +58,7 @@ from transformer.setup import (
     resolve_device,
     resolve_precision,
 )
+from transformer.sweep import job_failed
 from transformer.tokenizer import Tokenizer
 from transformer.train_log import TrainLog
 from transformer.translate import Translator
@@ -108,6 +110,8 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.sampler = TokenBatchSampler(self.data.train.src_lens, self.data.train.tgt_lens, tc.max_tokens, tc.seed)
         self.updates = UpdateSampler(self.sampler, tc.update_freq, self.dist.rank, self.dist.world_size)
+        if self.dist.is_main:
+            self._warn_about_settings_the_run_cannot_honour()
         cuda = self.device.type == "cuda"
         workers = tc.num_workers if tc.num_workers is not None else (2 if cuda else 0)
         self.loader = update_loader(self.data.train, self.updates, workers, pin_memory=cuda)
@@ -126,6 +130,25 @@ class Trainer:
             self.train_model = torch.compile(self.train_model, dynamic=True)
         self.writer = SummaryWriter(str(self.run_dir / "tb")) if self.dist.is_main else None
         self.log = TrainLog(self.device, self.writer, tc.max_bad_steps)
+
+    def _warn_about_settings_the_run_cannot_honour(self) -> None:
+        """Settings the run cannot honour in full, said once: more batches per update than an epoch has
+        (an update never spans two epochs), a warm-up longer than the run (the peak lr is never reached)."""
+        tc, world = self.cfg.trainer, self.dist.world_size
+        per_update = tc.update_freq * world
+        # Each batch holds at most max_tokens of padded width: a lower bound, before counting exactly.
+        if per_update > -(-int(self.sampler.widths.sum()) // tc.max_tokens):
+            in_epoch = len(self.sampler.batches(0))
+            if per_update > in_epoch:
+                log.warning("trainer.update_freq=%d%s asks for more batches per update than an epoch has (%d of at "
+                            "most trainer.max_tokens=%d tokens): every update takes the whole epoch, %d batches; "
+                            "lower trainer.update_freq to %d or less, or trainer.max_tokens", tc.update_freq,
+                            f" x {world} processes" if world > 1 else "", in_epoch, tc.max_tokens, in_epoch,
+                            max(1, in_epoch // world))
+        if tc.max_steps and tc.warmup > tc.max_steps:
+            log.warning("trainer.warmup=%d is longer than the run (trainer.max_steps=%d): the learning rate rises to "
+                        "%.0f%% of trainer.lr=%g and never reaches it; lower trainer.warmup", tc.warmup, tc.max_steps,
+                        100 * tc.max_steps / tc.warmup, tc.lr)
 
     def leave_process_group(self, clean: bool) -> None:
         """Drop the DDP/compile wrappers and DataLoader workers, then leave the process group (after a
@@ -174,12 +197,15 @@ class Trainer:
         elif self.ema:
             log.warning("the checkpoint holds no EMA of the weights: the average starts from its weights")
             self.ema = ExponentialMovingAverage(self.model, self.cfg.trainer.ema_decay)
+        # The settings the batch order depends on are compared with the checkpoint's config on resume
+        # (run_state.adopt_resumed_config); what the config cannot show: the training text itself changed.
         saved, now = data_state.get("batching"), self._batching()
-        if saved != now:
-            differ = ", ".join(k for k in now if saved is None or saved.get(k) != now[k])
-            log.warning("resuming with a different %s than the checkpoint was written with: the batches from "
-                        "here on differ from those the interrupted run would have seen (not an exact resume)",
-                        differ if saved is not None else "batch order (the checkpoint predates this release)")
+        if saved is None or saved.get("order") != now["order"]:
+            log.warning("the checkpoint predates this release's batch order: the batches from here on differ from "
+                        "those the interrupted run would have seen (not an exact resume)")
+        elif _corpus_key(saved["corpus"]) != _corpus_key(now["corpus"]):
+            log.warning("the training corpus differs from the one the checkpoint was trained on (%s, now %s): the "
+                        "batches from here on differ (not an exact resume)", saved["corpus"], now["corpus"])
         restore_rng_state(state["rng"][self.dist.rank], self.device)
 
     def _batching(self) -> dict:
@@ -195,6 +221,7 @@ class Trainer:
         if weights == "ema":
             state["model"] = self.ema.model_state(self.model)
         state["weights"] = weights
+        self._refuse_non_finite_weights(state)
         try:
             if periodic:
                 self.checkpoints.save_periodic(state, self.progress.step)
@@ -202,6 +229,26 @@ class Trainer:
                 self.checkpoints.save(state, name)
         except CheckpointError as error:
             raise TrainingError(str(error)) from None
+
+    def _refuse_non_finite_weights(self, state: dict) -> None:
+        """Stop before writing a checkpoint whose weights (or their moving average) are not all finite:
+        the update that overflowed them had finite gradients, so nothing skipped it."""
+        tensors = {**state["model"], **{f"ema.{k}": v for k, v in state.get("ema", {}).get("weights", {}).items()}}
+        bad = non_finite_tensors(tensors)
+        if not bad:
+            return
+        step, tc = self.progress.step, self.cfg.trainer
+        in_a_row = self.log.read()["bad_in_a_row"]
+        since = f"; the loss has not been finite since step {step - in_a_row + 1}" if in_a_row else ""
+        last = self.ckpt_dir / "last.pt"
+        try:
+            good = f"the last good checkpoint is {last} (step {load_checkpoint(last, mmap=True)['step']})"
+            retry = f"e.g. from its weights with trainer.init_from={last} in a new hydra.run.dir"
+        except CheckpointError:
+            good, retry = "no checkpoint was written before", "from the start"
+        raise TrainingError(
+            f"step {step}: the weights are not finite ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}), so "
+            f"nothing was saved{since}; {good}: train again with a lower trainer.lr (now {tc.lr}), {retry}")
 
     # ------------------------------------------------------------------------------------------------
     # The loop
@@ -437,9 +484,10 @@ class Trainer:
         samples = "\n\n".join(f"**src** {s}  \n**ref** {r}  \n**hyp** {h}"
                               for s, r, h in list(zip(sources, references, texts))[:4])
         self.writer.add_text("val/samples", samples, self.progress.step)
-        self.writer.add_image("val/cross_attention",
-                              cross_attention_image(self.model, self.translator.encode_sources(sources[:1])[0],
-                                                    hyps[0][0].tokens, self.device), self.progress.step)
+        image = cross_attention_image(self.model, self.translator.encode_sources(sources[:1])[0], hyps[0][0].tokens,
+                                      self.device)
+        # Non-finite weights (the run is about to stop) give a NaN image, which TensorBoard warns about.
+        self.writer.add_image("val/cross_attention", torch.nan_to_num(image), self.progress.step)
         self.writer.flush()
         return {**result, "weights": weights}
 
@@ -473,6 +521,11 @@ def load_scaler_state(scaler: torch.amp.GradScaler, state: dict) -> None:
     elif scaler.is_enabled():
         log.info("the checkpoint has no fp16 loss-scaler state (it was trained in bf16 or fp32); "
                  "the scaler starts at %g", scaler.get_scale())
+
+
+def _corpus_key(directory_name: str) -> str:
+    """The content hash ending a prepared corpus's directory name (`{data.name}.{split}.{hash}`)."""
+    return directory_name.rsplit(".", 1)[-1]
 
 
 def _better(raw: dict, other: dict) -> dict:
@@ -540,14 +593,23 @@ def main() -> None:
         """Trains; returns the best validation BLEU (what a sweeper such as Optuna optimises)."""
         hydra_cfg = HydraConfig.get()
         run_dir = cfg.get("run_dir") or hydra_cfg.runtime.output_dir
+        in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
         try:
             return train(cfg, run_dir)["best_bleu"]
         except (ConfigError, DataError, CheckpointError, TrainingError) as error:
             logging.getLogger("transformer").error("%s", error)
-            print(f"error: {error}", file=sys.stderr)
-            if hydra_cfg.mode == RunMode.MULTIRUN:
-                return None      # the sweep goes on with the next job; its summary marks this one failed
-            sys.exit(2)
+            if not in_sweep:
+                print(f"error: {error}", file=sys.stderr)
+                sys.exit(2)
+            reason = str(error)
+        except Exception as error:
+            if not in_sweep:
+                raise
+            # One job's bug must not end the sweep: the traceback goes to its train.log, the reason to its row.
+            logging.getLogger("transformer").exception("this job of the sweep failed")
+            reason = f"{type(error).__name__}: {error}"
+        job_failed(reason)       # the sweep goes on with the next job; its summary marks this one failed
+        return None
 
     _main()
 

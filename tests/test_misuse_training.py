@@ -1,0 +1,299 @@
+"""Misuse of training (issue 27): nothing lost, nothing silently wrong.
+
+- trainer.resume=true where no checkpoint can resume the run is refused, never a new run over best.pt;
+- a checkpoint whose weights are not all finite is never written;
+- options that a resumed run ignores, or that change it, are said once;
+- a sweep job that fails, whatever the error, is a failed row of the summary and the sweep goes on.
+"""
+
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import FAST, ROOT, compose_config
+from transformer.checkpoint import load_checkpoint
+from transformer.config import ConfigError, TrainerConfig
+from transformer.distributed import DistInfo
+from transformer.run_state import (
+    TrainingError,
+    adopt_resumed_config,
+    find_resume_state,
+    non_finite_tensors,
+)
+from transformer.sweep import read_summary
+
+TRAINING_STATE = {"optimizer": {}, "scheduler": {}, "scaler": {}, "rng": [], "data_state": {}}
+
+
+def _checkpoint(path: Path, step: int, *, training_state: bool = True, weights: str = "raw") -> Path:
+    """A small file in the checkpoint format (what `find_resume_state` reads: keys, step, weights)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"model": {"w": torch.ones(2)}, "config": {}, "tokenizer": {}, "step": step, "weights": weights,
+             **(TRAINING_STATE if training_state else {})}
+    torch.save(state, path)
+    return path
+
+
+def _damaged(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"PK\x03\x04 truncated")
+    return path
+
+
+def _resume(ckpt_dir: Path, **options):
+    return find_resume_state(TrainerConfig(resume=True, max_steps=1, **options), ckpt_dir, DistInfo())
+
+
+# --- trainer.resume=true with nothing to resume -------------------------------------------------------
+
+@pytest.mark.parametrize("last", ["missing", "damaged", "weights only"])
+def test_resume_true_with_only_best_readable_is_refused_and_best_is_kept(tmp_path, last):
+    ckpt_dir = tmp_path / "checkpoints"
+    best = _checkpoint(ckpt_dir / "best.pt", 40)
+    if last == "damaged":
+        _damaged(ckpt_dir / "last.pt")
+    elif last == "weights only":
+        _checkpoint(ckpt_dir / "last.pt", 40, training_state=False)
+    before = best.read_bytes()
+    with pytest.raises(TrainingError) as error:
+        _resume(ckpt_dir)
+    message = str(error.value)
+    expected = {"missing": "last.pt is missing", "damaged": "last.pt is damaged",
+                "weights only": "last.pt holds no training state"}[last]
+    assert f"trainer.resume=true finds no checkpoint to resume from ({expected}; only best.pt" in message
+    assert f"trainer.init_from={best}" in message and "trainer.overwrite=true" in message and "\n" not in message
+    assert best.read_bytes() == before
+
+
+def test_resume_true_with_nothing_readable_is_refused(tmp_path):
+    ckpt_dir = tmp_path / "checkpoints"
+    _damaged(ckpt_dir / "last.pt")
+    _damaged(ckpt_dir / "best.pt")
+    with pytest.raises(TrainingError, match=r"\(best.pt is damaged, last.pt is damaged; nothing in it is readable\); "
+                                            r"pass trainer.overwrite=true"):
+        _resume(ckpt_dir)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["best.pt", "last.pt"]
+
+
+def test_resume_true_passes_over_a_damaged_last_to_the_newest_step_file(tmp_path):
+    ckpt_dir = tmp_path / "checkpoints"
+    _checkpoint(ckpt_dir / "step_2.pt", 2)
+    _checkpoint(ckpt_dir / "step_4.pt", 4)
+    _damaged(ckpt_dir / "last.pt")
+    _checkpoint(ckpt_dir / "best.pt", 6)
+    assert _resume(ckpt_dir)["step"] == 4
+
+
+def test_resume_true_in_an_empty_directory_starts_a_new_run_and_overwrite_clears_an_unresumable_one(tmp_path):
+    assert _resume(tmp_path / "checkpoints") is None
+    ckpt_dir = tmp_path / "old"
+    _checkpoint(ckpt_dir / "best.pt", 40)
+    assert _resume(ckpt_dir, overwrite=True) is None and not ckpt_dir.exists()
+
+
+def test_resuming_another_runs_checkpoint_into_a_directory_with_checkpoints_is_refused(tmp_path):
+    elsewhere = _checkpoint(tmp_path / "a" / "checkpoints" / "last.pt", 7)
+    ckpt_dir = tmp_path / "b" / "checkpoints"
+    best = _checkpoint(ckpt_dir / "best.pt", 40)
+    before = best.read_bytes()
+    options = dict(resume=str(elsewhere), max_steps=1)
+    with pytest.raises(TrainingError, match="already holds checkpoints of another run"):
+        find_resume_state(TrainerConfig(**options), ckpt_dir, DistInfo())
+    assert best.read_bytes() == before
+    # its own directory's checkpoint, or an empty directory: resumed
+    assert find_resume_state(TrainerConfig(**options), elsewhere.parent, DistInfo())["step"] == 7
+    assert find_resume_state(TrainerConfig(**options), tmp_path / "c" / "checkpoints", DistInfo())["step"] == 7
+
+
+def test_cli_resume_true_with_only_best_exits_2_with_one_line_and_best_byte_identical(tmp_path):
+    best = _checkpoint(tmp_path / "checkpoints" / "best.pt", 40)
+    before = best.read_bytes()
+    proc = subprocess.run([sys.executable, "-m", "transformer.train", *FAST, "trainer.max_steps=3",
+                           "trainer.resume=true", f"hydra.run.dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert re.fullmatch(rf"error: {re.escape(str(tmp_path))}/checkpoints: trainer.resume=true finds no checkpoint to "
+                        r"resume from \(last.pt is missing; only best.pt is readable\); to fine-tune from its weights "
+                        r".* trainer.init_from=.*/best.pt, or pass trainer.overwrite=true .*", lines[0]), lines[0]
+    assert best.read_bytes() == before
+    assert sorted(p.name for p in best.parent.iterdir()) == ["best.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "checkpoints"]     # nor .hydra/ nor train.log
+
+
+def test_the_cli_refuses_before_hydra_writes_into_the_run_directory(tmp_path):
+    from transformer.run_state import RunDirectoryLock, check_run_directory
+    best = _checkpoint(tmp_path / "checkpoints" / "best.pt", 40)
+    elsewhere = _checkpoint(tmp_path / "other" / "last.pt", 7)
+    refused = {("trainer.resume=true",): "finds no checkpoint to resume from (last.pt is missing; only best.pt",
+               (f"trainer.resume={elsewhere}",): "already holds checkpoints of another run",
+               ("trainer.max_steps=3",): "already holds checkpoints of another run"}
+    try:
+        for overrides, message in refused.items():
+            with pytest.raises(TrainingError, match=re.escape(message)):
+                check_run_directory(tmp_path, ["trainer.max_steps=3", *overrides])
+        check_run_directory(tmp_path, ["trainer.resume=true", "trainer.overwrite=true"])
+        check_run_directory(tmp_path, [f"+trainer.resume={best.parent / 'last.pt'}"])    # its own checkpoint
+    finally:
+        RunDirectoryLock.acquire(tmp_path).release()           # the lock this process holds
+
+
+# --- non-finite weights are never saved ---------------------------------------------------------------
+
+def test_non_finite_tensors_names_each_float_tensor_with_a_nan_or_an_infinity():
+    tensors = {"a": torch.ones(3), "b": torch.tensor([1.0, float("nan")]), "c": torch.tensor([float("-inf")]),
+               "ids": torch.arange(3), "empty": torch.zeros(0), "half": torch.ones(2, dtype=torch.bfloat16)}
+    assert non_finite_tensors(tensors) == ["b", "c"]
+    assert non_finite_tensors({"a": torch.ones(2), "ids": torch.arange(2)}) == []
+
+
+@pytest.mark.slow
+def test_weights_gone_non_finite_stop_the_run_before_any_checkpoint_holds_them(tmp_path, data_cache, monkeypatch):
+    import transformer.train as train_module
+    real_step = train_module.Trainer.train_step
+
+    def step_that_overflows_a_weight(self, micro):
+        stats = real_step(self, micro)
+        if self.progress.step == 2:                  # the update of step 3 (finite gradients) overflows
+            with torch.no_grad():
+                self.model.output.weight.fill_(float("inf"))
+        return stats
+
+    monkeypatch.setattr(train_module.Trainer, "train_step", step_that_overflows_a_weight)
+    cfg = compose_config(FAST + ["trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.validate_every=100",
+                                 "trainer.test_at_end=false"], data_cache)
+    with pytest.raises(TrainingError) as error:
+        train_module.train(cfg, tmp_path)
+    message = str(error.value)
+    last = tmp_path / "checkpoints" / "last.pt"
+    assert re.fullmatch(r"step 4: the weights are not finite \(.*output.weight.*\), so nothing was saved; the loss "
+                        rf"has not been finite since step 4; the last good checkpoint is {re.escape(str(last))} "
+                        r"\(step 2\): train again with a lower trainer.lr .*", message), message
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.pt", "step_2.pt"]
+    assert load_checkpoint(last)["step"] == 2
+
+
+# --- what a resumed run ignores or changes is said -----------------------------------------------------
+
+def _saved(cfg) -> dict:
+    return {"config": cfg.to_dict(), "step": 40}
+
+
+def test_resume_keeps_what_the_checkpoint_fixes_and_warns_once(caplog):
+    saved = _saved(compose_config())
+    cfg = compose_config(["trainer.lr=1e-3", "model.d_model=64", "data.vocab_size=300", "trainer.max_steps=900",
+                          "trainer.max_minutes=1", "trainer.resume=true", "decode.beam_size=2"])
+    with caplog.at_level(logging.WARNING):
+        adopt_resumed_config(cfg, saved, Path("run/checkpoints/last.pt"))
+    assert (cfg.trainer.lr, cfg.model.d_model, cfg.data.vocab_size) == (2e-3, 128, 400)     # the checkpoint's
+    assert (cfg.trainer.max_steps, cfg.trainer.max_minutes, cfg.decode.beam_size) == (900, 1, 2)  # honoured
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainer.resume: model.d_model=64 (keeps 128), data.vocab_size=300 (keeps 400), trainer.lr=0.001 (keeps "
+        "0.002) ignored: a resumed run keeps the model, tokenizer and optimizer settings of its checkpoint; to "
+        "change them start a new run from its weights with trainer.init_from=run/checkpoints/last.pt"]
+
+
+def test_resume_says_which_changed_settings_make_it_inexact(caplog):
+    saved = _saved(compose_config())
+    cfg = compose_config(["model.dropout=0.3", "trainer.seed=5", "trainer.update_freq=2", "data.max_len=32",
+                          "trainer.label_smoothing=0", "trainer.max_steps=700"])
+    with caplog.at_level(logging.WARNING):
+        adopt_resumed_config(cfg, saved, Path("last.pt"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainer.resume: model.dropout 0.1 -> 0.3, data.max_len 64 -> 32, trainer.update_freq 1 -> 2, "
+        "trainer.label_smoothing 0.1 -> 0.0, trainer.seed 1 -> 5 differ from the checkpoint: they apply from its "
+        "step 40 on, so the run does not continue as the interrupted one would have (not an exact resume)"]
+    assert cfg.model.dropout == 0.3 and cfg.trainer.seed == 5
+
+
+def test_resume_with_a_decaying_schedule_says_a_new_max_steps_moves_the_decay(caplog):
+    schedule = ["trainer.schedule=cosine", "trainer.warmup=10"]
+    saved = _saved(compose_config(schedule + ["trainer.max_steps=100"]))
+    with caplog.at_level(logging.WARNING):
+        adopt_resumed_config(compose_config(schedule + ["trainer.max_steps=300"]), saved, Path("last.pt"))
+    assert "trainer.max_steps 100 -> 300 differ from the checkpoint" in caplog.text
+
+
+def test_resume_with_the_checkpoints_lr_checks_the_config_again():
+    saved = _saved(compose_config(["trainer.lr=1e-4"]))
+    cfg = compose_config(["trainer.lr=1e-3", "trainer.min_lr=5e-4"])
+    with pytest.raises(ConfigError, match=r"trainer.min_lr=0.0005 must be in \[0, trainer.lr=0.0001\]"):
+        adopt_resumed_config(cfg, saved, Path("last.pt"))
+
+
+def test_resume_and_overwrite_together_warn_that_overwrite_is_ignored(tmp_path, caplog):
+    _checkpoint(tmp_path / "last.pt", 3)
+    with caplog.at_level(logging.WARNING):
+        assert _resume(tmp_path, overwrite=True)["step"] == 3
+    assert "trainer.overwrite=true is ignored: trainer.resume=true continues the run" in caplog.text
+    assert (tmp_path / "last.pt").exists()
+
+
+def test_an_update_freq_beyond_an_epoch_and_a_warmup_beyond_the_run_are_said(caplog):
+    from transformer.batching import TokenBatchSampler
+    from transformer.train import Trainer
+    sampler = TokenBatchSampler([9] * 40, [9] * 40, max_tokens=100, seed=1)      # 10 pairs a batch: 4 batches
+    assert len(sampler.batches(0)) == 4
+
+    def warnings_for(*overrides):
+        caplog.clear()
+        trainer = SimpleNamespace(cfg=compose_config(list(overrides)), dist=DistInfo(), sampler=sampler)
+        with caplog.at_level(logging.WARNING):
+            Trainer._warn_about_settings_the_run_cannot_honour(trainer)
+        return [r.getMessage() for r in caplog.records]
+
+    assert warnings_for("trainer.update_freq=4", "trainer.max_tokens=100") == []
+    assert warnings_for("trainer.update_freq=5", "trainer.max_tokens=100") == [
+        "trainer.update_freq=5 asks for more batches per update than an epoch has (4 of at most trainer.max_tokens=100 "
+        "tokens): every update takes the whole epoch, 4 batches; lower trainer.update_freq to 4 or less, or "
+        "trainer.max_tokens"]
+    assert warnings_for("trainer.warmup=1000", "trainer.max_steps=250") == [
+        "trainer.warmup=1000 is longer than the run (trainer.max_steps=250): the learning rate rises to 25% of "
+        "trainer.lr=0.002 and never reaches it; lower trainer.warmup"]
+
+
+# --- sweeps -------------------------------------------------------------------------------------------
+
+# The training job replaced by one that returns a BLEU, or raises an unexpected error for the seeds given.
+SWEEP = """
+import sys
+import transformer.train as train_module
+failing = {int(seed) for seed in sys.argv[1].split(",") if seed}
+def train(cfg, run_dir):
+    if cfg.trainer.seed in failing:
+        raise RuntimeError(f"unexpected failure of seed {cfg.trainer.seed}")
+    return {"best_bleu": 10.0 + cfg.trainer.seed}
+train_module.train = train
+sys.argv = ["train", *sys.argv[2:]]
+train_module.main()
+"""
+
+
+def _sweep(tmp_path, failing: str):
+    return subprocess.run([sys.executable, "-c", SWEEP, failing, "--multirun", "trainer.seed=1,2",
+                           f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_a_sweep_job_failing_with_any_error_is_a_failed_row_and_the_summary_prints(tmp_path):
+    proc = _sweep(tmp_path, "1")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    rows = read_summary(tmp_path / "summary.tsv")
+    assert [(r["job"], r["status"], r["best_val_bleu"], r["error"]) for r in rows] == [
+        ("0", "failed", "", "RuntimeError: unexpected failure of seed 1"), ("1", "ok", "12.00", "")]
+    summary = proc.stdout[proc.stdout.index("sweep summary"):]
+    assert "job 0 failed: RuntimeError: unexpected failure of seed 1" in summary and "1 of 2 jobs failed" in summary
+    assert "Traceback" in (tmp_path / "job0" / "train.log").read_text()       # for whoever debugs it
+
+
+def test_a_sweep_whose_every_job_failed_exits_2_with_one_line(tmp_path):
+    proc = _sweep(tmp_path, "1,2")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: every job of the sweep failed (2 of 2); the reasons are above and in "
+                                   f"{tmp_path / 'summary.tsv'}")
+    assert "job 1 failed: RuntimeError: unexpected failure of seed 2" in proc.stdout
