@@ -20,9 +20,9 @@ from transformer.checkpoint import (
     CHECKPOINT_FORMAT_VERSION,
     CheckpointError,
     average_main,
-    first_non_finite,
     load_checkpoint,
     model_from_checkpoint,
+    non_finite_tensors,
     save_checkpoint,
 )
 from transformer.evaluate import main as evaluate_main
@@ -347,7 +347,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(value, checkpoint, tmp
     name = sorted(k for k, v in state["model"].items() if v.is_floating_point())[3]
     weights = {k: v.clone() for k, v in state["model"].items()}
     weights[name].view(-1)[-1] = value
-    assert first_non_finite(weights) == name and first_non_finite(state["model"]) is None
+    assert non_finite_tensors(weights) == [name] and non_finite_tensors(state["model"]) == []
     path = _damaged(checkpoint, tmp_path, model=weights)
     with pytest.raises(CheckpointError, match=f"damaged.pt: weight {name} holds NaN or infinite values"):
         model_from_checkpoint(load_checkpoint(path), path)

@@ -17,14 +17,13 @@ import pytest
 import torch
 
 from tests.conftest import FAST, ROOT, compose_config
-from transformer.checkpoint import load_checkpoint
+from transformer.checkpoint import load_checkpoint, non_finite_tensors
 from transformer.config import ConfigError, TrainerConfig
 from transformer.distributed import DistInfo
 from transformer.run_state import (
     TrainingError,
     adopt_resumed_config,
     find_resume_state,
-    non_finite_tensors,
 )
 from transformer.sweep import read_summary
 

@@ -152,9 +152,9 @@ def model_from_checkpoint(state: dict, path: str | Path = "checkpoint") -> tuple
     weights = state["model"]
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise CheckpointError(f"{path}: its model entry is not a set of named tensors; the file is damaged")
-    bad = first_non_finite(weights)
-    if bad is not None:
-        raise CheckpointError(f"{path}: weight {bad} holds NaN or infinite values (the run diverged before it "
+    bad = non_finite_tensors(weights)
+    if bad:
+        raise CheckpointError(f"{path}: weight {bad[0]} holds NaN or infinite values (the run diverged before it "
                               "was saved); use an earlier checkpoint of the run")
     model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
     load_model_weights(model, weights, path)
@@ -178,13 +178,17 @@ def _embedded_tokenizer(entry, path: str | Path) -> Tokenizer:
         raise CheckpointError(f"{damaged} not a SentencePiece model ({detail}); {fix}") from None
 
 
-def first_non_finite(weights: dict) -> str | None:
-    """The name of the first floating-point tensor in `weights` (a state dict) holding a NaN or an
-    infinity, or None when all are finite."""
-    for name, tensor in weights.items():
-        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            return name
-    return None
+def non_finite_tensors(tensors: dict) -> list[str]:
+    """The names of the floating-point tensors in `tensors` (a state dict) holding a NaN or an infinity,
+    in order; empty when all are finite. One read on the host, whatever the device."""
+    floating = [(name, t) for name, t in tensors.items()
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    if not floating:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in floating])
+    if bool(finite.all()):
+        return []
+    return [name for (name, _), ok in zip(floating, finite.tolist()) if not ok]
 
 
 def load_model_weights(model: torch.nn.Module, weights: dict, path: str | Path = "checkpoint") -> None:
@@ -275,10 +279,10 @@ def average_main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"-o {output}: exists and is not an averaged checkpoint written by "
                                   "transformer-average; choose a new file name, or pass --force to replace it")
         state = average_checkpoints(paths)
-        bad = first_non_finite(state["model"])
-        if bad is not None:
+        bad = non_finite_tensors(state["model"])
+        if bad:
             raise CheckpointError(f"the average of {', '.join(map(str, paths))} holds NaN or infinite values in "
-                                  f"{bad}: one of them holds diverged weights; average checkpoints from before it")
+                                  f"{bad[0]}: one of them holds diverged weights; average checkpoints from before it")
         save_checkpoint(state, output)
     except CheckpointError as error:
         print(f"transformer-average: error: {error}", file=sys.stderr)

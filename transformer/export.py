@@ -28,9 +28,9 @@ from pathlib import Path
 
 from transformer.checkpoint import (
     CheckpointError,
-    first_non_finite,
     load_checkpoint,
     model_from_checkpoint,
+    non_finite_tensors,
     os_error_in,
 )
 from transformer.config import Config, ConfigError
@@ -239,9 +239,9 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
 
 
 def _refuse_non_finite(model: Transformer, where: str | Path) -> None:
-    bad = first_non_finite(model.state_dict())
-    if bad is not None:
-        raise CheckpointError(f"{where}: weight {bad} holds NaN or infinite values (the run diverged); export a "
+    bad = non_finite_tensors(model.state_dict())
+    if bad:
+        raise CheckpointError(f"{where}: weight {bad[0]} holds NaN or infinite values (the run diverged); export a "
                               "checkpoint from before it")
 
 

@@ -297,17 +297,6 @@ class RunDirectoryLock:
             self.handle = None
 
 
-def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """The names of the floating-point tensors holding a NaN or an infinity (one read on the host)."""
-    floating = [(name, t) for name, t in tensors.items() if t.is_floating_point() and t.numel()]
-    if not floating:
-        return []
-    finite = torch.stack([torch.isfinite(t).all() for _, t in floating])
-    if bool(finite.all()):
-        return []
-    return [name for (name, _), ok in zip(floating, finite.tolist()) if not ok]
-
-
 def rng_state(device: torch.device) -> dict:
     """This process's random number generator states (torch, Python, CUDA)."""
     return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),

@@ -30,6 +30,7 @@ from transformer.checkpoint import (
     average_checkpoints,
     load_checkpoint,
     load_model_weights,
+    non_finite_tensors,
     step_checkpoints,
 )
 from transformer.config import CONF_DIR, Config, ConfigError
@@ -43,7 +44,6 @@ from transformer.run_state import (
     attach_log_file,
     check_run_directory,
     install_signal_handlers,
-    non_finite_tensors,
     restore_rng_state,
     rng_state,
     starting_point,
