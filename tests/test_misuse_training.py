@@ -296,3 +296,16 @@ def test_a_sweep_whose_every_job_failed_exits_2_with_one_line(tmp_path):
     assert proc.stderr.strip() == (f"error: every job of the sweep failed (2 of 2); the reasons are above and in "
                                    f"{tmp_path / 'summary.tsv'}")
     assert "job 1 failed: RuntimeError: unexpected failure of seed 2" in proc.stdout
+
+
+def test_ctrl_c_before_the_training_loop_is_one_line_and_exit_130(tmp_path):
+    # KeyboardInterrupt while the data is prepared (the loop's SIGINT handler is not installed yet).
+    stub = ("import sys\nimport transformer.train as t\n"
+            "def train(cfg, run_dir):\n    raise KeyboardInterrupt\n"
+            "t.train = train\nsys.argv = ['train', *sys.argv[1:]]\nt.main()\n")
+    proc = subprocess.run([sys.executable, "-c", stub, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (f"interrupted: stopped at once; checkpoints written before now stay in "
+                                   f"{tmp_path}/checkpoints")

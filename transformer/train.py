@@ -602,6 +602,10 @@ def main() -> None:
                 print(f"error: {error}", file=sys.stderr)
                 sys.exit(2)
             reason = str(error)
+        except KeyboardInterrupt:     # while preparing data (before the loop's own handler), or a second Ctrl-C
+            print(f"interrupted: stopped at once; checkpoints written before now stay in {run_dir}/checkpoints",
+                  file=sys.stderr)
+            sys.exit(130)
         except Exception as error:
             if not in_sweep:
                 raise
