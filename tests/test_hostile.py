@@ -105,6 +105,23 @@ CASES = [
     ("run-dir-of-another-run", "train", ["hydra.run.dir={ws}/run"], r".*/run/checkpoints already holds checkpoints"),
     ("own-corpus-with-toy", "train", ["data.path={ws}/blank", "hydra.run.dir={ws}/new"],
      r"data.path=.*/blank is set but data=toy is the embedded corpus.*make train data=custom data.path="),
+    # --- issue 27: translate and evaluate
+    ("output-is-input", "translate", [BEST, "--input", "{ws}/in.de", "--output", "{ws}/in.de"],
+     r"--output .*/in.de: is the --input file .*/in.de; writing the translations there would destroy it; choose another"),
+    ("output-is-input-via-dotdot", "translate", [BEST, "--input", "{ws}/in.de", "--output", "{ws}/folder/../in.de"],
+     r"--output .*/folder/../in.de: is the --input file .*/in.de; writing the translations there would destroy it"),
+    ("output-is-checkpoint", "translate", [BEST, "--input", "{ws}/in.de", "--output", BEST],
+     r"--output .*/best.pt: is the checkpoint .*/best.pt; writing the translations there would destroy it"),
+    ("output-is-score-reference", "translate", [BEST, "--input", "{ws}/in.de", "--score-reference", "{ws}/a_file",
+                                                "--output", "{ws}/a_file"], r"--output .*/a_file: is the --score-reference file"),
+    ("temperature-nan", "translate", [BEST, "--sampling", "topk:3", "--temperature", "nan", "--input", "{ws}/in.de"],
+     r"--temperature nan: must be a finite number > 0"),
+    ("temperature-inf", "translate", [BEST, "--temperature", "inf", "--input", "{ws}/in.de"],
+     r"--temperature inf: must be a finite number > 0"),
+    ("max-len-a-inf", "translate", [BEST, "--max-len-a", "inf", "--input", "{ws}/in.de"],
+     r"--max-len-a inf: must be a finite number >= 0"),
+    ("evaluate-alpha-nan", "evaluate", [BEST, "--src", "{ws}/in.de", "--ref", "{ws}/in.de", "--alpha", "nan"],
+     r"--alpha nan: must be a finite number >= 0"),
 ]
 
 
@@ -140,7 +157,7 @@ def test_resume_true_passes_over_a_weights_only_checkpoint(workspace):
 
 
 def test_the_table_covers_every_defect_class():
-    assert len(CASES) == 24
+    assert len(CASES) == 32
     assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
 
 
