@@ -14,6 +14,7 @@ Also the whole-process translator it times (what a user of the exported model wo
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import subprocess
 import sys
@@ -66,10 +67,18 @@ def _timed(command: list[str], source_file: Path, repeats: int) -> tuple[list[fl
     return times, output.splitlines()
 
 
-def _bleu(lines: list[str], reference_file: Path) -> float:
-    import sacrebleu
+def _bleu(lines: list[str], reference_file: Path, checkpoint: str) -> float:
+    """BLEU the way validation and transformer-evaluate compute it (`validate.score`: NFC, the target
+    language's tokenizer)."""
+    from transformer.validate import score
     references = reference_file.read_text(encoding="utf-8").splitlines()
-    return round(sacrebleu.corpus_bleu(lines, [references]).score, 2)
+    return round(score(lines, references, _target_language(checkpoint))["bleu"], 2)
+
+
+@functools.cache
+def _target_language(checkpoint: str) -> str:
+    from transformer.checkpoint import load_checkpoint
+    return load_checkpoint(checkpoint, mmap=True)["config"]["data"]["tgt_lang"]
 
 
 def bench_translate_cli(checkpoint: str, source_file: Path, reference_file: Path, repeats: int) -> list[dict]:
@@ -80,7 +89,7 @@ def bench_translate_cli(checkpoint: str, source_file: Path, reference_file: Path
                               source_file, repeats)
         rows.append({"section": "translate_cli", "beam": beam, "file": str(source_file),
                      "seconds_median": statistics.median(times), "seconds_min": min(times),
-                     "seconds_max": max(times), "repeats": repeats, "bleu": _bleu(lines, reference_file)})
+                     "seconds_max": max(times), "repeats": repeats, "bleu": _bleu(lines, reference_file, checkpoint)})
     return rows
 
 
@@ -97,7 +106,7 @@ def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, 
     from transformer.export import export_ctranslate2
 
     def bleu(lines):
-        return _bleu(lines, reference_file)
+        return _bleu(lines, reference_file, checkpoint)
 
     ours_rows = ours_rows or bench_translate_cli(checkpoint, source_file, reference_file, repeats)
     ours = {row["beam"]: {"seconds": row["seconds_median"], "bleu": row["bleu"]} for row in ours_rows}

@@ -126,6 +126,23 @@ CASES = [
      r"model.max_positions=32 is too small for data.max_len=64: .* set model.max_positions=65 or more"),
     ("lr-overflows-the-weights", "train", ["trainer.lr=1e300", "trainer.warmup=1", "hydra.run.dir={ws}/new"],
      r"^error: step 2: the weights are not finite \(.*\), so nothing was saved; .* no checkpoint was written before"),
+    # --- issue 27: translate and evaluate
+    ("output-is-input", "translate", [BEST, "--input", "{ws}/in.de", "--output", "{ws}/in.de"],
+     r"--output .*/in.de: is the --input file .*/in.de; writing the translations there would destroy it; choose another"),
+    ("output-is-input-via-dotdot", "translate", [BEST, "--input", "{ws}/in.de", "--output", "{ws}/folder/../in.de"],
+     r"--output .*/folder/../in.de: is the --input file .*/in.de; writing the translations there would destroy it"),
+    ("output-is-checkpoint", "translate", [BEST, "--input", "{ws}/in.de", "--output", BEST],
+     r"--output .*/best.pt: is the checkpoint .*/best.pt; writing the translations there would destroy it"),
+    ("output-is-score-reference", "translate", [BEST, "--input", "{ws}/in.de", "--score-reference", "{ws}/a_file",
+                                                "--output", "{ws}/a_file"], r"--output .*/a_file: is the --score-reference file"),
+    ("temperature-nan", "translate", [BEST, "--sampling", "topk:3", "--temperature", "nan", "--input", "{ws}/in.de"],
+     r"--temperature nan: must be a finite number > 0"),
+    ("temperature-inf", "translate", [BEST, "--temperature", "inf", "--input", "{ws}/in.de"],
+     r"--temperature inf: must be a finite number > 0"),
+    ("max-len-a-inf", "translate", [BEST, "--max-len-a", "inf", "--input", "{ws}/in.de"],
+     r"--max-len-a inf: must be a finite number >= 0"),
+    ("evaluate-alpha-nan", "evaluate", [BEST, "--src", "{ws}/in.de", "--ref", "{ws}/in.de", "--alpha", "nan"],
+     r"--alpha nan: must be a finite number >= 0"),
 ]
 
 
@@ -161,7 +178,7 @@ def test_resume_true_passes_over_a_weights_only_checkpoint(workspace):
 
 
 def test_the_table_covers_every_defect_class():
-    assert len(CASES) == 34
+    assert len(CASES) == 42
     assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
 
 

@@ -5,11 +5,11 @@ import subprocess
 import sys
 
 import pytest
-import sacrebleu
 
 from transformer import Translator
 from transformer.data import load_split_text
 from transformer.evaluate import evaluate
+from transformer.validate import score
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ def test_python_api_and_evaluate_agree_with_the_cli(trained_checkpoint, trained_
     sources, references = load_split_text(config, "test")
     code, out, _ = _cli(trained_checkpoint, "--beam", "5", "--precision", "fp32",
                         stdin=("\n".join(sources) + "\n").encode())
-    cli_bleu = sacrebleu.corpus_bleu(out.split("\n")[:-1], [references]).score
+    cli_bleu = score(out.split("\n")[:-1], references, config.tgt_lang)["bleu"]
     assert code == 0 and cli_bleu == pytest.approx(result["bleu"], abs=1e-9)
     assert result["bleu"] > 80
     greedy = evaluate(trained_checkpoint, split="test", beam_size=1)

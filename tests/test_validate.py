@@ -27,3 +27,17 @@ def test_bleu_without_the_japanese_extras_falls_back_to_characters(caplog):
     if importlib.util.find_spec("MeCab") is None:
         assert "tok:char" in result["bleu_signature"] and "sacrebleu[ja]" in caplog.text
     assert result["bleu"] == pytest.approx(100.0)
+
+
+def test_references_in_another_unicode_form_score_the_same():
+    import unicodedata
+
+    from transformer.validate import score
+    hypotheses = ["Der Mann fährt über die Brücke.", "Ein Café in Köln öffnet früh.", "Zoë naïve résumé."]
+    decomposed = [unicodedata.normalize("NFD", line) for line in hypotheses]
+    assert decomposed != hypotheses
+    composed = score(hypotheses, hypotheses, "de")
+    assert composed["bleu"] == pytest.approx(100.0) and composed["chrf"] == pytest.approx(100.0)
+    for hyps, refs in ((hypotheses, decomposed), (decomposed, hypotheses), (decomposed, decomposed)):
+        assert score(hyps, refs, "de") == composed
+    assert composed["bleu_signature"].endswith("|norm:nfc") and composed["chrf_signature"].endswith("|norm:nfc")

@@ -1,6 +1,6 @@
 """`make evaluate CKPT=... [split=test]`: translate a split (or a source/reference file pair), print
-sacreBLEU and chrF with their signatures, and write the hypotheses and a JSON of scores beside the
-checkpoint."""
+sacreBLEU and chrF with their signatures (`validate.score`: hypotheses and references in Unicode NFC,
+`|norm:nfc`), and write the hypotheses and a JSON of scores beside the checkpoint."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from transformer.checkpoint import CheckpointError
 from transformer.data import DataError, load_split_text, read_lines
 from transformer.setup import keep_freed_memory
-from transformer.translate import Translator
+from transformer.translate import Translator, check_options, option_message, overwritten_input
 from transformer.validate import score
 
 
@@ -35,19 +35,31 @@ def evaluate(checkpoint: str | Path, split: str = "test", src_file: str | None =
         sources, references = load_split_text(translator.config.data, split)
         name = split
     beam = translator.config.decode.beam_size if beam_size is None else beam_size
+    hyp_path, json_path = output_paths(checkpoint, name, beam)
+    inputs = {f"the --src file {src_file}": src_file, f"the --ref file {ref_file}": ref_file,
+              f"the checkpoint {checkpoint}": checkpoint}
+    for path in (hyp_path, json_path):
+        overwritten = overwritten_input(path, inputs)
+        if overwritten:
+            raise DataError(f"{path}: is {overwritten}; evaluate writes its results there, which would destroy "
+                            "it; move or rename that file")
     started = time.perf_counter()
     hypotheses = translator.translate(sources, beam_size=beam, alpha=alpha, batch_tokens=batch_tokens,
                                       progress=sys.stderr.isatty())
     seconds = time.perf_counter() - started
     result = {"checkpoint": str(checkpoint), "split": name, "sentences": len(sources), "beam_size": beam,
               "seconds": round(seconds, 2), **score(hypotheses, references, translator.config.data.tgt_lang)}
-    stem = Path(checkpoint).with_suffix("")
-    hyp_path = Path(f"{stem}.{name}.beam{beam}.hyp")
     hyp_path.write_text("".join(h.replace("\n", " ") + "\n" for h in hypotheses), encoding="utf-8")
-    json_path = Path(f"{stem}.{name}.beam{beam}.json")
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     result["hypotheses_file"], result["scores_file"] = str(hyp_path), str(json_path)
     return result
+
+
+def output_paths(checkpoint: str | Path, name: str, beam: int) -> tuple[Path, Path]:
+    """The hypotheses and the scores of an evaluation: beside the checkpoint file or model directory,
+    or in the working directory for a HuggingFace Hub id (`owner/name` -> owner--name.NAME.beamN.hyp)."""
+    stem = Path(checkpoint).with_suffix("") if Path(checkpoint).exists() else Path(str(checkpoint).replace("/", "--"))
+    return Path(f"{stem}.{name}.beam{beam}.hyp"), Path(f"{stem}.{name}.beam{beam}.json")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,9 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     args = parser.parse_args(argv)
     keep_freed_memory()
+    try:                                  # refused before the model is loaded
+        check_options(beam_size=1 if args.beam is None else args.beam, nbest=1,
+                      alpha=0.0 if args.alpha is None else args.alpha, max_len_a=0.0, max_len_b=0,
+                      batch_tokens=1 if args.batch_tokens is None else args.batch_tokens)
+    except ValueError as error:
+        print(f"transformer-evaluate: error: {option_message(error)}", file=sys.stderr)
+        return 2
     try:
         result = evaluate(args.checkpoint, args.split, args.src, args.ref, args.beam, args.alpha, args.device,
                           args.precision, args.batch_tokens)
+    except KeyboardInterrupt:
+        print("transformer-evaluate: interrupted", file=sys.stderr)
+        return 130
     except (CheckpointError, DataError, ValueError) as error:
         print(f"transformer-evaluate: error: {error}", file=sys.stderr)
         return 2

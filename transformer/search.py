@@ -180,8 +180,8 @@ class Sampling:
     seed: int = 1
 
     def __post_init__(self):
-        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0 or not self.temperature > 0.0:
-            raise ValueError(f"sampling needs top_k >= 0, 0 < top_p <= 1 and temperature > 0 (got {self})")
+        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0 or not 0.0 < self.temperature < math.inf:
+            raise ValueError(f"sampling needs top_k >= 0, 0 < top_p <= 1 and a finite temperature > 0 (got {self})")
         self._generators: dict = {}
 
     def __call__(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

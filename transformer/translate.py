@@ -10,7 +10,6 @@ Needs nothing but the checkpoint file.
 from __future__ import annotations
 
 import argparse
-import io
 import math
 import numbers
 import os
@@ -104,13 +103,7 @@ class Translator:
         sampled translation per sentence instead of a search. `progress`: a tqdm bar (None: when stderr
         is a terminal); `stop()`, asked between batches, may raise `search.Interrupted`; `use_cache=False`
         recomputes every prefix (the bench's reference)."""
-        if not isinstance(sentences, (str, bytes)):
-            sentences = list(sentences)                  # any iterable of str, consumed once
-        if isinstance(sentences, (str, bytes)) or not all(isinstance(s, str) for s in sentences):
-            kind = type(sentences).__name__ if isinstance(sentences, (str, bytes)) else \
-                next(type(s).__name__ for s in sentences if not isinstance(s, str))
-            raise TypeError(f"sentences must be a list of str (got {kind}); for one sentence write "
-                            "translate([text])")
+        sentences = list_of_str(sentences, "sentences", "translate([text])")
         decode = self.config.decode
         beam_size = decode.beam_size if beam_size is None else beam_size
         alpha = decode.alpha if alpha is None else alpha
@@ -140,8 +133,13 @@ class Translator:
         """Log-probability of each reference translation given its source under the model (forced
         decoding): the sum over its tokens and the final EOS, as sentence scores for filtering corpora.
         Sources and references longer than the model's positions are truncated."""
+        sentences = list_of_str(sentences, "sentences", "score([source], [reference])")
+        references = list_of_str(references, "references", "score([source], [reference])")
         if len(sentences) != len(references):
-            raise ValueError(f"{len(sentences)} sources but {len(references)} references")
+            raise ValueError(f"{len(sentences)} sources but {len(references)} references: give one reference "
+                             "per source")
+        if batch_tokens is not None:
+            check_whole("batch_tokens", batch_tokens, 1)
         sources = self.encode_sources(sentences)
         targets = [ids[:self.max_length] for ids in self.tokenizer.encode_tgt([r.strip() for r in references])]
         widths = [max(len(a), len(b)) for a, b in zip(sources, targets)]
@@ -174,20 +172,44 @@ def _device_and_precision(device: str, precision: str) -> tuple[torch.device, st
     return device, resolve_precision(precision, device)
 
 
+def list_of_str(sentences, name: str, example: str) -> list[str]:
+    """`sentences` (a list or any iterable of str, consumed once) as a list; a TypeError naming the
+    argument otherwise (a str alone would be taken as one sentence per character)."""
+    items = None
+    if not isinstance(sentences, (str, bytes)):
+        try:
+            items = list(sentences)
+        except TypeError:                                # not iterable
+            pass
+    kind = type(sentences).__name__ if items is None else \
+        next((type(s).__name__ for s in items if not isinstance(s, str)), None)
+    if kind is not None:
+        raise TypeError(f"{name} must be a list of str (got {kind}); for one sentence write {example}")
+    return items
+
+
+def check_whole(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name}={value!r}: must be a whole number >= {low}")
+
+
 def check_options(*, beam_size, nbest, alpha, max_len_a, max_len_b, batch_tokens) -> None:
     """Decoding options, checked the same way for the API and the CLIs: ValueError naming the option."""
-    def whole(name, value, low):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-            raise ValueError(f"{name}={value!r}: must be a whole number >= {low}")
-    whole("beam_size", beam_size, 1)
-    whole("batch_tokens", batch_tokens, 1)
-    whole("max_len_b", max_len_b, 0)
-    whole("nbest", nbest, 1)
+    check_whole("beam_size", beam_size, 1)
+    check_whole("batch_tokens", batch_tokens, 1)
+    check_whole("max_len_b", max_len_b, 0)
+    check_whole("nbest", nbest, 1)
     if nbest > beam_size:
         raise ValueError(f"nbest={nbest}: must be between 1 and the beam size ({beam_size})")
     for name, value in (("alpha", alpha), ("max_len_a", max_len_a)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{name}={value!r}: must be a finite number >= 0")
+
+
+def option_message(error: ValueError) -> str:
+    """`check_options`'s message in the command lines' words: `beam_size=0: ...` -> `--beam 0: ...`."""
+    option, _, rest = str(error).partition("=")
+    return f"--{option.replace('_size', '').replace('_', '-')} {rest}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", "-o", help="where to write translations (default: stdout)")
     parser.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: the checkpoint's decode "
                         "config, 5 unless it was trained with decode=greedy)")
-    parser.add_argument("--nbest", type=int, default=1,
+    parser.add_argument("--nbest", type=int,
                         help="hypotheses per input; >1 writes INDEX<TAB>SCORE<TAB>TEXT lines (default 1)")
     parser.add_argument("--alpha", type=float, help="GNMT length penalty exponent (default: the checkpoint's)")
     parser.add_argument("--max-len-a", type=float, help="output length limit a * source_len + b")
@@ -212,9 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sampling", metavar="topk:K|topp:P",
                         help="draw each token at random (back-translation) from the K most probable, or from "
                         "the smallest set with probability P, instead of searching")
-    parser.add_argument("--temperature", type=float, default=1.0, help="with --sampling: divides the "
+    parser.add_argument("--temperature", type=float, help="with --sampling: divides the "
                         "log-probabilities (default 1; lower is closer to greedy)")
-    parser.add_argument("--seed", type=int, default=1, help="with --sampling: the same seed, the same samples")
+    parser.add_argument("--seed", type=int, help="with --sampling: the same seed, the same samples (default 1)")
     parser.add_argument("--score-reference", metavar="REF",
                         help="write the log-probability of each line of REF (one translation per input line) "
                         "given its source, instead of translating (forced decoding)")
@@ -307,55 +329,78 @@ def stream_chunks(stream, max_lines: int = STREAM_CHUNK_LINES):
         yield [line for line, _ in decoded], sum(bad for _, bad in decoded)
 
 
+# The decoding options: all of them unused with --score-reference (parser defaults None: given or not).
+DECODING_OPTIONS = ("beam", "nbest", "alpha", "max_len_a", "max_len_b", "sampling", "temperature", "seed")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:              # Ctrl-C; while streaming, what was translated has been written
+        print("transformer-translate: interrupted", file=sys.stderr)
+        return 130
+
+
+def _fail(message: str) -> int:
+    print(f"transformer-translate: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _run(args) -> int:
     keep_freed_memory()
-
-    def fail(message: str) -> int:
-        print(f"transformer-translate: error: {message}", file=sys.stderr)
-        return 2
-
+    scoring = args.score_reference is not None
+    given = {name for name in DECODING_OPTIONS if getattr(args, name) is not None}
+    args.nbest = 1 if args.nbest is None else args.nbest
+    args.temperature = 1.0 if args.temperature is None else args.temperature
+    args.seed = 1 if args.seed is None else args.seed
     try:
         check_options(beam_size=args.nbest if args.beam is None else args.beam, nbest=args.nbest, alpha=0.0 if args.alpha is None else args.alpha,
                       max_len_a=0.0 if args.max_len_a is None else args.max_len_a,
                       max_len_b=0 if args.max_len_b is None else args.max_len_b,
                       batch_tokens=1 if args.batch_tokens is None else args.batch_tokens)
     except ValueError as error:
-        option, _, rest = str(error).partition("=")
-        return fail(f"--{option.replace('_size', '').replace('_', '-')} {rest}")
+        return _fail(option_message(error))
+    if not (args.temperature > 0 and math.isfinite(args.temperature)):
+        return _fail(f"--temperature {args.temperature}: must be a finite number > 0")
     if args.output and Path(args.output).is_dir():
-        return fail(f"--output {args.output}: is a directory; give a file name")
+        return _fail(f"--output {args.output}: is a directory; give a file name")
+    overwritten = _overwritten_input(args)
+    if overwritten:
+        return _fail(overwritten)
     sampling = None
     if args.sampling is not None:
-        if not (args.temperature > 0 and math.isfinite(args.temperature)):
-            return fail(f"--temperature {args.temperature}: must be a finite number > 0")
-        if args.nbest != 1 or (args.beam or 1) != 1:
-            return fail("--sampling draws one translation per line: leave out --beam and --nbest")
         try:
             sampling = parse_sampling(args.sampling, args.temperature, args.seed)
         except ValueError as error:
-            return fail(str(error))
+            return _fail(str(error))
+        if scoring:
+            sampling = None
+        elif args.nbest != 1 or (args.beam or 1) != 1:
+            return _fail("--sampling draws one translation per line: leave out --beam and --nbest")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
-        return fail(f"--device {args.device}: must be auto, cpu, cuda or cuda:N")
+        return _fail(f"--device {args.device}: must be auto, cpu, cuda or cuda:N")
     if args.device.startswith("cuda"):
         index = int(args.device.partition(":")[2] or 0)
         if not torch.cuda.is_available():
-            return fail(f"--device {args.device}: CUDA is not available")
+            return _fail(f"--device {args.device}: CUDA is not available")
         if index >= torch.cuda.device_count():
-            return fail(f"--device {args.device}: there are {torch.cuda.device_count()} CUDA device(s) (0 to "
-                        f"{torch.cuda.device_count() - 1})")
+            return _fail(f"--device {args.device}: there are {torch.cuda.device_count()} CUDA device(s) (0 to "
+                         f"{torch.cuda.device_count() - 1})")
     try:
         translator = Translator.load(args.checkpoint, device=args.device, precision=args.precision)
     except (CheckpointError, ConfigError) as error:
-        return fail(str(error))
-    if args.beam is None and sampling is not None:
-        args.beam = 1
-    if args.beam is None:                 # the decode config the model was trained with
-        args.beam = translator.config.decode.beam_size
-        if args.nbest > args.beam:
-            return fail(f"--nbest {args.nbest}: the checkpoint's beam size is {args.beam}; add --beam {args.nbest}")
-    if args.score_reference is None and sampling is None and not args.input and _streams(sys.stdin):
-        return _translate_stream(translator, args, fail)
+        return _fail(str(error))
+    if not scoring:
+        if args.beam is None:             # one draw per line, or the decode config the model was trained with
+            args.beam = 1 if sampling is not None else translator.config.decode.beam_size
+            if args.nbest > args.beam:
+                return _fail(f"--nbest {args.nbest}: the checkpoint's beam size is {args.beam}; add --beam {args.nbest}")
+    ignored = _ignored_options(given, scoring, args.beam)
+    if ignored:
+        print(f"transformer-translate: warning: {ignored}", file=sys.stderr)
+    if not scoring and sampling is None and not args.input and _streams(sys.stdin):
+        return _translate_stream(translator, args)
     try:
         if args.input:
             with open(args.input, "rb") as handle:
@@ -363,24 +408,91 @@ def main(argv: list[str] | None = None) -> int:
         else:
             lines, bad = read_input(sys.stdin.buffer)
     except OSError as error:
-        return fail(f"{args.input}: {error.strerror}")
+        return _fail(f"{args.input or 'stdin'}: {error.strerror}")
     _warn_invalid(bad)
-    out = io.StringIO()
-    if args.score_reference:
+    if scoring:
         try:
             with open(args.score_reference, "rb") as handle:
                 references, _ = read_input(handle)
         except OSError as error:
-            return fail(f"--score-reference {args.score_reference}: {error.strerror}")
+            return _fail(f"--score-reference {args.score_reference}: {error.strerror}")
         if len(references) != len(lines):
-            return fail(f"--score-reference {args.score_reference}: {len(references)} lines for "
-                        f"{len(lines)} input lines; give one translation per input line")
-        for value in translator.score(lines, references, batch_tokens=args.batch_tokens):
-            out.write(f"{value:.4f}\n")
-        return _write(out, args.output, fail)
+            return _fail(f"--score-reference {args.score_reference}: {len(references)} lines for "
+                         f"{len(lines)} input lines; give one translation per input line")
+        scores = translator.score(lines, references, batch_tokens=args.batch_tokens)
+        return _write("".join(f"{value:.4f}\n" for value in scores), args.output)
     results = _translate_lines(translator, lines, args, sampling, progress=bool(args.output) and sys.stderr.isatty())
-    out.write(_format(results, args.nbest, first_index=0))
-    return _write(out, args.output, fail)
+    return _write(_format(results, args.nbest, first_index=0), args.output)
+
+
+def same_file(a: str | Path | int, b: str | Path | int) -> bool:
+    """Whether `a` and `b` (paths, or open file descriptors) are one regular file on disk, however they are
+    spelled: symlinks, hard links, ./ and ../ included. Never for terminals, pipes and devices
+    (/dev/stdin and /dev/stdout are often one terminal, and that destroys nothing)."""
+    try:
+        first, second = os.stat(a), os.stat(b)
+    except (OSError, ValueError, TypeError):
+        return False
+    return stat.S_ISREG(first.st_mode) and os.path.samestat(first, second)
+
+
+def overwritten_input(output: str | Path | int, inputs: dict[str, str | Path | int | None]) -> str | None:
+    """Which of `inputs` (a description -> a path or an open file descriptor; None: not in use) writing
+    `output` would destroy: the same file, or a file inside an input directory (an exported model).
+    None when it destroys none."""
+    for name, source in inputs.items():
+        if source is None:
+            continue
+        files = [source]
+        if not isinstance(source, int) and Path(source).is_dir():
+            files = list(Path(source).rglob("*"))
+        if any(same_file(file, output) for file in files):
+            return name
+    return None
+
+
+def _overwritten_input(args) -> str | None:
+    """The error line when this run would write its output over one of its inputs (`--input f --output f`,
+    `--output` the checkpoint, `< f > f`, ...); None when it would not. Checked before anything is written."""
+    inputs = {f"the --input file {args.input}": args.input,
+              f"the --score-reference file {args.score_reference}": args.score_reference,
+              f"the checkpoint {args.checkpoint}": args.checkpoint,
+              "the file on stdin": None if args.input else _fileno(sys.stdin)}
+    if args.output:
+        name = overwritten_input(args.output, inputs)
+        if name:
+            return f"--output {args.output}: is {name}; writing the translations there would destroy it; " \
+                   "choose another file"
+        return None
+    stdout = _fileno(sys.stdout)
+    name = None if stdout is None else overwritten_input(stdout, inputs)
+    if name:
+        return f"stdout is {name}; redirect the output to another file (`> FILE` empties FILE before the " \
+               "command starts)"
+    return None
+
+
+def _fileno(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):       # closed, or replaced by one without a descriptor
+        return None
+
+
+def _ignored_options(given: set[str], scoring: bool, beam: int | None) -> str | None:
+    """The warning for options given on the command line that this run does not use; None when all are used."""
+    def flags(*names):
+        return ", ".join(f"--{name.replace('_', '-')}" for name in names if name in given)
+
+    if scoring:
+        unused = [(flags(*DECODING_OPTIONS), "with --score-reference (it scores the given translations; "
+                                             "nothing is decoded)")]
+    else:
+        unused = [(flags("temperature", "seed") if "sampling" not in given else "", "without --sampling"),
+                  (flags("alpha") if beam == 1 else "", "by greedy search and sampling (the length penalty "
+                                                        "ranks the hypotheses of a beam of 2 or more)")]
+    said = [f"{names} {'are' if ',' in names else 'is'} ignored {why}" for names, why in unused if names]
+    return "; ".join(said) or None
 
 
 def _streams(stdin) -> bool:
@@ -410,7 +522,7 @@ def _format(results, nbest: int, first_index: int) -> str:
                    for index, hyps in enumerate(results, start=first_index) for text, score in hyps)
 
 
-def _translate_stream(translator: Translator, args, fail) -> int:
+def _translate_stream(translator: Translator, args) -> int:
     """Input from a pipe or a terminal: translate chunk by chunk as lines arrive, each chunk's
     translations written and flushed before the next is read (one output line per input line, in
     order), so that the command serves as a long-running filter."""
@@ -419,29 +531,24 @@ def _translate_stream(translator: Translator, args, fail) -> int:
     try:
         out = open(args.output, "w", encoding="utf-8") if args.output else None
     except OSError as error:
-        return fail(f"--output {args.output}: {error.strerror}")
+        return _fail(f"--output {args.output}: {error.strerror}")
+    # The reader thread reads its own file object on a copy of stdin's descriptor: it may still be
+    # waiting for a line when the command ends (Ctrl-C, a failed write), holding that object's lock,
+    # and Python's shutdown would abort on sys.stdin's.
+    source = open(os.dup(sys.stdin.fileno()), "rb")
     done = 0
     try:
-        for lines, bad in stream_chunks(sys.stdin.buffer):
+        for lines, bad in stream_chunks(source):
             _warn_invalid(bad)
             text = _format(_translate_lines(translator, lines, args, None), args.nbest, first_index=done)
             done += len(lines)
-            if out is not None:
-                out.write(text)
-                out.flush()
-            else:
-                sys.stdout.buffer.write(text.encode("utf-8"))
-                sys.stdout.flush()
-    except BrokenPipeError:                       # the reader went away (e.g. `| head`): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())    # nothing left to flush at exit
-        return 0
-    except KeyboardInterrupt:                     # Ctrl-C at the terminal: what was translated is written
-        return 130
-    except OSError as error:
-        return fail(f"reading the input: {error.strerror or error}")
+            stopped = _send(text, out, args.output)
+            if stopped is not None:
+                return stopped
+    except OSError as error:                    # from stream_chunks: _send reports its own
+        return _fail(f"reading the input: {error.strerror or error}")
     finally:
-        if out is not None:
-            out.close()
+        _close(out)
     return 0
 
 
@@ -451,16 +558,52 @@ def _warn_invalid(bad: int) -> None:
               "invalid bytes were replaced", file=sys.stderr)
 
 
-def _write(out: io.StringIO, output: str | None, fail) -> int:
-    if output:
+def _write(text: str, output: str | None) -> int:
+    """All the output at once, to the --output file or stdout; the exit code."""
+    try:
+        out = open(output, "w", encoding="utf-8") if output else None
+    except OSError as error:
+        return _fail(f"--output {output}: {error.strerror}")
+    try:
+        return _send(text, out, output) or 0
+    finally:
+        _close(out)
+
+
+def _send(text: str, out, output: str | None) -> int | None:
+    """Write and flush `text` to the open --output file `out`, or to stdout (`out` None). None when it
+    was written; otherwise the exit code: 0 when the reader went away (`| head`), 2 with one error
+    line when it could not be written (a full disk, ...)."""
+    try:
+        if out is not None:
+            out.write(text)
+            out.flush()
+        else:
+            sys.stdout.buffer.write(text.encode("utf-8"))
+            sys.stdout.flush()
+        return None
+    except OSError as error:
+        if out is None:                         # what stdout still holds would fail again at exit, with a traceback
+            _discard_stdout()
+        if isinstance(error, BrokenPipeError):
+            return 0
+        where = f"--output {output}" if out is not None else "stdout"
+        return _fail(f"{where}: cannot write the output: {error.strerror or error}")
+
+
+def _discard_stdout() -> None:
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):               # no descriptor (a test's captured stdout)
+        pass
+
+
+def _close(out) -> None:
+    if out is not None:
         try:
-            Path(output).write_text(out.getvalue(), encoding="utf-8")
-        except OSError as error:
-            return fail(f"--output {output}: {error.strerror}")
-    else:
-        sys.stdout.buffer.write(out.getvalue().encode("utf-8"))
-        sys.stdout.flush()
-    return 0
+            out.close()
+        except OSError:                         # a failed write, already reported: closing retries its flush
+            pass
 
 
 def _one_line(text: str) -> str:

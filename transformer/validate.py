@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import unicodedata
 
 import numpy as np
 import sacrebleu
@@ -69,14 +70,28 @@ def bleu_metric(tgt_lang: str | None) -> sacrebleu.metrics.BLEU:
         return sacrebleu.metrics.BLEU(tokenize="char")
 
 
+# Appended to both signatures: hypotheses and references were put in Unicode NFC before scoring.
+NORMALIZATION_SIGNATURE = "|norm:nfc"
+
+
 def score(hypotheses: list[str], references: list[str], tgt_lang: str | None = None) -> dict:
-    """Corpus sacreBLEU (cased; tokenized for `tgt_lang`, see `bleu_metric`) and chrF with their signatures."""
+    """Corpus sacreBLEU (cased; tokenized for `tgt_lang`, see `bleu_metric`) and chrF with their signatures:
+    the one scoring function of validation, the test at the end of training, `transformer-evaluate` and
+    the bench. Hypotheses and references are both put in Unicode NFC first, so that the same text scores
+    the same whichever normalization form a corpus was written in (an accented letter as one code
+    point or as a letter and a combining mark); the signatures end in `|norm:nfc` to say so."""
+    hypotheses, references = nfc(hypotheses), nfc(references)
     bleu = bleu_metric(tgt_lang)
     chrf = sacrebleu.metrics.CHRF()
     bleu_score = bleu.corpus_score(hypotheses, [references])
     chrf_score = chrf.corpus_score(hypotheses, [references])
     return {"bleu": bleu_score.score, "chrf": chrf_score.score,
-            "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
+            "bleu_signature": str(bleu.get_signature()) + NORMALIZATION_SIGNATURE,
+            "chrf_signature": str(chrf.get_signature()) + NORMALIZATION_SIGNATURE}
+
+
+def nfc(lines: list[str]) -> list[str]:
+    return [unicodedata.normalize("NFC", line) for line in lines]
 
 
 @torch.no_grad()
