@@ -65,8 +65,11 @@ def check_file(path: Path, record: dict, checksum: bool = True) -> None:
     if not stat.S_ISREG(mode.st_mode):
         raise CacheDamage(path, "not a regular file")
     problem = _size_problem(mode.st_size, record["size"])
-    if problem is None and checksum and _crc32_of_file(path) != record["crc32"]:
-        problem = "checksum mismatch"
+    try:
+        if problem is None and checksum and _crc32_of_file(path) != record["crc32"]:
+            problem = "checksum mismatch"
+    except FileNotFoundError:   # moved aside meanwhile by a process repairing it under the lock
+        problem = "missing"
     if problem:
         raise CacheDamage(path, problem)
 
