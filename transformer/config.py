@@ -444,7 +444,7 @@ Usage: {program} [GROUP=OPTION | KEY=VALUE ...] [--config-dir DIR] [--cfg job [-
   --resolve          with --cfg job: resolve interpolations such as ${{now:...}}
   --help             this help; with overrides, each key they change shows its new value after ->
 transformer-train and transformer-prepare take the same arguments; transformer-train also takes
-Hydra's own flags (--hydra-help lists them): make sweep trainer.lr=1e-3,5e-4 trains one job per value."""
+Hydra's own flags (--hydra-help lists them): make sweep trainer.lr=1e-3,5e-4 trains one job a value."""
 
 PROGRAMS = {
     "transformer-train": ("train", "train a Transformer translation model (make train)."),
