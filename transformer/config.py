@@ -476,14 +476,12 @@ def render_help(program: str, composed) -> str:
         lines += textwrap.wrap(f"{group}=" + " | ".join(marked) + picked, WIDTH,
                                initial_indent="  ", subsequent_indent="      ")
     lines += ["", "Keys (KEY: TYPE = DEFAULT, then -> the value this command line gives where it differs):"]
-    sections = {spec.name: spec.default_factory for spec in dataclasses.fields(Config) if spec.default_factory
-                is not dataclasses.MISSING}
     section = None
     for key in schema_keys():
         head = key.key.partition(".")[0] if "." in key.key else ""
         if head != section:
             section = head
-            doc = (sections[head].__doc__ if head else Config.__doc__).split("\n\n")[0]
+            doc = (type(getattr(Config(), head)) if head else Config).__doc__
             lines += ["", *textwrap.wrap(f"[{head or 'top level'}] " + " ".join(doc.split()), WIDTH)]
         value = OmegaConf.select(composed, key.key, throw_on_resolution_failure=False)
         if OmegaConf.is_config(value):
