@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from tests.conftest import CONF_DIR, compose_config
@@ -140,3 +142,14 @@ def test_the_positions_cover_the_longest_training_sentence_with_its_eos_or_bos(m
         f"model.max_positions={max_positions} is too small for data.max_len={max_len}: a sentence of {max_len} "
         f"tokens and its EOS (source) or BOS (target) take {max_len + 1} positions; set model.max_positions="
         f"{max_len + 1} or more, or data.max_len={max_positions - 1} or less")
+
+
+def test_the_readme_key_table_has_one_row_per_schema_key():
+    from transformer.config import markdown_key_table, schema_keys
+    rows = markdown_key_table().splitlines()
+    keys = schema_keys()
+    assert len(rows) == 2 + len(keys) and len(keys) > 70
+    for row, key in zip(rows[2:], keys):
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]]     # `str \| None` is one cell
+        assert cells[0] == f"`{key.key}`" and cells[1].replace("\\|", "|") == key.type and cells[3], row
+    assert "| `trainer.resume` | bool \\| str | `false` |" in rows[2 + [k.key for k in keys].index("trainer.resume")]

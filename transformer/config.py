@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # Hydra's config tree, inside the package (absolute, so that any launcher finds it: -m, torchrun,
 # console scripts, an installed wheel).
@@ -23,27 +24,37 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 ATTENTION_BACKENDS = ("auto", "sdpa", "matmul", "math")
 
 
+def setting(default: Any = dataclasses.MISSING, meaning: str = "", *, factory: Any = dataclasses.MISSING,
+            shown_type: str | None = None) -> Any:
+    """A schema key: its default (or default factory) and what it means, which `--help` and the README's
+    key table show (`schema_keys`). `shown_type` replaces the annotation there where that says too little."""
+    metadata = {"help": meaning, "type": shown_type} if shown_type else {"help": meaning}
+    return field(default=default, default_factory=factory, metadata=metadata)
+
+
 class ConfigError(ValueError):
     """A configuration value is unusable; the message names the key (e.g. `model.d_model`)."""
 
 
 @dataclass
 class ModelConfig:
-    """`model=tiny` (these defaults) and the presets model/small, base, big."""
-    name: str = "tiny"
-    d_model: int = 128            # model width D (embeddings, residual stream)
-    n_heads: int = 4              # attention heads; must divide d_model
-    d_ff: int = 512               # feed-forward inner width
-    encoder_layers: int = 2
-    decoder_layers: int = 2
-    dropout: float = 0.1          # residual, embedding and feed-forward dropout, in [0, 1)
-    attention_dropout: float = 0.0  # dropout on attention weights, in [0, 1)
-    pre_norm: bool = True         # True: LayerNorm before each sublayer (stable); False: after (the paper)
-    tie_embeddings: bool = True   # share target embeddings with the output layer (and the source, if joint)
-    max_positions: int = 1024     # longest sequence the sinusoidal table covers; longer sources are truncated
-    # auto (matmuls on a CPU; SDPA's flash/efficient/math kernels on a GPU) | sdpa (PyTorch's pick,
-    # cuDNN included) | matmul | math (the reference formula); see transformer/attention.py
-    attention: str = "auto"
+    """The network: model=tiny (these defaults) and the presets small, base, big."""
+    name: str = setting("tiny", "the preset's name; names the run directory (runs/DATA/MODEL/...)")
+    d_model: int = setting(128, "model width D (embeddings, residual stream)")
+    n_heads: int = setting(4, "attention heads; must divide d_model")
+    d_ff: int = setting(512, "feed-forward inner width")
+    encoder_layers: int = setting(2, "encoder layers")
+    decoder_layers: int = setting(2, "decoder layers")
+    dropout: float = setting(0.1, "residual, embedding and feed-forward dropout, in [0, 1)")
+    attention_dropout: float = setting(0.0, "dropout on attention weights, in [0, 1)")
+    pre_norm: bool = setting(True, "true: LayerNorm before each sublayer (stable); false: after (the paper)")
+    tie_embeddings: bool = setting(True, "share target embeddings with the output layer (and the source, if "
+                                         "joint)")
+    max_positions: int = setting(1024, "longest sequence the sinusoidal table covers; longer sources are "
+                                       "truncated")
+    attention: str = setting("auto", "auto (matmuls on a CPU; SDPA's flash/efficient/math kernels on a GPU) | "
+                                     "sdpa (PyTorch's pick, cuDNN included) | matmul | math (the reference "
+                                     "formula); see transformer/attention.py")
 
     def validate(self) -> None:
         _require_finite("model", self)
@@ -64,28 +75,30 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Every corpus's keys; a data/ preset (toy, custom, multi30k_*, ...) fills them in."""
-    name: str = "custom"          # names the run directory (runs/NAME/...) and the cache entries
-    # Where the text comes from, first match wins: `path` (local directory or file), `hub_id`, `embedded`.
-    path: str | None = None       # local directory with {split}.{lang}, .tsv, .jsonl or .parquet files
-    hub_id: str | None = None     # HuggingFace hub dataset id
-    hub_config: str | None = None  # its configuration name, if it has several
-    embedded: bool = False        # the generated corpus of transformer/toy.py (data=toy)
-    embedded_pairs: int = 12000   # training pairs generated for the embedded corpus
-    src_lang: str = "de"
-    tgt_lang: str = "en"
-    train_split: str = "train"
-    valid_split: str = "validation"
-    test_split: str = "test"
-    # File stem per split when it differs from the split name (Multi30k: val, test_2016_flickr).
-    local_splits: dict[str, str] = field(default_factory=dict)
-    max_len: int = 256            # drop training pairs longer than this many tokens on either side
-    vocab_size: int = 8000        # SentencePiece pieces (per language unless joint_vocab)
-    tokenizer_type: str = "bpe"   # bpe | unigram
-    joint_vocab: bool = True      # one vocabulary for both languages (lets the model tie all embeddings)
-    character_coverage: float = 1.0  # SentencePiece: share of characters covered by the vocabulary
-    tokenizer_sample: int = 1_000_000  # SentencePiece trains on a random sample of at most this many sentences
-    cache_dir: str = "data"       # SentencePiece models (spm/) and encoded corpora (cache/, corpus/) go here
+    """The corpus and its tokenizer: a data preset (toy, custom, multi30k_*, ...) fills these in. Where the
+    text comes from, first match wins: path (local files), hub_id, embedded."""
+    name: str = setting("custom", "names the run directory (runs/NAME/...) and the cache entries")
+    path: str | None = setting(None, "local directory with {split}.{lang}, .tsv, .jsonl or .parquet files")
+    hub_id: str | None = setting(None, "HuggingFace hub dataset id")
+    hub_config: str | None = setting(None, "its configuration name, if it has several")
+    embedded: bool = setting(False, "the generated corpus of transformer/toy.py (data=toy)")
+    embedded_pairs: int = setting(12000, "training pairs generated for the embedded corpus")
+    src_lang: str = setting("de", "source language code: file suffix, column or `translation` key")
+    tgt_lang: str = setting("en", "target language code")
+    train_split: str = setting("train", "the split trained on")
+    valid_split: str = setting("validation", "the split validated on (loss, BLEU, best.pt)")
+    test_split: str = setting("test", "the split translated and scored at the end")
+    local_splits: dict[str, str] = setting(
+        factory=dict, meaning="file stem per split where it differs from the split name, e.g. "
+                              "'{validation: dev, test: newstest2014}' (Multi30k: val, test_2016_flickr)")
+    max_len: int = setting(256, "drop training pairs longer than this many tokens on either side")
+    vocab_size: int = setting(8000, "SentencePiece pieces (per language unless joint_vocab)")
+    tokenizer_type: str = setting("bpe", "bpe | unigram")
+    joint_vocab: bool = setting(True, "one vocabulary for both languages (lets the model tie all embeddings)")
+    character_coverage: float = setting(1.0, "SentencePiece: share of characters covered by the vocabulary")
+    tokenizer_sample: int = setting(1_000_000, "SentencePiece trains on a random sample of at most this many "
+                                               "sentences")
+    cache_dir: str = setting("data", "SentencePiece models (spm/) and encoded corpora (cache/, corpus/) go here")
 
     def validate(self) -> None:
         _require_finite("data", self)
@@ -117,45 +130,53 @@ SCHEDULES = ("inverse_sqrt", "cosine", "linear", "constant")
 
 @dataclass
 class TrainerConfig:
-    """`trainer=default`: the training loop. 0 disables a limit or a feature where noted."""
-    device: str = "auto"          # auto | cpu | cuda | cuda:N  (auto = cuda when available)
-    # auto = bf16 on a GPU that supports it (else fp16) and on CPUs with native bf16 (AVX512-BF16/AMX);
-    # fp32 on other CPUs. Parameters and optimizer state stay fp32 in every mode.
-    precision: str = "auto"       # auto | bf16 | fp16 | fp32
-    max_tokens: int = 4096        # token budget per batch: sentences x max(padded source, padded target length)
-    update_freq: int = 1          # gradient accumulation: batches per optimizer step
-    lr: float = 7e-4              # peak learning rate, reached at the end of warm-up
-    schedule: str = "inverse_sqrt"  # after warm-up: inverse_sqrt (lr ~ 1/sqrt(step)) | cosine | linear | constant
-    warmup: int = 4000            # linear warm-up steps (every schedule)
-    min_lr: float = 0.0           # where cosine and linear end at max_steps
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # Adam betas
-    adam_eps: float = 1e-9
-    weight_decay: float = 0.0     # decoupled (AdamW) weight decay
-    clip_norm: float = 1.0        # clip the gradient norm to this; 0 = no clipping
-    label_smoothing: float = 0.1  # in [0, 1)
-    max_steps: int = 100000       # stop after this many optimizer steps (0 = no limit)
-    max_epochs: int = 0           # stop after this many epochs (0 = no limit)
-    max_minutes: float = 0.0      # stop after this much wall-clock time, validation included (0 = no limit)
-    validate_every: int = 1000    # steps between validations (loss, BLEU, samples, best.pt)
-    checkpoint_every: int = 0     # steps between step_N.pt/last.pt; 0 = validate_every
-    val_beam_size: int = 1        # beam for validation BLEU (1 = greedy, fastest); the test uses decode.beam_size
-    val_max_sentences: int = 0    # decode only the first N validation sentences (0 = all)
-    test_at_end: bool = True      # translate the test split with the best checkpoint at the end; print BLEU
-    keep_last: int = 3            # step_N.pt files kept (0 = keep all)
-    # Weight averaging. Validation scores the raw weights and each average; best.pt holds whichever set
-    # scores best (its `weights` entry says which). 0 disables either.
-    ema_decay: float = 0.0        # exponential moving average of the weights after every update (e.g. 0.999)
-    average_last: int = 0         # at the end, average the last N step_N.pt (see checkpoint_every, keep_last)
-    patience: int = 0             # stop after this many validations without a BLEU improvement (0 = never)
-    max_bad_steps: int = 20       # stop after this many consecutive non-finite steps (x10 under fp16)
-    compile: bool = False         # torch.compile the model
-    seed: int = 1                 # seeds parameters, dropout and the batch order
-    resume: Any = False           # true = newest checkpoint in the run dir; or a checkpoint path
-    init_from: str | None = None  # fine-tune: this checkpoint's weights and tokenizer; fresh optimizer and step
-    overwrite: bool = False       # allow starting over in a run dir that already holds checkpoints
-    log_every: int = 50           # steps between train.log lines / TensorBoard points
-    num_threads: int = 0          # torch CPU threads (0 = PyTorch's default)
-    num_workers: int | None = None  # DataLoader processes collating the next batches (null = 2 on CUDA, 0 on CPU)
+    """The training loop: trainer=default (these defaults); data presets and recipes set some keys.
+    0 disables a limit or a feature where noted."""
+    device: str = setting("auto", "auto | cpu | cuda | cuda:N  (auto = cuda when available)")
+    precision: str = setting("auto", "auto | bf16 | fp16 | fp32. auto = bf16 on a GPU that supports it (else "
+                                     "fp16) and on CPUs with native bf16 (AVX512-BF16/AMX); fp32 on other CPUs. "
+                                     "Parameters and optimizer state stay fp32 in every mode")
+    max_tokens: int = setting(4096, "token budget per batch: sentences x max(padded source, padded target "
+                                    "length)")
+    update_freq: int = setting(1, "gradient accumulation: batches per optimizer step")
+    lr: float = setting(7e-4, "peak learning rate, reached at the end of warm-up")
+    schedule: str = setting("inverse_sqrt", "after warm-up: inverse_sqrt (lr ~ 1/sqrt(step)) | cosine | linear "
+                                            "| constant")
+    warmup: int = setting(4000, "linear warm-up steps (every schedule)")
+    min_lr: float = setting(0.0, "where cosine and linear end at max_steps")
+    betas: list[float] = setting(factory=lambda: [0.9, 0.98], meaning="Adam betas")
+    adam_eps: float = setting(1e-9, "Adam epsilon")
+    weight_decay: float = setting(0.0, "decoupled (AdamW) weight decay")
+    clip_norm: float = setting(1.0, "clip the gradient norm to this; 0 = no clipping")
+    label_smoothing: float = setting(0.1, "label smoothing of the loss, in [0, 1)")
+    max_steps: int = setting(100000, "stop after this many optimizer steps (0 = no limit)")
+    max_epochs: int = setting(0, "stop after this many epochs (0 = no limit)")
+    max_minutes: float = setting(0.0, "stop after this much wall-clock time, validation included (0 = no "
+                                      "limit)")
+    validate_every: int = setting(1000, "steps between validations (loss, BLEU, samples, best.pt)")
+    checkpoint_every: int = setting(0, "steps between step_N.pt/last.pt; 0 = validate_every")
+    val_beam_size: int = setting(1, "beam for validation BLEU (1 = greedy, fastest); the test uses "
+                                    "decode.beam_size")
+    val_max_sentences: int = setting(0, "decode only the first N validation sentences (0 = all)")
+    test_at_end: bool = setting(True, "translate the test split with the best checkpoint at the end; print BLEU")
+    keep_last: int = setting(3, "step_N.pt files kept (0 = keep all)")
+    ema_decay: float = setting(0.0, "exponential moving average of the weights after every update (e.g. "
+                                    "0.999; 0 = off); validation scores it too, best.pt keeps the best set")
+    average_last: int = setting(0, "at the end, average the last N step_N.pt (see checkpoint_every, "
+                                   "keep_last; 0 = off); validation scores it too")
+    patience: int = setting(0, "stop after this many validations without a BLEU improvement (0 = never)")
+    max_bad_steps: int = setting(20, "stop after this many consecutive non-finite steps (x10 under fp16)")
+    compile: bool = setting(False, "torch.compile the model")
+    seed: int = setting(1, "seeds parameters, dropout and the batch order")
+    resume: Any = setting(False, "true = newest checkpoint in the run dir; or a checkpoint path",
+                          shown_type="bool | str")
+    init_from: str | None = setting(None, "fine-tune: this checkpoint's weights and tokenizer; fresh "
+                                          "optimizer and step")
+    overwrite: bool = setting(False, "allow starting over in a run dir that already holds checkpoints")
+    log_every: int = setting(50, "steps between train.log lines / TensorBoard points")
+    num_threads: int = setting(0, "torch CPU threads (0 = PyTorch's default)")
+    num_workers: int | None = setting(None, "DataLoader processes collating the next batches (null = 2 on "
+                                            "CUDA, 0 on CPU)")
 
     def validate(self) -> None:
         _require_finite("trainer", self)
@@ -210,15 +231,15 @@ DEFAULT_BATCH_TOKENS = 16384
 
 @dataclass
 class DecodeConfig:
-    """`decode=beam` (these defaults) and decode/greedy: the end-of-training test, make evaluate, and
-    transformer-translate's defaults (taken from the checkpoint's config)."""
-    name: str = "beam"
-    beam_size: int = 5            # hypotheses kept per sentence (1 = greedy)
-    alpha: float = 0.6            # GNMT length penalty ((5 + len) / 6) ** alpha; 0 = raw log-probability
-    max_len_a: float = 1.2        # output length limit: max_len_a * source_len + max_len_b tokens
-    max_len_b: int = 10
-    batch_tokens: int = DEFAULT_BATCH_TOKENS  # source tokens x beam per decoding batch
-    nbest: int = 1                # hypotheses returned per sentence (<= beam_size)
+    """Decoding: decode=beam (these defaults) and decode=greedy, for the end-of-training test, make
+    evaluate, and transformer-translate's defaults (taken from the checkpoint's config)."""
+    name: str = setting("beam", "the preset's name")
+    beam_size: int = setting(5, "hypotheses kept per sentence (1 = greedy)")
+    alpha: float = setting(0.6, "GNMT length penalty ((5 + len) / 6) ** alpha; 0 = raw log-probability")
+    max_len_a: float = setting(1.2, "output length limit: max_len_a * source_len + max_len_b tokens")
+    max_len_b: int = setting(10, "see max_len_a")
+    batch_tokens: int = setting(DEFAULT_BATCH_TOKENS, "source tokens x beam per decoding batch")
+    nbest: int = setting(1, "hypotheses returned per sentence (<= beam_size)")
 
     def validate(self) -> None:
         _require_finite("decode", self)
@@ -233,11 +254,13 @@ class DecodeConfig:
 
 @dataclass
 class Config:
+    """Top level: run_dir, and the sections model, data, trainer, decode."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
-    run_dir: str | None = None    # checkpoints, TensorBoard events, train.log; null = hydra.run.dir
+    run_dir: str | None = setting(None, "checkpoints, TensorBoard events, train.log; null = hydra.run.dir "
+                                        "(runs/DATA/MODEL/DATE_TIME)")
 
     @classmethod
     def from_dict(cls, raw: dict) -> Config:
@@ -293,26 +316,200 @@ def register_schema() -> None:
     store.store(group="model", name="tiny", node=ModelConfig)
     store.store(group="trainer", name="default", node=TrainerConfig)
     store.store(group="decode", name="beam", node=DecodeConfig)
+    # hydra.main's --help: conf/config.yaml's hydra.help.template is ${transformer.help:PROGRAM}. Its
+    # text goes through string.Template, where $$ is a dollar sign.
+    OmegaConf.register_new_resolver(
+        "transformer.help", lambda program, *, _root_: render_help(program, _root_).replace("$", "$$"),
+        replace=True)
 
 
 register_schema()
 
 
-def compose(overrides: list[str] = (), config_name: str = "config") -> Config:
+def compose(overrides: list[str] = (), config_name: str = "config", config_dir: str | None = None) -> Config:
     """The config `make train key=value ...` would see, composed with Hydra's compose API (for tools
-    that make no run directory: prepare, bench, tests). Errors become one ConfigError line."""
+    that make no run directory: prepare, bench, tests), with the presets of `config_dir` as
+    `--config-dir` adds them. Errors become one ConfigError line."""
+    from omegaconf import OmegaConf
+
+    tree = compose_tree(overrides, config_name, config_dir)
+    return Config.from_dict(OmegaConf.to_container(tree, resolve=True))
+
+
+def compose_tree(overrides: list[str] = (), config_name: str = "config", config_dir: str | None = None,
+                 with_hydra: bool = False):
+    """The composed DictConfig, unresolved and unvalidated (what `--cfg job` prints); `with_hydra` keeps
+    Hydra's node (the chosen presets, the config directories) for the help."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    overrides = list(overrides)
+    if config_dir is not None:
+        directory = Path(config_dir).resolve()
+        if not directory.is_dir():
+            raise ConfigError(f"--config-dir {config_dir}: no such directory; give the directory that holds "
+                              "your presets (DIR/data/NAME.yaml, then data=NAME)")
+        quoted = str(directory).replace("\\", "\\\\").replace("'", "\\'")
+        overrides.append(f"hydra.searchpath=['file://{quoted}']")    # where hydra.main puts --config-dir
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            raw = hydra_compose(config_name, overrides=list(overrides))
+            return hydra_compose(config_name, overrides=overrides, return_hydra_config=with_hydra)
     except (HydraException, OmegaConfBaseException) as error:
         raise ConfigError(composition_error_line(error)) from None
-    return Config.from_dict(OmegaConf.to_container(raw, resolve=True))
+
+
+def command_line_config(argv: list[str], program: str) -> Config | None:
+    """What `transformer-train` takes, for a tool that composes without hydra.main (so without a run
+    directory): key=value overrides, --config-dir DIR, --cfg job [--resolve] and --help. Prints the help
+    or the composed config and returns None for those; else the validated Config."""
+    import argparse
+
+    from omegaconf import OmegaConf
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise ConfigError(f"{program}: {message}; it takes key=value overrides, --config-dir DIR, "
+                              "--cfg job [--resolve] and --help")
+
+    parser = Parser(prog=program, add_help=False, allow_abbrev=False)
+    parser.add_argument("--help", "-h", action="store_true")
+    parser.add_argument("--cfg", "-c", choices=["job"])
+    parser.add_argument("--resolve", action="store_true")
+    parser.add_argument("--config-dir", "-cd")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args(argv)
+    if args.help:
+        print(help_text(program, args.overrides, args.config_dir))
+        return None
+    if args.cfg:
+        print(OmegaConf.to_yaml(compose_tree(args.overrides, config_dir=args.config_dir), resolve=args.resolve))
+        return None
+    return compose(args.overrides, config_dir=args.config_dir)
+
+
+# --- The help: every key of the schema with its type, default and meaning --------------------------
+
+class SchemaKey(NamedTuple):
+    key: str          # dotted, as on the command line: model.d_model
+    type: str
+    default: str      # as an override would write it: null, true, [0.9, 0.98]
+    meaning: str
+
+
+def schema_keys(schema: type = Config, prefix: str = "") -> list[SchemaKey]:
+    """Every key of the schema, walking the sections, in declaration order (the help's and the README's
+    key table)."""
+    keys = []
+    for spec in dataclasses.fields(schema):
+        default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
+        if dataclasses.is_dataclass(default):
+            keys += schema_keys(type(default), f"{prefix}{spec.name}.")
+        else:
+            keys.append(SchemaKey(prefix + spec.name, spec.metadata.get("type", spec.type), override_text(default),
+                                  spec.metadata["help"]))
+    return keys
+
+
+def override_text(value: Any) -> str:
+    """A value as a key=value override writes it."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key}: {override_text(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(override_text(item) for item in value) + "]"
+    return str(value)
+
+
+def markdown_key_table() -> str:
+    """The README's table of every key: | key | type | default | meaning |."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+    rows = [f"| `{key.key}` | {cell(key.type)} | `{cell(key.default)}` | {cell(key.meaning)} |" for key in schema_keys()]
+    return "\n".join(["| key | type | default | meaning |", "|---|---|---|---|", *rows])
+
+
+WIDTH = 100        # the help fits a terminal this wide
+
+USAGE = """\
+{program}: {what}
+Usage: {program} [GROUP=OPTION | KEY=VALUE ...] [--config-dir DIR] [--cfg job [--resolve]]
+       make {target} [GROUP=OPTION | KEY=VALUE ...] [ARGS="--config-dir DIR"]
+  GROUP=OPTION       pick a preset (below): make {target} model=small data=multi30k_de_en
+  KEY=VALUE          set any key (below): make {target} data=custom data.path=DIR data.src_lang=fr
+  --config-dir DIR   add your own presets: DIR/data/mine.yaml is data=mine, DIR/model/x.yaml model=x
+  --cfg job          print the composed config (presets and overrides applied) and exit
+  --resolve          with --cfg job: resolve interpolations such as ${{now:...}}
+  --help             this help; with overrides, each key they change shows its new value after ->
+transformer-train and transformer-prepare take the same arguments; transformer-train also takes
+Hydra's own flags (--hydra-help lists them): make sweep trainer.lr=1e-3,5e-4 trains one job a value."""
+
+PROGRAMS = {
+    "transformer-train": ("train", "train a Transformer translation model (make train)."),
+    "transformer-prepare": ("prepare", "train the tokenizer and encode the corpus of the data config as "
+                                       "training would, without training (make prepare)."),
+}
+
+
+def help_text(program: str = "transformer-train", overrides: list[str] = (), config_dir: str | None = None) -> str:
+    """`program --help`: usage, the presets of each group and every key (type, default, meaning)."""
+    return render_help(program, compose_tree(overrides, config_dir=config_dir, with_hydra=True))
+
+
+def render_help(program: str, composed) -> str:
+    """The help for a composed config that holds Hydra's node (its chosen presets, its config
+    directories); hydra.main's --help shows it through the `transformer.help` resolver."""
+    import textwrap
+
+    from omegaconf import OmegaConf
+
+    target, what = PROGRAMS.get(program, ("train", ""))
+    usage = USAGE.format(program=program, what=what, target=target).splitlines()
+    lines = textwrap.wrap(usage[0], WIDTH, subsequent_indent="  ") + usage[1:]
+    lines += ["", "Presets (GROUP=OPTION; * marks the one picked, recipe goes after data=...):"]
+    choices = composed.hydra.runtime.choices
+    for group, options in preset_options(composed.hydra.runtime.config_sources).items():
+        marked = [f"{option}*" if option == choices.get(group) else option for option in options]
+        picked = "" if choices.get(group) else "   (none picked)"
+        lines += textwrap.wrap(f"{group}=" + " | ".join(marked) + picked, WIDTH,
+                               initial_indent="  ", subsequent_indent="      ")
+    lines += ["", "Keys (KEY: TYPE = DEFAULT, then -> the value this command line gives where it differs):"]
+    section = None
+    for key in schema_keys():
+        head = key.key.partition(".")[0] if "." in key.key else ""
+        if head != section:
+            section = head
+            doc = (type(getattr(Config(), head)) if head else Config).__doc__
+            lines += ["", *textwrap.wrap(f"[{head or 'top level'}] " + " ".join(doc.split()), WIDTH)]
+        value = OmegaConf.select(composed, key.key, throw_on_resolution_failure=False)
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value, resolve=True)
+        now = "" if override_text(value) == key.default else f" -> {override_text(value)}"
+        lines.append(f"  {key.key}: {key.type} = {key.default}{now}")
+        lines += textwrap.wrap(key.meaning, WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
+def preset_options(config_sources) -> dict[str, list[str]]:
+    """Each config group's options: the ConfigStore's (a section's dataclass), then the YAML files of every
+    directory on the search path (conf/, and DIR of --config-dir); the sections' groups first."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    options: dict[str, list[str]] = {spec.name: [] for spec in dataclasses.fields(Config)
+                                     if spec.default_factory is not dataclasses.MISSING}
+    for group in options:
+        if group in store.list(""):
+            options[group] += [name.removesuffix(".yaml") for name in store.list(group)]
+    for source in config_sources:
+        if source.schema != "file":
+            continue
+        for directory in sorted(path for path in Path(source.path).iterdir() if path.is_dir()):
+            found = options.setdefault(directory.name, [])
+            found += sorted(path.stem for path in directory.glob("*.yaml") if path.stem not in found)
+    return {group: names for group, names in options.items() if names and group != "hydra"}
 
 
 def composition_error_line(error: BaseException) -> str:
@@ -323,7 +520,13 @@ def composition_error_line(error: BaseException) -> str:
     head = str(error).splitlines()[0]
     if key and key not in message:
         message = f"{key}: {message}"
-    return message if cause is error else f"{head}: {message}"
+    line = message if cause is error else f"{head}: {message}"
+    # A preset that is not there: Hydra lists the group's options on the lines below, one a line.
+    listed = re.search(r"\n(Available options in '[^']+'):\n((?:\t.*\n)+)", str(error))
+    if listed:
+        line += f"; {listed[1][0].lower()}{listed[1][1:]}: {', '.join(listed[2].split())} (presets of your own: " \
+                "--config-dir DIR, with DIR/GROUP/NAME.yaml)"
+    return line
 
 
 def _require_finite(section: str, values) -> None:

@@ -298,16 +298,18 @@ def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train"
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`transformer-prepare key=value ...` (`make prepare`): composes the same Hydra config as training
-    (no run directory is made) and prepares the tokenizer and every split."""
-    from transformer.config import compose
+    """`transformer-prepare key=value ...` (`make prepare`): composes the same Hydra config as training,
+    with the same arguments (--config-dir DIR, --cfg job, --help), makes no run directory, and prepares
+    the tokenizer and every split."""
+    from transformer.config import command_line_config
 
     # The log on stdout (as Hydra's for training), so that stderr holds nothing but an error line.
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    overrides = sys.argv[1:] if argv is None else argv
     try:
-        cfg = compose(overrides)
+        cfg = command_line_config(sys.argv[1:] if argv is None else argv, "transformer-prepare")
+        if cfg is None:          # it printed the help or the composed config
+            return
         sources = {split: open_split(cfg.data, split) for split in ("train", "validation")}
         try:
             sources["test"] = open_split(cfg.data, "test")
@@ -321,6 +323,9 @@ def main(argv: list[str] | None = None) -> None:
         print("interrupted: preparation stopped; what was finished is kept, nothing half-written is left "
               "(run it again to finish)", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:          # `transformer-prepare --help | head`: the reader went away
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())    # or stdout's flush at exit fails again
+        sys.exit(0)
     print(f"prepared {cfg.data.name}: {len(prepared.train)} training pairs, vocabulary "
           f"{prepared.tokenizer.src_vocab_size} pieces, in {Path(cfg.data.cache_dir).resolve()}", flush=True)
 
