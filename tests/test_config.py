@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from tests.conftest import CONF_DIR, compose_config
+from tests.conftest import CONF_DIR, ROOT, compose_config
 from transformer.config import Config, ConfigError
 
 # Each group's default option is its dataclass in Hydra's ConfigStore (transformer/config.py).
@@ -153,3 +153,9 @@ def test_the_readme_key_table_has_one_row_per_schema_key():
         cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]]     # `str \| None` is one cell
         assert cells[0] == f"`{key.key}`" and cells[1].replace("\\|", "|") == key.type and cells[3], row
     assert "| `trainer.resume` | bool \\| str | `false` |" in rows[2 + [k.key for k in keys].index("trainer.resume")]
+
+
+def test_docs_configuration_is_the_generated_key_table():
+    from transformer.config import configuration_markdown
+    text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert text == configuration_markdown(), "regenerate: python -m transformer.config --markdown > docs/configuration.md"

@@ -546,3 +546,26 @@ def _require_finite(section: str, values) -> None:
 def _positive(key: str, value: int | float) -> None:
     if value <= 0:
         raise ConfigError(f"{key}={value} must be > 0")
+
+
+CONFIGURATION_DOC_HEADER = """# Configuration keys
+
+Every key of the one schema (`transformer/config.py`), with its type, default and meaning. Set any of them
+on the command line (`make train key=value`, `transformer-train key=value`, `transformer-prepare key=value`);
+presets (`model=small`, `data=multi30k_de_en`, `recipe=multi30k_long`, ...) change several at once.
+`transformer-train --help` prints the same table for the presets and overrides you give it.
+This file is generated: `.venv/bin/python -m transformer.config --markdown > docs/configuration.md`
+(a test fails when it is out of date).
+"""
+
+
+def configuration_markdown() -> str:
+    """docs/configuration.md: the header and one table row per schema key."""
+    return f"{CONFIGURATION_DOC_HEADER}\n{markdown_key_table()}\n"
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m transformer.config --markdown > docs/configuration.md")
+    sys.stdout.write(configuration_markdown())
