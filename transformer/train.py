@@ -567,9 +567,8 @@ def _better(raw: dict, other: dict) -> dict:
     return {**best, f"bleu_{raw['weights']}": raw["bleu"], f"bleu_{other['weights']}": other["bleu"]}
 
 
-def train(cfg, run_dir: str | Path | None = None, launch: Launch | None = None) -> dict:
-    """Train a model as configured; returns the final metrics. `cfg` is a Config, DictConfig or dict.
-    `launch`: how the run was started (the command line), for the command that continues it."""
+def train(cfg, run_dir: str | Path | None = None) -> dict:
+    """Train a model as configured; returns the final metrics. `cfg` is a Config, DictConfig or dict."""
     if not isinstance(cfg, Config):
         from omegaconf import OmegaConf
         raw = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
@@ -581,10 +580,19 @@ def train(cfg, run_dir: str | Path | None = None, launch: Launch | None = None) 
     try:
         attach_log_file(run_dir, is_main=is_main)
         with log_lines_above_bars():
-            return _train_in(cfg, run_dir, launch)
+            return _train_in(cfg, run_dir, _launch_of_this_process())
     finally:
         if lock:
             lock.release()
+
+
+def _launch_of_this_process() -> Launch | None:
+    """How this process was started, when Hydra started it (the command that continues the run takes
+    the same form); None when `train` is called as a library function."""
+    from hydra.core.hydra_config import HydraConfig
+    if not HydraConfig.initialized():
+        return None
+    return Launch.detect(sys.argv, os.environ, list(HydraConfig.get().overrides.task))
 
 
 def _train_in(cfg: Config, run_dir: Path, launch: Launch | None) -> dict:
@@ -636,8 +644,7 @@ def main() -> None:
         run_dir = cfg.get("run_dir") or hydra_cfg.runtime.output_dir
         in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
         try:
-            launch = Launch.detect(sys.argv, os.environ, list(hydra_cfg.overrides.task))
-            return train(cfg, run_dir, launch)["best_bleu"]
+            return train(cfg, run_dir)["best_bleu"]
         except (ConfigError, DataError, CheckpointError, TrainingError) as error:
             logging.getLogger("transformer").error("%s", error)
             if not in_sweep:
