@@ -225,3 +225,25 @@ def test_on_a_terminal_log_lines_stay_off_the_bar_whose_total_follows_max_minute
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert f"start: resuming from {run_dir}/checkpoints/last.pt (step {final_n})" in done.stdout
+
+
+@pytest.mark.slow
+def test_an_error_after_a_checkpoint_says_how_to_continue(tmp_path, data_cache, monkeypatch):
+    from transformer.train import Trainer, train
+
+    validate, calls = Trainer.validate, []
+
+    def failing_the_second_time(self):
+        calls.append(self.progress.step)
+        if len(calls) == 2:
+            raise RuntimeError("the second validation failed")
+        validate(self)
+
+    monkeypatch.setattr(Trainer, "validate", failing_the_second_time)
+    config = compose_config(FAST + ["trainer.max_steps=20", "trainer.validate_every=5", "trainer.max_minutes=0",
+                                    "trainer.test_at_end=false"], data_cache)
+    with pytest.raises(RuntimeError, match="second validation"):
+        train(config, tmp_path)
+    last = tmp_path.resolve() / "checkpoints" / "last.pt"
+    assert (f"continue from {last}: trainer.resume=true with the run directory {tmp_path}"
+            in (tmp_path / "train.log").read_text())
