@@ -9,6 +9,7 @@ import fcntl
 import logging
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -28,25 +29,43 @@ class TrainingError(RuntimeError):
     pass
 
 
-def starting_point(cfg, ckpt_dir: Path, dist: D.DistInfo) -> tuple[dict | None, dict | None]:
-    """What a run starts from: (a checkpoint to resume, None), (None, a checkpoint whose weights and
-    tokenizer to fine-tune: trainer.init_from), or (None, None) for a new model. On resume, `cfg` takes
-    the checkpoint's values of the keys it fixes (`adopt_resumed_config`)."""
+@dataclasses.dataclass
+class StartingPoint:
+    """What a run starts from: a checkpoint to resume (`resume`), one whose weights and tokenizer to
+    fine-tune (`init`: trainer.init_from), or neither (a new model); `path` names the checkpoint."""
+    resume: dict | None = None
+    init: dict | None = None
+    path: Path | None = None
+
+    def describe(self) -> str:
+        """The start line of the run's banner."""
+        if self.resume is not None:
+            return f"resuming from {self.path} (step {self.resume['step']})"
+        if self.init is not None:
+            return (f"fine-tuning from the weights of {self.path} (step {self.init['step']}, trainer.init_from); "
+                    "optimizer, schedule and step start afresh")
+        return "a new run (fresh weights)"
+
+
+def starting_point(cfg, ckpt_dir: Path, dist: D.DistInfo) -> StartingPoint:
+    """What a run starts from: a checkpoint to resume, one whose weights and tokenizer to fine-tune
+    (trainer.init_from), or nothing (a new model). On resume, `cfg` takes the checkpoint's values of the
+    keys it fixes (`adopt_resumed_config`)."""
     tc = cfg.trainer
     resumed = _resume_checkpoint(tc, ckpt_dir, dist)
     if resumed:
         state, path = resumed
         adopt_resumed_config(cfg, state, path, warn=dist.is_main)
-        return state, None
+        return StartingPoint(resume=state, path=path)
     if not tc.init_from:
-        return None, None
+        return StartingPoint()
     init_state = load_checkpoint(tc.init_from, mmap=True)
     saved = init_state["config"]["data"]
     if (saved["vocab_size"], saved["joint_vocab"]) != (cfg.data.vocab_size, cfg.data.joint_vocab):
         log.warning("trainer.init_from: the model's tokenizer (data.vocab_size=%s, joint_vocab=%s) is kept; "
                     "data.vocab_size=%s, joint_vocab=%s are ignored", saved["vocab_size"], saved["joint_vocab"],
                     cfg.data.vocab_size, cfg.data.joint_vocab)
-    return None, init_state
+    return StartingPoint(init=init_state, path=Path(tc.init_from))
 
 
 # On resume the checkpoint fixes these, whatever the command line says: the model is rebuilt as saved,
@@ -135,9 +154,7 @@ def _resume_checkpoint(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> t
             if tc.overwrite:
                 log.warning("trainer.overwrite=true is ignored: trainer.resume=true continues the run in %s",
                             ckpt_dir)
-            state = load_checkpoint(newest)
-            log.info("resuming from %s (step %d)", newest, state["step"])
-            return state, newest
+            return load_checkpoint(newest), newest
         if not existing:
             log.warning("trainer.resume=true but %s holds no checkpoint: starting a new run", ckpt_dir)
             return None
@@ -308,6 +325,76 @@ def restore_rng_state(rng: dict, device: torch.device) -> None:
     random.setstate((3, tuple(rng["python"]), None))
     if rng.get("cuda") is not None and device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+# Hydra's own flags that take a value (the others, such as --multirun, do not start a single run).
+HYDRA_VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+# Overrides a resume command replaces with its own.
+RESUME_REPLACES = ("trainer.resume", "trainer.overwrite", "hydra.run.dir", "run_dir")
+
+
+@dataclasses.dataclass
+class Launch:
+    """How the run was started, so that the command continuing it takes the same form: `program`
+    (["make", "train"], ["transformer-train"], [python, "-m", "transformer.train"], torchrun ...), the
+    Hydra overrides of this job and Hydra's own flags (--config-dir DIR: `ARGS="..."` under make)."""
+    program: list[str]
+    overrides: list[str]
+    flags: list[str] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def detect(cls, argv: list[str], environ, overrides: list[str]) -> Launch:
+        """From this process: make exports MAKELEVEL to the commands of its recipes (the Makefile runs
+        `python -m transformer.train`, or torchrun for train-ddp, from the directory holding it), torchrun
+        sets LOCAL_WORLD_SIZE, the console script is argv[0]. A Makefile target cannot be told apart
+        from the same command typed under some other make: both read as `make train`."""
+        flags, args = [], iter(argv[1:])
+        for arg in args:
+            if arg.split("=", 1)[0] in HYDRA_VALUE_FLAGS:
+                flags += [arg] if "=" in arg else [arg, next(args, "")]
+        nproc = environ.get("LOCAL_WORLD_SIZE")
+        if "MAKELEVEL" in environ and Path(argv[0]).name == "train.py" and Path("Makefile").is_file():
+            program = ["make", "train-ddp", f"NPROC={nproc}"] if nproc else ["make", "train"]
+        elif nproc:
+            program = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m", "transformer.train"]
+        elif Path(argv[0]).name == "transformer-train":
+            program = ["transformer-train"]
+        else:
+            program = [_python_command(), "-m", "transformer.train"]
+        return cls(program, list(overrides), flags)
+
+    def resume_command(self, run_dir: Path) -> str:
+        """The command continuing the run in `run_dir`: the same overrides, trainer.resume=true and the
+        directory (other values of trainer.resume, trainer.overwrite and the run directory dropped)."""
+        kept = [o for o in self.overrides if o.lstrip("+~").split("=", 1)[0] not in RESUME_REPLACES]
+        args = kept + ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
+        if self.program[0] == "make":
+            flags = [f"ARGS={shlex.join(self.flags)}"] if self.flags else []
+            return shlex.join(self.program + args + flags)
+        return shlex.join(self.program + self.flags + args)
+
+
+def _python_command() -> str:
+    """This interpreter as a user would type it: `python` when that is the one on PATH, else its path
+    (relative to the working directory when inside it, e.g. .venv/bin/python)."""
+    import sys
+    if shutil.which("python") and Path(shutil.which("python")).resolve() == Path(sys.executable).resolve():
+        return "python"
+    try:
+        return str(Path(sys.executable).relative_to(Path.cwd()))
+    except ValueError:
+        return sys.executable
+
+
+def resume_hint(run_dir: Path, launch: Launch | None, reason: str | None = None) -> str:
+    """The log line saying how to continue the run in `run_dir` after it stopped for `reason`: a limit
+    of the run is named, as continuing with the same value stops again at once."""
+    raise_limit = next((f" (raise {key}: it ended this run)" for key in ("trainer.max_steps", "trainer.max_epochs",
+                                                             "trainer.patience") if reason and key in reason), "")
+    last = run_dir / "checkpoints" / "last.pt"
+    if launch is None:
+        return f"continue from {last}{raise_limit}: trainer.resume=true with the run directory {run_dir}"
+    return f"continue from {last}{raise_limit} with: {launch.resume_command(run_dir)}"
 
 
 def install_signal_handlers(trainer) -> dict:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
+from tqdm import tqdm
 
 from transformer.cache import CacheDamage, bytes_record, check_bytes, read_record, sealed, write_failure
 from transformer.data import DataError, SplitSource
@@ -69,17 +70,24 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
 
     The lines are streamed: SentencePiece keeps a uniform random sample of at most `sample` of them
     (its input_sentence_size / shuffle_input_sentence), so its time and memory do not grow with the
-    corpus beyond reading it once.
+    corpus beyond reading it once. On a terminal a bar counts the lines read; a log line says when
+    SentencePiece has them all and trains (which it does without reporting progress).
     """
     model = io.BytesIO()
-    usable, failure = [0], []
+    read, usable, failure = [0], [0], []
 
     def counted():
         try:
-            for line in lines:
-                if line.strip():
-                    usable[0] += 1
-                yield line
+            with tqdm(desc="SentencePiece: reading", unit=" lines", unit_scale=True, disable=None,
+                      leave=False) as bar:
+                for line in lines:
+                    read[0] += 1
+                    if line.strip():
+                        usable[0] += 1
+                    bar.update(1)
+                    yield line
+            log.info("SentencePiece: read %d lines of %s (a sample of at most %d trains it); training",
+                     read[0], where, sample)
         except (DataError, KeyboardInterrupt) as error:   # SentencePiece would wrap it in "INTERNAL: ..."
             failure.append(error)
             raise

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
-from tqdm import tqdm
 
 from transformer import distributed as D
 from transformer.averaging import ExponentialMovingAverage, weights_swapped
@@ -39,12 +38,14 @@ from transformer.data import DataError, load_split_text
 from transformer.model import build_model
 from transformer.progress import Progress
 from transformer.run_state import (
+    Launch,
     RunDirectoryLock,
     TrainingError,
     attach_log_file,
     check_run_directory,
     install_signal_handlers,
     restore_rng_state,
+    resume_hint,
     rng_state,
     starting_point,
 )
@@ -60,7 +61,7 @@ from transformer.setup import (
 )
 from transformer.sweep import job_failed
 from transformer.tokenizer import Tokenizer
-from transformer.train_log import TrainLog
+from transformer.train_log import TrainingBar, TrainLog, log_lines_above_bars
 from transformer.translate import Translator
 from transformer.validate import batch_loss, cross_attention_image, score, validation_loss
 
@@ -71,8 +72,8 @@ OOM_SKIP_LIMIT = 5
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path):
-        self.cfg, self.run_dir = cfg, run_dir
+    def __init__(self, cfg: Config, run_dir: Path, launch: Launch | None = None):
+        self.cfg, self.run_dir, self.launch = cfg, run_dir, launch
         tc = cfg.trainer
         self.device = resolve_device(tc.device, D.DistInfo())
         self.dist = D.init_distributed(self.device.type)
@@ -89,11 +90,12 @@ class Trainer:
         self.checkpoints = CheckpointDirectory(self.ckpt_dir, tc.keep_last, self.dist.is_main)
         self.stop_signal: str | None = None
 
-        resume_state, init_state = starting_point(cfg, self.ckpt_dir, self.dist)
+        start = starting_point(cfg, self.ckpt_dir, self.dist)
+        resume_state, init_state = start.resume, start.init
         torch.manual_seed(tc.seed + self.dist.rank)
         random.seed(tc.seed + self.dist.rank)
-        start = resume_state or init_state
-        tokenizer = Tokenizer.from_state_dict(start["tokenizer"]) if start else None
+        saved = resume_state or init_state
+        tokenizer = Tokenizer.from_state_dict(saved["tokenizer"]) if saved else None
         # Every rank calls this: one prepares under a file lock (no collective is waiting meanwhile),
         # the others then memory-map the same files.
         self.data = prepare(cfg.data, tokenizer)
@@ -102,8 +104,6 @@ class Trainer:
         self.model = build_model(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint).to(self.device)
         if init_state is not None:
             load_model_weights(self.model, init_state["model"], tc.init_from)
-            log.info("initialised the weights from %s (step %d); optimizer, schedule and step start afresh",
-                     tc.init_from, init_state["step"])
         self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device)
         # Validation and the test decode through the same front end as transformer-translate.
         self.translator = Translator(self.model, tok, cfg, self.device, autocast=self.autocast)
@@ -130,6 +130,19 @@ class Trainer:
             self.train_model = torch.compile(self.train_model, dynamic=True)
         self.writer = SummaryWriter(str(self.run_dir / "tb")) if self.dist.is_main else None
         self.log = TrainLog(self.device, self.writer, tc.max_bad_steps)
+        if self.dist.is_main:
+            self._log_banner(start.describe())
+
+    def _log_banner(self, start: str) -> None:
+        """What the run is, at the top of its log: where it writes, how it starts, where and how it runs."""
+        run_dir = self.run_dir.resolve()
+        log.info("run directory %s (train.log, checkpoints/); TensorBoard: %s (tensorboard --logdir %s)",
+                 run_dir, run_dir / "tb", run_dir.parent)
+        log.info("start: %s", start)
+        name = f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" else ""
+        parameters = sum(p.numel() for p in self.model.parameters())
+        log.info("device %s%s | precision %s | world size %d | model %s: %s parameters", self.device, name,
+                 self.precision, self.dist.world_size, self.cfg.model.name, f"{parameters:,}")
 
     def _warn_about_settings_the_run_cannot_honour(self) -> None:
         """Settings the run cannot honour in full, said once: more batches per update than an epoch has
@@ -222,6 +235,7 @@ class Trainer:
             state["model"] = self.ema.model_state(self.model)
         state["weights"] = weights
         self._refuse_non_finite_weights(state)
+        started = time.monotonic()
         try:
             if periodic:
                 self.checkpoints.save_periodic(state, self.progress.step)
@@ -229,6 +243,13 @@ class Trainer:
                 self.checkpoints.save(state, name)
         except CheckpointError as error:
             raise TrainingError(str(error)) from None
+        names = [f"step_{self.progress.step}.pt", "last.pt"] if periodic else [name]
+        self._log_saved(names, weights, time.monotonic() - started)
+
+    def _log_saved(self, names: list[str], weights: str, seconds: float) -> None:
+        if self.dist.is_main:
+            log.info("saved checkpoint %s (step %d%s, %.1f s)", " and ".join(str(self.ckpt_dir / n) for n in names),
+                     self.progress.step, "" if weights == "raw" else f", {weights} weights", seconds)
 
     def _refuse_non_finite_weights(self, state: dict) -> None:
         """Stop before writing a checkpoint whose weights (or their moving average) are not all finite:
@@ -356,8 +377,7 @@ class Trainer:
         """The loop: updates until a stop reason, then a last validation and last.pt; returns the metrics."""
         tc, progress = self.cfg.trainer, self.progress
         started = time.monotonic()
-        bar = tqdm(total=tc.max_steps or None, initial=progress.step, desc="train", unit="step",
-                   disable=None if self.dist.is_main else True, dynamic_ncols=True)
+        bar = TrainingBar(progress.step, tc.max_steps, tc.max_minutes, started, show=self.dist.is_main)
         reason = self._stop_reason(started)
         while reason is None:
             self.updates.start(progress.epoch, progress.position)
@@ -368,7 +388,7 @@ class Trainer:
             else:
                 progress.epoch, progress.position = progress.epoch + 1, 0
                 reason = self._stop_reason(started)
-        bar.close()
+        bar.close(finished=self.stop_signal is None)
         self.log.check_finite(self.precision == "fp16")
         log.info("%s at step %d (epoch %d)", reason, progress.step, progress.epoch)
         # A signal may have reached only some ranks: agree, or they would enter different collectives.
@@ -378,9 +398,8 @@ class Trainer:
         if tc.average_last and not by_signal:
             self.average_last()         # before last.pt, so that its metrics (best score, patience) count it
         self.save("last.pt")            # non-finite updates were skipped: the weights are finite
-        if self.stop_signal:
-            log.info("saved %s; continue with: make train <same overrides> trainer.resume=true hydra.run.dir=%s",
-                     self.ckpt_dir / "last.pt", self.run_dir)
+        if self.dist.is_main:
+            log.info("%s", resume_hint(self.run_dir, self.launch, reason))
         progress.stop_reason = reason
         return progress.metrics()
 
@@ -397,7 +416,7 @@ class Trainer:
         self.oom_in_a_row = 0
         if self.ema:
             self.ema.update(progress.step)
-        bar.update(1)
+        bar.advance(progress.step)
         self.log.add(stats, micro)
         log_step = progress.step % tc.log_every == 0
         if log_step:
@@ -427,8 +446,21 @@ class Trainer:
             except Interrupted:           # a stop signal arrived: skip the rest, the run saves and exits
                 log.warning("validation at step %d interrupted by %s", step, self.stop_signal)
         result = D.broadcast_object(result, self.dist)
-        if result is not None and self.progress.record_validation(result) and math.isfinite(result["loss"]):
+        if self._record_validation(result):
             self.save("best.pt", weights=result["weights"])
+
+    def _record_validation(self, result: dict | None) -> bool:
+        """Record a validation result (None: it was interrupted); True when it is a new best to save,
+        which the log says with the best before it."""
+        progress = self.progress
+        before = (progress.best_bleu, progress.best_step)
+        if result is None or not progress.record_validation(result) or not math.isfinite(result["loss"]):
+            return False
+        if self.dist.is_main:
+            previous = "first validation" if before[1] is None else f"previous best {before[0]:.2f} at step {before[1]}"
+            log.info("new best validation BLEU %.2f at step %d (%s weights; %s)", result["bleu"], progress.step,
+                     result["weights"], previous)
+        return True
 
     def average_last(self) -> None:
         """trainer.average_last, at the end of a run: rank 0 validates the average of the last N
@@ -450,10 +482,11 @@ class Trainer:
                 except Interrupted:
                     log.warning("validation of the %s interrupted by %s", name, self.stop_signal)
         result = D.broadcast_object(result, self.dist)
-        if result is not None and self.progress.record_validation(result) and math.isfinite(result["loss"]):
-            if self.dist.is_main:
-                state.update(weights=result["weights"], metrics=self.progress.metrics())
-                self.checkpoints.save(state, "best.pt")
+        if self._record_validation(result) and self.dist.is_main:
+            state.update(weights=result["weights"], metrics=self.progress.metrics())
+            started = time.monotonic()
+            self.checkpoints.save(state, "best.pt")
+            self._log_saved(["best.pt"], "averaged", time.monotonic() - started)
 
     def _stopping(self) -> bool:
         """Asked between validation batches: a stop signal abandons the validation."""
@@ -546,11 +579,25 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
     lock = RunDirectoryLock.acquire(run_dir) if is_main else None     # one run per directory
     try:
         attach_log_file(run_dir, is_main=is_main)
-        trainer = Trainer(cfg, run_dir)
-    except BaseException:
+        with log_lines_above_bars():
+            return _train_in(cfg, run_dir, _launch_of_this_process())
+    finally:
         if lock:
             lock.release()
-        raise
+
+
+def _launch_of_this_process() -> Launch | None:
+    """How this process was started, when Hydra started it (the command that continues the run takes
+    the same form); None when `train` is called as a library function."""
+    from hydra.core.hydra_config import HydraConfig
+    if not HydraConfig.initialized():
+        return None
+    return Launch.detect(sys.argv, os.environ, list(HydraConfig.get().overrides.task))
+
+
+def _train_in(cfg: Config, run_dir: Path, launch: Launch | None) -> dict:
+    """`train` once the run directory is locked and logged to."""
+    trainer = Trainer(cfg, run_dir, launch)
     handlers = install_signal_handlers(trainer)
     try:
         metrics = trainer.fit()
@@ -560,14 +607,16 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
             if test_scores:
                 metrics.update(test_bleu=test_scores["bleu"], test_chrf=test_scores["chrf"])
         return metrics
+    except BaseException:
+        if trainer.dist.is_main and trainer.progress.stop_reason is None and (trainer.ckpt_dir / "last.pt").is_file():
+            log.info("%s", resume_hint(trainer.run_dir, launch))        # stopped by an error or a second Ctrl-C
+        raise
     finally:
         for sig, previous in handlers.items():
             signal.signal(sig, previous)
         if trainer.writer:
             trainer.writer.close()
         trainer.leave_process_group(clean=False)     # after an error: no barrier
-        if lock:
-            lock.release()
 
 
 def main() -> None:

@@ -1,17 +1,24 @@
-"""The numbers of the training steps between two log lines, and the log line itself.
+"""The numbers of the training steps between two log lines, the log line itself, and the bar.
 
 Each step adds its summed loss and NLL, token counts and whether it was finite to a small tensor on
 the device, so that no step waits for the GPU to report them; they are read back once per log line
 (`write`), which also checks the run of non-finite steps (`trainer.max_bad_steps`).
+
+On a terminal the training bar counts steps towards whichever limit ends the run first (`TrainingBar`),
+and log lines are written above the bars, never onto one (`log_lines_above_bars`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sys
 import time
 
 import torch
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from transformer.run_state import TrainingError
 
@@ -86,3 +93,54 @@ class TrainLog:
                  f" | {numbers['skipped']} non-finite steps skipped" if numbers["skipped"] else "")
         self._start_window()
         return values["tokens_per_s"]
+
+
+class TrainingBar:
+    """The training bar: steps done out of the steps the run will make. That is trainer.max_steps,
+    unless trainer.max_minutes ends the run first: then the steps that fit in the minutes left at the
+    rate measured since `started` (validations included, as for the limit), re-estimated at every step,
+    so that the bar's total and its time left follow the clock. On a terminal only (stderr), rank 0."""
+
+    def __init__(self, step: int, max_steps: int, max_minutes: float, started: float, show: bool = True,
+                 clock=time.monotonic):
+        self.max_steps, self.seconds = max_steps or None, 60.0 * max_minutes
+        self.first_step, self.started, self.clock = step, started, clock
+        desc = f"train ({max_minutes:g} min)" if max_minutes else "train"
+        self.bar = tqdm(total=self.total(step), initial=step, desc=desc, unit="step",
+                        disable=None if show else True, dynamic_ncols=True)
+
+    def total(self, step: int) -> int | None:
+        """The steps the run will have made when it stops, as far as can be told at `step`."""
+        done, elapsed = step - self.first_step, self.clock() - self.started
+        if not self.seconds or done <= 0 or elapsed <= 0:
+            return self.max_steps
+        in_time = step + int(done / elapsed * max(0.0, self.seconds - elapsed))
+        return in_time if self.max_steps is None else min(self.max_steps, in_time)
+
+    def advance(self, step: int) -> None:
+        """One step done (`step` is the run's step count now)."""
+        self.bar.total = self.total(step)
+        self.bar.update(1)
+
+    def set_postfix(self, **values) -> None:
+        self.bar.set_postfix(**values)
+
+    def close(self, finished: bool) -> None:
+        """`finished`: the run reached a limit, so the steps done are all it makes (the bar shows N/N)."""
+        if finished:
+            self.bar.total = self.bar.n
+            self.bar.refresh()
+        self.bar.close()
+
+
+def _is_console(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in (sys.stdout, sys.stderr)
+
+
+def log_lines_above_bars():
+    """While open, log records for the console (stdout/stderr: Hydra's handler) are written through
+    tqdm, which clears the bars, writes the line and draws them again below it: a log line never lands
+    on a bar's line. Without a console handler (train() called as a library) nothing changes."""
+    if any(_is_console(h) for h in logging.getLogger().handlers):
+        return logging_redirect_tqdm()
+    return contextlib.nullcontext()
