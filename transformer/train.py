@@ -664,7 +664,11 @@ def main() -> None:
         job_failed(reason)       # the sweep goes on with the next job; its summary marks this one failed
         return None
 
-    _main()
+    try:
+        _main()
+    except BrokenPipeError:        # `transformer-train --help | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
 
 
 if __name__ == "__main__":
