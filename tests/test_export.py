@@ -165,6 +165,10 @@ def test_export_cli_refuses_bad_requests(trained_checkpoint, tmp_path):
 
 @pytest.fixture(scope="module")
 def untrained_checkpoint(tmp_path_factory):
+    return write_untrained_checkpoint(tmp_path_factory.mktemp("run") / "best.pt")
+
+
+def write_untrained_checkpoint(path):
     """best.pt of an untrained tiny model, with the metrics a run records after one validation."""
     config = compose_config(FAST)
     src, tgt = generate(400, 10, 10)["train"]
@@ -174,7 +178,6 @@ def untrained_checkpoint(tmp_path_factory):
     model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
     metrics = {"val_history": [{"step": 10, "loss": 4.0, "bleu": 12.345, "chrf": 40.5, "weights": "raw"}],
                "best_bleu": 12.345, "best_step": 10}
-    path = tmp_path_factory.mktemp("run") / "best.pt"
     save_checkpoint({"model": model.state_dict(), "config": config.to_dict(), "tokenizer": tokenizer.state_dict(),
                      "step": 10, "metrics": metrics}, path)
     return path
