@@ -1,22 +1,32 @@
-"""transformer-export: the safetensors directory round trip and CTranslate2 against our own decoder."""
+"""transformer-export: the safetensors directory (its files, model card, permissions and round trip) and
+CTranslate2 against our own decoder. The tests marked slow use a trained model."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import yaml
+from safetensors import safe_open
 
-from transformer import Translator
-from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from tests.conftest import FAST, compose_config
+from transformer import Translator, export
+from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
 from transformer.data import load_split_text
 from transformer.export import export_ctranslate2, load_pretrained, save_pretrained
 from transformer.model import build_model
 from transformer.tokenizer import Tokenizer, train_sentencepiece
+from transformer.toy import generate
 
-pytestmark = pytest.mark.slow
+try:
+    import ctranslate2  # noqa: F401
+    FORMATS = ["safetensors", "ctranslate2"]
+except ImportError:                     # the [export] extra is not installed
+    FORMATS = ["safetensors"]
 
 
 def _sources(trained_checkpoint, n=120):
@@ -25,15 +35,18 @@ def _sources(trained_checkpoint, n=120):
     return sources[:n], references[:n]
 
 
-def test_hf_directory_round_trip_translates_identically(trained_checkpoint, tmp_path):
-    out = tmp_path / "hf"
+@pytest.mark.slow
+def test_safetensors_directory_round_trip_translates_identically(trained_checkpoint, tmp_path):
+    out = tmp_path / "exported"
     result = subprocess.run([sys.executable, "-m", "transformer.export", str(trained_checkpoint), str(out),
-                             "--format", "hf"], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "export-manifest.json", "model.safetensors",
-                                                     "spm.model"]
-    assert json.loads((out / "export-manifest.json").read_text()) == {
-        "format": "hf", "files": ["config.json", "export-manifest.json", "model.safetensors", "spm.model"]}
+                             "--format", "safetensors"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    files = ["README.md", "config.json", "export-manifest.json", "model.safetensors", "spm.model"]
+    assert sorted(p.name for p in out.iterdir()) == files
+    assert json.loads((out / "export-manifest.json").read_text()) == {"format": "safetensors", "files": files}
+    card = (out / "README.md").read_text()          # the trained checkpoint's own validation scores
+    last = load_checkpoint(trained_checkpoint)["metrics"]["val_history"][-1]
+    assert f"at step {last['step']}: BLEU {last['bleu']:.2f}, chrF {last['chrf']:.2f}" in card
     meta = json.loads((out / "config.json").read_text())
     assert meta["format"] == "transformer-nmt" and meta["config"]["model"]["d_model"] == 96
     # No pickle anywhere: the weights are plain safetensors, the tied matrix stored once.
@@ -57,10 +70,11 @@ def test_hf_directory_round_trip_translates_identically(trained_checkpoint, tmp_
     assert cli.stdout.splitlines() == original.translate(sources[:5], beam_size=1)
 
     again = subprocess.run([sys.executable, "-m", "transformer.export", str(trained_checkpoint), str(out),
-                            "--format", "hf"], capture_output=True, text=True)
+                            "--format", "safetensors"], capture_output=True, text=True)
     assert again.returncode == 2 and "already exists; pass --force" in again.stderr
 
 
+@pytest.mark.slow
 def test_from_pretrained_refuses_what_it_cannot_read(trained_checkpoint, tmp_path):
     with pytest.raises(CheckpointError, match="is a directory, not a checkpoint file, and holds no config.json"):
         load_pretrained(tmp_path)
@@ -84,6 +98,7 @@ def _ct2_translator(directory):
     return ctranslate2.Translator(str(directory), device="cpu", inter_threads=1, intra_threads=2)
 
 
+@pytest.mark.slow
 def test_ctranslate2_greedy_equals_ours_on_a_trained_model(trained_checkpoint, tmp_path):
     pytest.importorskip("ctranslate2")
     model, tokenizer, config = model_from_checkpoint(load_checkpoint(trained_checkpoint))
@@ -98,6 +113,7 @@ def test_ctranslate2_greedy_equals_ours_on_a_trained_model(trained_checkpoint, t
     assert sum(a == b for a, b in zip(theirs, expected)) >= 0.99 * len(sources)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pre_norm,tied,joint", [(True, True, True), (False, False, True), (True, False, False)])
 def test_ctranslate2_scores_equal_ours_for_each_architecture(pre_norm, tied, joint, trained_checkpoint, tmp_path):
     """Pre- and post-norm, tied or not, joint or separate vocabularies: CTranslate2's forced-decoding
@@ -127,6 +143,7 @@ def test_ctranslate2_scores_equal_ours_for_each_architecture(pre_norm, tied, joi
     assert theirs == pytest.approx(ours, rel=1e-3, abs=1e-2)
 
 
+@pytest.mark.slow
 def test_export_cli_refuses_bad_requests(trained_checkpoint, tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "transformer.export", *map(str, args)],
@@ -142,3 +159,99 @@ def test_export_cli_refuses_bad_requests(trained_checkpoint, tmp_path):
     result = run(tmp_path / "missing.pt", tmp_path / "y", "--format", "hf")
     assert result.returncode == 2 and "missing.pt" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "y").exists()
+
+
+# ----- without training: an untrained tiny model ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def untrained_checkpoint(tmp_path_factory):
+    return write_untrained_checkpoint(tmp_path_factory.mktemp("run") / "best.pt")
+
+
+def write_untrained_checkpoint(path):
+    """best.pt of an untrained tiny model, with the metrics a run records after one validation."""
+    config = compose_config(FAST)
+    src, tgt = generate(400, 10, 10)["train"]
+    tokenizer = Tokenizer(train_sentencepiece(src + tgt, vocab_size=120, model_type="bpe", character_coverage=1.0,
+                                              sample=10_000))
+    torch.manual_seed(0)
+    model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
+    metrics = {"val_history": [{"step": 10, "loss": 4.0, "bleu": 12.345, "chrf": 40.5, "weights": "raw"}],
+               "best_bleu": 12.345, "best_step": 10}
+    save_checkpoint({"model": model.state_dict(), "config": config.to_dict(), "tokenizer": tokenizer.state_dict(),
+                     "step": 10, "metrics": metrics}, path)
+    return path
+
+
+def _export(capsys, checkpoint, out, fmt):
+    code = export.main([str(checkpoint), str(out), "--format", fmt])
+    return code, *capsys.readouterr()
+
+
+def test_safetensors_and_its_old_name_hf_write_the_same_loadable_directory(untrained_checkpoint, tmp_path, capsys):
+    code, stdout, stderr = _export(capsys, untrained_checkpoint, tmp_path / "new", "safetensors")
+    assert code == 0 and stderr == "" and "(safetensors)" in stdout
+    code, stdout, stderr = _export(capsys, untrained_checkpoint, tmp_path / "old", "hf")
+    assert code == 0 and "(safetensors)" in stdout
+    assert stderr.count("\n") == 1 and "--format hf is deprecated" in stderr and "use --format safetensors" in stderr
+    sentences = ["Der Hund läuft.", "Die Katze schläft."]
+    expected = Translator.from_checkpoint(untrained_checkpoint, device="cpu").translate(sentences, beam_size=1,
+                                                                                         max_len_b=8)
+    for name in ("new", "old"):
+        assert json.loads((tmp_path / name / export.MANIFEST_FILE).read_text())["format"] == "safetensors"
+        loaded = Translator.from_pretrained(tmp_path / name, device="cpu")
+        assert loaded.translate(sentences, beam_size=1, max_len_b=8) == expected
+    assert _tree_bytes(tmp_path / "new") == _tree_bytes(tmp_path / "old")
+
+
+def _tree_bytes(directory):
+    """The files of an export; the card names its directory, so it is compared without that name, and
+    safetensors orders its header's metadata differently from one write to the next: the weights by name."""
+    return {p.name: p.read_bytes().replace(directory.name.encode(), b"DIR") if p.suffix != ".safetensors"
+            else sorted(safe_open(p, "pt").keys()) for p in directory.iterdir()}
+
+
+def test_the_export_has_a_model_card(untrained_checkpoint, tmp_path, capsys):
+    out = tmp_path / "de-en-model"
+    assert _export(capsys, untrained_checkpoint, out, "safetensors")[0] == 0
+    card = (out / "README.md").read_text()
+    assert "README.md" in json.loads((out / export.MANIFEST_FILE).read_text())["files"]
+    _, front, body = card.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    assert meta["library_name"] == "transformer-nmt" and meta["language"] == ["de", "en"]
+    assert meta["tags"] == ["translation"] and meta["pipeline_tag"] == "translation" and meta["license"]
+    model, _, _ = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
+    parameters = sum(p.numel() for p in model.parameters())
+    for text in ("Source `de`, target `en`", "toy corpus", "data preset `toy`", f"{parameters:,} parameters",
+                 "2 encoder and 2 decoder layers, d_model 64", "at step 10: BLEU 12.35, chrF 40.50",
+                 'Translator.from_pretrained("de-en-model")', "transformer-translate de-en-model",
+                 "`transformers` cannot load this directory"):
+        assert text in body, text
+
+
+def test_the_model_card_names_a_hub_dataset_and_says_when_there_are_no_scores(untrained_checkpoint):
+    model, tokenizer, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
+    config.data.embedded, config.data.name, config.data.hub_id = False, "wmt14", "wmt/wmt14"
+    config.data.src_lang, config.data.tgt_lang = "no", "en"        # "no" is not YAML's false here
+    card = export.model_card(model, tokenizer, config, "m", {})
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert meta["language"] == ["no", "en"] and meta["datasets"] == ["wmt/wmt14"]
+    assert "https://huggingface.co/datasets/wmt/wmt14" in card and "records no validation scores" in card
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_exported_files_have_the_permissions_of_any_new_file(fmt, umask, untrained_checkpoint, tmp_path, capsys):
+    """safetensors writes through an owner-only temporary file, mkdtemp makes owner-only directories:
+    an export follows the umask as a file created normally does."""
+    old = os.umask(umask)
+    try:
+        (tmp_path / "plain").write_text("x")
+        (tmp_path / "plain-dir").mkdir()
+        assert _export(capsys, untrained_checkpoint, tmp_path / "model", fmt)[0] == 0
+    finally:
+        os.umask(old)
+    file_mode, dir_mode = (tmp_path / "plain").stat().st_mode, (tmp_path / "plain-dir").stat().st_mode
+    assert (tmp_path / "model").stat().st_mode == dir_mode
+    modes = {p.name: oct(p.stat().st_mode) for p in (tmp_path / "model").iterdir()}
+    assert modes == dict.fromkeys(modes, oct(file_mode))

@@ -28,7 +28,7 @@ def test_the_wheel_installs_and_trains_outside_the_checkout(tmp_path):
     # Build from a copy, so that the checkout gets no build/ directory.
     source = tmp_path / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "transformer", source / "transformer", ignore=shutil.ignore_patterns("__pycache__"))
     dist = tmp_path / "dist"

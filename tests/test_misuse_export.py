@@ -33,9 +33,9 @@ from transformer.translate import main as translate_main
 
 try:
     import ctranslate2  # noqa: F401
-    FORMATS = ["hf", "ctranslate2"]
-except ImportError:                     # the [export] extra is not installed: the hf format only
-    FORMATS = ["hf"]
+    FORMATS = ["safetensors", "ctranslate2"]
+except ImportError:                     # the [export] extra is not installed: the safetensors format only
+    FORMATS = ["safetensors"]
 
 
 @pytest.fixture(scope="module")
@@ -124,17 +124,17 @@ def test_reexport_into_an_export_holding_user_files_keeps_them(fmt, checkpoint, 
     assert _export(capsys, checkpoint, out, fmt)[0] == 0
     manifest = json.loads((out / export.MANIFEST_FILE).read_text())
     assert manifest["format"] == fmt and sorted(manifest["files"]) == sorted(p.name for p in out.iterdir())
-    (out / "README.md").write_text("my notes\n")
+    (out / "notes.md").write_text("my notes\n")
     (out / "extra").mkdir()
     (out / "extra" / "data.txt").write_text("keep\n")
     shutil.copy(checkpoint, out / "best.pt")
     before = _tree(out)
     code, _, err = _export(capsys, checkpoint, out, fmt, "--force")
     assert code == 2
-    assert "holds files the previous export did not write (README.md, best.pt, extra)" in _one_line(err)
+    assert "holds files the previous export did not write (best.pt, extra, notes.md)" in _one_line(err)
     assert _tree(out) == before
 
-    for name in ("README.md", "best.pt"):
+    for name in ("notes.md", "best.pt"):
         (out / name).unlink()
     shutil.rmtree(out / "extra")
     (out / "config.json").write_text("edited\n")       # an export's own file, edited: replaced with --force
@@ -147,10 +147,12 @@ def test_reexport_into_an_export_holding_user_files_keeps_them(fmt, checkpoint, 
 def test_force_replaces_an_hf_export_from_before_manifests(checkpoint, tmp_path, capsys):
     out = tmp_path / "model"
     assert _export(capsys, checkpoint, out, "hf")[0] == 0
-    (out / export.MANIFEST_FILE).unlink()              # as exports were written before the manifest
+    for name in (export.MANIFEST_FILE, export.CARD_FILE):    # as exports were written before the manifest
+        (out / name).unlink()
     assert _export(capsys, checkpoint, out, "hf", "--force")[0] == 0
     assert (out / export.MANIFEST_FILE).is_file()
-    (out / export.MANIFEST_FILE).unlink()
+    for name in (export.MANIFEST_FILE, export.CARD_FILE):
+        (out / name).unlink()
     (out / "notes.txt").write_text("mine\n")
     code, _, err = _export(capsys, checkpoint, out, "hf", "--force")
     assert code == 2 and "(notes.txt)" in _one_line(err) and (out / "notes.txt").read_text() == "mine\n"
@@ -194,7 +196,7 @@ def test_a_failed_write_says_what_failed_and_keeps_the_previous_export(fmt, fail
         except OSError as error:
             raise RuntimeError("write failed") from error
 
-    if fmt == "hf":
+    if fmt == "safetensors":
         import safetensors.torch
         monkeypatch.setattr(safetensors.torch, "save_model", fail)
     else:

@@ -27,9 +27,13 @@ def pa_types():
     return pyarrow.types
 
 
-def _datasets():
-    """HuggingFace `datasets`, imported on first use: translating needs none of it and starts faster."""
-    import datasets
+def _datasets(source: str):
+    """HuggingFace `datasets`, imported on first use: translating, and training on plain-text or TSV
+    files, need none of it (nor pyarrow): it is the [data] extra. `source` names what needs it."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{source}: needs pip install 'transformer[data]' (HuggingFace datasets reads it)") from None
     datasets.logging.set_verbosity_error()
     return datasets
 
@@ -351,8 +355,9 @@ def _open_local(cfg: DataConfig, split: str) -> SplitSource:
         if file.suffix == ".tsv":
             return TsvFile(file)
         builder = "parquet" if file.suffix == ".parquet" else "json"
+        datasets = _datasets(str(file))
         try:
-            table = _datasets().load_dataset(builder, data_files=str(file), split="train")
+            table = datasets.load_dataset(builder, data_files=str(file), split="train")
         except Exception as error:  # datasets raises many types for malformed files
             raise DataError(f"{file}: cannot be read as {builder}: {error}") from None
         return ArrowTable(table, cfg, str(file))
@@ -363,8 +368,9 @@ def _open_local(cfg: DataConfig, split: str) -> SplitSource:
 
 
 def _open_hub(cfg: DataConfig, split: str) -> SplitSource:
+    datasets = _datasets(f"data.hub_id={cfg.hub_id}")
     try:
-        table = _datasets().load_dataset(cfg.hub_id, cfg.hub_config, split=split)
+        table = datasets.load_dataset(cfg.hub_id, cfg.hub_config, split=split)
     except Exception as error:  # offline, unknown id, unknown split: all surface as different types
         raise DataError(
             f"data.hub_id={cfg.hub_id}: cannot load split {split!r} from the HuggingFace hub "

@@ -1,13 +1,19 @@
-"""Models that leave the repository: `transformer-export CKPT --format ctranslate2|hf OUT`.
+"""Models that leave the repository: `transformer-export CKPT --format safetensors|ctranslate2 OUT`.
 
-`--format hf` writes a shareable directory with no pickle in it, which `Translator.from_pretrained`
-loads (from disk, or from the HuggingFace Hub after `huggingface-cli upload`):
+`--format safetensors` writes a shareable directory with no pickle in it, which
+`Translator.from_pretrained` loads (from disk, or from the HuggingFace Hub after `huggingface-cli upload`).
+It is this package's format, not a `transformers` model (our architecture is no `transformers` model
+class): `--format hf`, its old name, still works and says so once.
 
     model.safetensors    the weights (a tied matrix stored once)
     config.json          the training config (model shape, languages, decoding defaults) and the format version
     spm.model            the joint SentencePiece model, or src.spm.model and tgt.spm.model
+    README.md            the model card: languages, training data, shape, validation scores, how to load it
     export-manifest.json the names of the files the export wrote (both formats): `--force` replaces a
                          directory only when it holds these files and nothing else
+
+Every exported file gets the permissions of a file created normally under the umask (safetensors writes
+through an owner-only temporary file).
 
 `--format ctranslate2` writes a CTranslate2 model directory (through `ctranslate2.specs`) with the
 SentencePiece model(s) beside it. CTranslate2 (`pip install 'transformer[export]'`) is imported
@@ -42,6 +48,9 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "export-manifest.json"
+CARD_FILE = "README.md"
+FORMATS = ("safetensors", "ctranslate2")
+DEPRECATED_FORMATS = {"hf": "safetensors"}      # --format hf: the safetensors directory's first name
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
                  "float32")
 
@@ -124,8 +133,11 @@ def _write_model_directory(out: str | Path, overwrite: bool, tokenizer: Tokenize
             for name, data in tokenizer_files(tokenizer).items():
                 (built / name).write_bytes(data)
             files = sorted([entry.name for entry in built.iterdir()] + [MANIFEST_FILE])
-            (built / MANIFEST_FILE).write_text(json.dumps({"format": export_format, "files": files}, indent=2) + "\n",
-                                               encoding="utf-8")
+            manifest = built / MANIFEST_FILE
+            manifest.write_text(json.dumps({"format": export_format, "files": files}, indent=2) + "\n",
+                                encoding="utf-8")
+            for entry in built.iterdir():           # as the manifest: the umask's, not a writer's own
+                shutil.copymode(manifest, entry)
         except (OSError, RuntimeError) as error:    # a full disk; CTranslate2 and safetensors wrap theirs
             raise CheckpointError(f"{out}: cannot write the export: {_failure_reason(error)}") from None
         previous = staging / "previous"
@@ -159,11 +171,15 @@ def _failure_reason(error: BaseException) -> str:
 # ----- the shareable safetensors directory ---------------------------------------------------------
 
 def save_pretrained(model: Transformer, tokenizer: Tokenizer, config: Config, out: str | Path,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, trained: dict | None = None) -> Path:
+    """The safetensors directory (the module's docstring). `trained`: the checkpoint's `step` and
+    `metrics`, for the model card."""
     from safetensors import SafetensorError
     from safetensors.torch import save_model
 
     _refuse_non_finite(model, "the model")
+    card = model_card(model, tokenizer, config, Path(out).resolve().name, trained or {})
+
     def build(directory: Path) -> None:
         directory.mkdir()
         try:
@@ -173,8 +189,112 @@ def save_pretrained(model: Transformer, tokenizer: Tokenizer, config: Config, ou
         meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tokenizer": sorted(tokenizer_files(tokenizer)),
                 "config": config.to_dict()}
         (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        (directory / CARD_FILE).write_text(card, encoding="utf-8")
 
-    return _write_model_directory(out, overwrite, tokenizer, build, "hf")
+    return _write_model_directory(out, overwrite, tokenizer, build, "safetensors")
+
+
+def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: str, trained: dict) -> str:
+    """README.md of the safetensors directory `name`: HuggingFace Hub metadata (YAML front matter), then
+    the languages, the training data, the model's shape, the checkpoint's validation scores and how to
+    load it. `trained`: the checkpoint's `step` and `metrics` (either may be missing)."""
+    data, shape = config.data, config.model
+    src, tgt = data.src_lang, data.tgt_lang
+    front = ["---", f"library_name: {FORMAT_NAME}", "language:", f"- {json.dumps(src)}", f"- {json.dumps(tgt)}",
+             "tags:", "- translation", "pipeline_tag: translation", "license: other"]
+    if data.hub_id:
+        front += ["datasets:", f"- {json.dumps(data.hub_id)}"]
+    parameters = sum(p.numel() for p in model.parameters())        # a tied matrix counts once
+    vocabulary = (f"one joint SentencePiece {data.tokenizer_type} vocabulary of {tokenizer.src_vocab_size} pieces"
+                  if tokenizer.joint else f"SentencePiece {data.tokenizer_type} vocabularies of "
+                  f"{tokenizer.src_vocab_size} ({src}) and {tokenizer.tgt_vocab_size} ({tgt}) pieces")
+    lines = [*front, "---", "",
+             f"# {name}: {src} → {tgt} translation",
+             "",
+             f"A Transformer encoder-decoder (Vaswani et al., 2017) trained with `{FORMAT_NAME}` (the Python "
+             "package `transformer`). This directory is that package's safetensors format: weights "
+             f"(`{WEIGHTS_FILE}`), training config (`{CONFIG_FILE}`) and SentencePiece model(s).",
+             "",
+             "## Languages",
+             "",
+             f"Source `{src}`, target `{tgt}`.",
+             "",
+             "## Training data",
+             "",
+             f"{_data_source(data)} (data preset `{data.name}`); splits: train `{data.split_name(data.train_split)}`, "
+             f"validation `{data.split_name(data.valid_split)}`, test `{data.split_name(data.test_split)}`. "
+             f"Training pairs longer than {data.max_len} tokens on either side were left out.",
+             "",
+             "## Model",
+             "",
+             f"- {parameters:,} parameters{' (embeddings tied)' if shape.tie_embeddings else ''}",
+             f"- {shape.encoder_layers} encoder and {shape.decoder_layers} decoder layers, d_model {shape.d_model}, "
+             f"{shape.n_heads} attention heads, feed-forward {shape.d_ff}, "
+             f"{'pre' if shape.pre_norm else 'post'}-norm, at most {shape.max_positions} positions",
+             f"- {vocabulary}",
+             "",
+             "## Evaluation",
+             "",
+             "\n\n".join(_evaluation(config, trained)),
+             "",
+             "## How to load it",
+             "",
+             "```python",
+             "from transformer import Translator",
+             "",
+             f'translator = Translator.from_pretrained("{name}")    # this directory, or its Hub id owner/name',
+             'print(translator.translate(["..."]))',
+             "```",
+             "",
+             "From the command line, one translation per input line:",
+             "",
+             "```sh",
+             f"transformer-translate {name} < input.{src} > output.{tgt}",
+             "```",
+             "",
+             "HuggingFace `transformers` cannot load this directory: the architecture is not a `transformers` "
+             f"model class; load it with the `{FORMAT_NAME}` package as above.",
+             "",
+             "## License",
+             "",
+             "The terms of the training data apply to the model; set `license` above before publishing it.",
+             ""]
+    return "\n".join(lines)
+
+
+def _data_source(data) -> str:
+    if data.path:
+        return f"Local files in `{data.path}`"
+    if data.hub_id:
+        which = f", configuration `{data.hub_config}`" if data.hub_config else ""
+        return f"The HuggingFace Hub dataset [`{data.hub_id}`](https://huggingface.co/datasets/{data.hub_id}){which}"
+    return f"The generated toy corpus of `transformer/toy.py`, {data.embedded_pairs:,} training pairs"
+
+
+def _evaluation(config: Config, trained: dict) -> list[str]:
+    """The card's scores: those the checkpoint records, said for what they are."""
+    metrics = trained.get("metrics") if isinstance(trained.get("metrics"), dict) else {}
+    history = [v for v in metrics.get("val_history") or [] if isinstance(v, dict) and "bleu" in v]
+    step = trained.get("step")
+    lines = []
+    if history:
+        last = history[-1]
+        tc = config.trainer
+        sample = f"its first {tc.val_max_sentences} sentences" if tc.val_max_sentences else "all of it"
+        lines.append(f"On the validation split (`{config.data.split_name(config.data.valid_split)}`, {sample}, "
+                     f"beam {tc.val_beam_size}), at step {last.get('step')}: BLEU {last['bleu']:.2f}, "
+                     f"chrF {last.get('chrf', float('nan')):.2f} (sacreBLEU, hypotheses and references in NFC).")
+        if step is not None and step != last.get("step"):
+            lines.append(f"The exported weights are those of step {step}.")
+    for key, label in (("bleu_signature", "BLEU signature"), ("chrf_signature", "chrF signature")):
+        if metrics.get(key):
+            lines.append(f"{label}: `{metrics[key]}`")
+    if "test_bleu" in metrics:
+        lines.append(f"Test split: BLEU {metrics['test_bleu']:.2f}, chrF {metrics.get('test_chrf', float('nan')):.2f}.")
+    if "averaged_from" in metrics:
+        lines.append(f"The weights are the average of {len(metrics['averaged_from'])} checkpoints; the scores "
+                     "above are those the last of them recorded.")
+    return lines or ["The checkpoint records no validation scores (`transformer-evaluate` scores a checkpoint)."]
 
 
 def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
@@ -193,7 +313,7 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
         found = sorted(folder.glob("*.pt")) + sorted(folder.glob("checkpoints/*.pt"))
         hint = f"; did you mean {next((p for p in found if p.name == 'best.pt'), found[0])}?" if found else ""
         raise CheckpointError(f"{folder}: is a directory, not a checkpoint file, and holds no {CONFIG_FILE} of "
-                              f"an exported model (transformer-export --format hf){hint}") from None
+                              f"an exported model (transformer-export --format safetensors){hint}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{config_path}: not valid JSON ({error})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
@@ -348,21 +468,25 @@ def main(argv: list[str] | None = None) -> int:
         description="Write a checkpoint as a CTranslate2 model or as a shareable safetensors directory.")
     parser.add_argument("checkpoint", help="a .pt checkpoint written by training (best.pt, avg.pt, ...)")
     parser.add_argument("output", help="the directory to write")
-    parser.add_argument("--format", required=True, choices=["ctranslate2", "hf"],
-                        help="ctranslate2: for the CTranslate2 engine; hf: model.safetensors + config.json + "
-                        "SentencePiece, loaded by Translator.from_pretrained")
+    parser.add_argument("--format", required=True, choices=[*FORMATS, *DEPRECATED_FORMATS],
+                        help="safetensors: model.safetensors + config.json + SentencePiece + a model card "
+                        "(README.md), loaded by Translator.from_pretrained and transformer-translate (not by "
+                        "HuggingFace transformers; hf is its old name); ctranslate2: for the CTranslate2 engine")
     parser.add_argument("--quantization", choices=QUANTIZATIONS,
                         help="with --format ctranslate2: weight type (default: float32 as trained)")
     parser.add_argument("--force", action="store_true",
                         help="replace a previous export in the output directory (refused if it holds anything else)")
     args = parser.parse_args(argv)
-    if args.quantization and args.format != "ctranslate2":
+    requested, export_format = args.format, DEPRECATED_FORMATS.get(args.format, args.format)
+    if args.quantization and export_format != "ctranslate2":
         parser.error("--quantization applies to --format ctranslate2 only")
     try:
         check_output_directory(Path(args.output).resolve(), args.force)     # before reading the checkpoint
-        model, tokenizer, config = model_from_checkpoint(load_checkpoint(args.checkpoint), args.checkpoint)
-        if args.format == "hf":
-            out = save_pretrained(model, tokenizer, config, args.output, overwrite=args.force)
+        state = load_checkpoint(args.checkpoint)
+        model, tokenizer, config = model_from_checkpoint(state, args.checkpoint)
+        if export_format == "safetensors":
+            trained = {"step": state.get("step"), "metrics": state.get("metrics")}
+            out = save_pretrained(model, tokenizer, config, args.output, overwrite=args.force, trained=trained)
         else:
             out = export_ctranslate2(model, tokenizer, args.output, args.quantization, overwrite=args.force)
     except (CheckpointError, FileExistsError, ValueError) as error:
@@ -374,7 +498,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:         # the staging directory is removed, a previous export kept
         print("transformer-export: interrupted; nothing was exported", file=sys.stderr)
         return 130
-    print(f"wrote {out} ({args.format}{', ' + args.quantization if args.quantization else ''})")
+    if requested != export_format:
+        print(f"transformer-export: warning: --format {requested} is deprecated (the directory is this package's "
+              f"format, not a HuggingFace transformers model): use --format {export_format}, which writes the same "
+              "files", file=sys.stderr)
+    print(f"wrote {out} ({export_format}{', ' + args.quantization if args.quantization else ''})")
     return 0
 
 

@@ -62,7 +62,7 @@ class Translator:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
-        """A directory written by `transformer-export --format hf`, or a HuggingFace Hub id holding one
+        """A directory written by `transformer-export --format safetensors`, or a HuggingFace Hub id holding one
         (`owner/name`, downloaded and cached by huggingface_hub)."""
         from transformer.export import load_pretrained
 
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="transformer-translate",
         description="Translate text with a trained checkpoint: one output line per input line.")
     parser.add_argument("checkpoint", help="a .pt checkpoint written by training (best.pt, last.pt, ...), or a "
-                        "directory (or HuggingFace Hub id) written by transformer-export --format hf")
+                        "directory (or HuggingFace Hub id) written by transformer-export --format safetensors")
     parser.add_argument("--input", "-i", help="source text file (default: stdin)")
     parser.add_argument("--output", "-o", help="where to write translations (default: stdout)")
     parser.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: the checkpoint's decode "

@@ -1,0 +1,138 @@
+"""The package as pip sees it: every third-party import declared in pyproject.toml, and a translating
+install that needs no data stack (datasets, pyarrow, pandas: the [data] extra)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_export import write_untrained_checkpoint
+from transformer.config import DataConfig
+from transformer.data import DataError, open_split
+
+try:
+    import tomllib
+except ModuleNotFoundError:             # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+DATA_STACK = ("datasets", "pyarrow", "pandas")
+# import name -> distribution name, where they differ
+DISTRIBUTIONS = {"yaml": "pyyaml", "hydra": "hydra-core"}
+# imported through another package: tensorboard by torch.utils.tensorboard
+IMPORTED_INDIRECTLY = {"tensorboard"}
+
+
+def _third_party_imports(folder) -> set[str]:
+    names = set()
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names.add(node.module.split(".")[0])
+    local = {p.stem for p in folder.glob("*.py")} | {"transformer"}
+    return {n for n in names - local if n not in sys.stdlib_module_names}
+
+
+def _distribution(requirement: str) -> str:
+    """`hydra-core>=1.3.2,<1.4` -> `hydra-core`; names normalized as pip does (huggingface_hub == huggingface-hub)."""
+    name = requirement.split(";")[0]
+    for mark in "<>=!~[ ":
+        name = name.split(mark)[0]
+    return name.strip().lower().replace("_", "-")
+
+
+def _declared() -> tuple[set[str], dict[str, set[str]]]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = {extra: {_distribution(r) for r in requirements}
+              for extra, requirements in project["optional-dependencies"].items()}
+    return {_distribution(r) for r in project["dependencies"]} | IMPORTED_INDIRECTLY, extras
+
+
+@pytest.mark.parametrize("folder,allowed_extras", [("transformer", ("data", "export")), ("scripts", ("export", "dev"))])
+def test_every_third_party_import_is_declared(folder, allowed_extras):
+    dependencies, extras = _declared()
+    declared = dependencies.union(*(extras[e] for e in allowed_extras))
+    imported = {DISTRIBUTIONS.get(n, n).lower().replace("_", "-") for n in _third_party_imports(ROOT / folder)}
+    assert imported, "found no imports"
+    assert imported <= declared, f"imported by {folder}/ but not declared: {sorted(imported - declared)}"
+
+
+def test_the_data_stack_is_an_extra_that_make_install_includes():
+    dependencies, extras = _declared()
+    assert not dependencies & set(DATA_STACK)
+    assert {"datasets", "pyarrow"} <= extras["data"]
+    assert "transformer" in extras["dev"]           # `make install` is pip install -e '.[dev]'
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    assert any(r.replace(" ", "").startswith("transformer[") and "data" in r for r in dev)
+
+
+def _loaded_data_stack(code: str) -> list[str]:
+    """The data-stack modules loaded after running `code` (one blocked by WITHOUT_DATA_STACK is None: not loaded)."""
+    probe = (f"{code}\nimport sys, json\nprint(json.dumps(sorted(name for name, module in sys.modules.items() "
+             f"if name.split('.')[0] in {DATA_STACK!r} and module is not None)))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_importing_the_commands_loads_no_data_stack():
+    assert _loaded_data_stack("import transformer.translate, transformer.export, transformer.evaluate, "
+                              "transformer.corpus, transformer.train") == []
+
+
+# Run with the data stack made unimportable, as in an install without the [data] extra.
+WITHOUT_DATA_STACK = f"import sys\nfor name in {DATA_STACK!r}:\n    sys.modules[name] = None\n"
+
+
+def test_translating_and_exporting_need_no_data_stack(tmp_path):
+    checkpoint = write_untrained_checkpoint(tmp_path / "best.pt")
+    source = tmp_path / "in.txt"
+    source.write_text("Der Hund.\nDie Katze.\n")
+    out = tmp_path / "exported"
+    code = WITHOUT_DATA_STACK + f"""
+from transformer import Translator
+from transformer.export import main as export
+from transformer.translate import main as translate
+assert len(Translator.from_checkpoint({str(checkpoint)!r}).translate(["Der Hund."], beam_size=2, max_len_b=5)) == 1
+assert export([{str(checkpoint)!r}, {str(out)!r}, "--format", "safetensors"]) == 0
+assert len(Translator.from_pretrained({str(out)!r}).translate(["Der Hund."], beam_size=1, max_len_b=5)) == 1
+for model in ({str(checkpoint)!r}, {str(out)!r}):
+    assert translate([model, "--input", {str(source)!r}, "--output", {str(tmp_path / "out.txt")!r},
+                      "--max-len-b", "5"]) in (0, None)
+"""
+    assert _loaded_data_stack(code) == []
+    assert len((tmp_path / "out.txt").read_text().splitlines()) == 2
+
+
+def test_preparing_a_plain_text_corpus_needs_no_data_stack(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for split, n in (("train", 300), ("validation", 20), ("test", 20)):
+        (corpus / f"{split}.de").write_text("".join(f"Satz Nummer {i} hier.\n" for i in range(n)))
+        (corpus / f"{split}.en").write_text("".join(f"Sentence number {i} here.\n" for i in range(n)))
+    code = WITHOUT_DATA_STACK + f"""
+from transformer.corpus import main
+main(["data=custom", "data.path={corpus}", "data.vocab_size=60", "data.cache_dir={tmp_path / 'cache'}"])
+"""
+    assert _loaded_data_stack(code) == []
+    assert (tmp_path / "cache" / "corpus").is_dir()
+
+
+@pytest.mark.parametrize("source", ["hub", "parquet", "jsonl"])
+def test_a_source_that_needs_the_data_extra_says_so_in_one_line(source, tmp_path, monkeypatch):
+    for name in DATA_STACK:
+        monkeypatch.setitem(sys.modules, name, None)          # `import datasets` raises ImportError
+    if source == "hub":
+        cfg, where = DataConfig(name="wmt", hub_id="wmt/wmt14"), "data.hub_id=wmt/wmt14"
+    else:
+        (tmp_path / f"train.{source}").write_text("")
+        cfg, where = DataConfig(name="mine", path=str(tmp_path)), str(tmp_path / f"train.{source}")
+    with pytest.raises(DataError) as caught:
+        open_split(cfg, "train")
+    assert str(caught.value) == f"{where}: needs pip install 'transformer[data]' (HuggingFace datasets reads it)"
