@@ -37,13 +37,13 @@ SAMPLES = 4                              # validation sentences shown as text
 HPARAM_METRICS = ("val/best_bleu", "test/bleu", "test/chrf")
 
 
-def hyperparameters(cfg) -> dict:
-    """The settings that tell runs apart, as the HParams tab's columns."""
+def hyperparameters(cfg, precision: str) -> dict:
+    """The settings that tell runs apart, as the HParams tab's columns (`precision`: the one in use)."""
     m, t, d = cfg.model, cfg.trainer, cfg.data
     return {"data": d.name, "model": m.name, "d_model": m.d_model, "n_heads": m.n_heads, "d_ff": m.d_ff,
             "encoder_layers": m.encoder_layers, "decoder_layers": m.decoder_layers, "dropout": m.dropout,
             "lr": t.lr, "warmup": t.warmup, "schedule": t.schedule, "max_tokens": t.max_tokens,
-            "update_freq": t.update_freq, "label_smoothing": t.label_smoothing, "precision": t.precision,
+            "update_freq": t.update_freq, "label_smoothing": t.label_smoothing, "precision": precision,
             "ema_decay": t.ema_decay, "seed": t.seed}
 
 
@@ -124,14 +124,14 @@ class Monitor:
     def __bool__(self) -> bool:
         return self.writer is not None
 
-    def start(self, cfg) -> None:
+    def start(self, cfg, precision: str) -> None:
         """The config as text, the HParams entry (its metrics come in `finish`), the one-chart layouts."""
         if not self:
             return
         from torch.utils.tensorboard.summary import hparams
 
         self.writer.add_text("config", config_markdown(cfg))
-        experiment, session_start, self._session_end = hparams(hyperparameters(cfg), dict.fromkeys(HPARAM_METRICS, 0))
+        experiment, session_start, self._session_end = hparams(hyperparameters(cfg, precision), dict.fromkeys(HPARAM_METRICS, 0))
         for summary in (experiment, session_start):
             self.writer.file_writer.add_summary(summary)
         weights = ("valid", "valid_ema", "valid_average")

@@ -132,7 +132,7 @@ class Trainer:
         self.log = TrainLog(self.device, self.monitor, tc.max_bad_steps)
         if self.dist.is_main:
             self._log_banner(start.describe())
-            self.monitor.start(cfg)
+            self.monitor.start(cfg, self.precision)
         # The validation sentences whose cross-attention TensorBoard draws at every validation.
         self.attention_sentences = attention_sentences(
             self.translator.encode_sources(self._validation_text()[0])) if self.dist.is_main else []
