@@ -210,7 +210,7 @@ def bench_trainer(overrides: list[str], device, args) -> list[dict]:
                     rows.append(_time_trainer(trainer, cfg, device, args.trainer_steps, precision, compiled))
                 finally:
                     trainer.leave_process_group(clean=True)
-                    trainer.writer.close()
+                    trainer.monitor.close()
     return rows
 
 

@@ -110,7 +110,7 @@ def test_a_training_step_never_waits_for_the_gpu(precision, tmp_path, data_cache
         assert numbers["skipped"] == 0 and numbers["finite_tokens"] > 0
     finally:
         trainer.leave_process_group(clean=True)
-        trainer.writer.close()
+        trainer.monitor.close()
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "matmul"])

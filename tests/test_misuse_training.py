@@ -287,7 +287,7 @@ def test_a_sweep_job_failing_with_any_error_is_a_failed_row_and_the_summary_prin
         ("0", "failed", "", "RuntimeError: unexpected failure of seed 1"), ("1", "ok", "12.00", "")]
     summary = proc.stdout[proc.stdout.index("sweep summary"):]
     assert "job 0 failed: RuntimeError: unexpected failure of seed 1" in summary and "1 of 2 jobs failed" in summary
-    assert "Traceback" in (tmp_path / "job0" / "train.log").read_text()       # for whoever debugs it
+    assert "Traceback" in (tmp_path / "0_trainer.seed=1" / "train.log").read_text()   # for whoever debugs it
 
 
 def test_a_sweep_whose_every_job_failed_exits_2_with_one_line(tmp_path):

@@ -314,7 +314,7 @@ def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
         assert 0 < numbers["nll_sum"] / tokens < numbers["loss_sum"] / tokens < 10
     finally:
         trainer.leave_process_group(clean=True)
-        trainer.writer.close()
+        trainer.monitor.close()
 
 
 def test_progress_keeps_the_best_score_and_the_patience_count_and_resumes_them():
@@ -337,7 +337,7 @@ def test_the_train_log_sums_finite_steps_on_the_device_and_stops_on_a_run_of_bad
 
     from transformer.run_state import TrainingError
     from transformer.train_log import TrainLog
-    log = TrainLog(torch.device("cpu"), writer=None, max_bad_steps=3)
+    log = TrainLog(torch.device("cpu"), monitor=None, max_bad_steps=3)
     micro = [(SimpleNamespace(padding_share=0.1), 1)]
 
     def step(loss, tokens):

@@ -21,10 +21,11 @@ def test_a_sweep_survives_a_failing_job_and_summarises_by_validation_bleu(tmp_pa
     rows = read_summary(sweep_dir / "summary.tsv")
     assert [(r["job"], r["status"]) for r in rows] == [("0", "failed"), ("1", "ok"), ("2", "ok")]
     assert [r["overrides"].split()[-1] for r in rows] == ["trainer.lr=-1", "trainer.lr=0.001", "trainer.lr=0.003"]
-    for row in rows[1:]:             # each job ran in its own directory and its BLEU is the best it validated
-        assert row["run_dir"] == str(sweep_dir / f"job{row['job']}")
-        assert float(row["best_val_bleu"]) >= 0 and (sweep_dir / f"job{row['job']}" / "checkpoints" / "best.pt").is_file()
-    assert "trainer.lr=-1.0 must be > 0" in (sweep_dir / "job0" / "train.log").read_text()
+    for row in rows[1:]:             # each job ran in its own directory, named by its swept value; its BLEU is the best
+        job_dir = sweep_dir / f"{row['job']}_{row['overrides'].split()[-1]}"      # it validated
+        assert row["run_dir"] == str(job_dir)
+        assert float(row["best_val_bleu"]) >= 0 and (job_dir / "checkpoints" / "best.pt").is_file()
+    assert "trainer.lr=-1.0 must be > 0" in (sweep_dir / "0_trainer.lr=-1" / "train.log").read_text()
     printed = proc.stdout[proc.stdout.index("sweep summary"):]
     assert "1 of 3 jobs failed" in printed and printed.index("trainer.lr=0.00") < printed.index("trainer.lr=-1")
 

@@ -1,6 +1,8 @@
 """Sweeps: `make sweep trainer.lr=1e-3,5e-4` (Hydra's --multirun) runs one training job per setting.
 
-Every job trains in its own directory under runs/sweeps/...; this Hydra callback (named in
+Every job trains in its own directory under runs/sweeps/..., named by its number and the values it
+was given of the swept keys (`3_trainer.lr=0.001,model.dropout=0.3`: `job_name`, conf/config.yaml's
+hydra.sweep.subdir), so that TensorBoard's run list says which run is which. This Hydra callback (named in
 conf/config.yaml) appends a row per finished job to the sweep directory's `summary.tsv` and prints
 the table, best validation BLEU first, when the sweep ends. A job that fails, whatever the error, is
 recorded as failed with its one-line reason (the traceback of an unexpected error goes to its
@@ -17,7 +19,7 @@ from pathlib import Path
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,30 @@ COLUMNS = ("job", "overrides", "status", "best_val_bleu", "run_dir", "error")
 # Why the job running in this process failed: set by the training job (`job_failed`), read when it ends.
 # A module variable, not the job's return value: that is the best BLEU a sweeper such as Optuna reads.
 _failure: str | None = None
+
+
+# The keys the running sweep varies (`trainer.lr` of `trainer.lr=1e-3,5e-4`): set when it starts.
+_swept_keys: set[str] | None = None
+# Longest job directory name (file systems allow 255 bytes).
+MAX_JOB_NAME = 120
+
+
+def swept_keys(overrides: list[str]) -> set[str]:
+    """The keys of a sweep's command-line overrides that take several values."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return {o.key_or_group for o in OverridesParser.create().parse_overrides(list(overrides)) if o.is_sweep_override()}
+
+
+def job_name(number: int, overrides) -> str:
+    """A sweep job's directory: its number, then its values of the swept keys (of all its overrides when
+    those are unknown: another launcher's process), `/` made `_`, cut to MAX_JOB_NAME characters."""
+    settings = [o for o in overrides if _swept_keys is None or o.split("=", 1)[0].lstrip("+~") in _swept_keys]
+    name = "_".join([str(number)] + ([",".join(settings)] if settings else [])).replace("/", "_")
+    return name[:MAX_JOB_NAME]
+
+
+OmegaConf.register_new_resolver("transformer.sweep_job", job_name, replace=True)
 
 
 def job_failed(reason: str) -> None:
@@ -61,6 +87,10 @@ def format_summary(rows: list[dict]) -> str:
 
 
 class SweepSummary(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        global _swept_keys
+        _swept_keys = swept_keys(config.hydra.overrides.task)
+
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
         global _failure
         _failure = None

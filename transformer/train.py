@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.tensorboard import SummaryWriter
 
 from transformer import distributed as D
 from transformer.averaging import ExponentialMovingAverage, weights_swapped
@@ -36,6 +35,7 @@ from transformer.config import CONF_DIR, Config, ConfigError
 from transformer.corpus import prepare
 from transformer.data import DataError, load_split_text
 from transformer.model import build_model
+from transformer.monitor import Monitor, attention_sentences, pieces
 from transformer.progress import Progress
 from transformer.run_state import (
     Launch,
@@ -63,7 +63,7 @@ from transformer.sweep import job_failed
 from transformer.tokenizer import Tokenizer
 from transformer.train_log import TrainingBar, TrainLog, log_lines_above_bars
 from transformer.translate import Translator
-from transformer.validate import batch_loss, cross_attention_image, score, validation_loss
+from transformer.validate import batch_loss, cross_attention, score, validation_loss
 
 log = logging.getLogger("transformer.train")
 
@@ -128,10 +128,14 @@ class Trainer:
                 broadcast_buffers=False)
         if tc.compile:
             self.train_model = torch.compile(self.train_model, dynamic=True)
-        self.writer = SummaryWriter(str(self.run_dir / "tb")) if self.dist.is_main else None
-        self.log = TrainLog(self.device, self.writer, tc.max_bad_steps)
+        self.monitor = Monitor(self.run_dir, enabled=self.dist.is_main)
+        self.log = TrainLog(self.device, self.monitor, tc.max_bad_steps)
         if self.dist.is_main:
             self._log_banner(start.describe())
+            self.monitor.start(cfg, self.precision)
+        # The validation sentences whose cross-attention TensorBoard draws at every validation.
+        self.attention_sentences = attention_sentences(
+            self.translator.encode_sources(self._validation_text()[0])) if self.dist.is_main else []
 
     def _log_banner(self, start: str) -> None:
         """What the run is, at the top of its log: where it writes, how it starts, where and how it runs."""
@@ -409,8 +413,7 @@ class Trainer:
         stats = self.train_step(micro)
         progress.position += consumed
         if stats.get("oom"):
-            if self.writer:
-                self.writer.add_scalar("train/oom_skipped_batches", self.oom_skips, progress.step)
+            self.monitor.skipped_out_of_memory(progress.step, self.oom_skips)
             return self._stop_reason(started)
         progress.step += 1
         self.oom_in_a_row = 0
@@ -496,33 +499,35 @@ class Trainer:
         """Loss, BLEU, chrF, samples and a heatmap of the validation split (rank 0), with the weights the
         model holds (`weights` names them: raw, ema, average; TensorBoard's val/, val_ema/, ...)."""
         tc, dc = self.cfg.trainer, self.cfg.decode
-        loss, nll = validation_loss(self.model, self.data.valid, tc.max_tokens, self.device, self.autocast,
-                                    tc.label_smoothing, self._stopping)
-        sources, references = self.valid_text
-        if tc.val_max_sentences:
-            sources, references = sources[: tc.val_max_sentences], references[: tc.val_max_sentences]
+        loss, nll, accuracy = validation_loss(self.model, self.data.valid, tc.max_tokens, self.device,
+                                              self.autocast, tc.label_smoothing, self._stopping)
+        sources, references = self._validation_text()
         hyps = self.translator.hypotheses(sources, beam_size=tc.val_beam_size, batch_tokens=dc.batch_tokens,
                                           progress=None, desc="validate", stop=self._stopping)
         texts = [h[0].text for h in hyps]
         scores = score(texts, references, self.cfg.data.tgt_lang)
         cut = sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps))
-        result = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "bleu": scores["bleu"],
-                  "chrf": scores["chrf"], "cut_at_max_len": cut}
-        log.info("validation step %d%s | loss %.3f | ppl %.2f | BLEU %.2f | chrF %.2f | cut %.1f%% | %s",
+        result = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "accuracy": accuracy,
+                  "bleu": scores["bleu"], "chrf": scores["chrf"], "cut_at_max_len": cut}
+        log.info("validation step %d%s | loss %.3f | ppl %.2f | accuracy %.1f%% | BLEU %.2f | chrF %.2f | cut %.1f%% | %s",
                  self.progress.step, "" if weights == "raw" else f" ({weights} weights)", loss, result["ppl"],
-                 scores["bleu"], scores["chrf"], 100 * cut, scores["bleu_signature"])
-        tag = "val" if weights == "raw" else f"val_{weights}"
-        for key, value in result.items():
-            self.writer.add_scalar(f"{tag}/{key}", value, self.progress.step)
-        samples = "\n\n".join(f"**src** {s}  \n**ref** {r}  \n**hyp** {h}"
-                              for s, r, h in list(zip(sources, references, texts))[:4])
-        self.writer.add_text("val/samples", samples, self.progress.step)
-        image = cross_attention_image(self.model, self.translator.encode_sources(sources[:1])[0], hyps[0][0].tokens,
-                                      self.device)
-        # Non-finite weights (the run is about to stop) give a NaN image, which TensorBoard warns about.
-        self.writer.add_image("val/cross_attention", torch.nan_to_num(image), self.progress.step)
-        self.writer.flush()
+                 100 * accuracy, scores["bleu"], scores["chrf"], 100 * cut, scores["bleu_signature"])
+        self.monitor.validation(self.progress.step, weights, result, list(zip(sources, references, texts)),
+                                self._attention_panels([hyps[i][0].tokens for i in self.attention_sentences]))
         return {**result, "weights": weights}
+
+    def _validation_text(self) -> tuple[list[str], list[str]]:
+        """The validation sources and references decoded for BLEU (trainer.val_max_sentences of them)."""
+        sources, references = self.valid_text
+        limit = self.cfg.trainer.val_max_sentences
+        return (sources[:limit], references[:limit]) if limit else (sources, references)
+
+    def _attention_panels(self, hypotheses: list[list[int]]) -> list:
+        """(weights, source pieces, predicted pieces) of the attention sentences and their hypotheses."""
+        tokenizer = self.data.tokenizer
+        sources = self.translator.encode_sources([self._validation_text()[0][i] for i in self.attention_sentences])
+        return [(cross_attention(self.model, source, hypothesis, self.device), pieces(tokenizer.src, source),
+                 pieces(tokenizer.tgt, hypothesis)) for source, hypothesis in zip(sources, hypotheses)]
 
     def test(self) -> dict | None:
         """Translate the test split with the decode config and the best weights; print BLEU."""
@@ -543,6 +548,7 @@ class Trainer:
                    f"beam {dc.beam_size}, {best if best.exists() else 'final weights'}) {scores['bleu_signature']}")
         log.info(message)
         print(message, flush=True)
+        self.monitor.test(self.progress.step, scores)
         return scores
 
 
@@ -606,6 +612,7 @@ def _train_in(cfg: Config, run_dir: Path, launch: Launch | None) -> dict:
             test_scores = trainer.test()
             if test_scores:
                 metrics.update(test_bleu=test_scores["bleu"], test_chrf=test_scores["chrf"])
+        trainer.monitor.finish(trainer.progress.step, metrics)
         return metrics
     except BaseException:
         if trainer.dist.is_main and trainer.progress.stop_reason is None and (trainer.ckpt_dir / "last.pt").is_file():
@@ -614,8 +621,7 @@ def _train_in(cfg: Config, run_dir: Path, launch: Launch | None) -> dict:
     finally:
         for sig, previous in handlers.items():
             signal.signal(sig, previous)
-        if trainer.writer:
-            trainer.writer.close()
+        trainer.monitor.close()
         trainer.leave_process_group(clean=False)     # after an error: no barrier
 
 

@@ -29,8 +29,9 @@ LOSS, NLL, FINITE_TOKENS, BAD_IN_A_ROW, BAD_IN_WINDOW, ALL_TOKENS = range(6)
 
 
 class TrainLog:
-    def __init__(self, device: torch.device, writer, max_bad_steps: int):
-        self.writer, self.max_bad_steps = writer, max_bad_steps
+    def __init__(self, device: torch.device, monitor, max_bad_steps: int):
+        """`monitor`: the run's `transformer.monitor.Monitor` (TensorBoard), or None."""
+        self.device, self.monitor, self.max_bad_steps = device, monitor, max_bad_steps
         self.sums = torch.zeros(6, dtype=torch.float64, device=device)
         self.grad_norm: torch.Tensor | None = None
         self.skipped_total = 0
@@ -72,7 +73,7 @@ class TrainLog:
                                 "hold finite weights.")
 
     def write(self, step: int, epoch: int, lr: float, loss_scale: float, fp16: bool, bar) -> float:
-        """The log line, TensorBoard points and the progress bar; returns target tokens/s."""
+        """The log line, TensorBoard's points (`Monitor.training`) and the progress bar; returns target tokens/s."""
         numbers = self.read()
         self.skipped_total += numbers["skipped"]
         self.check_finite(fp16)
@@ -83,9 +84,8 @@ class TrainLog:
                   "grad_norm": float(self.grad_norm), "loss_scale": loss_scale,
                   "tokens_per_s": numbers["tokens"] / max(elapsed, 1e-9),
                   "padding_share": self.padding / max(1, self.steps), "skipped_steps": self.skipped_total}
-        if self.writer:
-            for key, value in values.items():
-                self.writer.add_scalar(f"train/{key}", value, step)
+        if self.monitor:
+            self.monitor.training(step, epoch, values, self.device)
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{values['tokens_per_s']:.0f}")
         log.info("step %d | epoch %d | loss %.3f | nll %.3f | ppl %.2f | lr %.3g | gnorm %.2f | tok/s %.0f | pad %.1f%%%s",
                  step, epoch, loss, nll, values["ppl"], lr, values["grad_norm"], values["tokens_per_s"],

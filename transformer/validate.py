@@ -1,5 +1,5 @@
-"""Validation and scoring: loss on a split, sacreBLEU/chrF, and the pictures TensorBoard shows (a
-cross-attention heatmap). Decoding a split goes through `transformer.translate.Translator`."""
+"""Validation and scoring: loss and token accuracy on a split, sacreBLEU/chrF, and the cross-attention
+weights that TensorBoard's heatmaps draw (`transformer.monitor`). Decoding a split goes through `transformer.translate.Translator`."""
 
 from __future__ import annotations
 
@@ -25,11 +25,30 @@ def batch_loss(model, batch, smoothing: float):
 
     `model` may be wrapped (DDP, torch.compile): its forward runs, so wrappers see the whole graph.
     """
+    hidden, target = target_hidden(model, batch)
+    return output_cross_entropy(hidden, unwrap(model).output.weight, target, smoothing)
+
+
+def target_hidden(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states (N, D), target ids (N,)) at the batch's N real target positions."""
     hidden = model(batch.src, batch.tgt_in, return_hidden=True)                # (B, T, D)
     positions = batch.target_positions()                                       # (N,) into B * T
     hidden = hidden.flatten(0, 1).index_select(0, positions)                   # (N, D)
     target = batch.tgt_out.flatten().index_select(0, positions)                # (N,)
-    return output_cross_entropy(hidden, unwrap(model).output.weight, target, smoothing)
+    return hidden, target
+
+
+# Rows of logits per chunk when counting correct predictions (a float32 chunk of 1024 x 32k is 128 MB).
+ACCURACY_CHUNK_ROWS = 1024
+
+
+def correct_predictions(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """How many of the N targets are the model's most probable token (a device scalar)."""
+    correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+    for start in range(0, hidden.size(0), ACCURACY_CHUNK_ROWS):
+        rows = slice(start, start + ACCURACY_CHUNK_ROWS)
+        correct += ((hidden[rows] @ weight.t()).argmax(1) == target[rows]).sum()
+    return correct
 
 
 def unwrap(model):
@@ -40,9 +59,11 @@ def unwrap(model):
 
 @torch.no_grad()
 def validation_loss(model, corpus, max_tokens: int, device, autocast, smoothing: float, stop=None):
-    """Per-token (label-smoothed loss, NLL) over a whole prepared split (an `EncodedCorpus`); `stop()`
-    is asked between batches and True raises `search.Interrupted`."""
+    """Per-token (label-smoothed loss, NLL, accuracy) over a whole prepared split (an `EncodedCorpus`);
+    accuracy: the share of target tokens that are the most probable token given the reference before
+    them. `stop()` is asked between batches and True raises `search.Interrupted`."""
     total_loss = total_nll = tokens = 0.0
+    correct = torch.zeros((), dtype=torch.long, device=device)
     lengths = np.maximum(corpus.src_lens, corpus.tgt_lens)
     with eval_mode(model):
         for indices in batches_in_order(lengths, max_tokens):
@@ -50,11 +71,14 @@ def validation_loss(model, corpus, max_tokens: int, device, autocast, smoothing:
                 raise Interrupted
             batch = corpus.collate(indices).to(device)
             with autocast():
-                loss, nll = batch_loss(model, batch, smoothing)
+                hidden, target = target_hidden(model, batch)
+                weight = unwrap(model).output.weight
+                loss, nll = output_cross_entropy(hidden, weight, target, smoothing)
+                correct += correct_predictions(hidden, weight, target)
             total_loss += loss.item()
             total_nll += nll.item()
             tokens += batch.num_tgt_tokens
-    return total_loss / tokens, total_nll / tokens
+    return total_loss / tokens, total_nll / tokens, correct.item() / tokens
 
 
 @functools.cache
@@ -95,21 +119,17 @@ def nfc(lines: list[str]) -> list[str]:
 
 
 @torch.no_grad()
-def cross_attention_image(model, source_ids: list[int], hypothesis_ids: list[int], device) -> torch.Tensor:
-    """(3, T*8, S*8) image of the last decoder layer's cross-attention (mean over heads), for a source
-    and its translation as token ids (within the model's positions, as `Translator` makes them)."""
-    src_ids = source_ids + [EOS_ID]
-    tgt_ids = [BOS_ID] + hypothesis_ids
-    src = torch.tensor([src_ids], device=device)
-    tgt = torch.tensor([tgt_ids], device=device)
+def cross_attention(model, source_ids: list[int], hypothesis_ids: list[int], device) -> np.ndarray:
+    """(T, S) cross-attention of the model's last decoder layer, mean over heads, as it reads the source
+    (its ids and EOS: S) while predicting each token of the hypothesis and then EOS (T = len + 1). Ids
+    within the model's positions, as `Translator` makes them."""
+    src = torch.tensor([source_ids + [EOS_ID]], device=device)
+    tgt = torch.tensor([[BOS_ID] + hypothesis_ids], device=device)
     layer = model.decoder_layers[-1].cross_attn
     layer.need_weights = True
     try:
         with eval_mode(model):
             model(src, tgt)
-        weights = layer.last_weights[0].float().mean(0)                 # (T, S)
+        return layer.last_weights[0].float().mean(0).cpu().numpy()
     finally:
         layer.need_weights = False
-    image = weights / weights.max().clamp(min=1e-9)
-    image = image.repeat_interleave(8, 0).repeat_interleave(8, 1)       # (T*8, S*8)
-    return image[None].expand(3, -1, -1).cpu()

@@ -1,0 +1,74 @@
+"""What a run writes to TensorBoard (transformer/monitor.py)."""
+
+import numpy as np
+import pytest
+
+from tests.conftest import FAST, compose_config
+from transformer.monitor import attention_figure, figure_pixels
+
+
+def test_the_attention_heatmap_labels_both_axes_with_the_sentence_tokens_on_a_0_to_1_scale():
+    source = ["▁Ein", "▁Hund", "▁läuft", "</s>"]
+    predicted = ["▁A", "▁dog", "▁runs", "</s>"]
+    weights = np.full((4, 4), 0.05)
+    np.fill_diagonal(weights, 0.85)
+    figure = attention_figure([(weights, source, predicted)], title="step 10")
+    heatmap = figure.axes[0]
+    assert [t.get_text() for t in heatmap.get_xticklabels()] == source
+    assert [t.get_text() for t in heatmap.get_yticklabels()] == predicted
+    assert "predicts" in heatmap.get_ylabel() and "source" in heatmap.get_xlabel()
+    image = heatmap.get_images()[0]
+    assert image.get_clim() == (0.0, 1.0)                     # not normalised by its own maximum
+    assert image.colorbar is not None and len(figure.axes) == 2  # the heatmap and its colour bar
+    pixels = figure_pixels(figure)
+    assert pixels.dtype == np.uint8 and pixels.shape[2] == 3 and min(pixels.shape[:2]) >= 250
+
+
+def test_the_figure_grows_with_the_tokens_up_to_a_cap():
+    def size(n):
+        return attention_figure([(np.zeros((n, n)), [f"s{i}" for i in range(n)], [f"t{i}" for i in range(n)])]
+                                ).get_size_inches()
+    assert (size(20) > size(5)).all()
+    assert (size(500) <= np.array([16.0, 24.0])).all()
+
+
+@pytest.mark.slow
+def test_a_run_writes_test_scores_config_hparams_one_loss_chart_and_the_attention_image(tmp_path, data_cache):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from transformer.train import train
+    cfg = compose_config(FAST + ["data.embedded_pairs=600", "trainer.max_steps=6", "trainer.validate_every=6",
+                                 "trainer.log_every=3", "trainer.test_at_end=true", "trainer.ema_decay=0.9",
+                                 "trainer.val_max_sentences=8", "decode.beam_size=1"], cache_dir=data_cache)
+    metrics = train(cfg, tmp_path)
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0, "tensors": 0})
+    events.Reload()
+    tags = events.Tags()
+    scalars = set(tags["scalars"])
+    assert {"test/bleu", "test/chrf", "loss/train", "loss/valid", "loss/valid_ema", "accuracy/valid",
+            "val/accuracy", "train/epoch", "train/lr", "val/best_bleu"} <= scalars, scalars
+    assert any(tag.startswith("memory/") for tag in scalars)
+    assert events.Scalars("test/bleu")[-1].value == pytest.approx(metrics["test_bleu"])
+    config = events.Tensors("config/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert config.startswith("```yaml") and "d_model: 64" in config and "max_steps: 6" in config
+    assert set(events.PluginTagToContent("hparams")) == {            # in the run's own file, not a subdirectory
+        "_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"}
+    assert "custom_scalars__config__" in tags["tensors"]
+    images = set(tags["images"])
+    assert {"val/cross_attention", "val_ema/cross_attention"} <= images
+    assert "val_ema/samples/text_summary" in tags["tensors"]
+    picture = events.Images("val/cross_attention")[-1]
+    assert picture.width >= 250 and picture.height >= 250
+
+
+def test_sweep_jobs_are_named_by_their_number_and_swept_values(monkeypatch):
+    import transformer.sweep as sweep
+    monkeypatch.setattr(sweep, "_swept_keys", sweep.swept_keys(
+        ["trainer.lr=1e-3,5e-4", "model=tiny,small", "trainer.max_steps=5", "data.cache_dir=/tmp/data"]))
+    assert sweep._swept_keys == {"trainer.lr", "model"}
+    overrides = ["trainer.lr=0.001", "model=small", "trainer.max_steps=5", "data.cache_dir=/tmp/data"]
+    assert sweep.job_name(3, overrides) == "3_trainer.lr=0.001,model=small"
+    monkeypatch.setattr(sweep, "_swept_keys", None)            # unknown (another launcher): every override
+    name = sweep.job_name(3, overrides)
+    assert name.startswith("3_trainer.lr=0.001,model=small,trainer.max_steps=5") and "/" not in name
+    assert len(sweep.job_name(0, [f"data.path=/{'x' * 300}"])) <= sweep.MAX_JOB_NAME
