@@ -48,8 +48,8 @@ def hyperparameters(cfg, precision: str) -> dict:
 
 
 def config_markdown(cfg) -> str:
-    import yaml
-    return "```yaml\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False) + "```"
+    from omegaconf import OmegaConf
+    return "```yaml\n" + OmegaConf.to_yaml(cfg.to_dict()) + "```"
 
 
 def memory_in_use(device: torch.device) -> dict:
