@@ -168,7 +168,8 @@ def run_on_a_terminal(args: list[str], cwd, timeout: float = 240) -> str:
     """Run `args` with stdout and stderr on a pseudo-terminal 160 columns wide; everything it wrote."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
+    # Not under make (`make test` exports MAKELEVEL): the resume command then takes the python -m form.
+    env = {**{k: v for k, v in os.environ.items() if k != "MAKELEVEL"}, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
     proc = subprocess.Popen(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
     os.close(slave)
     chunks, deadline = [], time.time() + timeout
