@@ -48,7 +48,7 @@ from transformer.setup import (  # noqa: E402
     keep_freed_memory,
     resolve_precision,
 )
-from transformer.tokenizer import PAD_ID  # noqa: E402
+from transformer.special import PAD_ID  # noqa: E402
 from transformer.validate import batch_loss  # noqa: E402
 
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets, matched

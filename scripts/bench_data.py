@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from transformer.batching import TokenBatchSampler  # noqa: E402
 from transformer.corpus import check_prepared, prepare  # noqa: E402
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
+from transformer.special import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 
 
 def _loop_collate(corpus, positions):

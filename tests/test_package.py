@@ -136,3 +136,11 @@ def test_a_source_that_needs_the_data_extra_says_so_in_one_line(source, tmp_path
     with pytest.raises(DataError) as caught:
         open_split(cfg, "train")
     assert str(caught.value) == f"{where}: needs pip install 'transformer[data]' (HuggingFace datasets reads it)"
+
+
+def test_importing_the_model_loads_neither_the_tokenizer_nor_the_corpus_readers():
+    code = ("import sys, transformer.model; "
+            "print(sorted(m for m in sys.modules if m in ('transformer.tokenizer', 'transformer.data', "
+            "'transformer.corpus', 'sentencepiece')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from transformer.data import DataError
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.special import BOS_ID, EOS_ID, PAD_ID
 
 
 @dataclass

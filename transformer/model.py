@@ -13,7 +13,7 @@ from torch import nn
 
 from transformer.attention import DecoderCache, MultiHeadAttention, padding_mask
 from transformer.config import ModelConfig
-from transformer.tokenizer import PAD_ID
+from transformer.special import PAD_ID
 
 
 class SinusoidalPositions(nn.Module):

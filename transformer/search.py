@@ -24,7 +24,7 @@ from transformer.attention import padding_mask
 from transformer.batching import batches_in_order, pad_sequences
 from transformer.config import DEFAULT_BATCH_TOKENS
 from transformer.model import eval_mode
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.special import BOS_ID, EOS_ID, PAD_ID
 
 
 class Interrupted(Exception):

@@ -1,7 +1,8 @@
 """SentencePiece vocabularies: trained once per corpus and settings, cached under `data/spm/`.
 
-The special ids are defined here and nowhere else. A `Tokenizer` holds the source and target models
-(the same one for a joint vocabulary) and serialises to bytes that travel inside every checkpoint.
+The special ids come from special.py, which this module trains into every model. A `Tokenizer` holds
+the source and target models (the same one for a joint vocabulary) and serialises to bytes that travel
+inside every checkpoint.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from tqdm import tqdm
 
 from transformer.cache import CacheDamage, bytes_record, check_bytes, read_record, sealed, write_failure
 from transformer.data import DataError, SplitSource
+from transformer.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (also imported from here)
 
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 CACHE_VERSION = 2            # 2: each cached model's size and CRC-32 recorded beside it
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from transformer.config import DEFAULT_BATCH_TOKENS, ConfigError
 from transformer.model import eval_mode
 from transformer.search import Hypothesis, Sampling, translate_ids
 from transformer.setup import DTYPES, autocast_factory, keep_freed_memory, resolve_precision
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.special import BOS_ID, EOS_ID, PAD_ID
 
 # Target tokens per batch when scoring references (`Translator.score`).
 SCORE_BATCH_TOKENS = 2048

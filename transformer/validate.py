@@ -15,7 +15,7 @@ from transformer.batching import batches_in_order
 from transformer.loss import output_cross_entropy
 from transformer.model import eval_mode
 from transformer.search import Interrupted
-from transformer.tokenizer import BOS_ID, EOS_ID
+from transformer.special import BOS_ID, EOS_ID
 
 log = logging.getLogger(__name__)
 
