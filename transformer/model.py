@@ -13,6 +13,7 @@ from torch import nn
 
 from transformer.attention import DecoderCache, MultiHeadAttention, padding_mask
 from transformer.config import ModelConfig
+from transformer.kernels import Dropout
 from transformer.special import PAD_ID
 
 
@@ -33,57 +34,6 @@ class SinusoidalPositions(nn.Module):
             raise ValueError(f"sequence of {offset + length} positions exceeds model.max_positions="
                              f"{self.table.size(0)}")
         return self.table[offset: offset + length]                    # (L, D)
-
-
-def _keep_mask(shape: torch.Size, threshold: int, device) -> torch.Tensor:
-    """A uint8 tensor of `shape`: 0 with probability threshold / 65536, else 1. Four uniform int16
-    values come from each 64-bit draw of the full int64 range (plain `random_()` leaves the top bit 0)."""
-    numel = shape.numel()
-    bits = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device).random_(-2**63, 2**63 - 1)
-    values = bits.view(torch.int16)[:numel]
-    return (values >= threshold - 32768).view(shape).view(torch.uint8)
-
-
-class _CpuDropout(torch.autograd.Function):
-    """Inverted dropout with a drop probability rounded to 1/65536, optionally added to a residual.
-
-    On the CPU, `F.dropout` draws one random number per element (a float, then a Bernoulli test) and
-    spends more time there than in the rest of the layer. Here each 64-bit draw serves four elements,
-    the one-byte keep mask is all the backward pass stores, and forward and backward are each one
-    `addcmul`: base + scale * x * keep, where base is the residual stream (the residual add comes free)
-    or zero.
-    """
-
-    @staticmethod
-    def forward(ctx, x, p: float, residual=None):
-        threshold = round(p * 65536)
-        keep = _keep_mask(x.shape, threshold, x.device)
-        ctx.scale = 1.0 / (1.0 - threshold / 65536)
-        ctx.x_dtype, ctx.has_residual = x.dtype, residual is not None
-        ctx.save_for_backward(keep)
-        base = residual if residual is not None else x.new_zeros(())
-        return torch.addcmul(base, x, keep, value=ctx.scale)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (keep,) = ctx.saved_tensors
-        grad_x = torch.empty(keep.shape, dtype=ctx.x_dtype, device=grad.device)   # in x's dtype, one pass
-        torch.addcmul(grad.new_zeros(()), grad, keep, value=ctx.scale, out=grad_x)
-        return grad_x, None, grad if ctx.has_residual else None
-
-
-class Dropout(nn.Dropout):
-    """nn.Dropout, with the faster mask of `_CpuDropout` for CPU tensors."""
-
-    def _cpu_mask(self, x: torch.Tensor) -> bool:
-        return self.training and self.p > 0.0 and x.device.type == "cpu"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _CpuDropout.apply(x, self.p) if self._cpu_mask(x) else super().forward(x)
-
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + dropout(x), on the CPU in one pass."""
-        return _CpuDropout.apply(x, self.p, residual) if self._cpu_mask(x) else residual + self(x)
 
 
 class FeedForward(nn.Module):
