@@ -41,6 +41,7 @@ from transformer.attention import padding_mask  # noqa: E402
 from transformer.batching import TokenBatchSampler  # noqa: E402
 from transformer.config import compose  # noqa: E402
 from transformer.corpus import prepare  # noqa: E402
+from transformer.loss import batch_loss  # noqa: E402
 from transformer.model import SinusoidalPositions, build_model  # noqa: E402
 from transformer.setup import (  # noqa: E402
     DTYPES,
@@ -49,7 +50,6 @@ from transformer.setup import (  # noqa: E402
     resolve_precision,
 )
 from transformer.special import PAD_ID  # noqa: E402
-from transformer.validate import batch_loss  # noqa: E402
 
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets, matched
 # against torch.cuda.get_device_name() in this order: the first key contained in the name wins.

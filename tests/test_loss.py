@@ -9,11 +9,10 @@ import torch.nn.functional as F
 
 from transformer.batching import pad_sequences
 from transformer.config import ModelConfig
-from transformer.loss import output_cross_entropy, output_cross_entropy_reference
+from transformer.loss import batch_loss, output_cross_entropy, output_cross_entropy_reference
 from transformer.model import build_model
 from transformer.setup import inverse_sqrt_schedule
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer.validate import batch_loss
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])

@@ -102,3 +102,42 @@ def output_cross_entropy_reference(hidden, weight, target, smoothing):
     nll = -logprobs.gather(1, target[:, None]).squeeze(1)
     loss = (1.0 - smoothing) * nll - smoothing * logprobs.mean(dim=-1)
     return loss.sum(), nll.detach().sum()
+
+
+# ----- the loss of a batch, as training and validation compute it ----------------------------------
+
+def batch_loss(model, batch, smoothing: float):
+    """(summed label-smoothed loss, summed NLL) of one batch; logits only at real target positions.
+
+    `model` may be wrapped (DDP, torch.compile): its forward runs, so wrappers see the whole graph.
+    """
+    hidden, target = target_hidden(model, batch)
+    return output_cross_entropy(hidden, unwrap(model).output.weight, target, smoothing)
+
+
+def target_hidden(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states (N, D), target ids (N,)) at the batch's N real target positions."""
+    hidden = model(batch.src, batch.tgt_in, return_hidden=True)                # (B, T, D)
+    positions = batch.target_positions()                                       # (N,) into B * T
+    hidden = hidden.flatten(0, 1).index_select(0, positions)                   # (N, D)
+    target = batch.tgt_out.flatten().index_select(0, positions)                # (N,)
+    return hidden, target
+
+
+# Rows of logits per chunk when counting correct predictions (a float32 chunk of 1024 x 32k is 128 MB).
+ACCURACY_CHUNK_ROWS = 1024
+
+
+def correct_predictions(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """How many of the N targets are the model's most probable token (a device scalar)."""
+    correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+    for start in range(0, hidden.size(0), ACCURACY_CHUNK_ROWS):
+        rows = slice(start, start + ACCURACY_CHUNK_ROWS)
+        correct += ((hidden[rows] @ weight.t()).argmax(1) == target[rows]).sum()
+    return correct
+
+
+def unwrap(model):
+    """The Transformer inside a torch.compile and/or DistributedDataParallel wrapper."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)

@@ -34,6 +34,7 @@ from transformer.checkpoint import (
 from transformer.config import CONF_DIR, Config, ConfigError
 from transformer.corpus import prepare
 from transformer.data import DataError, load_split_text
+from transformer.loss import batch_loss
 from transformer.model import build_model
 from transformer.monitor import Monitor, attention_sentences, pieces
 from transformer.progress import Progress
@@ -63,7 +64,7 @@ from transformer.sweep import job_failed
 from transformer.tokenizer import Tokenizer
 from transformer.train_log import TrainingBar, TrainLog, log_lines_above_bars
 from transformer.translate import Translator
-from transformer.validate import batch_loss, cross_attention, score, validation_loss
+from transformer.validate import cross_attention, score, validation_loss
 
 log = logging.getLogger("transformer.train")
 

@@ -12,49 +12,12 @@ import sacrebleu
 import torch
 
 from transformer.batching import batches_in_order
-from transformer.loss import output_cross_entropy
+from transformer.loss import correct_predictions, output_cross_entropy, target_hidden, unwrap
 from transformer.model import eval_mode
 from transformer.search import Interrupted
 from transformer.special import BOS_ID, EOS_ID
 
 log = logging.getLogger(__name__)
-
-
-def batch_loss(model, batch, smoothing: float):
-    """(summed label-smoothed loss, summed NLL) of one batch; logits only at real target positions.
-
-    `model` may be wrapped (DDP, torch.compile): its forward runs, so wrappers see the whole graph.
-    """
-    hidden, target = target_hidden(model, batch)
-    return output_cross_entropy(hidden, unwrap(model).output.weight, target, smoothing)
-
-
-def target_hidden(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden states (N, D), target ids (N,)) at the batch's N real target positions."""
-    hidden = model(batch.src, batch.tgt_in, return_hidden=True)                # (B, T, D)
-    positions = batch.target_positions()                                       # (N,) into B * T
-    hidden = hidden.flatten(0, 1).index_select(0, positions)                   # (N, D)
-    target = batch.tgt_out.flatten().index_select(0, positions)                # (N,)
-    return hidden, target
-
-
-# Rows of logits per chunk when counting correct predictions (a float32 chunk of 1024 x 32k is 128 MB).
-ACCURACY_CHUNK_ROWS = 1024
-
-
-def correct_predictions(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """How many of the N targets are the model's most probable token (a device scalar)."""
-    correct = torch.zeros((), dtype=torch.long, device=hidden.device)
-    for start in range(0, hidden.size(0), ACCURACY_CHUNK_ROWS):
-        rows = slice(start, start + ACCURACY_CHUNK_ROWS)
-        correct += ((hidden[rows] @ weight.t()).argmax(1) == target[rows]).sum()
-    return correct
-
-
-def unwrap(model):
-    """The Transformer inside a torch.compile and/or DistributedDataParallel wrapper."""
-    model = getattr(model, "_orig_mod", model)
-    return getattr(model, "module", model)
 
 
 @torch.no_grad()
