@@ -43,7 +43,7 @@ from transformer.config import compose  # noqa: E402
 from transformer.corpus import prepare  # noqa: E402
 from transformer.loss import batch_loss  # noqa: E402
 from transformer.model import SinusoidalPositions, build_model  # noqa: E402
-from transformer.setup import (  # noqa: E402
+from transformer.runtime import (  # noqa: E402
     DTYPES,
     cpu_has_native_bf16,
     keep_freed_memory,

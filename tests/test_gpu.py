@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(autouse=True)
 def _full_fp32():
-    """fp32 training turns TF32 on for the process (setup.allow_tf32_for_training); these comparisons
+    """fp32 training turns TF32 on for the process (runtime.allow_tf32_for_training); these comparisons
     of fp32 results need it off, whichever test ran before."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 

@@ -11,7 +11,7 @@ from transformer.batching import pad_sequences
 from transformer.config import ModelConfig
 from transformer.loss import batch_loss, output_cross_entropy, output_cross_entropy_reference
 from transformer.model import build_model
-from transformer.setup import inverse_sqrt_schedule
+from transformer.optim import inverse_sqrt_schedule
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -88,7 +88,7 @@ def test_inverse_sqrt_schedule_by_hand():
 
 def test_the_optimizer_follows_the_schedule():
     from transformer.config import TrainerConfig
-    from transformer.setup import build_optimizer
+    from transformer.optim import build_optimizer
     model = torch.nn.Linear(3, 3)
     optimizer, scheduler = build_optimizer(model, TrainerConfig(lr=2e-3, warmup=10, max_steps=1), torch.device("cpu"))
     lrs = []
@@ -109,7 +109,7 @@ def test_the_optimizer_follows_the_schedule():
 ])
 def test_schedules_by_hand(schedule, expected_at):
     from transformer.config import TrainerConfig
-    from transformer.setup import build_optimizer
+    from transformer.optim import build_optimizer
     config = TrainerConfig(lr=2e-3, min_lr=2e-4, warmup=10, max_steps=110, schedule=schedule)
     config.validate()
     optimizer, scheduler = build_optimizer(torch.nn.Linear(3, 3), config, torch.device("cpu"))

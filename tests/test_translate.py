@@ -94,7 +94,7 @@ def test_python_api_and_evaluate_agree_with_the_cli(trained_checkpoint, trained_
 # run; the "mmap" mode pins it at its starting value (128 KB) so the comparison is deterministic.
 FAULT_PROBE = """
 import ctypes, resource, sys, torch
-from transformer.setup import keep_freed_memory
+from transformer.runtime import keep_freed_memory
 if sys.argv[1] == "keep":
     keep_freed_memory()
 else:

@@ -37,6 +37,7 @@ from transformer.data import DataError, load_split_text
 from transformer.loss import batch_loss
 from transformer.model import build_model
 from transformer.monitor import Monitor, attention_sentences, pieces
+from transformer.optim import build_optimizer
 from transformer.progress import Progress
 from transformer.run_state import (
     Launch,
@@ -50,16 +51,8 @@ from transformer.run_state import (
     rng_state,
     starting_point,
 )
+from transformer.runtime import Runtime, keep_freed_memory
 from transformer.search import Interrupted
-from transformer.setup import (
-    DTYPES,
-    allow_tf32_for_training,
-    autocast_factory,
-    build_optimizer,
-    keep_freed_memory,
-    resolve_device,
-    resolve_precision,
-)
 from transformer.sweep import job_failed
 from transformer.tokenizer import Tokenizer
 from transformer.train_log import TrainingBar, TrainLog, log_lines_above_bars
@@ -76,16 +69,9 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, launch: Launch | None = None):
         self.cfg, self.run_dir, self.launch = cfg, run_dir, launch
         tc = cfg.trainer
-        self.device = resolve_device(tc.device, D.DistInfo())
-        self.dist = D.init_distributed(self.device.type)
-        self.device = resolve_device(tc.device, self.dist)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.precision = resolve_precision(tc.precision, self.device)
-        allow_tf32_for_training(self.device, self.precision)
-        self.autocast = autocast_factory(self.device, DTYPES[self.precision])
-        if tc.num_threads:
-            torch.set_num_threads(tc.num_threads)
+        runtime = Runtime.for_training(tc)           # device, process group, precision: resolved once, here
+        self.device, self.dist, self.precision, self.autocast = (runtime.device, runtime.dist, runtime.precision,
+                                                                 runtime.autocast)
         self.run_dir = Path(D.broadcast_object(str(run_dir), self.dist))
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.checkpoints = CheckpointDirectory(self.ckpt_dir, tc.keep_last, self.dist.is_main)

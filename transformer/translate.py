@@ -28,8 +28,8 @@ from transformer.batching import batches_in_order, pad_sequences
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import DEFAULT_BATCH_TOKENS, ConfigError
 from transformer.model import eval_mode
+from transformer.runtime import DTYPES, Runtime, autocast_factory, keep_freed_memory
 from transformer.search import Hypothesis, Sampling, translate_ids
-from transformer.setup import DTYPES, autocast_factory, keep_freed_memory, resolve_precision
 from transformer.special import BOS_ID, EOS_ID, PAD_ID
 
 # Target tokens per batch when scoring references (`Translator.score`).
@@ -56,9 +56,9 @@ class Translator:
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
         """A `.pt` checkpoint written by training."""
-        device, precision = _device_and_precision(device, precision)
+        runtime = Runtime.for_inference(device, precision)
         model, tokenizer, config = model_from_checkpoint(load_checkpoint(path, mmap=True), path)
-        return cls(model.to(device).eval(), tokenizer, config, device, precision)
+        return cls(model.to(runtime.device).eval(), tokenizer, config, runtime.device, runtime.precision)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
@@ -66,9 +66,9 @@ class Translator:
         (`owner/name`, downloaded and cached by huggingface_hub)."""
         from transformer.export import load_pretrained
 
-        device, precision = _device_and_precision(device, precision)
+        runtime = Runtime.for_inference(device, precision)
         model, tokenizer, config = load_pretrained(path)
-        return cls(model.to(device).eval(), tokenizer, config, device, precision)
+        return cls(model.to(runtime.device).eval(), tokenizer, config, runtime.device, runtime.precision)
 
     @classmethod
     def load(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
@@ -161,15 +161,6 @@ class Translator:
     def translate(self, sentences: list[str], beam_size: int | None = None, **options) -> list[str]:
         """One translation per sentence (the best hypothesis)."""
         return [hyps[0][0] for hyps in self.translate_hypotheses(sentences, beam_size=beam_size, **options)]
-
-
-def _device_and_precision(device: str, precision: str) -> tuple[torch.device, str]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if precision not in ("auto", *DTYPES):
-        raise ValueError(f"precision={precision!r} must be auto, bf16, fp16 or fp32")
-    return device, resolve_precision(precision, device)
 
 
 def list_of_str(sentences, name: str, example: str) -> list[str]:

@@ -1,15 +1,20 @@
-"""What a run needs before its first step besides data (corpus.py): device, precision, optimizer."""
+"""Where and how a process computes, resolved once: device, torchrun process group, precision, autocast.
+
+`Runtime.for_training` (the Trainer) and `Runtime.for_inference` (Translator) are the two ways in; the
+functions below are their parts (and the bench's).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import logging
-import math
 import platform
+from dataclasses import dataclass
 
 import torch
 
+from transformer import distributed as D
 from transformer.config import ConfigError, TrainerConfig
 from transformer.distributed import DistInfo
 
@@ -98,42 +103,36 @@ def allow_tf32_for_training(device: torch.device, precision: str) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
-def inverse_sqrt_schedule(warmup: int):
-    """lr factor: linear warm-up to 1 at `warmup` steps, then decay ∝ 1/√step (Vaswani et al., 2017)."""
-    def factor(step: int) -> float:
-        step = max(step, 1)
-        if warmup == 0:
-            return 1.0 / math.sqrt(step)
-        return min(step / warmup, math.sqrt(warmup / step))
-    return factor
+@dataclass
+class Runtime:
+    device: torch.device
+    precision: str                     # bf16 | fp16 | fp32, resolved from auto
+    autocast: object                   # a zero-argument callable returning the autocast context
+    dist: DistInfo
 
+    @classmethod
+    def for_training(cls, tc: TrainerConfig) -> Runtime:
+        """The device (cuda:LOCAL_RANK under torchrun), the process group (joined here when torchrun
+        started this process), the precision (TF32 allowed for fp32 on a GPU) and the thread count."""
+        device = resolve_device(tc.device, DistInfo())
+        dist = D.init_distributed(device.type)
+        device = resolve_device(tc.device, dist)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        precision = resolve_precision(tc.precision, device)
+        allow_tf32_for_training(device, precision)
+        if tc.num_threads:
+            torch.set_num_threads(tc.num_threads)
+        return cls(device, precision, autocast_factory(device, DTYPES[precision]), dist)
 
-def lr_factor(schedule: str, warmup: int, max_steps: int = 0, floor: float = 0.0):
-    """The lr multiplier at each optimizer step (LambdaLR's `lr_lambda`): a linear warm-up to 1 over
-    `warmup` steps, then `schedule`: inverse_sqrt, constant, or a cosine or linear decay that reaches
-    `floor` (min_lr / lr) at `max_steps` and stays there."""
-    if schedule == "inverse_sqrt":
-        return inverse_sqrt_schedule(warmup)
-
-    def factor(step: int) -> float:
-        step = max(step, 1)
-        if step < warmup:
-            return step / warmup
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))   # 0 -> 1 over the decay
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
-        return floor + (1.0 - floor) * shape
-    return factor
-
-
-def build_optimizer(model: torch.nn.Module, trainer: TrainerConfig, device: torch.device):
-    """AdamW, fused on every device: one kernel for all parameters (on this 2-core CPU about 7x faster
-    than the for-each implementation), and it takes the `found_inf` flag with which the training step
-    skips a non-finite update without reading anything back to the host."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=trainer.lr, betas=tuple(trainer.betas), eps=trainer.adam_eps,
-                                  weight_decay=trainer.weight_decay, fused=True)
-    factor = lr_factor(trainer.schedule, trainer.warmup, trainer.max_steps, trainer.min_lr / trainer.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    return optimizer, scheduler
+    @classmethod
+    def for_inference(cls, device: str = "auto", precision: str = "auto") -> Runtime:
+        """One process, no process group: `device` auto | cpu | cuda | cuda:N, `precision` auto | bf16 |
+        fp16 | fp32 (ValueError otherwise)."""
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        resolved = torch.device(device)
+        if precision not in ("auto", *DTYPES):
+            raise ValueError(f"precision={precision!r} must be auto, bf16, fp16 or fp32")
+        precision = resolve_precision(precision, resolved)
+        return cls(resolved, precision, autocast_factory(resolved, DTYPES[precision]), DistInfo())
