@@ -238,7 +238,7 @@ def test_a_second_run_into_a_busy_run_directory_is_refused_and_the_first_is_unha
 
 def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from transformer.run_state import RunDirectoryLock as L; "
+                               "from transformer.run_dir import RunDirectoryLock as L; "
                                "L.acquire(Path(sys.argv[1])); print('held', flush=True); time.sleep(60)",
                                str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"

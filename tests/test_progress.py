@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from tests.conftest import FAST, ROOT, compose_config
 from transformer import tokenizer as tokenizer_module
-from transformer.run_state import Launch
+from transformer.run_dir import Launch
 from transformer.train_log import TrainingBar
 
 RUN = "runs/toy/tiny/x"

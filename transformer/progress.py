@@ -6,7 +6,10 @@ count behind early stopping, and the validation history. It resumes with the run
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass
@@ -55,3 +58,16 @@ class Progress:
                    bad_validations=metrics.get("bad_validations", 0),
                    val_history=list(metrics.get("val_history", [])),
                    train_tokens_per_s=metrics.get("train_tokens_per_s"))
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's random number generator states (torch, Python, CUDA)."""
+    return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def restore_rng_state(rng: dict, device: torch.device) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate((3, tuple(rng["python"]), None))
+    if rng.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)

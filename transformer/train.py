@@ -38,19 +38,16 @@ from transformer.loss import batch_loss
 from transformer.model import build_model
 from transformer.monitor import Monitor, attention_sentences, pieces
 from transformer.optim import build_optimizer
-from transformer.progress import Progress
-from transformer.run_state import (
+from transformer.progress import Progress, restore_rng_state, rng_state
+from transformer.run_dir import (
     Launch,
     RunDirectoryLock,
     TrainingError,
     attach_log_file,
-    check_run_directory,
     install_signal_handlers,
-    restore_rng_state,
     resume_hint,
-    rng_state,
-    starting_point,
 )
+from transformer.run_state import check_run_directory, starting_point
 from transformer.runtime import Runtime, keep_freed_memory
 from transformer.search import Interrupted
 from transformer.sweep import job_failed

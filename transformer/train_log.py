@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from transformer.run_state import TrainingError
+from transformer.run_dir import TrainingError
 
 log = logging.getLogger("transformer.train")
 

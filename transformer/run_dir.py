@@ -1,0 +1,189 @@
+"""The run directory: its lock (one run at a time, released however the process ends), its log file,
+the signals that stop a run cleanly, and the command that continues a run in the form it was started with."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import logging
+import os
+import shlex
+import shutil
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("transformer.train")
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+class RunDirectoryLock:
+    """An exclusive lock on `<run_dir>/.lock` for the life of a run: a second run into the same
+    directory is refused with the holder's pid and host. The kernel releases it when the process
+    ends however it ends, so a killed run never leaves a stale lock.
+
+    A POSIX record lock (`lockf`), not `flock`: it belongs to the process, so DataLoader workers forked
+    from it do not inherit it and cannot keep a killed run's directory locked after it died.
+    """
+
+    _held: dict[Path, RunDirectoryLock] = {}
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir).resolve() / ".lock"
+        self.handle = None
+
+    @classmethod
+    def acquire(cls, run_dir: Path) -> RunDirectoryLock:
+        run_dir = Path(run_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise TrainingError(f"hydra.run.dir={run_dir}: is a file, not a directory; choose another run directory")
+        lock = cls(run_dir)
+        if lock.path in cls._held:
+            return cls._held[lock.path]
+        try:
+            lock.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(lock.path, "a+")
+        except OSError as error:
+            raise TrainingError(f"hydra.run.dir={run_dir}: cannot be created or written ({error.strerror})") from None
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise TrainingError(f"{run_dir} is in use by another training run ({holder}); wait for it to end or "
+                                "choose another hydra.run.dir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.flush()
+        lock.handle = handle
+        cls._held[lock.path] = lock
+        return lock
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self._held.pop(self.path, None)
+            self.handle.close()          # closing the descriptor releases the lock
+            self.handle = None
+
+
+# Hydra's own flags that take a value (the others, such as --multirun, do not start a single run).
+HYDRA_VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+
+
+# Overrides a resume command replaces with its own.
+RESUME_REPLACES = ("trainer.resume", "trainer.overwrite", "hydra.run.dir", "run_dir")
+
+
+@dataclasses.dataclass
+class Launch:
+    """How the run was started, so that the command continuing it takes the same form: `program`
+    (["make", "train"], ["transformer-train"], [python, "-m", "transformer.train"], torchrun ...), the
+    Hydra overrides of this job and Hydra's own flags (--config-dir DIR: `ARGS="..."` under make)."""
+    program: list[str]
+    overrides: list[str]
+    flags: list[str] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def detect(cls, argv: list[str], environ, overrides: list[str]) -> Launch:
+        """From this process: make exports MAKELEVEL to the commands of its recipes (the Makefile runs
+        `python -m transformer.train`, or torchrun for train-ddp, from the directory holding it), torchrun
+        sets LOCAL_WORLD_SIZE, the console script is argv[0]. A Makefile target cannot be told apart
+        from the same command typed under some other make: both read as `make train`."""
+        flags, args = [], iter(argv[1:])
+        for arg in args:
+            if arg.split("=", 1)[0] in HYDRA_VALUE_FLAGS:
+                flags += [arg] if "=" in arg else [arg, next(args, "")]
+        nproc = environ.get("LOCAL_WORLD_SIZE")
+        if "MAKELEVEL" in environ and Path(argv[0]).name == "train.py" and Path("Makefile").is_file():
+            program = ["make", "train-ddp", f"NPROC={nproc}"] if nproc else ["make", "train"]
+        elif nproc:
+            program = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m", "transformer.train"]
+        elif Path(argv[0]).name == "transformer-train":
+            program = ["transformer-train"]
+        else:
+            program = [_python_command(), "-m", "transformer.train"]
+        return cls(program, list(overrides), flags)
+
+    def resume_command(self, run_dir: Path) -> str:
+        """The command continuing the run in `run_dir`: the same overrides, trainer.resume=true and the
+        directory (other values of trainer.resume, trainer.overwrite and the run directory dropped)."""
+        kept = [o for o in self.overrides if o.lstrip("+~").split("=", 1)[0] not in RESUME_REPLACES]
+        args = kept + ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
+        if self.program[0] == "make":
+            flags = [f"ARGS={shlex.join(self.flags)}"] if self.flags else []
+            return shlex.join(self.program + args + flags)
+        return shlex.join(self.program + self.flags + args)
+
+
+def _python_command() -> str:
+    """This interpreter as a user would type it: `python` when that is the one on PATH, else its path
+    (relative to the working directory when inside it, e.g. .venv/bin/python)."""
+    if shutil.which("python") and Path(shutil.which("python")).resolve() == Path(sys.executable).resolve():
+        return "python"
+    try:
+        return str(Path(sys.executable).relative_to(Path.cwd()))
+    except ValueError:
+        return sys.executable
+
+
+def resume_hint(run_dir: Path, launch: Launch | None, reason: str | None = None) -> str:
+    """The log line saying how to continue the run in `run_dir` after it stopped for `reason`: a limit
+    of the run is named, as continuing with the same value stops again at once."""
+    raise_limit = next((f" (raise {key}: it ended this run)" for key in ("trainer.max_steps", "trainer.max_epochs",
+                                                             "trainer.patience") if reason and key in reason), "")
+    last = run_dir / "checkpoints" / "last.pt"
+    if launch is None:
+        return f"continue from {last}{raise_limit}: trainer.resume=true with the run directory {run_dir}"
+    return f"continue from {last}{raise_limit} with: {launch.resume_command(run_dir)}"
+
+
+def install_signal_handlers(trainer) -> dict:
+    """SIGINT/SIGTERM finish the current step, write last.pt and return cleanly."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, frame):
+        if trainer.stop_signal:      # a second Ctrl-C means "now"
+            raise KeyboardInterrupt
+        trainer.stop_signal = signal.Signals(signum).name
+        log.warning("%s received: finishing this step and saving last.pt", trainer.stop_signal)
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+_log_handler: logging.Handler | None = None
+
+
+def attach_log_file(run_dir: Path, is_main: bool) -> None:
+    """train.log in the run directory on rank 0 (Hydra's own handler when run through Hydra); other
+    ranks log warnings only, so that one file is written by one process."""
+    global _log_handler
+    root = logging.getLogger()
+    if _log_handler is not None:          # a previous train() call in this process
+        root.removeHandler(_log_handler)
+        _log_handler.close()
+        _log_handler = None
+    if not is_main:
+        for handler in list(root.handlers):
+            if isinstance(handler, logging.FileHandler):
+                root.removeHandler(handler)
+        root.setLevel(logging.WARNING)
+        return
+    log_file = (run_dir / "train.log").resolve()
+    if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == log_file for h in root.handlers):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _log_handler = logging.FileHandler(log_file)
+        _log_handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(_log_handler)
+    root.setLevel(logging.INFO)
