@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT
+from tests.helpers import FAST, ROOT
 from transformer.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow

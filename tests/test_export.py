@@ -13,14 +13,12 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from tests.conftest import FAST, compose_config
 from transformer import Translator, export
-from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.data import load_split_text
 from transformer.export import export_ctranslate2, load_pretrained, save_pretrained
 from transformer.model import build_model
 from transformer.tokenizer import Tokenizer, train_sentencepiece
-from transformer.toy import generate
 
 try:
     import ctranslate2  # noqa: F401
@@ -162,26 +160,6 @@ def test_export_cli_refuses_bad_requests(trained_checkpoint, tmp_path):
 
 
 # ----- without training: an untrained tiny model ------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def untrained_checkpoint(tmp_path_factory):
-    return write_untrained_checkpoint(tmp_path_factory.mktemp("run") / "best.pt")
-
-
-def write_untrained_checkpoint(path):
-    """best.pt of an untrained tiny model, with the metrics a run records after one validation."""
-    config = compose_config(FAST)
-    src, tgt = generate(400, 10, 10)["train"]
-    tokenizer = Tokenizer(train_sentencepiece(src + tgt, vocab_size=120, model_type="bpe", character_coverage=1.0,
-                                              sample=10_000))
-    torch.manual_seed(0)
-    model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
-    metrics = {"val_history": [{"step": 10, "loss": 4.0, "bleu": 12.345, "chrf": 40.5, "weights": "raw"}],
-               "best_bleu": 12.345, "best_step": 10}
-    save_checkpoint({"model": model.state_dict(), "config": config.to_dict(), "tokenizer": tokenizer.state_dict(),
-                     "step": 10, "metrics": metrics}, path)
-    return path
-
 
 def _export(capsys, checkpoint, out, fmt):
     code = export.main([str(checkpoint), str(out), "--format", fmt])

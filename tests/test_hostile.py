@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, compose_config
+from tests.helpers import FAST, ROOT, compose_config
 from transformer.checkpoint import average_main, load_checkpoint
 from transformer.evaluate import main as evaluate_main
 from transformer.run_state import RunDirectoryLock, TrainingError

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, ROOT
+from tests.helpers import FAST, ROOT
 
 pytestmark = pytest.mark.slow
 

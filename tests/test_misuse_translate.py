@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from transformer.evaluate import main as evaluate_main
 from transformer.evaluate import output_paths
 from transformer.search import Sampling

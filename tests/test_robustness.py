@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import FAST, ROOT
+from tests.helpers import FAST, ROOT
 from transformer.checkpoint import load_checkpoint
 from transformer.config import DataConfig
 from transformer.data import DataError, load_split_text

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, compose_config
+from tests.helpers import FAST, ROOT, compose_config
 from transformer.checkpoint import load_checkpoint
 from transformer.config import ConfigError
 from transformer.data import DataError
