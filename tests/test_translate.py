@@ -12,7 +12,6 @@ from transformer.evaluate import evaluate
 from transformer.validate import score
 
 
-
 def _cli(*args, stdin: bytes = b""):
     proc = subprocess.run([sys.executable, "-m", "transformer.translate", *map(str, args)], input=stdin,
                           capture_output=True, timeout=300)
