@@ -15,8 +15,6 @@ import pytest
 
 from tests.helpers import FAST, ROOT
 
-pytestmark = pytest.mark.slow
-
 
 def _run(*args, cwd, timeout=300):
     proc = subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
@@ -24,6 +22,7 @@ def _run(*args, cwd, timeout=300):
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_and_trains_outside_the_checkout(tmp_path):
     # Build from a copy, so that the checkout gets no build/ directory.
     source = tmp_path / "source"
