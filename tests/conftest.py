@@ -1,4 +1,5 @@
-"""Shared fixtures: composing the real Hydra config, a small trained checkpoint, Multi30k's location."""
+"""Shared fixtures and hooks: the guard that keeps fast tests from training, a small trained checkpoint and an
+untrained one, Multi30k's location. Plain helpers live in tests/helpers.py."""
 
 from __future__ import annotations
 
@@ -8,24 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer.config import CONF_DIR, Config, compose  # noqa: F401 (CONF_DIR: for the tests)
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import FAST, compose_config, write_untrained_checkpoint
 
 torch.set_num_threads(2)
-
-# Small enough to train in seconds; every test that trains starts from this and overrides what it needs.
-FAST = [
-    "model.d_model=64", "model.n_heads=4", "model.d_ff=128", "model.encoder_layers=2",
-    "model.decoder_layers=2", "data.embedded_pairs=2000", "data.vocab_size=200",
-    "trainer.max_tokens=1024", "trainer.log_every=10", "trainer.val_max_sentences=50",
-]
-
-
-def compose_config(overrides: list[str] = (), cache_dir: Path | None = None) -> Config:
-    """The real conf/ tree composed with overrides, as `make train key=value` would see it."""
-    extra = [f"data.cache_dir={cache_dir}"] if cache_dir is not None else []
-    return compose(list(overrides) + extra)
 
 
 @pytest.fixture(autouse=True)
@@ -63,6 +49,13 @@ def trained_run(tmp_path_factory, data_cache):
 @pytest.fixture(scope="session")
 def trained_checkpoint(trained_run) -> Path:
     return trained_run[0] / "checkpoints" / "best.pt"
+
+
+@pytest.fixture(scope="session")
+def untrained_checkpoint(tmp_path_factory) -> Path:
+    """best.pt of an untrained tiny model, built in a second without training (fast tests may use it);
+    read-only: a test that changes it copies it first."""
+    return write_untrained_checkpoint(tmp_path_factory.mktemp("untrained-run") / "best.pt")
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import FAST, compose_config
+from tests.helpers import FAST, compose_config
 from transformer.averaging import ExponentialMovingAverage, weights_swapped
 from transformer.checkpoint import average_checkpoints, load_checkpoint, step_checkpoints
 from transformer.config import ConfigError

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import transformer.corpus as corpus_module
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from transformer.config import DataConfig
 from transformer.corpus import DATA_FILES, prepare
 from transformer.data import DataError

@@ -2,8 +2,8 @@ import re
 
 import pytest
 
-from tests.conftest import CONF_DIR, ROOT, compose_config
-from transformer.config import Config, ConfigError
+from tests.helpers import ROOT, compose_config
+from transformer.config import CONF_DIR, Config, ConfigError
 
 # Each group's default option is its dataclass in Hydra's ConfigStore (transformer/config.py).
 SCHEMA_OPTIONS = {"model": ["tiny"], "trainer": ["default"], "decode": ["beam"], "data": []}

@@ -7,10 +7,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT
+from tests.helpers import FAST, ROOT
 from transformer.checkpoint import load_checkpoint
-
-pytestmark = pytest.mark.slow
 
 COMMON = FAST + ["trainer.precision=fp32", "trainer.device=cpu", "model.dropout=0.0", "trainer.validate_every=5",
                  "trainer.val_max_sentences=8", "decode.beam_size=1", "trainer.max_minutes=0",
@@ -34,6 +32,7 @@ def _max_diff(a, b) -> float:
     return max((pa[k] - pb[k]).abs().max().item() for k in pa)
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process_with_update_freq_2(tmp_path, data_cache):
     cache = f"data.cache_dir={data_cache}"
     _run(COMMON + [cache, "trainer.max_steps=10", f"hydra.run.dir={tmp_path / 'ddp'}"], nproc=2)
@@ -47,6 +46,7 @@ def test_two_ranks_equal_one_process_with_update_freq_2(tmp_path, data_cache):
     assert _max_diff(ddp_dir / "last.pt", ddp_dir / "step_5.pt") > 1e-4
 
 
+@pytest.mark.slow
 def test_ddp_resume_is_exact(tmp_path, data_cache):
     common = COMMON + [f"data.cache_dir={data_cache}", "model.dropout=0.1", "trainer.num_workers=1"]
     _run(common + ["trainer.max_steps=12", f"hydra.run.dir={tmp_path / 'full'}"], nproc=2)

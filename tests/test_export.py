@@ -1,5 +1,5 @@
 """transformer-export: the safetensors directory (its files, model card, permissions and round trip) and
-CTranslate2 against our own decoder. The tests marked slow use a trained model."""
+CTranslate2 against our own decoder. The tests marked slow use a trained model; the others an untrained one."""
 
 from __future__ import annotations
 
@@ -13,14 +13,12 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from tests.conftest import FAST, compose_config
 from transformer import Translator, export
-from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.data import load_split_text
 from transformer.export import export_ctranslate2, load_pretrained, save_pretrained
 from transformer.model import build_model
 from transformer.tokenizer import Tokenizer, train_sentencepiece
-from transformer.toy import generate
 
 try:
     import ctranslate2  # noqa: F401
@@ -74,8 +72,7 @@ def test_safetensors_directory_round_trip_translates_identically(trained_checkpo
     assert again.returncode == 2 and "already exists; pass --force" in again.stderr
 
 
-@pytest.mark.slow
-def test_from_pretrained_refuses_what_it_cannot_read(trained_checkpoint, tmp_path):
+def test_from_pretrained_refuses_what_it_cannot_read(untrained_checkpoint, tmp_path):
     with pytest.raises(CheckpointError, match="is a directory, not a checkpoint file, and holds no config.json"):
         load_pretrained(tmp_path)
     (tmp_path / "checkpoints").mkdir()
@@ -84,7 +81,7 @@ def test_from_pretrained_refuses_what_it_cannot_read(trained_checkpoint, tmp_pat
         load_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match="owner/name"):
         load_pretrained(tmp_path / "nowhere")
-    model, tokenizer, config = model_from_checkpoint(load_checkpoint(trained_checkpoint))
+    model, tokenizer, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
     out = save_pretrained(model, tokenizer, config, tmp_path / "m")
     meta = json.loads((out / "config.json").read_text())
     meta["config"]["model"]["d_model"] = 128
@@ -113,14 +110,13 @@ def test_ctranslate2_greedy_equals_ours_on_a_trained_model(trained_checkpoint, t
     assert sum(a == b for a, b in zip(theirs, expected)) >= 0.99 * len(sources)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("pre_norm,tied,joint", [(True, True, True), (False, False, True), (True, False, False)])
-def test_ctranslate2_scores_equal_ours_for_each_architecture(pre_norm, tied, joint, trained_checkpoint, tmp_path):
+def test_ctranslate2_scores_equal_ours_for_each_architecture(pre_norm, tied, joint, untrained_checkpoint, tmp_path):
     """Pre- and post-norm, tied or not, joint or separate vocabularies: CTranslate2's forced-decoding
     log-probabilities of the same references equal `Translator.score` (float32)."""
     pytest.importorskip("ctranslate2")
-    _, base_tokenizer, config = model_from_checkpoint(load_checkpoint(trained_checkpoint))
-    sources, references = _sources(trained_checkpoint, n=40)
+    _, base_tokenizer, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
+    sources, references = _sources(untrained_checkpoint, n=40)
     if joint:
         tokenizer = base_tokenizer
     else:
@@ -143,17 +139,16 @@ def test_ctranslate2_scores_equal_ours_for_each_architecture(pre_norm, tied, joi
     assert theirs == pytest.approx(ours, rel=1e-3, abs=1e-2)
 
 
-@pytest.mark.slow
-def test_export_cli_refuses_bad_requests(trained_checkpoint, tmp_path):
+def test_export_cli_refuses_bad_requests(untrained_checkpoint, tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "transformer.export", *map(str, args)],
                               capture_output=True, text=True)
-    result = run(trained_checkpoint, tmp_path / "x", "--format", "hf", "--quantization", "int8")
+    result = run(untrained_checkpoint, tmp_path / "x", "--format", "hf", "--quantization", "int8")
     assert result.returncode == 2 and "--quantization applies to --format ctranslate2 only" in result.stderr
     precious = tmp_path / "run"
     (precious / "checkpoints").mkdir(parents=True)
     (precious / "checkpoints" / "keep.pt").write_bytes(b"x")
-    result = run(trained_checkpoint, precious, "--format", "hf", "--force")   # --force replaces exports only
+    result = run(untrained_checkpoint, precious, "--format", "hf", "--force")   # --force replaces exports only
     assert result.returncode == 2 and "is not an exported model (it holds checkpoints)" in result.stderr
     assert (precious / "checkpoints" / "keep.pt").read_bytes() == b"x"
     result = run(tmp_path / "missing.pt", tmp_path / "y", "--format", "hf")
@@ -162,26 +157,6 @@ def test_export_cli_refuses_bad_requests(trained_checkpoint, tmp_path):
 
 
 # ----- without training: an untrained tiny model ------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def untrained_checkpoint(tmp_path_factory):
-    return write_untrained_checkpoint(tmp_path_factory.mktemp("run") / "best.pt")
-
-
-def write_untrained_checkpoint(path):
-    """best.pt of an untrained tiny model, with the metrics a run records after one validation."""
-    config = compose_config(FAST)
-    src, tgt = generate(400, 10, 10)["train"]
-    tokenizer = Tokenizer(train_sentencepiece(src + tgt, vocab_size=120, model_type="bpe", character_coverage=1.0,
-                                              sample=10_000))
-    torch.manual_seed(0)
-    model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
-    metrics = {"val_history": [{"step": 10, "loss": 4.0, "bleu": 12.345, "chrf": 40.5, "weights": "raw"}],
-               "best_bleu": 12.345, "best_step": 10}
-    save_checkpoint({"model": model.state_dict(), "config": config.to_dict(), "tokenizer": tokenizer.state_dict(),
-                     "step": 10, "metrics": metrics}, path)
-    return path
-
 
 def _export(capsys, checkpoint, out, fmt):
     code = export.main([str(checkpoint), str(out), "--format", fmt])

@@ -88,7 +88,7 @@ def test_fused_adamw_and_grad_scaler_step():
 @pytest.mark.parametrize("precision", ["auto", "fp32"])
 def test_a_training_step_never_waits_for_the_gpu(precision, tmp_path, data_cache):
     """On CUDA, PyTorch itself can refuse every operation that makes the host wait for the device."""
-    from tests.conftest import FAST, compose_config
+    from tests.helpers import FAST, compose_config
     from transformer.train import Trainer
     cfg = compose_config(FAST + ["trainer.device=cuda", f"trainer.precision={precision}", "trainer.update_freq=2"],
                          data_cache)

@@ -12,9 +12,9 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import CONF_DIR, ROOT
+from tests.helpers import ROOT
 from transformer import corpus
-from transformer.config import Config
+from transformer.config import CONF_DIR, Config
 
 SECTIONS = ("model", "data", "trainer", "decode")
 

@@ -17,15 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, compose_config
+from tests.helpers import FAST, ROOT, compose_config
 from transformer.checkpoint import average_main, load_checkpoint
 from transformer.evaluate import main as evaluate_main
 from transformer.run_state import RunDirectoryLock, TrainingError
 from transformer.search import beam_search
 from transformer.translate import Translator
 from transformer.translate import main as translate_main
-
-pytestmark = pytest.mark.slow
 
 
 def _snapshot(root: Path) -> dict:
@@ -35,11 +33,13 @@ def _snapshot(root: Path) -> dict:
 
 
 @pytest.fixture
-def workspace(tmp_path, trained_run):
-    """A copy of the trained run (so refusals can be checked for leaving it untouched), an averaged
-    checkpoint, a directory, an empty corpus and a plain file."""
+def workspace(tmp_path, untrained_checkpoint):
+    """A run directory holding an untrained model's best.pt and last.pt (so refusals can be checked for
+    leaving it untouched), an averaged checkpoint, a directory, an empty corpus and a plain file."""
     run = tmp_path / "run"
-    shutil.copytree(trained_run[0] / "checkpoints", run / "checkpoints")
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("best.pt", "last.pt"):
+        shutil.copy(untrained_checkpoint, run / "checkpoints" / name)
     assert average_main([str(run / "checkpoints" / "best.pt"), str(run / "checkpoints" / "last.pt"),
                          "-o", str(tmp_path / "avg.pt")]) == 0
     (tmp_path / "folder").mkdir()
@@ -146,7 +146,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+# The cases that run the training command line are slow; the others refuse in a second.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c[1] == "train" else c for c in CASES],
+                         ids=[c[0] for c in CASES])
 def test_hostile_input_table(case, workspace, capsys, data_cache):
     _, runner, args, pattern = case
     args = [a.format(ws=workspace) for a in args]
@@ -167,11 +169,13 @@ def test_hostile_input_table(case, workspace, capsys, data_cache):
     assert all(workspace / "new" in p.parents or workspace / "cache" in p.parents for p in changed), changed
 
 
-def test_resume_true_passes_over_a_weights_only_checkpoint(workspace):
+@pytest.mark.slow
+def test_resume_true_passes_over_a_weights_only_checkpoint(trained_run, tmp_path):
     from transformer.config import TrainerConfig
     from transformer.distributed import DistInfo
     from transformer.run_state import find_resume_state
-    checkpoints = workspace / "run" / "checkpoints"
+    checkpoints = tmp_path / "checkpoints"                # a run's checkpoints: last.pt can resume it
+    shutil.copytree(trained_run[0] / "checkpoints", checkpoints)
     assert average_main([str(checkpoints / "last.pt"), "-o", str(checkpoints / "avg.pt")]) == 0   # same step
     state = find_resume_state(TrainerConfig(resume=True, max_steps=1), checkpoints, DistInfo())
     assert "optimizer" in state and state["step"] == load_checkpoint(checkpoints / "last.pt")["step"]
@@ -182,8 +186,8 @@ def test_the_table_covers_every_defect_class():
     assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
 
 
-def test_translator_api_refuses_what_the_cli_refuses(trained_checkpoint):
-    translator = Translator.from_checkpoint(trained_checkpoint, device="cpu")
+def test_translator_api_refuses_what_the_cli_refuses(untrained_checkpoint):
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu")
     assert translator.translate(iter(["Der Hund.", ""])) == translator.translate(["Der Hund.", ""])
     assert translator.translate(["Der Hund."], beam_size=np.int64(2)) == translator.translate(["Der Hund."], beam_size=2)
     for bad in ("Der Hund.", [None], [5], [b"Der Hund."], iter(["ok", 5])):
@@ -195,6 +199,7 @@ def test_translator_api_refuses_what_the_cli_refuses(trained_checkpoint):
             translator.translate(["Der Hund."], **options)
 
 
+@pytest.mark.slow
 def test_beam_sizes_up_to_and_beyond_the_vocabulary(trained_checkpoint):
     from tests.test_search import A, B, TableDecoder
     best = {}
@@ -215,6 +220,7 @@ def test_beam_sizes_up_to_and_beyond_the_vocabulary(trained_checkpoint):
             assert all(math.isfinite(s) for s in scores) and scores == sorted(scores, reverse=True)
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_busy_run_directory_is_refused_and_the_first_is_unharmed(tmp_path, data_cache):
     run_dir = tmp_path / "shared"
     first = subprocess.Popen([sys.executable, "-m", "transformer.train", *FAST, "trainer.max_steps=40",
@@ -252,6 +258,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
     lock.release()
 
 
+@pytest.mark.slow
 def test_sigterm_during_validation_saves_and_exits_within_seconds(tmp_path, data_cache):
     # An untrained model decodes every validation sentence to its length limit: a long validation.
     run_dir = tmp_path / "run"
@@ -275,6 +282,7 @@ def test_sigterm_during_validation_saves_and_exits_within_seconds(tmp_path, data
     assert "validation step 3 |" not in log.read_text()       # no half validation was reported
 
 
+@pytest.mark.slow
 def test_disk_full_while_saving_names_the_file_and_the_last_good_checkpoint(tmp_path, data_cache, monkeypatch):
     import transformer.checkpoint as checkpoint
     from transformer.train import train

@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, ROOT
-
-pytestmark = pytest.mark.slow
+from tests.helpers import FAST, ROOT
 
 
 def _run(*args, cwd, timeout=300):
@@ -24,6 +22,7 @@ def _run(*args, cwd, timeout=300):
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_and_trains_outside_the_checkout(tmp_path):
     # Build from a copy, so that the checkout gets no build/ directory.
     source = tmp_path / "source"

@@ -128,7 +128,7 @@ def test_schedules_by_hand(schedule, expected_at):
     ("trainer.min_lr=1", "trainer.min_lr=1.0 must be in [0, trainer.lr="),
 ])
 def test_schedule_keys_are_checked(override, message):
-    from tests.conftest import compose_config
+    from tests.helpers import compose_config
     from transformer.config import ConfigError
     with pytest.raises(ConfigError) as error:
         compose_config([override])
@@ -136,7 +136,7 @@ def test_schedule_keys_are_checked(override, message):
 
 
 def test_a_decaying_schedule_needs_max_steps_beyond_warmup():
-    from tests.conftest import compose_config
+    from tests.helpers import compose_config
     from transformer.config import ConfigError
     with pytest.raises(ConfigError, match="trainer.schedule=cosine decays from trainer.warmup=200 to trainer.max_steps=0"):
         compose_config(["trainer.schedule=cosine", "trainer.max_steps=0"])

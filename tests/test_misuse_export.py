@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, compose_config
+from tests.helpers import FAST, compose_config
 from transformer import export
 from transformer.checkpoint import (
     CHECKPOINT_FORMAT_VERSION,

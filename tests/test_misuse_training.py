@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, compose_config
+from tests.helpers import FAST, ROOT, compose_config
 from transformer.checkpoint import load_checkpoint, non_finite_tensors
 from transformer.config import ConfigError, TrainerConfig
 from transformer.distributed import DistInfo

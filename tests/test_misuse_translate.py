@@ -16,14 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from transformer.evaluate import main as evaluate_main
 from transformer.evaluate import output_paths
 from transformer.search import Sampling
 from transformer.translate import Translator
 from transformer.translate import main as translate_main
-
-pytestmark = pytest.mark.slow
 
 SOURCE = "Der Hund sieht die Katze.\nDie Frau gibt dem Mann das Buch.\n"
 
@@ -57,7 +55,7 @@ def source(tmp_path) -> Path:
 # --- an output over an input: refused before anything is written, the input untouched
 
 @pytest.mark.parametrize("spelling", ["same", "dot-dot", "relative", "symlink", "hard-link"])
-def test_an_output_that_is_the_input_however_spelled_is_refused(trained_checkpoint, source, tmp_path, capsys,
+def test_an_output_that_is_the_input_however_spelled_is_refused(untrained_checkpoint, source, tmp_path, capsys,
                                                                  monkeypatch, spelling):
     (tmp_path / "sub").mkdir()
     monkeypatch.chdir(tmp_path / "sub")
@@ -68,7 +66,7 @@ def test_an_output_that_is_the_input_however_spelled_is_refused(trained_checkpoi
     if spelling == "hard-link":
         os.link(source, output)
     before = source.stat().st_mtime_ns
-    code, out, err = _run(translate_main, capsys, trained_checkpoint, "--input", source, "--output", output)
+    code, out, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source, "--output", output)
     assert code == 2 and out == ""
     assert re.fullmatch(rf"transformer-translate: error: --output {re.escape(str(output))}: is the --input file "
                         rf"{re.escape(str(source))}; writing the translations there would destroy it; choose another "
@@ -76,39 +74,39 @@ def test_an_output_that_is_the_input_however_spelled_is_refused(trained_checkpoi
     assert source.read_text() == SOURCE and source.stat().st_mtime_ns == before
 
 
-def test_an_output_over_the_reference_the_checkpoint_or_a_model_file_is_refused(trained_checkpoint, source,
+def test_an_output_over_the_reference_the_checkpoint_or_a_model_file_is_refused(untrained_checkpoint, source,
                                                                                  tmp_path, capsys):
     reference = tmp_path / "ref.en"
     reference.write_text("The dog sees the cat.\nThe woman gives the man the book.\n")
-    checkpoint_bytes = trained_checkpoint.read_bytes()
+    checkpoint_bytes = untrained_checkpoint.read_bytes()
     model_dir = tmp_path / "exported"                         # refused before the directory is even read
     (model_dir / "tokenizer").mkdir(parents=True)
     (model_dir / "tokenizer" / "spm.model").write_bytes(b"pieces")
     for args, output, what in (
             (["--score-reference", reference], reference, "the --score-reference file"),
-            ([], trained_checkpoint, "the checkpoint"),
+            ([], untrained_checkpoint, "the checkpoint"),
             ([], model_dir / "tokenizer" / "spm.model", f"the checkpoint {model_dir}")):
-        checkpoint = model_dir if what.endswith(str(model_dir)) else trained_checkpoint
+        checkpoint = model_dir if what.endswith(str(model_dir)) else untrained_checkpoint
         code, _, err = _run(translate_main, capsys, checkpoint, "--input", source, *args, "--output", output)
         assert code == 2 and f"--output {output}: is {what}" in _one_line(err)
-    assert trained_checkpoint.read_bytes() == checkpoint_bytes
+    assert untrained_checkpoint.read_bytes() == checkpoint_bytes
     assert reference.read_text().startswith("The dog") and (model_dir / "tokenizer" / "spm.model").read_bytes() == b"pieces"
 
 
-def test_redirections_onto_the_input_are_refused(trained_checkpoint, source):
+def test_redirections_onto_the_input_are_refused(untrained_checkpoint, source):
     with open(source, "rb") as stdin:                          # transformer-translate CK --output in.de < in.de
-        code, err = _cli(trained_checkpoint, "--output", source, stdin=stdin)
+        code, err = _cli(untrained_checkpoint, "--output", source, stdin=stdin)
     assert code == 2 and "--output" in _one_line(err) and "is the file on stdin" in err
     with open(source, "ab") as stdout:                         # transformer-translate CK --input in.de >> in.de
-        code, err = _cli(trained_checkpoint, "--input", source, stdout=stdout)
+        code, err = _cli(untrained_checkpoint, "--input", source, stdout=stdout)
     assert code == 2 and re.fullmatch(r"transformer-translate: error: stdout is the --input file .*in.de; redirect "
                                       r"the output to another file .*", _one_line(err))
     assert source.read_text() == SOURCE
 
 
-def test_evaluate_refuses_to_write_its_results_over_its_reference(trained_checkpoint, tmp_path, source, capsys):
+def test_evaluate_refuses_to_write_its_results_over_its_reference(untrained_checkpoint, tmp_path, source, capsys):
     checkpoint = tmp_path / "best.pt"
-    checkpoint.symlink_to(trained_checkpoint)
+    checkpoint.symlink_to(untrained_checkpoint)
     hypotheses, scores = output_paths(checkpoint, source.name, 5)
     assert hypotheses == tmp_path / "best.in.de.beam5.hyp" and scores == tmp_path / "best.in.de.beam5.json"
     hypotheses.write_text("The dog sees the cat.\nThe woman gives the man the book.\n")   # an earlier run's, say
@@ -128,26 +126,26 @@ def test_evaluate_writes_a_hub_models_results_in_the_working_directory(tmp_path,
 
 # --- a full disk, a reader that went away, Ctrl-C: one line, no traceback
 
-def test_a_full_disk_on_stdout_is_one_line_that_says_writing(trained_checkpoint, source):
+def test_a_full_disk_on_stdout_is_one_line_that_says_writing(untrained_checkpoint, source):
     with open("/dev/full", "wb") as full:
-        code, err = _cli(trained_checkpoint, "--input", source, stdout=full)              # read whole
+        code, err = _cli(untrained_checkpoint, "--input", source, stdout=full)              # read whole
         assert code == 2
         assert _one_line(err) == "transformer-translate: error: stdout: cannot write the output: No space left " \
                                  "on device"
         with open(source, "rb") as text:
             pipe = subprocess.Popen(["cat"], stdin=text, stdout=subprocess.PIPE)
-            code, err = _cli(trained_checkpoint, stdin=pipe.stdout, stdout=full)           # streamed
+            code, err = _cli(untrained_checkpoint, stdin=pipe.stdout, stdout=full)           # streamed
             pipe.wait()
         assert code == 2 and "stdout: cannot write the output: No space left on device" in _one_line(err)
     with open(source, "rb") as text:
         pipe = subprocess.Popen(["cat"], stdin=text, stdout=subprocess.PIPE)
-        code, err = _cli(trained_checkpoint, "--output", "/dev/full", stdin=pipe.stdout)    # streamed to --output
+        code, err = _cli(untrained_checkpoint, "--output", "/dev/full", stdin=pipe.stdout)    # streamed to --output
         pipe.wait()
     assert code == 2 and _one_line(err) == "transformer-translate: error: --output /dev/full: cannot write the " \
                                            "output: No space left on device"
 
 
-def test_a_full_disk_on_the_output_file_is_one_line(trained_checkpoint, source, tmp_path, capsys, monkeypatch):
+def test_a_full_disk_on_the_output_file_is_one_line(untrained_checkpoint, source, tmp_path, capsys, monkeypatch):
     import transformer.translate as translate_module
 
     class FullDisk(io.StringIO):
@@ -162,14 +160,14 @@ def test_a_full_disk_on_the_output_file_is_one_line(trained_checkpoint, source, 
     monkeypatch.setattr(translate_module, "open", open_on_a_full_disk, raising=False)
     output = tmp_path / "out.en"
     for extra in ([], ["--score-reference", source]):
-        code, out, err = _run(translate_main, capsys, trained_checkpoint, "--input", source, "--output", output, *extra)
+        code, out, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source, "--output", output, *extra)
         assert code == 2 and out == ""
         assert _one_line(err) == f"transformer-translate: error: --output {output}: cannot write the output: " \
                                  "No space left on device"
 
 
-def test_ctrl_c_while_streaming_keeps_what_was_translated_and_exits_130(trained_checkpoint):
-    proc = subprocess.Popen([sys.executable, "-m", "transformer.translate", str(trained_checkpoint), "--beam", "1"],
+def test_ctrl_c_while_streaming_keeps_what_was_translated_and_exits_130(untrained_checkpoint):
+    proc = subprocess.Popen([sys.executable, "-m", "transformer.translate", str(untrained_checkpoint), "--beam", "1"],
                             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         proc.stdin.write(b"Der Hund.\n")
@@ -183,15 +181,15 @@ def test_ctrl_c_while_streaming_keeps_what_was_translated_and_exits_130(trained_
     assert proc.returncode == 130 and _one_line(err.decode()) == "transformer-translate: interrupted"
 
 
-def test_ctrl_c_in_translate_and_evaluate_is_one_line_and_130(trained_checkpoint, source, capsys, monkeypatch):
+def test_ctrl_c_in_translate_and_evaluate_is_one_line_and_130(untrained_checkpoint, source, capsys, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Translator, "translate_hypotheses", interrupted)
-    code, out, err = _run(translate_main, capsys, trained_checkpoint, "--input", source)
+    code, out, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source)
     assert code == 130 and out == "" and _one_line(err) == "transformer-translate: interrupted"
     monkeypatch.setattr(Translator, "translate", interrupted)
-    code, out, err = _run(evaluate_main, capsys, trained_checkpoint, "--src", source, "--ref", source)
+    code, out, err = _run(evaluate_main, capsys, untrained_checkpoint, "--src", source, "--ref", source)
     assert code == 130 and out == "" and _one_line(err) == "transformer-evaluate: interrupted"
 
 
@@ -209,29 +207,29 @@ def test_ctrl_c_in_translate_and_evaluate_is_one_line_and_130(trained_checkpoint
     (["--beam", "1", "--alpha", "0.6", "--temperature", "2"], ["--beam", "1"],
      "--temperature is ignored without --sampling; --alpha is ignored by greedy search"),
 ])
-def test_an_option_the_run_does_not_use_is_said_once(trained_checkpoint, source, capsys, args, same_as, warning):
-    code, out, err = _run(translate_main, capsys, trained_checkpoint, "--input", source,
+def test_an_option_the_run_does_not_use_is_said_once(untrained_checkpoint, source, capsys, args, same_as, warning):
+    code, out, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source,
                           *[a.format(ref=source) for a in args])
     assert code == 0 and out
     line = _one_line(err)
     assert line.startswith("transformer-translate: warning: ") and warning in line
     if same_as is not None:                              # the ignored options changed nothing
-        code, expected, err = _run(translate_main, capsys, trained_checkpoint, "--input", source,
+        code, expected, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source,
                                    *[a.format(ref=source) for a in same_as])
         assert code == 0 and err == "" and out == expected
 
 
 @pytest.mark.parametrize("args", [["--sampling", "topk:3", "--temperature", "0.7", "--seed", "2"],
                                   ["--beam", "2", "--alpha", "0.6", "--nbest", "2"], []])
-def test_options_in_use_give_no_warning(trained_checkpoint, source, capsys, args):
-    code, out, err = _run(translate_main, capsys, trained_checkpoint, "--input", source, *args)
+def test_options_in_use_give_no_warning(untrained_checkpoint, source, capsys, args):
+    code, out, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source, *args)
     assert code == 0 and out and err == ""
 
 
 # --- the API: the same refusals as the command line
 
-def test_score_refuses_what_translate_refuses(trained_checkpoint):
-    translator = Translator.from_checkpoint(trained_checkpoint, device="cpu")
+def test_score_refuses_what_translate_refuses(untrained_checkpoint):
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu")
     assert translator.score(iter(["Der Hund."]), ("The dog.",)) == translator.score(["Der Hund."], ["The dog."])
     for sentences, references, name, kind in (("Hund", "dogs", "sentences", "str"), ([None], ["x"], "sentences", "NoneType"),
                                               (["Hund"], "dogs", "references", "str"), (["Hund"], [b"x"], "references", "bytes"),
@@ -246,8 +244,8 @@ def test_score_refuses_what_translate_refuses(trained_checkpoint):
             translator.score(["Der Hund."], ["The dog."], batch_tokens=bad)
 
 
-def test_non_finite_decoding_options_are_refused_by_the_api(trained_checkpoint):
-    translator = Translator.from_checkpoint(trained_checkpoint, device="cpu")
+def test_non_finite_decoding_options_are_refused_by_the_api(untrained_checkpoint):
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu")
     for options in ({"alpha": math.inf}, {"alpha": math.nan}, {"max_len_a": math.inf}, {"max_len_a": math.nan}):
         with pytest.raises(ValueError, match=f"{next(iter(options))}=(inf|nan): must be a finite number"):
             translator.translate(["Der Hund."], **options)
@@ -258,9 +256,9 @@ def test_non_finite_decoding_options_are_refused_by_the_api(trained_checkpoint):
 
 # --- scores compare like with like: the references' Unicode form does not count
 
-def test_evaluate_scores_references_in_nfd_as_in_nfc_and_says_so(trained_checkpoint, tmp_path, capsys, monkeypatch):
+def test_evaluate_scores_references_in_nfd_as_in_nfc_and_says_so(untrained_checkpoint, tmp_path, capsys, monkeypatch):
     checkpoint = tmp_path / "best.pt"                       # its results are written beside it
-    checkpoint.symlink_to(trained_checkpoint)
+    checkpoint.symlink_to(untrained_checkpoint)
     hypotheses = ["Ein Café in Köln öffnet früh.", "Der Mann fährt über die Brücke."]
     monkeypatch.setattr(Translator, "translate", lambda self, sentences, **options: list(hypotheses))
     (tmp_path / "src").write_text("a\nb\n")
@@ -278,10 +276,10 @@ def test_evaluate_scores_references_in_nfd_as_in_nfc_and_says_so(trained_checkpo
     assert reports[0][2].startswith("chrF signature: ") and reports[0][2].endswith("|norm:nfc")
 
 
-def test_the_bench_scores_through_the_same_function(trained_checkpoint, tmp_path, monkeypatch):
+def test_the_bench_scores_through_the_same_function(untrained_checkpoint, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     from bench_ctranslate2 import _bleu
     hypotheses = ["Ein Café in Köln öffnet früh.", "Der Mann fährt über die Brücke."]
     reference = tmp_path / "ref"
     reference.write_text("".join(unicodedata.normalize("NFD", h) + "\n" for h in hypotheses), encoding="utf-8")
-    assert _bleu(hypotheses, reference, str(trained_checkpoint)) == 100.0
+    assert _bleu(hypotheses, reference, str(untrained_checkpoint)) == 100.0

@@ -57,7 +57,7 @@ def test_tied_embeddings_and_shapes():
 
 
 def test_presets_have_the_papers_sizes():
-    from tests.conftest import compose_config
+    from tests.helpers import compose_config
     base = compose_config(["model=base"]).model
     big = compose_config(["model=big"]).model
     assert (base.d_model, base.d_ff, base.n_heads, base.encoder_layers, base.decoder_layers) == (512, 2048, 8, 6, 6)

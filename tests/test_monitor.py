@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tests.conftest import FAST, compose_config
+from tests.helpers import FAST, compose_config
 from transformer.monitor import attention_figure, figure_pixels
 
 

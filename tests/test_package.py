@@ -10,8 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.test_export import write_untrained_checkpoint
+from tests.helpers import ROOT, write_untrained_checkpoint
 from transformer.config import DataConfig
 from transformer.data import DataError, open_split
 

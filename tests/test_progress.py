@@ -20,7 +20,7 @@ import time
 import pytest
 from tqdm import tqdm
 
-from tests.conftest import FAST, ROOT, compose_config
+from tests.helpers import FAST, ROOT, compose_config
 from transformer import tokenizer as tokenizer_module
 from transformer.run_dir import Launch
 from transformer.train_log import TrainingBar

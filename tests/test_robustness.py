@@ -14,25 +14,23 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import FAST, ROOT
+from tests.helpers import FAST, ROOT
 from transformer.checkpoint import load_checkpoint
 from transformer.config import DataConfig
 from transformer.data import DataError, load_split_text
 from transformer.translate import main as translate_main
-
-pytestmark = pytest.mark.slow
 
 lines_of_bytes = st.lists(st.binary(max_size=60).filter(lambda b: b"\n" not in b), max_size=6)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=lines_of_bytes, text=st.text(max_size=80))
-def test_translate_cli_survives_random_bytes_and_unicode(trained_checkpoint, tmp_path, lines, text):
+def test_translate_cli_survives_random_bytes_and_unicode(untrained_checkpoint, tmp_path, lines, text):
     source = tmp_path / "in.txt"
     payload = b"\n".join(lines + [text.replace("\n", " ").replace("\r", " ").encode("utf-8", "surrogatepass")])
     source.write_bytes(payload + b"\n")
     output = tmp_path / "out.txt"
-    assert translate_main([str(trained_checkpoint), "--input", str(source), "--output", str(output),
+    assert translate_main([str(untrained_checkpoint), "--input", str(source), "--output", str(output),
                            "--beam", "2"]) == 0
     expected = payload.count(b"\n") + 1
     assert output.read_text(encoding="utf-8").count("\n") == expected
@@ -75,6 +73,7 @@ def _start(args):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_path, data_cache):
     common = FAST + ["trainer.precision=fp32", "trainer.device=cpu", "trainer.validate_every=1000",
                      "trainer.checkpoint_every=2", "trainer.keep_last=2", "trainer.test_at_end=false",

@@ -114,15 +114,14 @@ def test_row_topk_equals_torch_topk(width, k):
 # --- the real model -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def model_and_sources(trained_checkpoint):
-    model, tokenizer, _ = model_from_checkpoint(load_checkpoint(trained_checkpoint))
+def model_and_sources(untrained_checkpoint):
+    model, tokenizer, _ = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
     model.eval()
     sentences = ["Der Hund sieht die Katze.", "Heute hat der alte Mann den roten Fisch im Park gefunden.",
                  "Ich glaube, dass die Frau das Pferd mag.", "Die Kuh.", "Oft ruft das Kind den Vogel."]
     return model, tokenizer.encode_src(sentences)
 
 
-@pytest.mark.slow
 def test_beam_one_equals_greedy(model_and_sources):
     model, sources = model_and_sources
     greedy = translate_ids(model, sources, beam_size=1)
@@ -136,7 +135,6 @@ def test_beam_one_equals_greedy(model_and_sources):
         assert b[0].logprob == pytest.approx(g.logprob, abs=1e-4)
 
 
-@pytest.mark.slow
 def test_blockwise_candidates_equal_those_from_the_full_distribution(model_and_sources):
     """From logits, top_candidates works on blocks of 128 rows; 300 rows make three blocks."""
     model, sources = model_and_sources
@@ -159,7 +157,6 @@ def test_blockwise_candidates_equal_those_from_the_full_distribution(model_and_s
     assert torch.equal(generic[1], ids)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_mixed_length_batch_equals_one_at_a_time(model_and_sources, beam_size):
     model, sources = model_and_sources
@@ -168,7 +165,6 @@ def test_mixed_length_batch_equals_one_at_a_time(model_and_sources, beam_size):
     assert [h[0].tokens for h in batched] == [h[0].tokens for h in single]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_cache_gives_the_same_output_as_recomputing_the_prefix(model_and_sources, beam_size):
     model, sources = model_and_sources
@@ -179,7 +175,6 @@ def test_cache_gives_the_same_output_as_recomputing_the_prefix(model_and_sources
         assert c[0].score == pytest.approx(u[0].score, abs=1e-4)
 
 
-@pytest.mark.slow
 def test_out_of_memory_in_decoding_splits_the_batch_and_retries(model_and_sources, monkeypatch):
     import transformer.search as search
     model, sources = model_and_sources

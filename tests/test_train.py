@@ -2,6 +2,7 @@
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,15 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, compose_config
+from tests.helpers import FAST, ROOT, compose_config
 from transformer.checkpoint import load_checkpoint
 from transformer.config import ConfigError
 from transformer.data import DataError
 from transformer.train import TrainingError, train
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_training_learns_and_writes_the_run_directory(trained_run):
     run_dir, metrics = trained_run
     history = metrics["val_history"]
@@ -54,6 +54,7 @@ def _params(path: Path) -> dict:
     return load_checkpoint(path)["model"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_continues_exactly(tmp_path, data_cache, workers, caplog):
     common = FAST + ["data.embedded_pairs=800", "trainer.precision=fp32", "trainer.device=cpu", "trainer.update_freq=2",
@@ -90,12 +91,16 @@ def test_resume_continues_exactly(tmp_path, data_cache, workers, caplog):
         assert all(torch.equal(full[name], in_process[name]) for name in full)
 
 
-def test_refuses_a_run_directory_holding_another_run(trained_run, data_cache):
-    run_dir, _ = trained_run
+@pytest.mark.slow
+def test_refuses_a_run_directory_holding_another_run(untrained_checkpoint, tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copy(untrained_checkpoint, run_dir / "checkpoints" / "best.pt")
     with pytest.raises(TrainingError, match="trainer.resume=true"):
         train(compose_config(FAST + ["trainer.max_steps=1"], data_cache), run_dir)
 
 
+@pytest.mark.slow
 def test_max_tokens_smaller_than_a_sentence_fails_before_training(tmp_path, data_cache):
     with pytest.raises(DataError, match="trainer.max_tokens=8 is smaller than the longest sentence"):
         train(compose_config(FAST + ["trainer.max_tokens=8"], data_cache), tmp_path)
@@ -108,6 +113,7 @@ def _train_cli(args, cwd, **kwargs):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
+@pytest.mark.slow
 def test_cli_rejects_impossible_settings_naming_the_key(tmp_path):
     proc = _train_cli(["model.n_heads=3", f"hydra.run.dir={tmp_path}"], ROOT)
     out, _ = proc.communicate(timeout=120)
@@ -118,6 +124,7 @@ def test_cli_rejects_impossible_settings_naming_the_key(tmp_path):
         compose_config(["trainer.lr=-0.1"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, whole_group", [(signal.SIGTERM, False), (signal.SIGINT, True)])
 def test_sigterm_finishes_the_step_saves_last_and_exits_zero(tmp_path, data_cache, sig, whole_group):
     # DataLoader workers run: Ctrl-C in a terminal signals the whole process group, workers included.
@@ -142,6 +149,7 @@ def test_sigterm_finishes_the_step_saves_last_and_exits_zero(tmp_path, data_cach
     assert "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cache, monkeypatch):
     import transformer.train as train_module
     calls = {"n": 0}
@@ -171,6 +179,7 @@ def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cach
     assert last["optimizer"]["state"][0]["step"] == 6          # nor did Adam count them
 
 
+@pytest.mark.slow
 def test_out_of_memory_on_one_batch_skips_it_and_training_goes_on(tmp_path, data_cache, monkeypatch, caplog):
     import logging
 
@@ -194,6 +203,7 @@ def test_out_of_memory_on_one_batch_skips_it_and_training_goes_on(tmp_path, data
     assert state["step"] == 6 and calls["n"] == 7      # 6 optimizer steps plus the skipped batch
 
 
+@pytest.mark.slow
 def test_a_batch_budget_too_large_for_the_device_stops_with_one_line(tmp_path, data_cache, monkeypatch):
     import transformer.train as train_module
     from transformer.run_state import TrainingError
@@ -216,6 +226,7 @@ def test_a_batch_budget_too_large_for_the_device_stops_with_one_line(tmp_path, d
     assert "trainer.max_tokens=1024 is too large for this device; lower it (e.g. trainer.max_tokens=512)" in message
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_an_old_run(tmp_path, data_cache):
     quick = FAST + ["trainer.validate_every=100", "trainer.val_max_sentences=4", "decode.beam_size=1",
                     "trainer.test_at_end=false", "trainer.checkpoint_every=3"]
@@ -226,6 +237,7 @@ def test_overwrite_replaces_an_old_run(tmp_path, data_cache):
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 2
 
 
+@pytest.mark.slow
 def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer(trained_run, tmp_path, data_cache, caplog):
     best = trained_run[0] / "checkpoints" / "best.pt"
     cfg = compose_config(FAST + ["model.d_model=96", "model.d_ff=256", "data.embedded_pairs=4000", "data.vocab_size=123",
@@ -287,6 +299,7 @@ class _HostReads:
             setattr(torch.Tensor, name, original)
 
 
+@pytest.mark.slow
 def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
     from transformer.train import Trainer
     cfg = compose_config(FAST + ["trainer.update_freq=2", "trainer.precision=fp32"], data_cache)

@@ -11,8 +11,6 @@ from transformer.data import load_split_text
 from transformer.evaluate import evaluate
 from transformer.validate import score
 
-pytestmark = pytest.mark.slow
-
 
 def _cli(*args, stdin: bytes = b""):
     proc = subprocess.run([sys.executable, "-m", "transformer.translate", *map(str, args)], input=stdin,
@@ -20,6 +18,7 @@ def _cli(*args, stdin: bytes = b""):
     return proc.returncode, proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
 
 
+@pytest.mark.slow
 def test_cli_keeps_one_line_per_input_line_and_empty_lines(trained_checkpoint, tmp_path):
     source = tmp_path / "in.de"
     source.write_text("Der Hund sieht die Katze.\n\n   \nDie alte Frau hat das Pferd gefunden.\n\n")
@@ -33,9 +32,9 @@ def test_cli_keeps_one_line_per_input_line_and_empty_lines(trained_checkpoint, t
     assert code == 0 and (tmp_path / "out.en").read_text() == out
 
 
-def test_cli_handles_long_lines_and_invalid_utf8(trained_checkpoint):
+def test_cli_handles_long_lines_and_invalid_utf8(untrained_checkpoint):
     long_line = ("Der Hund sieht die Katze " * 400).encode()          # 10,000 characters
-    code, out, err = _cli(trained_checkpoint, "--beam", "1", stdin=b"Die Kuh.\n" + long_line + b"\nDie \xff Maus.\n")
+    code, out, err = _cli(untrained_checkpoint, "--beam", "1", stdin=b"Die Kuh.\n" + long_line + b"\nDie \xff Maus.\n")
     assert code == 0, err
     assert len(out.split("\n")[:-1]) == 3
     assert "truncated" in err and "not valid UTF-8" in err
@@ -45,14 +44,14 @@ def test_cli_handles_long_lines_and_invalid_utf8(trained_checkpoint):
     (["--beam", "0"], "--beam 0"),
     (["--beam", "2", "--nbest", "3"], "--nbest 3"),
 ])
-def test_cli_refuses_bad_options(trained_checkpoint, args, message):
-    code, _, err = _cli(trained_checkpoint, *args)
+def test_cli_refuses_bad_options(untrained_checkpoint, args, message):
+    code, _, err = _cli(untrained_checkpoint, *args)
     assert code == 2 and message in err
 
 
-def test_cli_bad_checkpoints_give_one_clear_line(tmp_path, trained_checkpoint):
+def test_cli_bad_checkpoints_give_one_clear_line(tmp_path, untrained_checkpoint):
     truncated = tmp_path / "cut.pt"
-    truncated.write_bytes(trained_checkpoint.read_bytes()[:1000])
+    truncated.write_bytes(untrained_checkpoint.read_bytes()[:1000])
     text = tmp_path / "notes.pt"
     text.write_text("hello")
     for path, message in ((tmp_path / "missing.pt", "no such checkpoint"), (truncated, "not a readable checkpoint"),
@@ -62,8 +61,8 @@ def test_cli_bad_checkpoints_give_one_clear_line(tmp_path, trained_checkpoint):
         assert len(err.strip().splitlines()) == 1
 
 
-def test_nbest_output_format(trained_checkpoint):
-    code, out, _ = _cli(trained_checkpoint, "--beam", "4", "--nbest", "3", stdin=b"Die Kuh.\nDer Hund.\n")
+def test_nbest_output_format(untrained_checkpoint):
+    code, out, _ = _cli(untrained_checkpoint, "--beam", "4", "--nbest", "3", stdin=b"Die Kuh.\nDer Hund.\n")
     rows = [line.split("\t") for line in out.strip().split("\n")]
     assert code == 0 and len(rows) == 6
     assert [r[0] for r in rows] == ["0", "0", "0", "1", "1", "1"]
@@ -71,6 +70,7 @@ def test_nbest_output_format(trained_checkpoint):
     assert scores == sorted(scores, reverse=True)
 
 
+@pytest.mark.slow
 def test_python_api_and_evaluate_agree_with_the_cli(trained_checkpoint, trained_run):
     # In fp32: a bf16 translation can depend on which sentences share its batch, and the CLI batches
     # a pipe's lines as they arrive, so only fp32 makes the three paths comparable line for line.
@@ -118,9 +118,9 @@ def test_keep_freed_memory_stops_reallocations_from_page_faulting_again():
     assert kept * 5 < mapped, (kept, mapped)
 
 
-def test_the_default_beam_is_the_checkpoints_decode_config(trained_checkpoint, tmp_path):
+def test_the_default_beam_is_the_checkpoints_decode_config(untrained_checkpoint, tmp_path):
     import torch
-    state = torch.load(trained_checkpoint, weights_only=True)
+    state = torch.load(untrained_checkpoint, weights_only=True)
     state["config"]["decode"].update(name="greedy", beam_size=1, alpha=0.0)
     greedy_checkpoint = tmp_path / "greedy.pt"
     torch.save(state, greedy_checkpoint)
@@ -129,7 +129,7 @@ def test_the_default_beam_is_the_checkpoints_decode_config(trained_checkpoint, t
     assert code == 0 and default == _cli(greedy_checkpoint, "--beam", "1", stdin=text)[1]
     code, _, err = _cli(greedy_checkpoint, "--nbest", "2", stdin=text)     # a beam of 1 has no second best
     assert code == 2 and "the checkpoint's beam size is 1; add --beam 2" in err
-    assert _cli(trained_checkpoint, "--nbest", "2", stdin=text)[0] == 0       # beam 5 there
+    assert _cli(untrained_checkpoint, "--nbest", "2", stdin=text)[0] == 0       # beam 5 there
 
 
 def test_cuda_devices_by_number_are_understood():
@@ -141,11 +141,11 @@ def test_cuda_devices_by_number_are_understood():
         assert "cuda:1" not in err or "CUDA device(s)" in err
 
 
-def test_reference_scores_are_sums_of_per_token_log_probabilities(trained_checkpoint, tmp_path):
+def test_reference_scores_are_sums_of_per_token_log_probabilities(untrained_checkpoint, tmp_path):
     import torch
 
     from transformer.tokenizer import BOS_ID, EOS_ID
-    translator = Translator.from_checkpoint(trained_checkpoint, device="cpu", precision="fp32")
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
     sources, references = load_split_text(translator.config.data, "test")
     sources, references = sources[:30], references[:30]
     references[3] = ""                                            # an empty translation: EOS alone
@@ -162,17 +162,17 @@ def test_reference_scores_are_sums_of_per_token_log_probabilities(trained_checkp
     assert sum(translator.score(sources, translations)) > sum(scores)     # the model prefers its own output
     (tmp_path / "src").write_text("\n".join(sources) + "\n")
     (tmp_path / "ref").write_text("\n".join(references) + "\n")
-    code, out, _ = _cli(trained_checkpoint, "--input", tmp_path / "src", "--score-reference", tmp_path / "ref",
+    code, out, _ = _cli(untrained_checkpoint, "--input", tmp_path / "src", "--score-reference", tmp_path / "ref",
                         "--precision", "fp32")
     assert code == 0 and [float(x) for x in out.split()] == pytest.approx(scores, abs=1e-3)
     (tmp_path / "short").write_text("one line\n")
-    code, _, err = _cli(trained_checkpoint, "--input", tmp_path / "src", "--score-reference", tmp_path / "short")
+    code, _, err = _cli(untrained_checkpoint, "--input", tmp_path / "src", "--score-reference", tmp_path / "short")
     assert code == 2 and "1 lines for 30 input lines" in err
 
 
-def test_cli_sampling_is_seeded(trained_checkpoint):
+def test_cli_sampling_is_seeded(untrained_checkpoint):
     text = ("\n".join(["Der Hund sieht die Katze.", "Die Frau gibt dem Mann das Buch."] * 10) + "\n").encode()
-    runs = [_cli(trained_checkpoint, "--sampling", "topk:8", "--temperature", "1.5", "--seed", str(seed), stdin=text)
+    runs = [_cli(untrained_checkpoint, "--sampling", "topk:8", "--temperature", "1.5", "--seed", str(seed), stdin=text)
             for seed in (7, 7, 8)]
     assert all(code == 0 for code, _, _ in runs)
     assert runs[0][1] == runs[1][1] != runs[2][1]
@@ -181,18 +181,18 @@ def test_cli_sampling_is_seeded(trained_checkpoint):
                          (["--sampling", "topp:1.5"], "--sampling topp:1.5: write topk:K"),
                          (["--sampling", "topk:4", "--beam", "4"], "leave out --beam and --nbest"),
                          (["--sampling", "topk:4", "--temperature", "0"], "--temperature 0.0: must be")):
-        code, _, err = _cli(trained_checkpoint, *bad, stdin=b"Hallo\n")
+        code, _, err = _cli(untrained_checkpoint, *bad, stdin=b"Hallo\n")
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_a_pipe_receives_the_first_translations_before_the_input_ends(trained_checkpoint, tmp_path):
+def test_a_pipe_receives_the_first_translations_before_the_input_ends(untrained_checkpoint, tmp_path):
     import queue
     import threading
 
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
-    _, _, config = model_from_checkpoint(load_checkpoint(trained_checkpoint))
+    _, _, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
     sources = load_split_text(config.data, "validation")[0][:40]
-    proc = subprocess.Popen([sys.executable, "-m", "transformer.translate", str(trained_checkpoint), "--beam", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "transformer.translate", str(untrained_checkpoint), "--beam", "2",
                              "--precision", "fp32"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     lines: queue.Queue = queue.Queue()
@@ -214,7 +214,7 @@ def test_a_pipe_receives_the_first_translations_before_the_input_ends(trained_ch
     # Streamed in chunks, the output is what one batch of the whole file gives, line for line.
     source_file = tmp_path / "in.de"
     source_file.write_text("\n".join(sources) + "\n\n")
-    code, whole, err = _cli(trained_checkpoint, "--input", source_file, "--beam", "2", "--precision", "fp32")
+    code, whole, err = _cli(untrained_checkpoint, "--input", source_file, "--beam", "2", "--precision", "fp32")
     assert code == 0, err
     assert first + rest == whole.split("\n")[:-1] and len(first + rest) == 41 and rest[-1] == ""
 

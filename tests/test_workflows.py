@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.conftest import FAST, ROOT
+from tests.helpers import FAST, ROOT
 from transformer.sweep import format_summary, read_summary
 
 
