@@ -264,7 +264,7 @@ def _peak_tflops(device) -> float | None:
 def bench_decode(model, tokenizer, cfg, sources: list[str], device, repeats: int) -> list[dict]:
     """Decoding inside this process through `Translator` (tokenizing included) at the precision
     `transformer-translate` picks (auto), with the key/value cache and without."""
-    from transformer.translate import Translator
+    from transformer.translator import Translator
     precision = resolve_precision("auto", device)
     translator = Translator(model.to(device).eval(), tokenizer, cfg, device, precision)
     rows = []

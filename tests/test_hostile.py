@@ -22,8 +22,8 @@ from transformer.checkpoint import average_main, load_checkpoint
 from transformer.evaluate import main as evaluate_main
 from transformer.run_state import RunDirectoryLock, TrainingError
 from transformer.search import beam_search
-from transformer.translate import Translator
 from transformer.translate import main as translate_main
+from transformer.translator import Translator
 
 
 def _snapshot(root: Path) -> dict:

@@ -20,8 +20,8 @@ from tests.helpers import ROOT
 from transformer.evaluate import main as evaluate_main
 from transformer.evaluate import output_paths
 from transformer.search import Sampling
-from transformer.translate import Translator
 from transformer.translate import main as translate_main
+from transformer.translator import Translator
 
 SOURCE = "Der Hund sieht die Katze.\nDie Frau gibt dem Mann das Buch.\n"
 

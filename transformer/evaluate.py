@@ -13,7 +13,8 @@ from pathlib import Path
 from transformer.checkpoint import CheckpointError
 from transformer.data import DataError, load_split_text, read_lines
 from transformer.runtime import keep_freed_memory
-from transformer.translate import Translator, check_options, option_message, overwritten_input
+from transformer.translate import overwritten_input
+from transformer.translator import Translator, check_options, option_message
 from transformer.validate import score
 
 

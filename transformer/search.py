@@ -4,7 +4,7 @@ The search functions talk to a `StepDecoder` (the protocol below): `step(tokens)
 of the next token` and `select(rows, sentences)` to follow the surviving hypotheses. `ModelDecoder`
 implements it for any `EncoderDecoder` (with the cache, or recomputing the prefix for comparison);
 tests implement it with hand-written probability tables. Text in, text out goes through
-`transformer.translate.Translator`, which calls `translate_ids` here.
+`transformer.translator.Translator`, which calls `translate_ids` here.
 
 Shapes: n open sentences, K beam size, t tokens so far (BOS included), V vocabulary.
 """

@@ -53,7 +53,7 @@ from transformer.search import Interrupted
 from transformer.sweep import job_failed
 from transformer.tokenizer import Tokenizer
 from transformer.train_log import TrainingBar, TrainLog, log_lines_above_bars
-from transformer.translate import Translator
+from transformer.translator import Translator
 from transformer.validate import cross_attention, score, validation_loss
 
 log = logging.getLogger("transformer.train")

@@ -1,5 +1,5 @@
 """Validation and scoring: loss and token accuracy on a split, sacreBLEU/chrF, and the cross-attention
-weights that TensorBoard's heatmaps draw (`transformer.monitor`). Decoding a split goes through `transformer.translate.Translator`."""
+weights that TensorBoard's heatmaps draw (`transformer.monitor`). Decoding a split goes through `transformer.translator.Translator`."""
 
 from __future__ import annotations
 

@@ -1,0 +1,192 @@
+"""`Translator`: the Python API (`from transformer import Translator`) and the one text-to-text path
+behind the command line, validation, the test at the end of training, evaluate and the bench; the
+checks of the decoding options that the CLI and the API share.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from transformer.batching import batches_in_order, pad_sequences
+from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+from transformer.config import DEFAULT_BATCH_TOKENS
+from transformer.model import eval_mode
+from transformer.runtime import DTYPES, Runtime, autocast_factory
+from transformer.search import Hypothesis, Sampling, translate_ids
+from transformer.special import BOS_ID, EOS_ID, PAD_ID
+
+# Target tokens per batch when scoring references (`Translator.score`).
+SCORE_BATCH_TOKENS = 2048
+
+
+class Translator:
+    """Text in, text out: the one path from raw sentences to translations, for the command line, the
+    Python API, validation and the test at the end of training, `evaluate` and the bench.
+
+    >>> Translator.from_checkpoint("best.pt").translate(["Ein Hund rennt."], beam_size=5)
+    ['A dog is running.']
+
+    Constructed around a model in use (training's), it leaves the model where it is and in the mode it
+    was in; `from_checkpoint` / `from_pretrained` move theirs to `device` in eval mode.
+    """
+
+    def __init__(self, model, tokenizer, config, device: torch.device, precision: str = "fp32", autocast=None):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.max_length = model.cfg.max_positions - 1       # tokens of a sentence, EOS or BOS aside
+        self.device = device
+        self.autocast = autocast or autocast_factory(device, DTYPES[precision])
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
+        """A `.pt` checkpoint written by training."""
+        runtime = Runtime.for_inference(device, precision)
+        model, tokenizer, config = model_from_checkpoint(load_checkpoint(path, mmap=True), path)
+        return cls(model.to(runtime.device).eval(), tokenizer, config, runtime.device, runtime.precision)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
+        """A directory written by `transformer-export --format safetensors`, or a HuggingFace Hub id holding one
+        (`owner/name`, downloaded and cached by huggingface_hub)."""
+        from transformer.export import load_pretrained
+
+        runtime = Runtime.for_inference(device, precision)
+        model, tokenizer, config = load_pretrained(path)
+        return cls(model.to(runtime.device).eval(), tokenizer, config, runtime.device, runtime.precision)
+
+    @classmethod
+    def load(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
+        """A checkpoint file, an exported directory, or a hub id (`owner/name`, nothing of that name on
+        disk): what the command lines accept."""
+        from transformer.export import looks_like_hub_id
+
+        if Path(path).is_dir() or looks_like_hub_id(path):
+            return cls.from_pretrained(path, device, precision)
+        return cls.from_checkpoint(path, device, precision)
+
+    def encode_sources(self, sentences: list[str]) -> list[list[int]]:
+        """Source token ids, each cut to the model's positions (with one warning for all that were)."""
+        limit = self.max_length
+        sources = self.tokenizer.encode_src([s.strip() for s in sentences])
+        truncated = sum(len(s) > limit for s in sources)
+        if truncated:
+            warnings.warn(f"{truncated} source sentence(s) longer than {limit} tokens were truncated "
+                          "to the model's maximum length", stacklevel=3)
+        return [s[:limit] for s in sources]
+
+    def translate_hypotheses(self, sentences: list[str], **options) -> list[list[tuple[str, float]]]:
+        """n-best (text, score) lists, best first; the options of `hypotheses`."""
+        return [[(h.text, h.score) for h in hyps] for hyps in self.hypotheses(sentences, **options)]
+
+    def hypotheses(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
+                   nbest: int = 1, max_len_a: float | None = None, max_len_b: int | None = None,
+                   batch_tokens: int | None = None, progress: bool | None = False, desc: str = "translate",
+                   sampling: Sampling | None = None, stop=None, use_cache: bool = True) -> list[list[Hypothesis]]:
+        """n-best `Hypothesis` lists (text, score, tokens, ...), best first. Options left out come from the
+        config's decode section. Empty sentences translate to ''. With `sampling` (`search.Sampling`), one
+        sampled translation per sentence instead of a search. `progress`: a tqdm bar (None: when stderr
+        is a terminal); `stop()`, asked between batches, may raise `search.Interrupted`; `use_cache=False`
+        recomputes every prefix (the bench's reference)."""
+        sentences = list_of_str(sentences, "sentences", "translate([text])")
+        decode = self.config.decode
+        beam_size = decode.beam_size if beam_size is None else beam_size
+        alpha = decode.alpha if alpha is None else alpha
+        max_len_a = decode.max_len_a if max_len_a is None else max_len_a
+        max_len_b = decode.max_len_b if max_len_b is None else max_len_b
+        batch_tokens = DEFAULT_BATCH_TOKENS if batch_tokens is None else batch_tokens
+        check_options(beam_size=beam_size, nbest=nbest, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
+                      batch_tokens=batch_tokens)
+        sources = self.encode_sources(sentences)
+        wanted = [i for i, s in enumerate(sources) if s]
+        results: list[list[Hypothesis]] = [[] for _ in sources]
+        with tqdm(total=len(wanted), desc=desc, unit="sent", leave=False,
+                  disable=None if progress is None else not progress) as bar:
+            decoded = translate_ids(
+                self.model, [sources[i] for i in wanted], beam_size=beam_size, alpha=alpha, nbest=nbest,
+                max_len_a=max_len_a, max_len_b=max_len_b, batch_tokens=batch_tokens, device=self.device,
+                progress=bar, autocast=self.autocast, sampling=sampling, stop=stop, use_cache=use_cache)
+        for index, hyps in zip(wanted, decoded):
+            results[index] = hyps
+        flat = [h for hyps in results for h in hyps]
+        for hyp, text in zip(flat, self.tokenizer.decode_tgt([h.tokens for h in flat])):
+            hyp.text = text
+        return [hyps or [Hypothesis([], 0.0, 0.0) for _ in range(nbest)] for hyps in results]
+
+    @torch.inference_mode()
+    def score(self, sentences: list[str], references: list[str], batch_tokens: int | None = None) -> list[float]:
+        """Log-probability of each reference translation given its source under the model (forced
+        decoding): the sum over its tokens and the final EOS, as sentence scores for filtering corpora.
+        Sources and references longer than the model's positions are truncated."""
+        sentences = list_of_str(sentences, "sentences", "score([source], [reference])")
+        references = list_of_str(references, "references", "score([source], [reference])")
+        if len(sentences) != len(references):
+            raise ValueError(f"{len(sentences)} sources but {len(references)} references: give one reference "
+                             "per source")
+        if batch_tokens is not None:
+            check_whole("batch_tokens", batch_tokens, 1)
+        sources = self.encode_sources(sentences)
+        targets = [ids[:self.max_length] for ids in self.tokenizer.encode_tgt([r.strip() for r in references])]
+        widths = [max(len(a), len(b)) for a, b in zip(sources, targets)]
+        scores = [0.0] * len(sources)
+        # The (B, T, V) float32 log-probabilities bound the batch: 2048 tokens x 32k pieces = 256 MB.
+        for indices in batches_in_order(widths, batch_tokens or SCORE_BATCH_TOKENS):
+            src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(self.device)      # (B, S)
+            tgt = [targets[i] for i in indices]
+            tgt_in = pad_sequences(tgt, prefix=[BOS_ID]).to(self.device)                           # (B, T)
+            tgt_out = pad_sequences(tgt, suffix=[EOS_ID]).to(self.device)                          # (B, T)
+            with self.autocast(), eval_mode(self.model):
+                logits = self.model(src, tgt_in)                                                   # (B, T, V)
+            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(2, tgt_out[:, :, None]).squeeze(2)
+            sums = logprobs.masked_fill(tgt_out == PAD_ID, 0.0).sum(dim=1)                         # (B,)
+            for index, value in zip(indices, sums.tolist()):
+                scores[index] = value
+        return scores
+
+    def translate(self, sentences: list[str], beam_size: int | None = None, **options) -> list[str]:
+        """One translation per sentence (the best hypothesis)."""
+        return [hyps[0][0] for hyps in self.translate_hypotheses(sentences, beam_size=beam_size, **options)]
+
+
+def list_of_str(sentences, name: str, example: str) -> list[str]:
+    """`sentences` (a list or any iterable of str, consumed once) as a list; a TypeError naming the
+    argument otherwise (a str alone would be taken as one sentence per character)."""
+    items = None
+    if not isinstance(sentences, (str, bytes)):
+        try:
+            items = list(sentences)
+        except TypeError:                                # not iterable
+            pass
+    kind = type(sentences).__name__ if items is None else \
+        next((type(s).__name__ for s in items if not isinstance(s, str)), None)
+    if kind is not None:
+        raise TypeError(f"{name} must be a list of str (got {kind}); for one sentence write {example}")
+    return items
+
+
+def check_whole(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name}={value!r}: must be a whole number >= {low}")
+
+
+def check_options(*, beam_size, nbest, alpha, max_len_a, max_len_b, batch_tokens) -> None:
+    """Decoding options, checked the same way for the API and the CLIs: ValueError naming the option."""
+    check_whole("beam_size", beam_size, 1)
+    check_whole("batch_tokens", batch_tokens, 1)
+    check_whole("max_len_b", max_len_b, 0)
+    check_whole("nbest", nbest, 1)
+    if nbest > beam_size:
+        raise ValueError(f"nbest={nbest}: must be between 1 and the beam size ({beam_size})")
+    for name, value in (("alpha", alpha), ("max_len_a", max_len_a)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}={value!r}: must be a finite number >= 0")
+
+
+def option_message(error: ValueError) -> str:
+    """`check_options`'s message in the command lines' words: `beam_size=0: ...` -> `--beam 0: ...`."""
+    option, _, rest = str(error).partition("=")
+    return f"--{option.replace('_size', '').replace('_', '-')} {rest}"
