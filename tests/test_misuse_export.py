@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FAST, compose_config
+from tests.helpers import write_untrained_checkpoint
 from transformer import export
 from transformer.checkpoint import (
     CHECKPOINT_FORMAT_VERSION,
@@ -26,9 +26,6 @@ from transformer.checkpoint import (
     save_checkpoint,
 )
 from transformer.evaluate import main as evaluate_main
-from transformer.model import build_model
-from transformer.tokenizer import Tokenizer, train_sentencepiece
-from transformer.toy import generate
 from transformer.translate import main as translate_main
 
 try:
@@ -40,17 +37,9 @@ except ImportError:                     # the [export] extra is not installed: t
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    """best.pt of an untrained tiny model, as training writes it (weights, config, tokenizer, step)."""
-    config = compose_config(FAST)
-    src, tgt = generate(400, 10, 10)["train"]
-    tokenizer = Tokenizer(train_sentencepiece(src + tgt, vocab_size=120, model_type="bpe", character_coverage=1.0,
-                                              sample=10_000))
-    torch.manual_seed(0)
-    model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
-    path = tmp_path_factory.mktemp("run") / "checkpoints" / "best.pt"
-    save_checkpoint({"model": model.state_dict(), "config": config.to_dict(), "tokenizer": tokenizer.state_dict(),
-                     "step": 10, "metrics": {}}, path)
-    return path
+    """best.pt of an untrained tiny model, as training writes it (weights, config, tokenizer, step), in a run
+    directory of this module's own."""
+    return write_untrained_checkpoint(tmp_path_factory.mktemp("run") / "checkpoints" / "best.pt")
 
 
 def _run(main, capsys, *args):

@@ -92,14 +92,19 @@ def sealed(body: dict) -> str:
     return json.dumps({**body, "crc32": _seal(body)}, indent=1) + "\n"
 
 
-def read_record(path: Path) -> dict:
-    """The body of a `sealed` record, or CacheDamage (missing / unreadable metadata)."""
+def read_cached_bytes(path: Path, unreadable: str = "unreadable") -> bytes:
+    """The bytes of a cache file, or CacheDamage: missing, or `unreadable` (the OS's reason)."""
     try:
-        text = path.read_bytes()
+        return path.read_bytes()
     except FileNotFoundError:
         raise CacheDamage(path, "missing") from None
     except OSError as error:
-        raise CacheDamage(path, f"unreadable metadata ({error.strerror})") from None
+        raise CacheDamage(path, f"{unreadable} ({error.strerror})") from None
+
+
+def read_record(path: Path) -> dict:
+    """The body of a `sealed` record, or CacheDamage (missing / unreadable metadata)."""
+    text = read_cached_bytes(path, "unreadable metadata")
     try:
         record = json.loads(text)
     except ValueError:                          # not UTF-8, or not JSON

@@ -18,7 +18,15 @@ from pathlib import Path
 import sentencepiece as spm
 from tqdm import tqdm
 
-from transformer.cache import CacheDamage, bytes_record, check_bytes, read_record, sealed, write_failure
+from transformer.cache import (
+    CacheDamage,
+    bytes_record,
+    check_bytes,
+    read_cached_bytes,
+    read_record,
+    sealed,
+    write_failure,
+)
 from transformer.data import DataError, SplitSource
 from transformer.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (also imported from here)
 
@@ -171,12 +179,7 @@ def _read_cached(record_path: Path, paths: list[Path]) -> list[bytes]:
     for path in paths:
         if not isinstance(record.get("models"), dict) or path.name not in record["models"]:
             raise CacheDamage(record_path, f"unreadable metadata (no record of {path.name})")
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise CacheDamage(path, "missing") from None
-        except OSError as error:
-            raise CacheDamage(path, f"unreadable ({error.strerror})") from None
+        data = read_cached_bytes(path)
         check_bytes(data, path, record["models"][path.name])
         models.append(data)
     return models
