@@ -267,3 +267,118 @@ def test_decoders_meet_the_search_protocols():
     assert isinstance(decoder, LogitsDecoder) and isinstance(decoder, StepDecoder)
     table = TableDecoder.__new__(TableDecoder)
     assert isinstance(table, StepDecoder) and not isinstance(table, LogitsDecoder)
+
+
+# --- ensembles and target prefixes ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_models(untrained_checkpoint, model_and_sources):
+    """The untrained model and a second one over the same vocabulary with other weights."""
+    from transformer.model import build_model
+    model, sources = model_and_sources
+    _, tokenizer, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
+    torch.manual_seed(1)
+    other = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint).eval()
+    return model, other, sources
+
+
+def _padded(sources):
+    return torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [EOS_ID]) for s in sources], batch_first=True,
+                                           padding_value=PAD_ID)
+
+
+def _averaged_logprobs(models, weights, src, tokens):
+    """The slow reference: each model run on the whole prefix (no cache), log-softmax, weighted mean."""
+    total = sum(weights)
+    with torch.no_grad():
+        parts = [w / total * torch.log_softmax(m(src, tokens)[:, -1].float(), dim=-1) for m, w in zip(models, weights)]
+    return torch.stack(parts).sum(dim=0)                                                   # (rows, V)
+
+
+def _reference_greedy(models, weights, src, max_len, prefix=()):
+    """One sentence (src (1, S)): force `prefix`, then take the most probable averaged token until EOS."""
+    tokens = [BOS_ID, *prefix]
+    logprob = 0.0
+    with torch.no_grad():
+        for i, token in enumerate(prefix):
+            logprob += _averaged_logprobs(models, weights, src, torch.tensor([tokens[:i + 1]]))[0, token].item()
+        while len(tokens) - 1 < max_len:
+            lp = _averaged_logprobs(models, weights, src, torch.tensor([tokens]))[0]
+            lp[[PAD_ID, BOS_ID]] = float("-inf")
+            token = EOS_ID if len(tokens) == max_len else int(lp.argmax())
+            logprob += lp[token].item()
+            if token == EOS_ID:
+                break
+            tokens.append(token)
+    return tokens[1:], logprob
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_an_ensemble_of_one_model_equals_that_model(model_and_sources, beam_size):
+    from transformer.search import EnsembleDecoder, max_lengths
+    model, sources = model_and_sources
+    src = _padded(sources)
+    lens = max_lengths(src, 1.2, 10, 1000)
+    alone = beam_search(ModelDecoder(model, src), lens, beam_size, alpha=0.6, nbest=beam_size)
+    ensemble = beam_search(EnsembleDecoder([ModelDecoder(model, src)], [3.0]), lens, beam_size, alpha=0.6,
+                           nbest=beam_size)
+    assert [[h.tokens for h in hyps] for hyps in alone] == [[h.tokens for h in hyps] for hyps in ensemble]
+    for a, e in zip(alone, ensemble):
+        assert [h.score for h in a] == pytest.approx([h.score for h in e], abs=1e-5)
+    assert translate_ids([model], sources, beam_size=beam_size)[0][0].tokens == alone[0][0].tokens
+
+
+def test_an_ensemble_steps_with_the_weighted_mean_of_the_models_logprobs(two_models):
+    """Forced decoding of a fixed target through the ensemble's cached steps, against the hand
+    computation from each model's uncached distribution."""
+    from transformer.search import EnsembleDecoder
+    first, second, sources = two_models
+    src = _padded(sources[:2])
+    target = torch.tensor([[BOS_ID, 7, 9, 11, 13], [BOS_ID, 20, 8, 6, 30]])                # (2, 5)
+    with torch.no_grad():
+        ensemble = EnsembleDecoder([ModelDecoder(first, src), ModelDecoder(second, src)], [1.0, 3.0])
+        for t in range(1, target.size(1) + 1):
+            got = ensemble.step(target[:, :t])                                             # (2, V)
+            expected = _averaged_logprobs([first, second], [1.0, 3.0], src, target[:, :t])
+            assert torch.allclose(got, expected, atol=1e-5), t
+            # each model alone differs from the mean: the check is not vacuous
+            assert not torch.allclose(got, _averaged_logprobs([first], [1.0], src, target[:, :t]), atol=1e-3)
+            ensemble.select(torch.arange(2))
+
+
+def test_ensemble_greedy_equals_the_hand_computed_average(two_models):
+    first, second, sources = two_models
+    found = translate_ids([first, second], sources, beam_size=1, weights=[2.0, 1.0], max_len_a=0.0, max_len_b=8)
+    for source, hyps in zip(sources, found):
+        tokens, logprob = _reference_greedy([first, second], [2.0, 1.0], _padded([source]), max_len=8)
+        assert hyps[0].tokens == tokens
+        assert hyps[0].logprob == pytest.approx(logprob, abs=1e-4)
+    alone = translate_ids(first, sources, beam_size=1, max_len_a=0.0, max_len_b=8)
+    assert [h[0].tokens for h in found] != [h[0].tokens for h in alone]
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_a_prefix_is_kept_and_decoding_continues_as_the_model_would(model_and_sources, beam_size):
+    """The hypothesis starts with the prefix; after it, greedy equals the uncached greedy continuation;
+    a beam's best hypothesis also starts with it; sentences without a prefix decode as without any."""
+    model, sources = model_and_sources
+    prefixes = [[7, 9, 11], [], [30], [12, 12, 40, 5, 8], []]
+    found = translate_ids(model, sources, beam_size=beam_size, prefixes=prefixes, max_len_a=0.0, max_len_b=9)
+    plain = translate_ids(model, sources, beam_size=beam_size, max_len_a=0.0, max_len_b=9)
+    for source, prefix, hyps, without in zip(sources, prefixes, found, plain):
+        assert hyps[0].tokens[:len(prefix)] == prefix
+        if not prefix:
+            assert hyps[0].tokens == without[0].tokens
+        if beam_size == 1:
+            tokens, logprob = _reference_greedy([model], [1.0], _padded([source]), max_len=9, prefix=prefix)
+            assert hyps[0].tokens == tokens
+            assert hyps[0].logprob == pytest.approx(logprob, abs=1e-4)
+    assert any(h[0].tokens[:len(p)] != p for h, p in zip(plain, prefixes) if p)      # the prefix changed something
+
+
+def test_a_prefix_longer_than_the_length_limit_still_ends_with_eos(model_and_sources):
+    model, sources = model_and_sources
+    prefix = [7, 9, 11, 13, 15, 17]
+    for beam_size in (1, 3):
+        hyps = translate_ids(model, sources[:1], beam_size=beam_size, prefixes=[prefix], max_len_a=0.0, max_len_b=2)
+        assert hyps[0][0].tokens[:len(prefix)] == prefix and len(hyps[0][0].tokens) <= len(prefix)

@@ -2,8 +2,10 @@
 
 The search functions talk to a `StepDecoder` (the protocol below): `step(tokens) -> log-probabilities
 of the next token` and `select(rows, sentences)` to follow the surviving hypotheses. `ModelDecoder`
-implements it for any `EncoderDecoder` (with the cache, or recomputing the prefix for comparison);
-tests implement it with hand-written probability tables. Text in, text out goes through
+implements it for any `EncoderDecoder` (with the cache, or recomputing the prefix for comparison),
+`EnsembleDecoder` for several models at once (the weighted mean of their log-probabilities); tests
+implement it with hand-written probability tables. A target prefix (`prefixes`) forces the first
+tokens of a sentence; search continues from there. Text in, text out goes through
 `transformer.translator.Translator`, which calls `translate_ids` here.
 
 Shapes: n open sentences, K beam size, t tokens so far (BOS included), V vocabulary.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -117,6 +120,31 @@ class ModelDecoder:
             self.src_pad_mask = self.src_pad_mask.index_select(0, sentences)
 
 
+class EnsembleDecoder:
+    """Several decoders over the same vocabulary, stepping together: the next-token log-probabilities are
+    the weighted mean of theirs (`weights` normalised to sum to 1), each model with its own encoder
+    output and cache, all following the same hypotheses."""
+
+    def __init__(self, decoders: list[StepDecoder], weights: list[float] | None = None):
+        weights = [1.0] * len(decoders) if weights is None else list(weights)
+        if not decoders or len(weights) != len(decoders):
+            raise ValueError(f"an ensemble needs one weight per model ({len(decoders)} models, {len(weights)} weights)")
+        total = sum(weights)
+        self.decoders, self.weights = decoders, [w / total for w in weights]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (rows, t) -> the weighted mean of the models' float32 log-probabilities (rows, V)."""
+        mean = None
+        for weight, decoder in zip(self.weights, self.decoders):
+            logprobs = decoder.step(tokens)                                       # (rows, V) float32
+            mean = logprobs.mul_(weight) if mean is None else mean.add_(logprobs, alpha=weight)
+        return mean
+
+    def select(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> None:
+        for decoder in self.decoders:
+            decoder.select(rows, sentences)
+
+
 def row_topk(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """`scores.topk(k, dim=1)`, found by first ranking blocks of `chunk` columns by their maxima.
 
@@ -167,6 +195,12 @@ def _candidates(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return values, ids, logprobs[:, EOS_ID]
 
 
+def _prefix_logprob(logprobs: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which rows are still inside their target prefix (`wanted` (rows,): the prefix token of this step,
+    PAD once a row's prefix has ended) and the log-probability (rows,) of that token."""
+    return wanted != PAD_ID, logprobs.gather(1, wanted[:, None]).squeeze(1)
+
+
 @dataclass
 class Sampling:
     """Random sampling instead of search (back-translation, Edunov et al. 2018): each token is drawn from
@@ -203,9 +237,11 @@ class Sampling:
 
 
 @torch.no_grad()
-def greedy_search(decoder: StepDecoder, max_lens: torch.Tensor, sampling: Sampling | None = None) -> list[Hypothesis]:
+def greedy_search(decoder: StepDecoder, max_lens: torch.Tensor, sampling: Sampling | None = None,
+                  prefix: torch.Tensor | None = None) -> list[Hypothesis]:
     """Pick the most probable token at every step (or draw one, with `sampling`); sentences leave the
-    batch when they emit EOS."""
+    batch when they emit EOS. `prefix` (n, P): target tokens forced first, PAD after each sentence's
+    own prefix (its length + 1 must fit in `max_lens`)."""
     batch = max_lens.numel()
     device = max_lens.device
     tokens = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=device)     # (n, t)
@@ -213,13 +249,21 @@ def greedy_search(decoder: StepDecoder, max_lens: torch.Tensor, sampling: Sampli
     open_ids = torch.arange(batch, device=device)       # original index of each open sentence
     results: list[Hypothesis | None] = [None] * batch
     for step in range(int(max_lens.max())):
-        if sampling is None:
+        in_prefix = prefix is not None and step < prefix.size(1)
+        if sampling is None and not in_prefix:
             best_logprob, best_token, eos_logprob = top_candidates(decoder, tokens, 1)  # (n, 1), (n, 1), (n,)
             best_logprob, best_token = best_logprob.squeeze(1), best_token.squeeze(1)
         else:
             logprobs = _never_generated(decoder.step(tokens))                     # (n, V) float32
-            best_token, best_logprob = sampling(logprobs)
+            if sampling is None:
+                best_logprob, best_token = logprobs.max(dim=1)
+            else:
+                best_token, best_logprob = sampling(logprobs)
             eos_logprob = logprobs[:, EOS_ID]
+            if in_prefix:
+                active, wanted_logprob = _prefix_logprob(logprobs, prefix[:, step])
+                best_token = torch.where(active, prefix[:, step], best_token)
+                best_logprob = torch.where(active, wanted_logprob, best_logprob)
         forced = step + 1 >= max_lens                                             # (n,)
         next_token = torch.where(forced, EOS_ID, best_token)
         token_logprob = torch.where(forced, eos_logprob, best_logprob)
@@ -236,13 +280,14 @@ def greedy_search(decoder: StepDecoder, max_lens: torch.Tensor, sampling: Sampli
         if keep.numel() == 0:
             break
         tokens, logprob, open_ids, max_lens = tokens[keep], logprob[keep], open_ids[keep], max_lens[keep]
+        prefix = None if prefix is None else prefix[keep]
         decoder.select(keep, keep)
     return results
 
 
 @torch.no_grad()
 def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, alpha: float = 0.0,
-                nbest: int = 1) -> list[list[Hypothesis]]:
+                nbest: int = 1, prefix: torch.Tensor | None = None) -> list[list[Hypothesis]]:
     """Batched beam search; returns the `nbest` best finished hypotheses per sentence, best first.
 
     Each step expands every open hypothesis, takes the top 2K candidates per sentence, finishes the
@@ -250,6 +295,10 @@ def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, al
     A sentence closes when K hypotheses have finished, when it reaches its maximum length, or when no
     open hypothesis can still beat the `nbest`-th finished one (log-probabilities only fall, so an open
     score s can at best become s / lp(max_len)).
+
+    `prefix` (n, P): target tokens forced first, PAD after each sentence's own prefix (its length + 1
+    must fit in `max_lens`). While a sentence is inside it, only its first beam continues, with the
+    forced token; the beam widens from the step after.
     """
     if nbest > beam_size:
         raise ValueError(f"nbest={nbest} cannot exceed beam_size={beam_size}")
@@ -263,7 +312,17 @@ def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, al
         n, beams = scores.shape
         # A sentence's 2K best (beam, token) candidates are among each beam's 2K best tokens
         # (width = 2K, or the vocabulary size if that is smaller).
-        row_scores, row_tokens, eos_logprob = top_candidates(decoder, tokens, 2 * K)  # (n*beams, width)
+        if prefix is not None and step < prefix.size(1):
+            logprobs = decoder.step(tokens)                                       # (n*beams, V) float32
+            row_scores, row_tokens, eos_logprob = _candidates(logprobs, 2 * K)    # (n*beams, width)
+            wanted = prefix[:, step].repeat_interleave(beams)                     # (n*beams,)
+            active, wanted_logprob = _prefix_logprob(logprobs, wanted)
+            first_beam = torch.arange(n * beams, device=device) % beams == 0
+            row_scores[active] = float("-inf")
+            row_scores[:, 0] = torch.where(active & first_beam, wanted_logprob, row_scores[:, 0])
+            row_tokens[:, 0] = torch.where(active, wanted, row_tokens[:, 0])
+        else:
+            row_scores, row_tokens, eos_logprob = top_candidates(decoder, tokens, 2 * K)  # (n*beams, width)
         width = row_scores.size(1)
         forced = step + 1 >= max_lens                                              # (n,)
         if forced.any():      # sentences at their length limit may only end
@@ -304,6 +363,7 @@ def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, al
             kept_beams = scores.size(1)
             keep_rows = (keep[:, None] * kept_beams + torch.arange(kept_beams, device=device)).view(-1)
             tokens, scores, open_ids, max_lens = tokens[keep_rows], scores[keep], open_ids[keep], max_lens[keep]
+            prefix = None if prefix is None else prefix[keep]
             decoder.select(rows[keep_rows], keep)
         else:
             decoder.select(rows)
@@ -325,28 +385,38 @@ def _closed(finished, open_ids, scores, forced, max_lens, beam_size, alpha, nbes
 
 
 @torch.inference_mode()       # no_grad, minus version counting and view tracking: a few % here
-def translate_ids(model: EncoderDecoder, sources: list[list[int]], *, beam_size: int = 5, alpha: float = 0.0,
-                  max_len_a: float = 1.2, max_len_b: int = 10, nbest: int = 1,
+def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: list[list[int]], *, beam_size: int = 5,
+                  alpha: float = 0.0, max_len_a: float = 1.2, max_len_b: int = 10, nbest: int = 1,
                   batch_tokens: int = DEFAULT_BATCH_TOKENS, device: torch.device | str = "cpu",
                   use_cache: bool = True, progress=None, autocast=None, stop=None,
-                  sampling: Sampling | None = None) -> list[list[Hypothesis]]:
+                  sampling: Sampling | None = None, weights: Sequence[float] | None = None,
+                  prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
     """Decode token-id sources (without EOS) in length-sorted batches; results in input order.
     With `sampling`, one sampled hypothesis per sentence (the beam size is not used).
 
-    `beam_size=1` runs greedy search. Sources longer than the model's positions are truncated by the
-    caller (see `Translator`). `stop`, if given, is asked before every batch; True raises `Interrupted`.
+    `beam_size=1` runs greedy search. `model` may be a list of models sharing one vocabulary: an
+    ensemble (`EnsembleDecoder`, optionally `weights`). `prefixes`: per source, target token ids
+    (without BOS) to force first, [] for none; the hypotheses start with them. Sources longer than the
+    model's positions, and prefixes that leave no room for EOS, are cut by the caller (see
+    `Translator`). `stop`, if given, is asked before every batch; True raises `Interrupted`.
     """
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
     results: list[list[Hypothesis]] = [[] for _ in sources]
-    limit = model.cfg.max_positions - 1
+    limit = min(m.cfg.max_positions for m in models) - 1
 
     def attempt(indices: list[int]) -> list[list[Hypothesis]]:
         src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(device)   # (B, S)
         with autocast() if autocast is not None else contextlib.nullcontext():
-            decoder = ModelDecoder(model, src, use_cache)
-            lens = max_lengths(src, max_len_a, max_len_b, limit)
+            decoders = [ModelDecoder(m, src, use_cache) for m in models]
+            decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, weights)
+            lens = max_lengths(src, max_len_a, max_len_b, limit)                  # (B,)
+            prefix = None
+            if prefixes is not None and any(prefixes[i] for i in indices):
+                prefix = pad_sequences([prefixes[i] for i in indices]).to(device)  # (B, P), PAD after each
+                lens = torch.maximum(lens, (prefix != PAD_ID).sum(dim=1) + 1)     # room for the prefix and EOS
             if beam_size == 1 or sampling is not None:
-                return [[h] for h in greedy_search(decoder, lens, sampling)]
-            return beam_search(decoder, lens, beam_size, alpha, nbest)
+                return [[h] for h in greedy_search(decoder, lens, sampling, prefix)]
+            return beam_search(decoder, lens, beam_size, alpha, nbest, prefix)
 
     def decode_batch(indices: list[int]) -> None:
         try:
@@ -372,7 +442,9 @@ def translate_ids(model: EncoderDecoder, sources: list[list[int]], *, beam_size:
             progress.update(len(indices))
 
     hypotheses = 1 if sampling is not None else beam_size              # rows per sentence in a batch
-    with eval_mode(model):
+    with contextlib.ExitStack() as in_eval_mode:
+        for each in models:
+            in_eval_mode.enter_context(eval_mode(each))
         for indices in batches_in_order([len(s) for s in sources], max(1, batch_tokens // hypotheses)):
             if stop is not None and stop():
                 raise Interrupted

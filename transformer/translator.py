@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from transformer.batching import batches_in_order, pad_sequences
-from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import DEFAULT_BATCH_TOKENS
 from transformer.model import eval_mode
 from transformer.runtime import DTYPES, Runtime, autocast_factory
@@ -34,10 +34,12 @@ class Translator:
 
     Constructed around a model in use (training's), it leaves the model where it is and in the mode it
     was in; `from_checkpoint` / `from_pretrained` move theirs to `device` in eval mode.
+    `from_checkpoints` makes an ensemble: several models over one vocabulary, decoding together.
     """
 
     def __init__(self, model, tokenizer, config, device: torch.device, precision: str = "fp32", autocast=None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.models, self.weights = [model], None           # an ensemble: `from_checkpoints`
         self.max_length = model.cfg.max_positions - 1       # tokens of a sentence, EOS or BOS aside
         self.device = device
         self.autocast = autocast or autocast_factory(device, DTYPES[precision])
@@ -69,6 +71,28 @@ class Translator:
             return cls.from_pretrained(path, device, precision)
         return cls.from_checkpoint(path, device, precision)
 
+    @classmethod
+    def from_checkpoints(cls, paths: list[str | Path], weights: list[float] | None = None, device: str = "auto",
+                         precision: str = "auto") -> Translator:
+        """An ensemble of checkpoints (or exported directories, as `load` takes them) trained with the same
+        SentencePiece model(s): at every step the weighted mean of their log-probabilities (equal
+        weights by default). The first one's decode settings are the defaults. CheckpointError names a
+        model whose vocabulary differs from the first's; ValueError for weights that do not fit."""
+        paths = list(paths)
+        if not paths:
+            raise ValueError("from_checkpoints needs at least one checkpoint")
+        if weights is not None:
+            weights = check_weights(weights, len(paths))
+        members = [cls.load(path, device, precision) for path in paths]
+        first = members[0]
+        for path, member in zip(paths[1:], members[1:]):
+            if member.tokenizer.fingerprint() != first.tokenizer.fingerprint():
+                raise CheckpointError(f"{path}: its SentencePiece vocabulary differs from that of {paths[0]}; an "
+                                      "ensemble needs models trained with the same SentencePiece model(s)")
+        first.models, first.weights = [member.model for member in members], weights
+        first.max_length = min(member.max_length for member in members)
+        return first
+
     def encode_sources(self, sentences: list[str]) -> list[list[int]]:
         """Source token ids, each cut to the model's positions (with one warning for all that were)."""
         limit = self.max_length
@@ -86,13 +110,17 @@ class Translator:
     def hypotheses(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
                    nbest: int = 1, max_len_a: float | None = None, max_len_b: int | None = None,
                    batch_tokens: int | None = None, progress: bool | None = False, desc: str = "translate",
-                   sampling: Sampling | None = None, stop=None, use_cache: bool = True) -> list[list[Hypothesis]]:
+                   sampling: Sampling | None = None, stop=None, use_cache: bool = True,
+                   prefixes: list[str] | None = None) -> list[list[Hypothesis]]:
         """n-best `Hypothesis` lists (text, score, tokens, ...), best first. Options left out come from the
         config's decode section. Empty sentences translate to ''. With `sampling` (`search.Sampling`), one
-        sampled translation per sentence instead of a search. `progress`: a tqdm bar (None: when stderr
-        is a terminal); `stop()`, asked between batches, may raise `search.Interrupted`; `use_cache=False`
-        recomputes every prefix (the bench's reference)."""
+        sampled translation per sentence instead of a search. `prefixes`: one target-language prefix per
+        sentence ('' for none) that each translation starts with, the search continuing after it (its
+        log-probability counts in the score). `progress`: a tqdm bar (None: when stderr is a terminal);
+        `stop()`, asked between batches, may raise `search.Interrupted`; `use_cache=False` recomputes
+        every prefix (the bench's reference)."""
         sentences = list_of_str(sentences, "sentences", "translate([text])")
+        prefix_ids = self.encode_prefixes(prefixes, len(sentences))
         decode = self.config.decode
         beam_size = decode.beam_size if beam_size is None else beam_size
         alpha = decode.alpha if alpha is None else alpha
@@ -107,15 +135,28 @@ class Translator:
         with tqdm(total=len(wanted), desc=desc, unit="sent", leave=False,
                   disable=None if progress is None else not progress) as bar:
             decoded = translate_ids(
-                self.model, [sources[i] for i in wanted], beam_size=beam_size, alpha=alpha, nbest=nbest,
+                self.models, [sources[i] for i in wanted], beam_size=beam_size, alpha=alpha, nbest=nbest,
                 max_len_a=max_len_a, max_len_b=max_len_b, batch_tokens=batch_tokens, device=self.device,
-                progress=bar, autocast=self.autocast, sampling=sampling, stop=stop, use_cache=use_cache)
+                progress=bar, autocast=self.autocast, sampling=sampling, stop=stop, use_cache=use_cache,
+                weights=self.weights, prefixes=None if prefix_ids is None else [prefix_ids[i] for i in wanted])
         for index, hyps in zip(wanted, decoded):
             results[index] = hyps
         flat = [h for hyps in results for h in hyps]
         for hyp, text in zip(flat, self.tokenizer.decode_tgt([h.tokens for h in flat])):
             hyp.text = text
         return [hyps or [Hypothesis([], 0.0, 0.0) for _ in range(nbest)] for hyps in results]
+
+    def encode_prefixes(self, prefixes, count: int) -> list[list[int]] | None:
+        """Target token ids of each prefix, cut to leave room for EOS; None when no sentence has one."""
+        if prefixes is None:
+            return None
+        prefixes = list_of_str(prefixes, "prefixes", "translate([text], prefixes=[prefix])")
+        if len(prefixes) != count:
+            raise ValueError(f"{len(prefixes)} prefixes for {count} sentences: give one prefix per sentence "
+                             "('' for none)")
+        if not any(p.strip() for p in prefixes):
+            return None
+        return [ids[:self.max_length - 1] for ids in self.tokenizer.encode_tgt([p.strip() for p in prefixes])]
 
     @torch.inference_mode()
     def score(self, sentences: list[str], references: list[str], batch_tokens: int | None = None) -> list[float]:
@@ -166,6 +207,15 @@ def list_of_str(sentences, name: str, example: str) -> list[str]:
     if kind is not None:
         raise TypeError(f"{name} must be a list of str (got {kind}); for one sentence write {example}")
     return items
+
+
+def check_weights(weights, count: int) -> list[float]:
+    """An ensemble's weights: one finite number >= 0 per model, not all 0."""
+    weights = list(weights)
+    if len(weights) != count or not all(isinstance(w, numbers.Real) and not isinstance(w, bool)
+                                        and math.isfinite(w) and w >= 0 for w in weights) or not sum(weights) > 0:
+        raise ValueError(f"weights={weights!r}: give one finite weight >= 0 per model ({count}), not all 0")
+    return [float(w) for w in weights]
 
 
 def check_whole(name: str, value, low: int) -> None:

@@ -1,0 +1,73 @@
+"""Ensembles and target prefixes through the Python API (`Translator`); the search-level proofs (an
+ensemble of two equals the hand-averaged log-probabilities, a prefix's continuation equals the model's
+own uncached greedy continuation) are in test_search.py."""
+
+import pytest
+import torch
+
+from transformer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from transformer.tokenizer import Tokenizer, train_sentencepiece
+from transformer.toy import generate
+from transformer.translator import Translator
+
+SENTENCES = ["Der Hund sieht die Katze.", "Die Kuh.", "Oft ruft das Kind den Vogel."]
+
+
+@pytest.fixture(scope="module")
+def other_vocabulary_checkpoint(untrained_checkpoint, tmp_path_factory):
+    """The untrained checkpoint with another SentencePiece model of the same size."""
+    state = load_checkpoint(untrained_checkpoint)
+    src, tgt = generate(300, 10, 10, seed=7)["train"]
+    state["tokenizer"] = Tokenizer(train_sentencepiece(src + tgt, vocab_size=120, model_type="unigram",
+                                                       character_coverage=1.0, sample=10_000)).state_dict()
+    path = tmp_path_factory.mktemp("other-vocab") / "best.pt"
+    save_checkpoint(state, path)
+    return path
+
+
+def test_an_ensemble_of_a_checkpoint_with_itself_translates_as_the_checkpoint(untrained_checkpoint):
+    alone = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
+    pair = Translator.from_checkpoints([untrained_checkpoint, untrained_checkpoint], weights=[1, 2], device="cpu",
+                                       precision="fp32")
+    assert len(pair.models) == 2 and pair.models[0] is not pair.models[1]
+    for beam in (1, 3):
+        assert pair.translate(SENTENCES, beam_size=beam, max_len_b=6) == alone.translate(SENTENCES, beam_size=beam,
+                                                                                         max_len_b=6)
+
+
+def test_an_ensemble_refuses_models_with_different_vocabularies(untrained_checkpoint, other_vocabulary_checkpoint):
+    with pytest.raises(CheckpointError, match="vocabulary differs") as error:
+        Translator.from_checkpoints([untrained_checkpoint, other_vocabulary_checkpoint], device="cpu")
+    assert str(other_vocabulary_checkpoint) in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("weights", [[1.0], [1.0, float("nan")], [0, 0], [-1, 2], [1, True]])
+def test_ensemble_weights_that_do_not_fit_are_refused(untrained_checkpoint, weights):
+    with pytest.raises(ValueError, match="weights="):
+        Translator.from_checkpoints([untrained_checkpoint, untrained_checkpoint], weights=weights, device="cpu")
+
+
+def test_a_prefix_starts_the_translation_and_empty_means_none(untrained_checkpoint):
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
+    plain = translator.translate(SENTENCES, beam_size=1, max_len_b=6)
+    prefixed = translator.translate(SENTENCES, beam_size=1, max_len_b=6, prefixes=["the dog", "", "a cat sees"])
+    assert prefixed[0].startswith("the dog") and prefixed[2].startswith("a cat sees")
+    assert prefixed[1] == plain[1]
+    beam = translator.translate_hypotheses(SENTENCES, beam_size=3, nbest=3, max_len_b=6, prefixes=["the dog"] * 3)
+    assert all(text.startswith("the dog") for hyps in beam for text, _ in hyps)
+
+
+def test_prefixes_must_be_one_per_sentence(untrained_checkpoint):
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu")
+    with pytest.raises(ValueError, match="2 prefixes for 3 sentences"):
+        translator.translate(SENTENCES, prefixes=["a", "b"])
+    with pytest.raises(TypeError, match="prefixes must be a list of str"):
+        translator.translate(SENTENCES, prefixes="the dog")
+
+
+def test_a_prefix_as_long_as_the_model_allows_still_ends(untrained_checkpoint):
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
+    long_prefix = " ".join(["the dog"] * 200)
+    with torch.no_grad():
+        hyps = translator.hypotheses(SENTENCES[:1], beam_size=2, prefixes=[long_prefix])
+    assert len(hyps[0][0].tokens) <= translator.max_length
