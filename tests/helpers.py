@@ -1,5 +1,6 @@
 """Plain helpers for the tests (conftest.py keeps the fixtures and hooks): the repository root, the
-tiny training configuration, composing the real config, and an untrained checkpoint."""
+tiny training configuration, composing the real config, an untrained checkpoint, and the counter of tensor
+values read back to the host."""
 
 from __future__ import annotations
 
@@ -43,3 +44,69 @@ def write_untrained_checkpoint(path: Path) -> Path:
     save_checkpoint({"model": model.state_dict(), "config": config.to_dict(), "tokenizer": tokenizer.state_dict(),
                      "step": 10, "metrics": metrics}, path)
     return path
+
+
+# Operations that make a GPU report a value to the host (the step then waits for the device).
+HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique",
+              "aten.repeat_interleave", "aten.equal", "aten.is_nonzero")
+
+
+class HostReads:
+    """Counts, during a block, every tensor value read on the host: at the dispatcher (item, float,
+    bool, int, `if tensor`, boolean-mask indexing, nonzero, ...) and through tolist/numpy, which
+    bypass it.
+
+    A tensor on the `meta` device has no values: there a read is answered with placeholders (False,
+    0.0, 0; `meta_int` for an integer scalar, a loop bound) so that code which branches on values
+    (search's loops) runs on. Reads whose result size depends on the values (nonzero, boolean-mask
+    indexing) still fail there."""
+
+    def __init__(self, meta_int: int = 0):
+        self.seen: list[str] = []
+        self.meta_int = meta_int
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        reads = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func.overloadpacket)
+                bool_index = name == "aten.index" and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
+                if name.startswith(HOST_READS) or bool_index:
+                    reads.seen.append(name)
+                    if name == "aten._local_scalar_dense" and args[0].is_meta:
+                        return reads._placeholder(args[0].dtype, scalar=True)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.patches = [(name, getattr(torch.Tensor, name)) for name in ("tolist", "numpy")]
+        for name, original in self.patches:
+            setattr(torch.Tensor, name, self._counting(name, original))
+        self.mode.__enter__()
+        return self
+
+    def _placeholder(self, dtype: torch.dtype, scalar: bool):
+        if dtype == torch.bool:
+            return False
+        if dtype.is_floating_point:
+            return 0.0
+        return self.meta_int if scalar else 0
+
+    def _counting(self, name, original):
+        def wrapper(tensor, *args, **kwargs):
+            self.seen.append(f"Tensor.{name}")
+            if name == "tolist" and tensor.is_meta:
+                return _nested_list(tuple(tensor.shape), self._placeholder(tensor.dtype, scalar=False))
+            return original(tensor, *args, **kwargs)
+        return wrapper
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        for name, original in self.patches:
+            setattr(torch.Tensor, name, original)
+
+
+def _nested_list(shape: tuple, value) -> list:
+    return value if not shape else [_nested_list(shape[1:], value) for _ in range(shape[0])]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FAST, ROOT, compose_config
+from tests.helpers import FAST, ROOT, HostReads, compose_config
 from transformer.checkpoint import load_checkpoint
 from transformer.config import ConfigError
 from transformer.data import DataError
@@ -254,51 +254,6 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer(trained_run,
     assert any(not torch.equal(state["model"][k], source["model"][k]) for k in source["model"])
 
 
-# Operations that make a GPU report a value to the host (the step then waits for the device).
-HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique",
-              "aten.repeat_interleave", "aten.equal", "aten.is_nonzero")
-
-
-class _HostReads:
-    """Counts, during a block, every tensor value read on the host: at the dispatcher (item, float,
-    bool, int, `if tensor`, boolean-mask indexing, nonzero, ...) and through tolist/numpy, which
-    bypass it."""
-
-    def __init__(self):
-        self.seen: list[str] = []
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        seen = self.seen
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func.overloadpacket)
-                bool_index = name == "aten.index" and any(
-                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
-                if name.startswith(HOST_READS) or bool_index:
-                    seen.append(name)
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
-        self.patches = [(name, getattr(torch.Tensor, name)) for name in ("tolist", "numpy")]
-        for name, original in self.patches:
-            setattr(torch.Tensor, name, self._counting(name, original))
-        self.mode.__enter__()
-        return self
-
-    def _counting(self, name, original):
-        def wrapper(tensor, *args, **kwargs):
-            self.seen.append(f"Tensor.{name}")
-            return original(tensor, *args, **kwargs)
-        return wrapper
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
-        for name, original in self.patches:
-            setattr(torch.Tensor, name, original)
-
-
 @pytest.mark.slow
 def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
     from transformer.train import Trainer
@@ -307,17 +262,17 @@ def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
     try:
         trainer.updates.start(0, 0)
         loader = iter(trainer.loader)
-        with _HostReads() as reads:            # the detector sees a read when there is one
+        with HostReads() as reads:            # the detector sees a read when there is one
             float(torch.ones(()))
             torch.ones(3)[torch.ones(3) > 0]
             torch.ones(3).tolist()
         assert reads.seen == ["aten._local_scalar_dense", "aten.index", "Tensor.tolist"]
         for step in range(3):                  # steps 1-3 are not log steps (log_every=10)
             micro, consumed = next(loader)
-            with _HostReads() as reads:
+            with HostReads() as reads:
                 stats = trainer.train_step(micro)
             assert reads.seen == [], f"step {step + 1} read tensor values on the host: {reads.seen}"
-            with _HostReads() as reads:
+            with HostReads() as reads:
                 trainer.log.add(stats, micro)
             assert reads.seen == []
         assert trainer.optimizer.state_dict()["state"][0]["step"] == 3   # the steps were real updates

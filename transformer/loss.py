@@ -21,6 +21,8 @@ backward pass): then it is kept in float32 and scaled before the cast.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -36,7 +38,7 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
         n_tokens, vocab = hidden.size(0), weight.size(0)
         stored_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
         chunk = CHUNK_ROWS.get(hidden.device.type, 1024)
-        with torch.autocast(hidden.device.type, enabled=False):
+        with autocast_off(hidden.device.type):
             h = hidden.to(compute_dtype)
             w = weight.to(compute_dtype)
             grad_logits = torch.empty(n_tokens, vocab, dtype=stored_dtype, device=hidden.device)
@@ -90,10 +92,24 @@ def output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     Matmuls run in the autocast dtype when autocast is on; the softmax is always float32.
     The NLL is for logging and carries no gradient.
     """
-    device_type = hidden.device.type
-    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    compute_dtype = autocast_dtype(hidden.device.type) or hidden.dtype
     loss, nll = _FusedOutputCrossEntropy.apply(hidden, weight, target, smoothing, compute_dtype)
     return loss, nll.detach()
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on `device_type`, or None when it is off there (or, as on the
+    `meta` device, does not exist)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def autocast_off(device_type: str):
+    """A context with autocast off on `device_type` (nothing to turn off where it does not exist)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def output_cross_entropy_reference(hidden, weight, target, smoothing):
