@@ -382,3 +382,36 @@ def test_a_prefix_longer_than_the_length_limit_still_ends_with_eos(model_and_sou
     for beam_size in (1, 3):
         hyps = translate_ids(model, sources[:1], beam_size=beam_size, prefixes=[prefix], max_len_a=0.0, max_len_b=2)
         assert hyps[0][0].tokens[:len(prefix)] == prefix and len(hyps[0][0].tokens) <= len(prefix)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_parallel_workers_give_the_results_of_one(model_and_sources, beam_size):
+    model, sources = model_and_sources
+    many = sources * 6                              # several batches at a small batch size
+    one = translate_ids(model, many, beam_size=beam_size, batch_tokens=60)
+    threads = torch.get_num_threads()
+    two = translate_ids(model, many, beam_size=beam_size, batch_tokens=60, workers=2)
+    assert [h[0].tokens for h in two] == [h[0].tokens for h in one]
+    assert [h[0].score for h in two] == pytest.approx([h[0].score for h in one], abs=1e-5)
+    assert torch.get_num_threads() == threads       # PyTorch's own thread count is given back
+
+
+def test_parallel_workers_stop_when_asked_and_pass_errors_on(model_and_sources, monkeypatch):
+    import transformer.search as search
+    model, sources = model_and_sources
+    asked = []
+
+    def stop():
+        asked.append(1)
+        return len(asked) > 2
+
+    with pytest.raises(search.Interrupted):
+        translate_ids(model, sources * 6, beam_size=1, batch_tokens=30, workers=2, stop=stop)
+    assert len(asked) == 3                          # no batch is started after the stop
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("decoding failed")
+
+    monkeypatch.setattr(search, "greedy_search", broken)
+    with pytest.raises(RuntimeError, match="decoding failed"):
+        translate_ids(model, sources * 6, beam_size=1, batch_tokens=30, workers=2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -390,7 +391,7 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
                   batch_tokens: int = DEFAULT_BATCH_TOKENS, device: torch.device | str = "cpu",
                   use_cache: bool = True, progress=None, autocast=None, stop=None,
                   sampling: Sampling | None = None, weights: Sequence[float] | None = None,
-                  prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+                  prefixes: list[list[int]] | None = None, workers: int = 1) -> list[list[Hypothesis]]:
     """Decode token-id sources (without EOS) in length-sorted batches; results in input order.
     With `sampling`, one sampled hypothesis per sentence (the beam size is not used).
 
@@ -398,7 +399,8 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
     ensemble (`EnsembleDecoder`, optionally `weights`). `prefixes`: per source, target token ids
     (without BOS) to force first, [] for none; the hypotheses start with them. Sources longer than the
     model's positions, and prefixes that leave no room for EOS, are cut by the caller (see
-    `Translator`). `stop`, if given, is asked before every batch; True raises `Interrupted`.
+    `Translator`). `stop`, if given, is asked before every batch; True raises `Interrupted`. On a CPU,
+    `workers` > 1 decodes that many batches at a time, one core each (`in_parallel`).
     """
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     results: list[list[Hypothesis]] = [[] for _ in sources]
@@ -445,9 +447,59 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
     with contextlib.ExitStack() as in_eval_mode:
         for each in models:
             in_eval_mode.enter_context(eval_mode(each))
-        for indices in batches_in_order([len(s) for s in sources], max(1, batch_tokens // hypotheses)):
-            if stop is not None and stop():
-                raise Interrupted
-            decode_batch(indices)
+        batches = batches_in_order([len(s) for s in sources], max(1, batch_tokens // hypotheses))
+        if workers > 1 and torch.device(device).type == "cpu":
+            in_parallel(batches, decode_batch, workers, stop)
+        else:
+            for indices in batches:
+                if stop is not None and stop():
+                    raise Interrupted
+                decode_batch(indices)
     return results
+
+
+def in_parallel(batches: list[list[int]], decode_batch, workers: int, stop=None) -> None:
+    """`decode_batch` for every batch, in `workers` threads that each take the next batch and run it on
+    one CPU core (PyTorch's own threads set to 1 meanwhile): on a CPU, separate small batches in
+    parallel use the cores better than splitting every small operation over them (CTranslate2's
+    inter_threads). The first exception (or `stop()`: `Interrupted`) ends all workers after their
+    current batch and is raised here; so is a KeyboardInterrupt while waiting."""
+    pending = iter(batches)
+    lock, halt = threading.Lock(), threading.Event()
+    failures: list[BaseException] = []
+
+    def work() -> None:
+        with torch.inference_mode():             # thread-local, like autocast (entered per batch)
+            while not halt.is_set():
+                with lock:
+                    indices = next(pending, None)
+                    if indices is not None and stop is not None and stop():
+                        failures.append(Interrupted())
+                        indices = None
+                if indices is None:
+                    break
+                try:
+                    decode_batch(indices)
+                except BaseException as error:   # noqa: BLE001 - handed to the calling thread
+                    failures.append(error)
+                    break
+        if failures:
+            halt.set()
+
+    threads = [threading.Thread(target=work, name=f"decode-{i}", daemon=True) for i in range(workers)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)                     # new threads take this count at their first operation
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.2)                 # a short wait keeps Ctrl-C deliverable
+    except BaseException:
+        halt.set()
+        raise
+    finally:
+        torch.set_num_threads(previous)
+    if failures:
+        raise failures[0]
 

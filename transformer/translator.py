@@ -45,35 +45,39 @@ class Translator:
         self.autocast = autocast or autocast_factory(device, DTYPES[precision])
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
-        """A `.pt` checkpoint written by training."""
-        runtime = Runtime.for_inference(device, precision)
+    def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "auto",
+                        quantize: str | None = None) -> Translator:
+        """A `.pt` checkpoint written by training. `quantize="int8"`: the linear layers' weights in int8
+        (CPU only; the rest in float32): `inference_model`."""
+        runtime = inference_runtime(device, precision, quantize)
         model, tokenizer, config = model_from_checkpoint(load_checkpoint(path, mmap=True), path)
-        return cls(model.to(runtime.device).eval(), tokenizer, config, runtime.device, runtime.precision)
+        return cls(inference_model(model, runtime, quantize), tokenizer, config, runtime.device, runtime.precision)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
+    def from_pretrained(cls, path: str | Path, device: str = "auto", precision: str = "auto",
+                        quantize: str | None = None) -> Translator:
         """A directory written by `transformer-export --format safetensors`, or a HuggingFace Hub id holding one
         (`owner/name`, downloaded and cached by huggingface_hub)."""
         from transformer.export import load_pretrained
 
-        runtime = Runtime.for_inference(device, precision)
+        runtime = inference_runtime(device, precision, quantize)
         model, tokenizer, config = load_pretrained(path)
-        return cls(model.to(runtime.device).eval(), tokenizer, config, runtime.device, runtime.precision)
+        return cls(inference_model(model, runtime, quantize), tokenizer, config, runtime.device, runtime.precision)
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "auto", precision: str = "auto") -> Translator:
+    def load(cls, path: str | Path, device: str = "auto", precision: str = "auto",
+             quantize: str | None = None) -> Translator:
         """A checkpoint file, an exported directory, or a hub id (`owner/name`, nothing of that name on
         disk): what the command lines accept."""
         from transformer.export import looks_like_hub_id
 
         if Path(path).is_dir() or looks_like_hub_id(path):
-            return cls.from_pretrained(path, device, precision)
-        return cls.from_checkpoint(path, device, precision)
+            return cls.from_pretrained(path, device, precision, quantize)
+        return cls.from_checkpoint(path, device, precision, quantize)
 
     @classmethod
     def from_checkpoints(cls, paths: list[str | Path], weights: list[float] | None = None, device: str = "auto",
-                         precision: str = "auto") -> Translator:
+                         precision: str = "auto", quantize: str | None = None) -> Translator:
         """An ensemble of checkpoints (or exported directories, as `load` takes them) trained with the same
         SentencePiece model(s): at every step the weighted mean of their log-probabilities (equal
         weights by default). The first one's decode settings are the defaults. CheckpointError names a
@@ -83,7 +87,7 @@ class Translator:
             raise ValueError("from_checkpoints needs at least one checkpoint")
         if weights is not None:
             weights = check_weights(weights, len(paths))
-        members = [cls.load(path, device, precision) for path in paths]
+        members = [cls.load(path, device, precision, quantize) for path in paths]
         first = members[0]
         for path, member in zip(paths[1:], members[1:]):
             if member.tokenizer.fingerprint() != first.tokenizer.fingerprint():
@@ -191,6 +195,34 @@ class Translator:
     def translate(self, sentences: list[str], beam_size: int | None = None, **options) -> list[str]:
         """One translation per sentence (the best hypothesis)."""
         return [hyps[0][0] for hyps in self.translate_hypotheses(sentences, beam_size=beam_size, **options)]
+
+
+QUANTIZATIONS = ("int8",)
+
+
+def inference_runtime(device: str, precision: str, quantize: str | None) -> Runtime:
+    """`Runtime.for_inference`, with the precision an int8 model computes in (float32 around its int8
+    matrix products; on the CPU only). ValueError naming the setting that does not fit."""
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise ValueError(f"quantize={quantize!r}: must be {' or '.join(QUANTIZATIONS)} (or left out)")
+    if quantize and precision not in ("auto", "fp32"):
+        raise ValueError(f"quantize={quantize} runs float32 around its int8 layers: leave precision={precision} out")
+    runtime = Runtime.for_inference(device, "fp32" if quantize else precision)
+    if quantize and runtime.device.type != "cpu":
+        raise ValueError(f"quantize={quantize} is for the CPU (PyTorch's dynamic int8 linear layers); on "
+                         f"{runtime.device} leave it out")
+    return runtime
+
+
+def inference_model(model: torch.nn.Module, runtime: Runtime, quantize: str | None = None) -> torch.nn.Module:
+    """The model on the runtime's device in eval mode; with `quantize="int8"`, its linear layers replaced
+    by PyTorch's dynamic int8 ones (weights int8 per tensor, activations quantized on the fly)."""
+    model = model.to(runtime.device).eval()
+    if quantize == "int8":
+        with warnings.catch_warnings():          # torch.ao's notices that this API moves to torchao one day
+            warnings.simplefilter("ignore")
+            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    return model
 
 
 def list_of_str(sentences, name: str, example: str) -> list[str]:

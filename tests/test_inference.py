@@ -1,11 +1,14 @@
-"""Ensembles and target prefixes through the Python API (`Translator`); the search-level proofs (an
-ensemble of two equals the hand-averaged log-probabilities, a prefix's continuation equals the model's
-own uncached greedy continuation) are in test_search.py."""
+"""Ensembles, target prefixes and int8 weights through the Python API (`Translator`); the search-level
+proofs (an ensemble of two equals the hand-averaged log-probabilities, a prefix's continuation equals the
+model's own uncached greedy continuation) are in test_search.py."""
 
 import pytest
 import torch
 
+from transformer.batching import pad_sequences
 from transformer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from transformer.search import ModelDecoder, beam_search, max_lengths, translate_ids
+from transformer.special import EOS_ID
 from transformer.tokenizer import Tokenizer, train_sentencepiece
 from transformer.toy import generate
 from transformer.translator import Translator
@@ -71,3 +74,30 @@ def test_a_prefix_as_long_as_the_model_allows_still_ends(untrained_checkpoint):
     with torch.no_grad():
         hyps = translator.hypotheses(SENTENCES[:1], beam_size=2, prefixes=[long_prefix])
     assert len(hyps[0][0].tokens) <= translator.max_length
+
+
+def test_int8_weights_keep_the_search_equivalences(untrained_checkpoint):
+    """With int8 linear layers: cached decoding equals recomputing the prefix, beam 1 equals greedy."""
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", quantize="int8")
+    assert type(translator.model.output).__module__.startswith("torch.ao.nn.quantized")
+    sources = translator.encode_sources(SENTENCES)
+    for beam in (1, 3):
+        cached = translate_ids(translator.model, sources, beam_size=beam, max_len_b=8)
+        uncached = translate_ids(translator.model, sources, beam_size=beam, max_len_b=8, use_cache=False)
+        assert [h[0].tokens for h in cached] == [h[0].tokens for h in uncached]
+    greedy = translate_ids(translator.model, sources, beam_size=1, max_len_b=8)
+    src = pad_sequences(sources, suffix=[EOS_ID])
+    with torch.inference_mode():
+        beam1 = beam_search(ModelDecoder(translator.model, src), max_lengths(src, 1.2, 8, 1000), beam_size=1)
+    assert [h[0].tokens for h in beam1] == [h[0].tokens for h in greedy]
+    float_model = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32").model
+    assert not torch.equal(translator.model.encode(src[:1]), float_model.encode(src[:1]))   # int8 really ran
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"quantize": "int4"}, "quantize='int4': must be int8"),
+    ({"quantize": "int8", "precision": "bf16"}, "leave precision=bf16 out"),
+])
+def test_int8_settings_that_do_not_fit_are_refused(untrained_checkpoint, options, message):
+    with pytest.raises(ValueError, match=message):
+        Translator.from_checkpoint(untrained_checkpoint, device="cpu", **options)
