@@ -79,7 +79,7 @@ def test_multi30k_reads_local_files_with_data_path():
     ("model.dropout=1.5", "model.dropout=1.5 must be in"),
     ("model.attention=flash", "model.attention='flash' must be one of auto, sdpa, matmul, math"),
     ("trainer.max_tokens=0", "trainer.max_tokens=0 must be > 0"),
-    ("decode.nbest=9", "decode.nbest=9 cannot exceed decode.beam_size=5"),
+    ("decode.nbest=9", "decode.nbest=9: must be between 1 and the beam size (decode.beam_size=5)"),
     ("+trainer.max_stepz=5", "unknown config key trainer.max_stepz; known keys: adam_eps, average_last, betas"),
     # type and key errors come from Hydra's own schema check, turned into one line
     ("trainer.max_stepz=5", "Could not override 'trainer.max_stepz'"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +26,12 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "matmul", "math")
 
 
 def setting(default: Any = dataclasses.MISSING, meaning: str = "", *, factory: Any = dataclasses.MISSING,
-            shown_type: str | None = None) -> Any:
+            shown_type: str | None = None, **more: Any) -> Any:
     """A schema key: its default (or default factory) and what it means, which `--help` and the README's
-    key table show (`schema_keys`). `shown_type` replaces the annotation there where that says too little."""
+    key table show (`schema_keys`). `shown_type` replaces the annotation there where that says too little;
+    `more`: further metadata (a decoding option's rule, `decode_setting`)."""
     metadata = {"help": meaning, "type": shown_type} if shown_type else {"help": meaning}
-    return field(default=default, default_factory=factory, metadata=metadata)
+    return field(default=default, default_factory=factory, metadata={**metadata, **more})
 
 
 class ConfigError(ValueError):
@@ -229,27 +231,91 @@ class TrainerConfig:
 DEFAULT_BATCH_TOKENS = 16384
 
 
+def decode_setting(default: int | float, meaning: str, *, low: int, flag: str | None = None,
+                   saved: bool = True) -> Any:
+    """A decoding option: a DecodeConfig key (decode.KEY), the keyword KEY of `Translator.translate` and a
+    flag of transformer-translate and transformer-evaluate (`flag`, else --KEY with dashes), all three from
+    this one definition (`DECODE_OPTIONS`). `low`: the smallest value allowed. `saved`: a translation that
+    leaves it out takes the checkpoint's decode.KEY (True) or this default (False: a property of the
+    request or the machine, not the model)."""
+    return setting(default, meaning, low=low, flag=flag, saved=saved)
+
+
 @dataclass
 class DecodeConfig:
     """Decoding: decode=beam (these defaults) and decode=greedy, for the end-of-training test, make
     evaluate, and transformer-translate's defaults (taken from the checkpoint's config)."""
     name: str = setting("beam", "the preset's name")
-    beam_size: int = setting(5, "hypotheses kept per sentence (1 = greedy)")
-    alpha: float = setting(0.6, "GNMT length penalty ((5 + len) / 6) ** alpha; 0 = raw log-probability")
-    max_len_a: float = setting(1.2, "output length limit: max_len_a * source_len + max_len_b tokens")
-    max_len_b: int = setting(10, "see max_len_a")
-    batch_tokens: int = setting(DEFAULT_BATCH_TOKENS, "source tokens x beam per decoding batch")
-    nbest: int = setting(1, "hypotheses returned per sentence (<= beam_size)")
+    beam_size: int = decode_setting(5, "hypotheses kept per sentence (1 = greedy)", low=1, flag="--beam")
+    alpha: float = decode_setting(0.6, "GNMT length penalty ((5 + len) / 6) ** alpha; 0 = raw log-probability",
+                                  low=0)
+    max_len_a: float = decode_setting(1.2, "output length limit: max_len_a * source_len + max_len_b tokens", low=0)
+    max_len_b: int = decode_setting(10, "the constant term of the output length limit (see max_len_a)", low=0)
+    batch_tokens: int = decode_setting(DEFAULT_BATCH_TOKENS, "source tokens x beam per decoding batch; smaller "
+                                                             "needs less memory", low=1, saved=False)
+    nbest: int = decode_setting(1, "hypotheses returned per sentence (<= beam_size)", low=1, saved=False)
 
     def validate(self) -> None:
+        # Non-finite values first get the message every section's float keys give (with the default).
         _require_finite("decode", self)
-        _positive("decode.beam_size", self.beam_size)
-        _positive("decode.batch_tokens", self.batch_tokens)
-        _positive("decode.nbest", self.nbest)
-        if self.nbest > self.beam_size:
-            raise ConfigError(f"decode.nbest={self.nbest} cannot exceed decode.beam_size={self.beam_size}")
-        if self.alpha < 0 or self.max_len_a < 0 or self.max_len_b < 0:
-            raise ConfigError("decode.alpha, decode.max_len_a and decode.max_len_b must be >= 0")
+        check_decode_options({option.key: getattr(self, option.key) for option in DECODE_OPTIONS}, "config")
+
+    def for_translation(self, **given: Any) -> DecodeConfig:
+        """The options a translation with this (a checkpoint's) decode section uses: those `given` (None: left
+        out), else this section's value or the schema's default (see `decode_setting`'s `saved`); checked
+        as the Python API's keywords (ValueError naming the keyword)."""
+        chosen = {option.key: given[option.key] if given.get(option.key) is not None
+                  else getattr(self, option.key) if option.saved else option.default for option in DECODE_OPTIONS}
+        check_decode_options(chosen, "api")
+        return dataclasses.replace(self, **chosen)
+
+
+class DecodeOption(NamedTuple):
+    """One decoding option, as `decode_setting` defines it on DecodeConfig."""
+    key: str                 # decode.KEY in the config, KEY= in the Python API
+    flag: str                # the command lines' flag: --beam
+    whole: bool              # a whole number (int), or a finite number (float)
+    default: int | float
+    low: int                 # the smallest value allowed
+    saved: bool              # left out of a translation: the checkpoint's decode.KEY, else `default`
+    meaning: str
+
+    @property
+    def rule(self) -> str:
+        return f"must be a {'whole' if self.whole else 'finite'} number >= {self.low}"
+
+    def accepts(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral if self.whole else numbers.Real):
+            return False
+        finite = isinstance(value, numbers.Integral) or math.isfinite(value)      # a huge int has no float
+        return finite and value >= self.low
+
+    def spelled(self, value: Any, where: str) -> str:
+        """The option and its value as `where` writes them: decode.alpha=nan ("config"), alpha=nan ("api"),
+        --alpha nan ("cli")."""
+        return {"config": f"decode.{self.key}={value!r}", "api": f"{self.key}={value!r}",
+                "cli": f"{self.flag} {value!r}"}[where]
+
+
+DECODE_OPTIONS = tuple(
+    DecodeOption(spec.name, spec.metadata["flag"] or "--" + spec.name.replace("_", "-"), spec.type in ("int", int),
+                 spec.default, spec.metadata["low"], spec.metadata["saved"], spec.metadata["help"])
+    for spec in dataclasses.fields(DecodeConfig) if "low" in spec.metadata)
+
+
+def check_decode_options(values: dict[str, Any], where: str) -> None:
+    """The one check of the decoding options, for the config (`where` "config": ConfigError naming
+    decode.KEY), the Python API ("api": ValueError naming the keyword) and the command lines ("cli":
+    ValueError naming the flag): each of `values` (KEY -> value; options left out are not checked) by its
+    rule, then nbest against beam_size. One line: the option, its value and what it must be."""
+    error = ConfigError if where == "config" else ValueError
+    options = {option.key: option for option in DECODE_OPTIONS}
+    for key, value in values.items():
+        if not options[key].accepts(value):
+            raise error(f"{options[key].spelled(value, where)}: {options[key].rule}")
+    if "nbest" in values and "beam_size" in values and values["nbest"] > values["beam_size"]:
+        raise error(f"{options['nbest'].spelled(values['nbest'], where)}: must be between 1 and the beam size "
+                    f"({options['beam_size'].spelled(values['beam_size'], where)})")
 
 
 @dataclass

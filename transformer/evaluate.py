@@ -4,23 +4,29 @@ sacreBLEU and chrF with their signatures (`validate.score`: hypotheses and refer
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
 from transformer.checkpoint import CheckpointError
+from transformer.config import check_decode_options
 from transformer.data import DataError, load_split_text, read_lines
 from transformer.runtime import keep_freed_memory
-from transformer.translate import overwritten_input
-from transformer.translator import Translator, check_options, option_message
+from transformer.translate import (
+    CommandLineParser,
+    add_decoding_flags,
+    given_decoding_options,
+    overwritten_input,
+)
+from transformer.translator import Translator
 from transformer.validate import score
 
 
 def evaluate(checkpoint: str | Path, split: str = "test", src_file: str | None = None,
              ref_file: str | None = None, beam_size: int | None = None, alpha: float | None = None,
-             device: str = "auto", precision: str = "auto", batch_tokens: int | None = None) -> dict:
+             device: str = "auto", precision: str = "auto", batch_tokens: int | None = None,
+             max_len_a: float | None = None, max_len_b: int | None = None) -> dict:
     translator = Translator.load(checkpoint, device=device, precision=precision)
     if src_file or ref_file:
         if not (src_file and ref_file):
@@ -46,7 +52,7 @@ def evaluate(checkpoint: str | Path, split: str = "test", src_file: str | None =
                             "it; move or rename that file")
     started = time.perf_counter()
     hypotheses = translator.translate(sources, beam_size=beam, alpha=alpha, batch_tokens=batch_tokens,
-                                      progress=sys.stderr.isatty())
+                                      max_len_a=max_len_a, max_len_b=max_len_b, progress=sys.stderr.isatty())
     seconds = time.perf_counter() - started
     result = {"checkpoint": str(checkpoint), "split": name, "sentences": len(sources), "beam_size": beam,
               "seconds": round(seconds, 2), **score(hypotheses, references, translator.config.data.tgt_lang)}
@@ -63,29 +69,29 @@ def output_paths(checkpoint: str | Path, name: str, beam: int) -> tuple[Path, Pa
     return Path(f"{stem}.{name}.beam{beam}.hyp"), Path(f"{stem}.{name}.beam{beam}.json")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="transformer-evaluate", description=__doc__)
+def build_parser() -> CommandLineParser:
+    parser = CommandLineParser(prog="transformer-evaluate", description=__doc__)
     parser.add_argument("checkpoint")
     parser.add_argument("--split", default="test", help="split of the checkpoint's data config (default test)")
     parser.add_argument("--src", help="source file (instead of --split)")
     parser.add_argument("--ref", help="reference file (instead of --split)")
-    parser.add_argument("--beam", type=int, help="beam size (default: the checkpoint's decode.beam_size)")
-    parser.add_argument("--alpha", type=float, help="length penalty exponent")
-    parser.add_argument("--batch-tokens", type=int)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    args = parser.parse_args(argv)
+    add_decoding_flags(parser, leave_out=("nbest",))     # it scores the best translation of each line
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     keep_freed_memory()
     try:                                  # refused before the model is loaded
-        check_options(beam_size=1 if args.beam is None else args.beam, nbest=1,
-                      alpha=0.0 if args.alpha is None else args.alpha, max_len_a=0.0, max_len_b=0,
-                      batch_tokens=1 if args.batch_tokens is None else args.batch_tokens)
+        check_decode_options(given_decoding_options(args), "cli")
     except ValueError as error:
-        print(f"transformer-evaluate: error: {option_message(error)}", file=sys.stderr)
+        print(f"transformer-evaluate: error: {error}", file=sys.stderr)
         return 2
     try:
         result = evaluate(args.checkpoint, args.split, args.src, args.ref, args.beam, args.alpha, args.device,
-                          args.precision, args.batch_tokens)
+                          args.precision, args.batch_tokens, args.max_len_a, args.max_len_b)
     except KeyboardInterrupt:
         print("transformer-evaluate: interrupted", file=sys.stderr)
         return 130

@@ -19,33 +19,70 @@ import sys
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from transformer.checkpoint import CheckpointError
-from transformer.config import DEFAULT_BATCH_TOKENS, ConfigError
+from transformer.config import DECODE_OPTIONS, ConfigError, DecodeOption, check_decode_options
 from transformer.runtime import keep_freed_memory
 from transformer.search import Sampling
-from transformer.translator import Translator, check_options, option_message
+from transformer.translator import Translator
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse, its errors one line (`PROG: error: ...; see PROG --help`, exit code 2) without the usage."""
+
+    def error(self, message: str):
+        flag = re.fullmatch(r"argument ([^/:]+)(?:/\S+)?: expected one argument", message)
+        if flag:                          # `--alpha -1`: argparse takes -1 for an option
+            message += f" (give one; a value that starts with '-' is written {flag[1]}=VALUE)"
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def number(text: str) -> int | float:
+    """A whole number as an int, any other number as a float: `check_decode_options` says what fits."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def flag_dest(option: DecodeOption) -> str:
+    """The attribute of the parsed arguments that holds a decoding option's flag: --max-len-a -> max_len_a."""
+    return option.flag.removeprefix("--").replace("-", "_")
+
+
+def add_decoding_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = ()) -> None:
+    """The decoding options (config.DECODE_OPTIONS but `leave_out`) as flags, each with the type, meaning
+    and default of its one definition; None when not given (`given_decoding_options`)."""
+    group = parser.add_argument_group("decoding options", "each is also a key of the config's decode section "
+                                      "(decode.KEY) and a keyword of Translator.translate (KEY=...)")
+    for option in DECODE_OPTIONS:
+        if option.key in leave_out:
+            continue
+        default = f"the checkpoint's decode.{option.key}; {option.default} unless training set it" \
+            if option.saved else option.default
+        group.add_argument(option.flag, type=number if option.whole else float, dest=flag_dest(option),
+                           help=f"{option.meaning}; default: {default}".replace("%", "%%"))
+
+
+def given_decoding_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The decoding options given on the command line, by config key: {"beam_size": 4}."""
+    return {option.key: getattr(args, flag_dest(option)) for option in DECODE_OPTIONS
+            if getattr(args, flag_dest(option), None) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandLineParser(
         prog="transformer-translate",
-        description="Translate text with a trained checkpoint: one output line per input line.")
+        description="Translate text with a trained checkpoint: one output line per input line (with --nbest N > 1, "
+                    "N lines INDEX<TAB>SCORE<TAB>TEXT per input line).")
     parser.add_argument("checkpoint", help="a .pt checkpoint written by training (best.pt, last.pt, ...), or a "
                         "directory (or HuggingFace Hub id) written by transformer-export --format safetensors")
     parser.add_argument("--input", "-i", help="source text file (default: stdin)")
     parser.add_argument("--output", "-o", help="where to write translations (default: stdout)")
-    parser.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: the checkpoint's decode "
-                        "config, 5 unless it was trained with decode=greedy)")
-    parser.add_argument("--nbest", type=int,
-                        help="hypotheses per input; >1 writes INDEX<TAB>SCORE<TAB>TEXT lines (default 1)")
-    parser.add_argument("--alpha", type=float, help="GNMT length penalty exponent (default: the checkpoint's)")
-    parser.add_argument("--max-len-a", type=float, help="output length limit a * source_len + b")
-    parser.add_argument("--max-len-b", type=int)
-    parser.add_argument("--batch-tokens", type=int, help=f"source tokens x beam per batch (default {DEFAULT_BATCH_TOKENS}); "
-                        "smaller needs less memory")
+    add_decoding_flags(parser)                  # --beam, --nbest, --alpha, ...
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     parser.add_argument("--sampling", metavar="topk:K|topp:P",
@@ -171,13 +208,10 @@ def _run(args) -> int:
     args.nbest = 1 if args.nbest is None else args.nbest
     args.temperature = 1.0 if args.temperature is None else args.temperature
     args.seed = 1 if args.seed is None else args.seed
-    try:
-        check_options(beam_size=args.nbest if args.beam is None else args.beam, nbest=args.nbest, alpha=0.0 if args.alpha is None else args.alpha,
-                      max_len_a=0.0 if args.max_len_a is None else args.max_len_a,
-                      max_len_b=0 if args.max_len_b is None else args.max_len_b,
-                      batch_tokens=1 if args.batch_tokens is None else args.batch_tokens)
+    try:                                  # refused before the model is loaded
+        check_decode_options(given_decoding_options(args), "cli")
     except ValueError as error:
-        return _fail(option_message(error))
+        return _fail(str(error))
     if not (args.temperature > 0 and math.isfinite(args.temperature)):
         return _fail(f"--temperature {args.temperature}: must be a finite number > 0")
     if args.output and Path(args.output).is_dir():

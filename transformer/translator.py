@@ -1,6 +1,6 @@
 """`Translator`: the Python API (`from transformer import Translator`) and the one text-to-text path
-behind the command line, validation, the test at the end of training, evaluate and the bench; the
-checks of the decoding options that the CLI and the API share.
+behind the command line, validation, the test at the end of training, evaluate and the bench. Its decoding
+options (beam_size, alpha, ...) are defined and checked once, with the config's: `config.DECODE_OPTIONS`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from transformer.batching import batches_in_order, pad_sequences
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from transformer.config import DEFAULT_BATCH_TOKENS
+from transformer.config import check_decode_options
 from transformer.model import eval_mode
 from transformer.runtime import DTYPES, Runtime, autocast_factory
 from transformer.search import Hypothesis, Sampling, translate_ids
@@ -112,12 +112,13 @@ class Translator:
         return [[(h.text, h.score) for h in hyps] for hyps in self.hypotheses(sentences, **options)]
 
     def hypotheses(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
-                   nbest: int = 1, max_len_a: float | None = None, max_len_b: int | None = None,
+                   nbest: int | None = None, max_len_a: float | None = None, max_len_b: int | None = None,
                    batch_tokens: int | None = None, progress: bool | None = False, desc: str = "translate",
                    sampling: Sampling | None = None, stop=None, use_cache: bool = True,
                    prefixes: list[str] | None = None) -> list[list[Hypothesis]]:
         """n-best `Hypothesis` lists (text, score, tokens, ...), best first. Options left out come from the
-        config's decode section. Empty sentences translate to ''. With `sampling` (`search.Sampling`), one
+        config's decode section (nbest, batch_tokens: the schema's defaults; `DecodeConfig.for_translation`),
+        and a bad one is a ValueError naming it. Empty sentences translate to ''. With `sampling` (`search.Sampling`), one
         sampled translation per sentence instead of a search. `prefixes`: one target-language prefix per
         sentence ('' for none) that each translation starts with, the search continuing after it (its
         log-probability counts in the score). `progress`: a tqdm bar (None: when stderr is a terminal);
@@ -125,14 +126,10 @@ class Translator:
         every prefix (the bench's reference)."""
         sentences = list_of_str(sentences, "sentences", "translate([text])")
         prefix_ids = self.encode_prefixes(prefixes, len(sentences))
-        decode = self.config.decode
-        beam_size = decode.beam_size if beam_size is None else beam_size
-        alpha = decode.alpha if alpha is None else alpha
-        max_len_a = decode.max_len_a if max_len_a is None else max_len_a
-        max_len_b = decode.max_len_b if max_len_b is None else max_len_b
-        batch_tokens = DEFAULT_BATCH_TOKENS if batch_tokens is None else batch_tokens
-        check_options(beam_size=beam_size, nbest=nbest, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
-                      batch_tokens=batch_tokens)
+        decode = self.config.decode.for_translation(beam_size=beam_size, alpha=alpha, nbest=nbest, max_len_a=max_len_a,
+                                                    max_len_b=max_len_b, batch_tokens=batch_tokens)
+        beam_size, alpha, nbest = decode.beam_size, decode.alpha, decode.nbest
+        max_len_a, max_len_b, batch_tokens = decode.max_len_a, decode.max_len_b, decode.batch_tokens
         sources = self.encode_sources(sentences)
         wanted = [i for i, s in enumerate(sources) if s]
         results: list[list[Hypothesis]] = [[] for _ in sources]
@@ -173,7 +170,7 @@ class Translator:
             raise ValueError(f"{len(sentences)} sources but {len(references)} references: give one reference "
                              "per source")
         if batch_tokens is not None:
-            check_whole("batch_tokens", batch_tokens, 1)
+            check_decode_options({"batch_tokens": batch_tokens}, "api")
         sources = self.encode_sources(sentences)
         targets = [ids[:self.max_length] for ids in self.tokenizer.encode_tgt([r.strip() for r in references])]
         widths = [max(len(a), len(b)) for a, b in zip(sources, targets)]
@@ -249,26 +246,3 @@ def check_weights(weights, count: int) -> list[float]:
         raise ValueError(f"weights={weights!r}: give one finite weight >= 0 per model ({count}), not all 0")
     return [float(w) for w in weights]
 
-
-def check_whole(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name}={value!r}: must be a whole number >= {low}")
-
-
-def check_options(*, beam_size, nbest, alpha, max_len_a, max_len_b, batch_tokens) -> None:
-    """Decoding options, checked the same way for the API and the CLIs: ValueError naming the option."""
-    check_whole("beam_size", beam_size, 1)
-    check_whole("batch_tokens", batch_tokens, 1)
-    check_whole("max_len_b", max_len_b, 0)
-    check_whole("nbest", nbest, 1)
-    if nbest > beam_size:
-        raise ValueError(f"nbest={nbest}: must be between 1 and the beam size ({beam_size})")
-    for name, value in (("alpha", alpha), ("max_len_a", max_len_a)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name}={value!r}: must be a finite number >= 0")
-
-
-def option_message(error: ValueError) -> str:
-    """`check_options`'s message in the command lines' words: `beam_size=0: ...` -> `--beam 0: ...`."""
-    option, _, rest = str(error).partition("=")
-    return f"--{option.replace('_size', '').replace('_', '-')} {rest}"
