@@ -101,3 +101,82 @@ def test_int8_weights_keep_the_search_equivalences(untrained_checkpoint):
 def test_int8_settings_that_do_not_fit_are_refused(untrained_checkpoint, options, message):
     with pytest.raises(ValueError, match=message):
         Translator.from_checkpoint(untrained_checkpoint, device="cpu", **options)
+
+
+# --- the command lines --------------------------------------------------------------------------------
+
+def _cli(main, capsys, *argv):
+    """rc, stdout, stderr lines of a command line's main(argv)."""
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err.splitlines()
+
+
+@pytest.fixture
+def source_file(tmp_path):
+    path = tmp_path / "in.de"
+    path.write_text("".join(s + "\n" for s in SENTENCES), encoding="utf-8")
+    return path
+
+
+def test_translate_takes_an_ensemble_weights_and_workers(untrained_checkpoint, source_file, capsys):
+    from transformer.translate import main
+    common = ["--input", source_file, "--beam", 2, "--max-len-b", 6, "--precision", "fp32"]
+    rc, alone, _ = _cli(main, capsys, untrained_checkpoint, *common)
+    assert rc == 0 and len(alone.splitlines()) == 3
+    rc, pair, _ = _cli(main, capsys, untrained_checkpoint, untrained_checkpoint, "--weights", "1,3", *common)
+    assert rc == 0 and pair == alone
+    rc, parallel, _ = _cli(main, capsys, untrained_checkpoint, "--workers", 2, "--batch-tokens", 20, *common)
+    assert rc == 0 and parallel == alone
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--weights", "1"], "--weights 1: give 2 comma-separated numbers >= 0, one per checkpoint"),
+    (["--weights", "1,nan"], "--weights 1,nan: give 2"),
+    (["--workers", "0"], "--workers 0: must be a whole number >= 1"),
+    (["--quantize", "int8", "--precision", "bf16"], "--quantize int8 runs float32 around its int8 layers"),
+])
+def test_translate_refuses_ensemble_settings_that_do_not_fit(untrained_checkpoint, source_file, capsys, extra, message):
+    from transformer.translate import main
+    rc, out, err = _cli(main, capsys, untrained_checkpoint, untrained_checkpoint, "--input", source_file, *extra)
+    assert rc == 2 and out == "" and len(err) == 1 and message in err[0], err
+
+
+def test_translate_refuses_an_ensemble_over_two_vocabularies(untrained_checkpoint, other_vocabulary_checkpoint,
+                                                             source_file, capsys):
+    from transformer.translate import main
+    rc, out, err = _cli(main, capsys, untrained_checkpoint, other_vocabulary_checkpoint, "--input", source_file)
+    assert rc == 2 and out == "" and len(err) == 1 and "vocabulary differs" in err[0], err
+
+
+def test_translate_keeps_the_prefixes_of_a_prefix_file(untrained_checkpoint, source_file, tmp_path, capsys):
+    from transformer.translate import main
+    prefixes = tmp_path / "prefix.en"
+    prefixes.write_text("the dog\n\na cat sees\n", encoding="utf-8")
+    common = ["--input", source_file, "--beam", 1, "--max-len-b", 6, "--precision", "fp32"]
+    rc, plain, _ = _cli(main, capsys, untrained_checkpoint, *common)
+    rc, out, err = _cli(main, capsys, untrained_checkpoint, *common, "--prefix", prefixes)
+    lines = out.splitlines()
+    assert rc == 0 and lines[0].startswith("the dog") and lines[2].startswith("a cat sees"), (out, err)
+    assert lines[1] == plain.splitlines()[1]
+    prefixes.write_text("the dog\n", encoding="utf-8")
+    rc, out, err = _cli(main, capsys, untrained_checkpoint, *common, "--prefix", prefixes)
+    assert rc == 2 and out == "" and err == [f"transformer-translate: error: --prefix {prefixes}: 1 lines for 3 "
+                                             "input lines; give one prefix per input line (an empty line for none)"]
+    rc, out, err = _cli(main, capsys, untrained_checkpoint, *common, "--prefix", prefixes, "--output", prefixes)
+    assert rc == 2 and "is the --prefix file" in err[0] and prefixes.read_text() == "the dog\n"   # never overwritten
+
+
+def test_evaluate_takes_an_ensemble(untrained_checkpoint, source_file, tmp_path, capsys):
+    import json
+    import shutil
+
+    from transformer.evaluate import main
+    first = tmp_path / "a.pt"
+    shutil.copy(untrained_checkpoint, first)
+    rc, out, err = _cli(main, capsys, first, untrained_checkpoint, "--src", source_file, "--ref", source_file,
+                        "--beam", 1, "--max-len-b", 4)
+    assert rc == 0, err
+    scores = json.loads((tmp_path / "a.in.de.ensemble2.beam1.json").read_text())
+    assert scores["ensemble"] == [str(first), str(untrained_checkpoint)]
+    assert (tmp_path / "a.in.de.ensemble2.beam1.hyp").read_text().count("\n") == 3

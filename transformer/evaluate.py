@@ -1,6 +1,7 @@
 """`make evaluate CKPT=... [split=test]`: translate a split (or a source/reference file pair), print
 sacreBLEU and chrF with their signatures (`validate.score`: hypotheses and references in Unicode NFC,
-`|norm:nfc`), and write the hypotheses and a JSON of scores beside the checkpoint."""
+`|norm:nfc`), and write the hypotheses and a JSON of scores beside the checkpoint (the first one of an
+ensemble)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,24 @@ from transformer.runtime import keep_freed_memory
 from transformer.translate import (
     CommandLineParser,
     add_decoding_flags,
+    add_model_arguments,
     given_decoding_options,
     overwritten_input,
+    parse_weights,
 )
 from transformer.translator import Translator
 from transformer.validate import score
 
 
-def evaluate(checkpoint: str | Path, split: str = "test", src_file: str | None = None,
+def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src_file: str | None = None,
              ref_file: str | None = None, beam_size: int | None = None, alpha: float | None = None,
              device: str = "auto", precision: str = "auto", batch_tokens: int | None = None,
-             max_len_a: float | None = None, max_len_b: int | None = None) -> dict:
-    translator = Translator.load(checkpoint, device=device, precision=precision)
+             max_len_a: float | None = None, max_len_b: int | None = None, *, weights: list[float] | None = None,
+             quantize: str | None = None, workers: int = 1) -> dict:
+    """`checkpoint`: one, or a list (an ensemble, with optional `weights`)."""
+    checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
+    checkpoint = checkpoints[0]
+    translator = Translator.from_checkpoints(checkpoints, weights, device=device, precision=precision, quantize=quantize)
     if src_file or ref_file:
         if not (src_file and ref_file):
             raise DataError("give both --src and --ref")
@@ -42,9 +49,10 @@ def evaluate(checkpoint: str | Path, split: str = "test", src_file: str | None =
         sources, references = load_split_text(translator.config.data, split)
         name = split
     beam = translator.config.decode.beam_size if beam_size is None else beam_size
-    hyp_path, json_path = output_paths(checkpoint, name, beam)
+    hyp_path, json_path = output_paths(checkpoint, name + (f".ensemble{len(checkpoints)}" if len(checkpoints) > 1
+                                                           else "") + (f".{quantize}" if quantize else ""), beam)
     inputs = {f"the --src file {src_file}": src_file, f"the --ref file {ref_file}": ref_file,
-              f"the checkpoint {checkpoint}": checkpoint}
+              **{f"the checkpoint {each}": each for each in checkpoints}}
     for path in (hyp_path, json_path):
         overwritten = overwritten_input(path, inputs)
         if overwritten:
@@ -52,9 +60,12 @@ def evaluate(checkpoint: str | Path, split: str = "test", src_file: str | None =
                             "it; move or rename that file")
     started = time.perf_counter()
     hypotheses = translator.translate(sources, beam_size=beam, alpha=alpha, batch_tokens=batch_tokens,
-                                      max_len_a=max_len_a, max_len_b=max_len_b, progress=sys.stderr.isatty())
+                                      max_len_a=max_len_a, max_len_b=max_len_b, progress=sys.stderr.isatty(),
+                                      workers=workers)
     seconds = time.perf_counter() - started
     result = {"checkpoint": str(checkpoint), "split": name, "sentences": len(sources), "beam_size": beam,
+              **({"ensemble": [str(each) for each in checkpoints], "weights": weights} if len(checkpoints) > 1 else {}),
+              **({"quantize": quantize} if quantize else {}),
               "seconds": round(seconds, 2), **score(hypotheses, references, translator.config.data.tgt_lang)}
     hyp_path.write_text("".join(h.replace("\n", " ") + "\n" for h in hypotheses), encoding="utf-8")
     json_path.write_text(json.dumps(result, indent=2) + "\n")
@@ -71,12 +82,10 @@ def output_paths(checkpoint: str | Path, name: str, beam: int) -> tuple[Path, Pa
 
 def build_parser() -> CommandLineParser:
     parser = CommandLineParser(prog="transformer-evaluate", description=__doc__)
-    parser.add_argument("checkpoint")
+    add_model_arguments(parser)
     parser.add_argument("--split", default="test", help="split of the checkpoint's data config (default test)")
     parser.add_argument("--src", help="source file (instead of --split)")
     parser.add_argument("--ref", help="reference file (instead of --split)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     add_decoding_flags(parser, leave_out=("nbest",))     # it scores the best translation of each line
     return parser
 
@@ -90,8 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformer-evaluate: error: {error}", file=sys.stderr)
         return 2
     try:
-        result = evaluate(args.checkpoint, args.split, args.src, args.ref, args.beam, args.alpha, args.device,
-                          args.precision, args.batch_tokens, args.max_len_a, args.max_len_b)
+        weights = parse_weights(args.weights, len(args.checkpoints))
+        if args.workers < 1:
+            raise ValueError(f"--workers {args.workers}: must be a whole number >= 1")
+        result = evaluate(args.checkpoints, args.split, args.src, args.ref, args.beam, args.alpha, args.device,
+                          args.precision, args.batch_tokens, args.max_len_a, args.max_len_b, weights=weights,
+                          quantize=args.quantize, workers=args.workers)
     except KeyboardInterrupt:
         print("transformer-evaluate: interrupted", file=sys.stderr)
         return 130
@@ -101,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:          # e.g. the hypothesis file cannot be written beside the checkpoint
         print(f"transformer-evaluate: error: {error.filename}: {error.strerror}", file=sys.stderr)
         return 2
+    if "ensemble" in result:
+        print(f"ensemble of {len(result['ensemble'])}: {' '.join(result['ensemble'])}")
     print(f"{result['split']}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  "
           f"({result['sentences']} sentences, beam {result['beam_size']}, {result['seconds']:.1f} s)")
     print(f"BLEU signature: {result['bleu_signature']}")

@@ -27,7 +27,7 @@ from transformer.checkpoint import CheckpointError
 from transformer.config import DECODE_OPTIONS, ConfigError, DecodeOption, check_decode_options
 from transformer.runtime import keep_freed_memory
 from transformer.search import Sampling
-from transformer.translator import Translator
+from transformer.translator import QUANTIZATIONS, Translator, check_weights
 
 
 class CommandLineParser(argparse.ArgumentParser):
@@ -78,13 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="transformer-translate",
         description="Translate text with a trained checkpoint: one output line per input line (with --nbest N > 1, "
                     "N lines INDEX<TAB>SCORE<TAB>TEXT per input line).")
-    parser.add_argument("checkpoint", help="a .pt checkpoint written by training (best.pt, last.pt, ...), or a "
-                        "directory (or HuggingFace Hub id) written by transformer-export --format safetensors")
+    add_model_arguments(parser)
     parser.add_argument("--input", "-i", help="source text file (default: stdin)")
     parser.add_argument("--output", "-o", help="where to write translations (default: stdout)")
+    parser.add_argument("--prefix", metavar="FILE", help="target-language prefixes, one per input line (an empty "
+                        "line: none): each translation starts with its prefix and the search continues from there")
     add_decoding_flags(parser)                  # --beam, --nbest, --alpha, ...
-    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
-    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     parser.add_argument("--sampling", metavar="topk:K|topp:P",
                         help="draw each token at random (back-translation) from the K most probable, or from "
                         "the smallest set with probability P, instead of searching")
@@ -95,6 +94,46 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the log-probability of each line of REF (one translation per input line) "
                         "given its source, instead of translating (forced decoding)")
     return parser
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model(s) and how they compute, as transformer-translate and transformer-evaluate take them."""
+    parser.add_argument("checkpoints", nargs="+", metavar="checkpoint",
+                        help="a .pt checkpoint written by training (best.pt, last.pt, ...), or a directory (or "
+                        "HuggingFace Hub id) written by transformer-export --format safetensors; several: an "
+                        "ensemble, the mean of their log-probabilities at every step (same vocabulary)")
+    parser.add_argument("--weights", metavar="W,W,...", help="an ensemble's weights, one per checkpoint "
+                        "(default: equal)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    parser.add_argument("--quantize", choices=QUANTIZATIONS, help="int8: the linear layers in int8 (CPU only; "
+                        "the rest in float32); fastest on CPUs without native bf16")
+    parser.add_argument("--workers", type=int, default=1, help="batches decoded at a time on the CPU, one core "
+                        "each (like CTranslate2's inter_threads; default 1: every core on each batch)")
+
+
+def parse_weights(text: str | None, count: int) -> list[float] | None:
+    """`--weights 0.6,0.4` -> [0.6, 0.4]; ValueError with the fix when it is not one number >= 0 per checkpoint."""
+    if text is None:
+        return None
+    try:
+        return check_weights([float(w) for w in text.split(",")], count)
+    except ValueError:
+        raise ValueError(f"--weights {text}: give {count} comma-separated numbers >= 0, one per checkpoint, "
+                         "not all 0 (e.g. --weights " + ",".join(["1"] * count) + ")") from None
+
+
+def load_translator(args: argparse.Namespace) -> Translator:
+    """The model(s) the command line names (`add_model_arguments`): one, or an ensemble."""
+    weights = parse_weights(args.weights, len(args.checkpoints))
+    if args.workers < 1:
+        raise ValueError(f"--workers {args.workers}: must be a whole number >= 1")
+    try:
+        return Translator.from_checkpoints(args.checkpoints, weights, device=args.device, precision=args.precision,
+                                           quantize=args.quantize)
+    except ValueError as error:                  # the API's words for --quantize and --precision
+        raise ValueError(str(error).replace("quantize=", "--quantize ").replace("precision=", "--precision ")) \
+            from None
 
 
 def parse_sampling(text: str, temperature: float, seed: int) -> Sampling:
@@ -239,8 +278,8 @@ def _run(args) -> int:
             return _fail(f"--device {args.device}: there are {torch.cuda.device_count()} CUDA device(s) (0 to "
                          f"{torch.cuda.device_count() - 1})")
     try:
-        translator = Translator.load(args.checkpoint, device=args.device, precision=args.precision)
-    except (CheckpointError, ConfigError) as error:
+        translator = load_translator(args)
+    except (CheckpointError, ConfigError, ValueError) as error:
         return _fail(str(error))
     if not scoring:
         if args.beam is None:             # one draw per line, or the decode config the model was trained with
@@ -250,7 +289,9 @@ def _run(args) -> int:
     ignored = _ignored_options(given, scoring, args.beam)
     if ignored:
         print(f"transformer-translate: warning: {ignored}", file=sys.stderr)
-    if not scoring and sampling is None and not args.input and _streams(sys.stdin):
+    if args.prefix is not None and scoring:
+        return _fail("--prefix is for translating; --score-reference scores the given translations whole")
+    if not scoring and sampling is None and args.prefix is None and not args.input and _streams(sys.stdin):
         return _translate_stream(translator, args)
     try:
         if args.input:
@@ -272,7 +313,18 @@ def _run(args) -> int:
                          f"{len(lines)} input lines; give one translation per input line")
         scores = translator.score(lines, references, batch_tokens=args.batch_tokens)
         return _write("".join(f"{value:.4f}\n" for value in scores), args.output)
-    results = _translate_lines(translator, lines, args, sampling, progress=bool(args.output) and sys.stderr.isatty())
+    prefixes = None
+    if args.prefix is not None:
+        try:
+            with open(args.prefix, "rb") as handle:
+                prefixes, _ = read_input(handle)
+        except OSError as error:
+            return _fail(f"--prefix {args.prefix}: {error.strerror}")
+        if len(prefixes) != len(lines):
+            return _fail(f"--prefix {args.prefix}: {len(prefixes)} lines for {len(lines)} input lines; give one "
+                         "prefix per input line (an empty line for none)")
+    results = _translate_lines(translator, lines, args, sampling, progress=bool(args.output) and sys.stderr.isatty(),
+                               prefixes=prefixes)
     return _write(_format(results, args.nbest, first_index=0), args.output)
 
 
@@ -307,7 +359,8 @@ def _overwritten_input(args) -> str | None:
     `--output` the checkpoint, `< f > f`, ...); None when it would not. Checked before anything is written."""
     inputs = {f"the --input file {args.input}": args.input,
               f"the --score-reference file {args.score_reference}": args.score_reference,
-              f"the checkpoint {args.checkpoint}": args.checkpoint,
+              f"the --prefix file {args.prefix}": args.prefix,
+              **{f"the checkpoint {checkpoint}": checkpoint for checkpoint in args.checkpoints},
               "the file on stdin": None if args.input else _fileno(sys.stdin)}
     if args.output:
         name = overwritten_input(args.output, inputs)
@@ -355,12 +408,14 @@ def _streams(stdin) -> bool:
         return False
 
 
-def _translate_lines(translator: Translator, lines: list[str], args, sampling, progress: bool = False):
+def _translate_lines(translator: Translator, lines: list[str], args, sampling, progress: bool = False,
+                     prefixes: list[str] | None = None):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         results = translator.translate_hypotheses(
             lines, beam_size=args.beam, alpha=args.alpha, nbest=args.nbest, max_len_a=args.max_len_a,
-            max_len_b=args.max_len_b, batch_tokens=args.batch_tokens, progress=progress, sampling=sampling)
+            max_len_b=args.max_len_b, batch_tokens=args.batch_tokens, progress=progress, sampling=sampling,
+            prefixes=prefixes, workers=args.workers)
     for warning in caught:
         print(f"transformer-translate: warning: {warning.message}", file=sys.stderr)
     return results
