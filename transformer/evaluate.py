@@ -30,7 +30,7 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
              ref_file: str | None = None, beam_size: int | None = None, alpha: float | None = None,
              device: str = "auto", precision: str = "auto", batch_tokens: int | None = None,
              max_len_a: float | None = None, max_len_b: int | None = None, *, weights: list[float] | None = None,
-             quantize: str | None = None, workers: int = 1) -> dict:
+             quantize: str | None = None, workers: int | None = None) -> dict:
     """`checkpoint`: one, or a list (an ensemble, with optional `weights`)."""
     checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
     checkpoint = checkpoints[0]
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         weights = parse_weights(args.weights, len(args.checkpoints))
-        if args.workers < 1:
+        if args.workers is not None and args.workers < 1:
             raise ValueError(f"--workers {args.workers}: must be a whole number >= 1")
         result = evaluate(args.checkpoints, args.split, args.src, args.ref, args.beam, args.alpha, args.device,
                           args.precision, args.batch_tokens, args.max_len_a, args.max_len_b, weights=weights,

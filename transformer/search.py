@@ -447,8 +447,13 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
     with contextlib.ExitStack() as in_eval_mode:
         for each in models:
             in_eval_mode.enter_context(eval_mode(each))
-        batches = batches_in_order([len(s) for s in sources], max(1, batch_tokens // hypotheses))
-        if workers > 1 and torch.device(device).type == "cpu":
+        lengths = [len(s) for s in sources]
+        budget = max(1, batch_tokens // hypotheses)                   # source tokens per batch
+        workers = workers if torch.device(device).type == "cpu" else 1
+        if workers > 1:       # enough batches that the workers end together: about 4 each, not tiny ones
+            budget = min(budget, max(PARALLEL_MIN_BATCH_TOKENS, sum(lengths) // (4 * workers)))
+        batches = batches_in_order(lengths, budget)
+        if workers > 1 and len(batches) > 1:
             in_parallel(batches, decode_batch, workers, stop)
         else:
             for indices in batches:
@@ -456,6 +461,10 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
                     raise Interrupted
                 decode_batch(indices)
     return results
+
+
+# The smallest batch (source tokens) that `workers` > 1 cuts a file into, so that each worker gets several.
+PARALLEL_MIN_BATCH_TOKENS = 256
 
 
 def in_parallel(batches: list[list[int]], decode_batch, workers: int, stop=None) -> None:

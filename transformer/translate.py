@@ -108,8 +108,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     parser.add_argument("--quantize", choices=QUANTIZATIONS, help="int8: the linear layers in int8 (CPU only; "
                         "the rest in float32); fastest on CPUs without native bf16")
-    parser.add_argument("--workers", type=int, default=1, help="batches decoded at a time on the CPU, one core "
-                        "each (like CTranslate2's inter_threads; default 1: every core on each batch)")
+    parser.add_argument("--workers", type=int, help="batches decoded at a time on the CPU, one core each (like "
+                        "CTranslate2's inter_threads; default: as many as PyTorch uses threads, i.e. the cores; 1: "
+                        "every core on each batch)")
 
 
 def parse_weights(text: str | None, count: int) -> list[float] | None:
@@ -126,7 +127,7 @@ def parse_weights(text: str | None, count: int) -> list[float] | None:
 def load_translator(args: argparse.Namespace) -> Translator:
     """The model(s) the command line names (`add_model_arguments`): one, or an ensemble."""
     weights = parse_weights(args.weights, len(args.checkpoints))
-    if args.workers < 1:
+    if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers {args.workers}: must be a whole number >= 1")
     try:
         return Translator.from_checkpoints(args.checkpoints, weights, device=args.device, precision=args.precision,

@@ -115,14 +115,14 @@ class Translator:
                    nbest: int | None = None, max_len_a: float | None = None, max_len_b: int | None = None,
                    batch_tokens: int | None = None, progress: bool | None = False, desc: str = "translate",
                    sampling: Sampling | None = None, stop=None, use_cache: bool = True,
-                   prefixes: list[str] | None = None, workers: int = 1) -> list[list[Hypothesis]]:
+                   prefixes: list[str] | None = None, workers: int | None = None) -> list[list[Hypothesis]]:
         """n-best `Hypothesis` lists (text, score, tokens, ...), best first. Options left out come from the
         config's decode section (nbest, batch_tokens: the schema's defaults; `DecodeConfig.for_translation`),
         and a bad one is a ValueError naming it. Empty sentences translate to ''. With `sampling` (`search.Sampling`), one
         sampled translation per sentence instead of a search. `prefixes`: one target-language prefix per
         sentence ('' for none) that each translation starts with, the search continuing after it (its
         log-probability counts in the score). `workers`: on the CPU, batches decoded at a time, one core
-        each (`search.in_parallel`). `progress`: a tqdm bar (None: when stderr is a terminal);
+        each (`search.in_parallel`; None: as many as PyTorch has threads, i.e. the cores). `progress`: a tqdm bar (None: when stderr is a terminal);
         `stop()`, asked between batches, may raise `search.Interrupted`; `use_cache=False` recomputes
         every prefix (the bench's reference)."""
         sentences = list_of_str(sentences, "sentences", "translate([text])")
@@ -141,7 +141,7 @@ class Translator:
                 max_len_a=max_len_a, max_len_b=max_len_b, batch_tokens=batch_tokens, device=self.device,
                 progress=bar, autocast=self.autocast, sampling=sampling, stop=stop, use_cache=use_cache,
                 weights=self.weights, prefixes=None if prefix_ids is None else [prefix_ids[i] for i in wanted],
-                workers=workers)
+                workers=cpu_workers(self.device) if workers is None else workers)
         for index, hyps in zip(wanted, decoded):
             results[index] = hyps
         flat = [h for hyps in results for h in hyps]
@@ -197,6 +197,13 @@ class Translator:
 
 
 QUANTIZATIONS = ("int8",)
+
+
+def cpu_workers(device: torch.device) -> int:
+    """How many batches to decode at a time by default: on the CPU one per thread PyTorch would use (the
+    cores, or OMP_NUM_THREADS), each on one core, which beats every core on each small batch (measured
+    in docs/benchmarks.md); elsewhere 1."""
+    return torch.get_num_threads() if device.type == "cpu" else 1
 
 
 def inference_runtime(device: str, precision: str, quantize: str | None) -> Runtime:
