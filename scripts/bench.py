@@ -297,6 +297,10 @@ def main() -> int:
     parser.add_argument("--cli-repeats", type=int, default=3,
                         help="whole-process transformer-translate runs per beam (needs --checkpoint and "
                              "MULTI30K_DIR; 0 = skip)")
+    parser.add_argument("--large-file-lines", type=int, default=10000,
+                        help="with --checkpoint: also translate the first N lines of Multi30k train (0 = skip)")
+    parser.add_argument("--ensemble", nargs="*", default=[],
+                        help="with --checkpoint: more checkpoints of its vocabulary for the ensemble rows")
     parser.add_argument("--data-scale", default="1000000,4500000",
                         help="corpus sizes (pairs) for the data-scale section, needs MULTI30K_DIR; 0 = skip")
     parser.add_argument("--data-scale-dir", default="/tmp/bench-data-scale", help="where its corpora are written")
@@ -334,10 +338,15 @@ def main() -> int:
     rows += bench_decode(model, tokenizer, ckpt_cfg, sources, device, repeats=1)
     test_file = Path(multi30k or ".") / "test_2016_flickr.de"
     if args.checkpoint and multi30k and args.cli_repeats > 0 and test_file.exists():
-        from bench_ctranslate2 import bench_ctranslate2, bench_translate_cli
-        ours = bench_translate_cli(args.checkpoint, test_file, test_file.with_suffix(".en"), args.cli_repeats)
-        rows += ours + bench_ctranslate2(args.checkpoint, test_file, test_file.with_suffix(".en"), args.cli_repeats,
-                                         ours)
+        import tempfile
+
+        from bench_ctranslate2 import bench_translation, first_lines
+        with tempfile.TemporaryDirectory(prefix="bench-lines-") as tmp:
+            files = [(test_file, test_file.with_suffix(".en"))]
+            if args.large_file_lines:
+                files.append(tuple(first_lines(Path(multi30k) / name, args.large_file_lines, Path(tmp))
+                                   for name in ("train.de", "train.en")))
+            rows += bench_translation(args.checkpoint, files, args.cli_repeats, args.ensemble)
     sizes = [int(x) for x in args.data_scale.split(",") if int(x) > 0]
     if multi30k and sizes:
         rows += bench_data_scale(Path(multi30k), sizes, Path(args.data_scale_dir))
@@ -386,13 +395,9 @@ def _print_table(info: dict, rows: list[dict]) -> None:
         elif row["section"] in ("data", "data_scale"):
             from bench_data import print_row
             print_row(row)
-        elif row["section"] == "ctranslate2":
-            from bench_ctranslate2 import print_row as print_ct2
-            print_ct2(row)
-        elif row["section"] == "translate_cli":
-            print(f"transformer-translate --beam {row['beam']} < {Path(row['file']).name} (whole process) | "
-                  f"median {row['seconds_median']:.2f} s (min {row['seconds_min']:.2f}, max "
-                  f"{row['seconds_max']:.2f}, {row['repeats']} runs)")
+        elif row["section"] in ("ctranslate2", "translate_cli", "translate_startup"):
+            from bench_ctranslate2 import print_row as print_translation
+            print_translation(row)
         else:
             print(f"decode beam {row['beam']} {row['precision']} | {row['sentences']} sentences | cached "
                   f"{row['cached_sentences_per_s']:.1f} sent/s | uncached {row['uncached_sentences_per_s']:.1f} "

@@ -1,10 +1,12 @@
-"""The bench's whole-process translation sections: `transformer-translate` itself, and a checkpoint
-exported with `transformer-export --format ctranslate2` (float32 and int8) translating the same file
-as a whole process beside it, with BLEU
-and the share of sentences where its greedy output equals ours. CTranslate2's length penalty is set
+"""The bench's whole-process translation sections: `transformer-translate` in its settings (defaults,
+--workers 1, --quantize int8) and the checkpoint exported with `transformer-export --format
+ctranslate2` (float32 and int8, each thread setting) translating the same files beside it, with BLEU,
+each row's ratio to CTranslate2's fastest, the share of sentences where CTranslate2's fp32 greedy
+output equals ours, our start-up time, and optionally an ensemble against its members. CTranslate2's length penalty is set
 to the checkpoint's decode.alpha (its normalisation differs slightly from our GNMT formula: with both
 at 0.6, validation BLEU of the README's model was 40.14 against our 40.13).
 
+Run alone: `python scripts/bench_ctranslate2.py CKPT SOURCE REFERENCE [--lines N] [--ensemble CKPT2 ...]`.
 Also the whole-process translator it times (what a user of the exported model would run):
 
     python scripts/bench_ctranslate2.py translate MODEL_DIR --beam 5 [--compute-type int8]
@@ -56,6 +58,14 @@ def translate_main(argv: list[str]) -> int:
     return 0
 
 
+def first_lines(path: Path, count: int, folder: Path) -> Path:
+    """A copy of the first `count` lines of `path` in `folder`."""
+    out = folder / f"{path.stem}.first{count}{path.suffix}"
+    with open(path, encoding="utf-8") as source:
+        out.write_text("".join(line for _, line in zip(range(count), source)), encoding="utf-8")
+    return out
+
+
 def _timed(command: list[str], source_file: Path, repeats: int) -> tuple[list[float], list[str]]:
     times, output = [], ""
     for _ in range(repeats):
@@ -81,22 +91,37 @@ def _target_language(checkpoint: str) -> str:
     return load_checkpoint(checkpoint, mmap=True)["config"]["data"]["tgt_lang"]
 
 
-def bench_translate_cli(checkpoint: str, source_file: Path, reference_file: Path, repeats: int) -> list[dict]:
-    """`transformer-translate CKPT --beam N < source_file` as a whole process, model load included."""
+# transformer-translate's settings beside CTranslate2's: its defaults (auto precision: bf16 on this CPU;
+# one worker per core), one batch at a time on every core (the release before workers), and int8.
+OURS_SETTINGS = {"default": [], "--workers 1": ["--workers", "1"], "--quantize int8": ["--quantize", "int8"]}
+
+
+def bench_translate_cli(checkpoints: list[str], source_file: Path, reference_file: Path, repeats: int,
+                        settings: dict[str, list[str]] = OURS_SETTINGS, beams=(5, 1)) -> list[dict]:
+    """`transformer-translate CKPT... --beam N [flags] < source_file` as whole processes, model load included."""
     rows = []
-    for beam in (5, 1):
-        times, lines = _timed([sys.executable, "-m", "transformer.translate", checkpoint, "--beam", str(beam)],
-                              source_file, repeats)
-        rows.append({"section": "translate_cli", "beam": beam, "file": str(source_file),
-                     "seconds_median": statistics.median(times), "seconds_min": min(times),
-                     "seconds_max": max(times), "repeats": repeats, "bleu": _bleu(lines, reference_file, checkpoint)})
+    for beam in beams:
+        for setting, flags in settings.items():
+            command = [sys.executable, "-m", "transformer.translate", *checkpoints, "--beam", str(beam), *flags]
+            times, lines = _timed(command, source_file, repeats)
+            rows.append({"section": "translate_cli", "engine": "transformer-translate", "setting": setting,
+                         "checkpoints": len(checkpoints), "beam": beam, "file": str(source_file),
+                         "sentences": len(lines), "seconds_median": statistics.median(times),
+                         "seconds_min": min(times), "seconds_max": max(times), "repeats": repeats,
+                         "bleu": _bleu(lines, reference_file, checkpoints[0])})
     return rows
 
 
-def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, repeats: int,
-                      ours_rows: list[dict] | None = None) -> list[dict]:
-    """CTranslate2 rows beside `transformer-translate`'s (`ours_rows` from `bench_translate_cli`; timed
-    here when not given)."""
+def bench_startup(checkpoint: str, repeats: int) -> dict:
+    """A whole `transformer-translate` process on empty input: Python, torch, the model, no decoding."""
+    with tempfile.NamedTemporaryFile(suffix=".de") as empty:
+        times, _ = _timed([sys.executable, "-m", "transformer.translate", checkpoint], Path(empty.name), repeats)
+    return {"section": "translate_startup", "seconds_median": statistics.median(times), "repeats": repeats}
+
+
+def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, repeats: int) -> list[dict]:
+    """The same file through CTranslate2 (the checkpoint exported in float32 and int8, every thread
+    setting), as whole processes; the fp32 greedy rows say how many lines equal ours."""
     try:
         import ctranslate2  # noqa: F401
     except ImportError:
@@ -105,11 +130,6 @@ def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, 
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
     from transformer.export import export_ctranslate2
 
-    def bleu(lines):
-        return _bleu(lines, reference_file, checkpoint)
-
-    ours_rows = ours_rows or bench_translate_cli(checkpoint, source_file, reference_file, repeats)
-    ours = {row["beam"]: {"seconds": row["seconds_median"], "bleu": row["bleu"]} for row in ours_rows}
     _, ours_fp32_greedy = _timed([sys.executable, "-m", "transformer.translate", checkpoint, "--beam", "1",
                                   "--precision", "fp32"], source_file, 1)
     rows = []
@@ -124,11 +144,11 @@ def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, 
                                "--inter-threads", str(inter), "--intra-threads", str(intra),
                                "--length-penalty", str(config.decode.alpha)]
                     times, lines = _timed(command, source_file, repeats)
-                    row = {"section": "ctranslate2", "quantization": quantization, "beam": beam,
-                           "inter_threads": inter, "intra_threads": intra, "seconds_median": statistics.median(times),
-                           "bleu": bleu(lines), "ours_seconds_median": ours[beam]["seconds"],
-                           "ours_bleu": ours[beam]["bleu"], "file": str(source_file), "repeats": repeats}
-                    row["ours_over_ctranslate2"] = row["ours_seconds_median"] / row["seconds_median"]
+                    row = {"section": "ctranslate2", "engine": "ctranslate2",
+                           "setting": f"{quantization}, {inter} worker(s) x {intra} thread(s)", "beam": beam,
+                           "file": str(source_file), "sentences": len(lines),
+                           "seconds_median": statistics.median(times), "repeats": repeats,
+                           "bleu": _bleu(lines, reference_file, checkpoint)}
                     if quantization == "float32" and beam == 1:
                         same = sum(a == b for a, b in zip(lines, ours_fp32_greedy))
                         row["identical_to_ours_fp32_greedy"] = same / max(1, len(lines))
@@ -136,13 +156,41 @@ def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, 
     return rows
 
 
+def bench_translation(checkpoint: str, files: list[tuple[Path, Path]], repeats: int,
+                      ensemble: list[str] = ()) -> list[dict]:
+    """For each (source, reference) file: our settings and CTranslate2's side by side, each row with its
+    ratio to CTranslate2's fastest at the same beam; start-up; and, given `ensemble` (more checkpoints of
+    the same vocabulary), each model alone and all together on the first file at beam 5."""
+    rows = [bench_startup(checkpoint, repeats)]
+    for source_file, reference_file in files:
+        ours = bench_translate_cli([checkpoint], source_file, reference_file, repeats)
+        theirs = bench_ctranslate2(checkpoint, source_file, reference_file, repeats)
+        for beam in (5, 1):
+            best = min((r["seconds_median"] for r in theirs if r["beam"] == beam), default=None)
+            for row in ours + theirs:
+                if row["beam"] == beam and best:
+                    row["over_ctranslate2_best"] = row["seconds_median"] / best
+        rows += ours + theirs
+    if ensemble:
+        source_file, reference_file = files[0]
+        members = [checkpoint, *ensemble]
+        for each in members:
+            rows += bench_translate_cli([each], source_file, reference_file, repeats, {"ensemble member": []}, (5,))
+        rows += bench_translate_cli(members, source_file, reference_file, repeats, {"ensemble": []}, (5,))
+    return rows
+
+
 def print_row(row: dict) -> None:
+    if row["section"] == "translate_startup":
+        print(f"transformer-translate start-up (empty input: Python, torch, the model) | "
+              f"{row['seconds_median']:.2f} s")
+        return
     same = (f" | identical to ours (fp32 greedy) {100 * row['identical_to_ours_fp32_greedy']:.1f}%"
             if "identical_to_ours_fp32_greedy" in row else "")
-    print(f"ctranslate2 {row['quantization']:7s} beam {row['beam']} ({row['inter_threads']}x{row['intra_threads']} "
-          f"threads) | {row['seconds_median']:.2f} s BLEU {row['bleu']:.2f} | transformer-translate "
-          f"{row['ours_seconds_median']:.2f} s BLEU {row['ours_bleu']:.2f} | ours/ct2 "
-          f"{row['ours_over_ctranslate2']:.2f}x{same}")
+    ratio = f" | {row['over_ctranslate2_best']:.2f}x CTranslate2's fastest" if "over_ctranslate2_best" in row else ""
+    models = f" ({row['checkpoints']} models)" if row.get("checkpoints", 1) > 1 else ""
+    print(f"{row['engine']:21s} {row['setting']:36s}{models} beam {row['beam']} | {Path(row['file']).name} "
+          f"{row['sentences']} lines | {row['seconds_median']:6.2f} s | BLEU {row['bleu']:.2f}{ratio}{same}")
 
 
 if __name__ == "__main__":
@@ -153,8 +201,13 @@ if __name__ == "__main__":
     parser.add_argument("source")
     parser.add_argument("reference")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lines", type=int, default=0, help="only the first N lines of source and reference")
+    parser.add_argument("--ensemble", nargs="*", default=[], help="more checkpoints: ensemble rows on this file")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    rows = bench_ctranslate2(args.checkpoint, Path(args.source), Path(args.reference), args.repeats)
-    for r in rows:
-        print_row(r)
+    files = [(Path(args.source), Path(args.reference))]
+    with tempfile.TemporaryDirectory(prefix="bench-lines-") as tmp:
+        if args.lines:
+            files = [(first_lines(files[0][0], args.lines, Path(tmp)), first_lines(files[0][1], args.lines, Path(tmp)))]
+        for r in bench_translation(args.checkpoint, files, args.repeats, args.ensemble):
+            print_row(r)

@@ -44,6 +44,11 @@ class Translator:
         self.device = device
         self.autocast = autocast or autocast_factory(device, DTYPES[precision])
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the model's linear layers are int8 (`quantize="int8"`)."""
+        return any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in self.model.modules())
+
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "auto",
                         quantize: str | None = None) -> Translator:
@@ -122,15 +127,19 @@ class Translator:
         sampled translation per sentence instead of a search. `prefixes`: one target-language prefix per
         sentence ('' for none) that each translation starts with, the search continuing after it (its
         log-probability counts in the score). `workers`: on the CPU, batches decoded at a time, one core
-        each (`search.in_parallel`; None: as many as PyTorch has threads, i.e. the cores). `progress`: a tqdm bar (None: when stderr is a terminal);
-        `stop()`, asked between batches, may raise `search.Interrupted`; `use_cache=False` recomputes
-        every prefix (the bench's reference)."""
+        each (`search.in_parallel`; None: as many as PyTorch has threads, i.e. the cores). `progress`: a
+        tqdm bar (None: when stderr is a terminal); `stop()`, asked between batches, may raise
+        `search.Interrupted`; `use_cache=False` recomputes every prefix (the bench's reference)."""
         sentences = list_of_str(sentences, "sentences", "translate([text])")
         prefix_ids = self.encode_prefixes(prefixes, len(sentences))
+        batch_tokens_given = batch_tokens is not None
         decode = self.config.decode.for_translation(beam_size=beam_size, alpha=alpha, nbest=nbest, max_len_a=max_len_a,
                                                     max_len_b=max_len_b, batch_tokens=batch_tokens)
         beam_size, alpha, nbest = decode.beam_size, decode.alpha, decode.nbest
         max_len_a, max_len_b, batch_tokens = decode.max_len_a, decode.max_len_b, decode.batch_tokens
+        if self.quantized and not batch_tokens_given:    # int8 runs fastest on batches of a few thousand
+            rows = 1 if sampling is not None or beam_size == 1 else beam_size
+            batch_tokens = min(batch_tokens, INT8_SOURCE_TOKENS * rows)
         sources = self.encode_sources(sentences)
         wanted = [i for i, s in enumerate(sources) if s]
         results: list[list[Hypothesis]] = [[] for _ in sources]
@@ -197,6 +206,10 @@ class Translator:
 
 
 QUANTIZATIONS = ("int8",)
+# Source tokens per batch (times the beam) of an int8 model when batch_tokens is not given: its dynamic
+# int8 layers run faster on batches of this size than on the float default's (10,000 Multi30k sentences,
+# greedy, two workers: 7.6 s against 8.5 s, whole processes).
+INT8_SOURCE_TOKENS = 4096
 
 
 def cpu_workers(device: torch.device) -> int:
