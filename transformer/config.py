@@ -367,9 +367,18 @@ class Config:
         return dataclasses.asdict(self)
 
 
+_schema_registered = False
+
+
 def register_schema() -> None:
     """Put the dataclasses into Hydra's ConfigStore: `schema` types the whole tree (conf/config.yaml
-    lists it first), and each group's default option is its dataclass (no YAML copy of a default)."""
+    lists it first), and each group's default option is its dataclass (no YAML copy of a default).
+    Called by whatever composes a config (`compose_tree`, `transformer-train` before hydra.main), not on
+    import: translating needs the schema's dataclasses, not Hydra (about 0.15 s of every start-up)."""
+    global _schema_registered
+    if _schema_registered:
+        return
+    _schema_registered = True
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
@@ -387,9 +396,6 @@ def register_schema() -> None:
     OmegaConf.register_new_resolver(
         "transformer.help", lambda program, *, _root_: render_help(program, _root_).replace("$", "$$"),
         replace=True)
-
-
-register_schema()
 
 
 def compose(overrides: list[str] = (), config_name: str = "config", config_dir: str | None = None) -> Config:
@@ -411,6 +417,7 @@ def compose_tree(overrides: list[str] = (), config_name: str = "config", config_
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    register_schema()
     overrides = list(overrides)
     if config_dir is not None:
         directory = Path(config_dir).resolve()
@@ -563,6 +570,7 @@ def preset_options(config_sources) -> dict[str, list[str]]:
     directory on the search path (conf/, and DIR of --config-dir); the sections' groups first."""
     from hydra.core.config_store import ConfigStore
 
+    register_schema()
     store = ConfigStore.instance()
     options: dict[str, list[str]] = {spec.name: [] for spec in dataclasses.fields(Config)
                                      if spec.default_factory is not dataclasses.MISSING}

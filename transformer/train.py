@@ -31,7 +31,7 @@ from transformer.checkpoint import (
     non_finite_tensors,
     step_checkpoints,
 )
-from transformer.config import CONF_DIR, Config, ConfigError
+from transformer.config import CONF_DIR, Config, ConfigError, register_schema
 from transformer.corpus import prepare
 from transformer.data import DataError, load_split_text
 from transformer.loss import batch_loss
@@ -627,6 +627,8 @@ def main() -> None:
 
     # An absolute path: Hydra then finds conf/ however this module was started (-m, torchrun, -c).
     keep_freed_memory()      # a CPU step frees and reallocates the same ~100 MB of activations
+    register_schema()        # the ConfigStore entries conf/config.yaml names, and the help's resolver
+
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
     def _main(cfg) -> float | None:
         """Trains; returns the best validation BLEU (what a sweeper such as Optuna optimises)."""
