@@ -57,7 +57,7 @@ class HostReads:
     bypass it.
 
     A tensor on the `meta` device has no values: there a read is answered with placeholders (False,
-    0.0, 0; `meta_int` for an integer scalar, a loop bound) so that code which branches on values
+    0.0, and `meta_int` for integers: a loop bound, a length limit) so that code which branches on values
     (search's loops) runs on. Reads whose result size depends on the values (nonzero, boolean-mask
     indexing) still fail there."""
 
@@ -77,7 +77,7 @@ class HostReads:
                 if name.startswith(HOST_READS) or bool_index:
                     reads.seen.append(name)
                     if name == "aten._local_scalar_dense" and args[0].is_meta:
-                        return reads._placeholder(args[0].dtype, scalar=True)
+                        return reads._placeholder(args[0].dtype)
                 return func(*args, **(kwargs or {}))
 
         self.mode = Mode()
@@ -87,18 +87,18 @@ class HostReads:
         self.mode.__enter__()
         return self
 
-    def _placeholder(self, dtype: torch.dtype, scalar: bool):
+    def _placeholder(self, dtype: torch.dtype):
         if dtype == torch.bool:
             return False
         if dtype.is_floating_point:
             return 0.0
-        return self.meta_int if scalar else 0
+        return self.meta_int
 
     def _counting(self, name, original):
         def wrapper(tensor, *args, **kwargs):
             self.seen.append(f"Tensor.{name}")
             if name == "tolist" and tensor.is_meta:
-                return _nested_list(tuple(tensor.shape), self._placeholder(tensor.dtype, scalar=False))
+                return _nested_list(tuple(tensor.shape), self._placeholder(tensor.dtype))
             return original(tensor, *args, **kwargs)
         return wrapper
 

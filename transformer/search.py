@@ -307,9 +307,10 @@ def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, al
     # Every sentence starts from one hypothesis (BOS); the first step expands it to K.
     tokens = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=device)       # (n*beams, t)
     scores = torch.zeros(batch, 1, device=device)                                 # (n, beams) log-probs
-    open_ids = torch.arange(batch, device=device)
+    # What the host keeps of each open sentence (no device read needed): its index and length limit.
+    open_ids, limits = list(range(batch)), max_lens.tolist()
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
-    for step in range(int(max_lens.max())):
+    for step in range(max(limits)):
         n, beams = scores.shape
         # A sentence's 2K best (beam, token) candidates are among each beam's 2K best tokens
         # (width = 2K, or the vocabulary size if that is smaller).
@@ -319,51 +320,55 @@ def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, al
             wanted = prefix[:, step].repeat_interleave(beams)                     # (n*beams,)
             active, wanted_logprob = _prefix_logprob(logprobs, wanted)
             first_beam = torch.arange(n * beams, device=device) % beams == 0
-            row_scores[active] = float("-inf")
+            row_scores.masked_fill_(active[:, None], float("-inf"))
             row_scores[:, 0] = torch.where(active & first_beam, wanted_logprob, row_scores[:, 0])
             row_tokens[:, 0] = torch.where(active, wanted, row_tokens[:, 0])
         else:
             row_scores, row_tokens, eos_logprob = top_candidates(decoder, tokens, 2 * K)  # (n*beams, width)
         width = row_scores.size(1)
-        forced = step + 1 >= max_lens                                              # (n,)
-        if forced.any():      # sentences at their length limit may only end
-            forced_rows = forced.repeat_interleave(beams)
-            row_scores[forced_rows] = float("-inf")
-            row_scores[forced_rows, 0] = eos_logprob[forced_rows]
-            row_tokens[forced_rows, 0] = EOS_ID
+        forced = [step + 1 >= limit for limit in limits]         # sentences at their length limit may only end
+        if any(forced):
+            forced_rows = torch.tensor(forced, device=device).repeat_interleave(beams)      # (n*beams,)
+            row_scores.masked_fill_(forced_rows[:, None], float("-inf"))
+            row_scores[:, 0] = torch.where(forced_rows, eos_logprob, row_scores[:, 0])
+            row_tokens[:, 0] = torch.where(forced_rows, EOS_ID, row_tokens[:, 0])
         candidates = (scores.view(-1, 1) + row_scores).view(n, beams * width)
         top_scores, top_ids = candidates.topk(min(2 * K, beams * width), dim=1)     # (n, <= 2K)
         top_beams = top_ids // width
         top_tokens = row_tokens.view(n, beams * width).gather(1, top_ids)
         is_eos = top_tokens == EOS_ID
-
-        # Finish EOS candidates that rank among the top K.
-        finish = is_eos[:, :K] & torch.isfinite(top_scores[:, :K])
-        if finish.any():
-            penalty = length_penalty(step + 1, alpha)
-            beam_list, score_list, forced_list = top_beams.tolist(), top_scores.tolist(), forced.tolist()
-            sentence_list = open_ids.tolist()
-            for i, j in finish.nonzero().tolist():
-                row = i * beams + beam_list[i][j]
-                raw = score_list[i][j]
-                finished[sentence_list[i]].append(Hypothesis(tokens[row, 1:].tolist(), raw / penalty, raw,
-                                                             forced_list[i]))
-
         # Continue with the K best non-EOS candidates (at most K of the 2K are EOS). With a beam wider
         # than the vocabulary allows, fewer (and hypotheses at -inf, which can never finish).
         next_scores, picks = top_scores.masked_fill(is_eos, float("-inf")).topk(min(K, top_scores.size(1)), dim=1)
+        # EOS candidates that rank among the top K finish. The step's one read to the host: which
+        # finish, from which beam, at what score, and each sentence's best open score.
+        finish = is_eos[:, :K] & torch.isfinite(top_scores[:, :K])                    # (n, <= K)
+        top = finish.size(1)
+        read = torch.cat([finish.to(top_scores.dtype), top_beams[:, :K].to(top_scores.dtype), top_scores[:, :K],
+                          next_scores[:, :1]], dim=1).tolist()                        # n x (3 top + 1)
+        token_lists = None
+        for i, row_read in enumerate(read):
+            for j in range(top):
+                if row_read[j]:
+                    if token_lists is None:
+                        token_lists = tokens.tolist()             # only in steps where hypotheses finish
+                    raw = row_read[2 * top + j]
+                    finished[open_ids[i]].append(Hypothesis(token_lists[i * beams + int(row_read[top + j])][1:],
+                                                            raw / length_penalty(step + 1, alpha), raw, forced[i]))
         rows = (torch.arange(n, device=device)[:, None] * beams + top_beams.gather(1, picks)).view(-1)
         tokens = torch.cat([tokens[rows], top_tokens.gather(1, picks).view(-1, 1)], dim=1)
         scores = next_scores
 
-        done = _closed(finished, open_ids, scores, forced, max_lens, K, alpha, nbest)
-        if done.all():
+        done = _closed(finished, open_ids, [row_read[-1] for row_read in read], forced, limits, K, alpha, nbest)
+        if all(done):
             break
-        if done.any():
-            keep = (~done).nonzero().flatten()
+        if any(done):
+            kept = [i for i, closed in enumerate(done) if not closed]
+            keep = torch.tensor(kept, device=device)
             kept_beams = scores.size(1)
             keep_rows = (keep[:, None] * kept_beams + torch.arange(kept_beams, device=device)).view(-1)
-            tokens, scores, open_ids, max_lens = tokens[keep_rows], scores[keep], open_ids[keep], max_lens[keep]
+            tokens, scores = tokens[keep_rows], scores[keep]
+            open_ids, limits = [open_ids[i] for i in kept], [limits[i] for i in kept]
             prefix = None if prefix is None else prefix[keep]
             decoder.select(rows[keep_rows], keep)
         else:
@@ -371,10 +376,12 @@ def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, al
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
 
 
-def _closed(finished, open_ids, scores, forced, max_lens, beam_size, alpha, nbest) -> torch.Tensor:
-    done = forced.tolist()
-    best_open, limits = scores[:, 0].tolist(), max_lens.tolist()
-    for i, sentence in enumerate(open_ids.tolist()):
+def _closed(finished, open_ids: list[int], best_open: list[float], forced: list[bool], limits: list[int],
+            beam_size: int, alpha: float, nbest: int) -> list[bool]:
+    """Which open sentences are done: forced to end, K hypotheses finished, or no open one can still
+    beat the `nbest`-th finished (host values only)."""
+    done = list(forced)
+    for i, sentence in enumerate(open_ids):
         hyps = finished[sentence]
         if done[i] or len(hyps) >= beam_size:
             done[i] = True
@@ -382,7 +389,7 @@ def _closed(finished, open_ids, scores, forced, max_lens, beam_size, alpha, nbes
             kth_best = sorted((h.score for h in hyps), reverse=True)[nbest - 1]
             bound = best_open[i] / length_penalty(limits[i], alpha)
             done[i] = bound <= kth_best or math.isinf(best_open[i])
-    return torch.tensor(done, device=forced.device)
+    return done
 
 
 @torch.inference_mode()       # no_grad, minus version counting and view tracking: a few % here
@@ -449,7 +456,8 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
             in_eval_mode.enter_context(eval_mode(each))
         lengths = [len(s) for s in sources]
         budget = max(1, batch_tokens // hypotheses)                   # source tokens per batch
-        workers = workers if torch.device(device).type == "cpu" else 1
+        # Sampling draws from one generator in batch order, so that its samples depend on the seed alone.
+        workers = workers if torch.device(device).type == "cpu" and sampling is None else 1
         if workers > 1:       # enough batches that the workers end together: about 4 each, not tiny ones
             budget = min(budget, max(PARALLEL_MIN_BATCH_TOKENS, sum(lengths) // (4 * workers)))
         batches = batches_in_order(lengths, budget)
