@@ -74,7 +74,7 @@ def test_a_training_step_runs_on_meta(backend, dtype):
     batch = Batch(meta_ids(rows, 7), meta_ids(rows, tgt_len), meta_ids(rows, tgt_len), rows * tgt_len - 2,
                   tgt_positions=torch.arange(rows * tgt_len - 2, device=META))      # made by collate, moved
     with HostTensors() as host:
-        loss, nll = batch_loss(model, batch, smoothing=0.1)
+        loss, nll, correct = batch_loss(model, batch, smoothing=0.1)
         (loss / batch.num_tgt_tokens).backward()
     assert host.seen == []
     assert loss.device == nll.device == META

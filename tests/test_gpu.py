@@ -45,11 +45,11 @@ def test_fused_loss_under_autocast_on_cuda(dtype):
     weight = (torch.randn(500, 64, device="cuda") * 0.2).requires_grad_()
     target = torch.randint(0, 500, (300,), device="cuda")
     with torch.autocast("cuda", dtype=dtype):
-        loss, _ = output_cross_entropy(hidden, weight, target, 0.1)
+        loss, _, _ = output_cross_entropy(hidden, weight, target, 0.1)
     loss.backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    ref, _ = output_cross_entropy_reference(hidden, weight, target, 0.1)
+    ref, _, _ = output_cross_entropy_reference(hidden, weight, target, 0.1)
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=2e-2)
     assert torch.allclose(grads[0], hidden.grad, atol=5e-2) and torch.allclose(grads[1], weight.grad, atol=5e-2)
@@ -76,7 +76,7 @@ def test_fused_adamw_and_grad_scaler_step():
     for _ in range(3):
         with torch.autocast("cuda", dtype=torch.float16):
             hidden = model(src, tgt, return_hidden=True).flatten(0, 1)
-            loss, _ = output_cross_entropy(hidden, model.output.weight, tgt.flatten(), 0.1)
+            loss, _, _ = output_cross_entropy(hidden, model.output.weight, tgt.flatten(), 0.1)
         scaler.scale(loss / tgt.numel()).backward()
         scaler.step(optimizer)
         scaler.update()

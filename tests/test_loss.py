@@ -24,8 +24,10 @@ def test_fused_loss_and_gradients_match_autograd_reference(smoothing, n_tokens):
     target = torch.randint(0, 37, (n_tokens,))
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss, nll = output_cross_entropy(h1, w1, target, smoothing)
-    ref_loss, ref_nll = output_cross_entropy_reference(h2, w2, target, smoothing)
+    loss, nll, correct = output_cross_entropy(h1, w1, target, smoothing)
+    ref_loss, ref_nll, ref_correct = output_cross_entropy_reference(h2, w2, target, smoothing)
+    assert correct.item() == ref_correct.item() > 0          # random logits: the most probable is the argmax
+    assert not correct.requires_grad
     (2.5 * loss).backward()
     (2.5 * ref_loss).backward()
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
@@ -39,17 +41,20 @@ def test_fused_loss_under_bf16_autocast_is_close():
     hidden, weight = torch.randn(64, 32), torch.randn(50, 32) * 0.3
     target = torch.randint(0, 50, (64,))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, _ = output_cross_entropy(hidden, weight, target, 0.1)
-    ref, _ = output_cross_entropy_reference(hidden, weight, target, 0.1)
+        loss, _, _ = output_cross_entropy(hidden, weight, target, 0.1)
+    ref, _, _ = output_cross_entropy_reference(hidden, weight, target, 0.1)
     assert loss.dtype == torch.float32 and loss.item() == pytest.approx(ref.item(), rel=2e-2)
 
 
 def test_loss_by_hand():
     # one token, identity projection: logits = log([0.5, 0.25, 0.25])
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
-    loss, nll = output_cross_entropy(logits, torch.eye(3), torch.tensor([0]), 0.3)
+    loss, nll, correct = output_cross_entropy(logits, torch.eye(3), torch.tensor([0]), 0.3)
     expected = 0.7 * 0.6931472 + 0.3 * (0.6931472 + 2 * 1.3862944) / 3       # (1-ε) NLL + ε mean(-log p)
     assert loss.item() == pytest.approx(expected, rel=1e-5) and nll.item() == pytest.approx(0.6931472, rel=1e-5)
+    assert correct.item() == 1                                                  # token 0 is the most probable
+    _, _, wrong = output_cross_entropy(logits, torch.eye(3), torch.tensor([2]), 0.3)
+    assert wrong.item() == 0
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
@@ -65,7 +70,7 @@ def test_batch_loss_ignores_padding_like_cross_entropy_with_ignore_index(smoothi
     batch = Batch(src, pad_sequences(tgt, prefix=[BOS_ID]), pad_sequences(tgt, suffix=[EOS_ID]),
                   num_tgt_tokens=sum(len(t) + 1 for t in tgt))
     assert (batch.tgt_out == PAD_ID).sum() == 5
-    loss, nll = batch_loss(model, batch, smoothing)
+    loss, nll, correct = batch_loss(model, batch, smoothing)
     logits = model(batch.src, batch.tgt_in)                                         # (B, T, V)
     reference = F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=PAD_ID,
                                 label_smoothing=smoothing, reduction="sum")
@@ -73,6 +78,8 @@ def test_batch_loss_ignores_padding_like_cross_entropy_with_ignore_index(smoothi
                                     reduction="sum")
     assert loss.item() == pytest.approx(reference.item(), rel=1e-5)
     assert nll.item() == pytest.approx(reference_nll.item(), rel=1e-5)
+    real = batch.tgt_out != PAD_ID                                                  # (B, T)
+    assert correct.item() == (logits.argmax(dim=-1) == batch.tgt_out)[real].sum().item()
 
 
 def test_inverse_sqrt_schedule_by_hand():
@@ -156,10 +163,10 @@ def test_fp16_keeps_the_gradients_of_improbable_tokens():
     probabilities = torch.softmax(hidden.double() @ weight.double().t(), 1)[:, 250:]
     assert probabilities.max() < 3e-8 and probabilities.min() > 1e-10
     w32 = weight.clone().requires_grad_()             # parameters stay fp32 under autocast; compute is fp16
-    loss, _ = _FusedOutputCrossEntropy.apply(hidden, w32, target, 0.0, torch.float16)
+    loss, _, _ = _FusedOutputCrossEntropy.apply(hidden, w32, target, 0.0, torch.float16)
     (loss * 2.0**16).backward()
     w64 = weight.double().requires_grad_()
-    reference, _ = output_cross_entropy_reference(hidden.double(), w64, target, 0.0)
+    reference, _, _ = output_cross_entropy_reference(hidden.double(), w64, target, 0.0)
     (reference * 2.0**16).backward()
     improbable, ours = w64.grad[250:], w32.grad[250:].double()
     assert (ours != 0).all()

@@ -45,7 +45,7 @@ def test_a_run_writes_test_scores_config_hparams_one_loss_chart_and_the_attentio
     events.Reload()
     tags = events.Tags()
     scalars = set(tags["scalars"])
-    assert {"test/bleu", "test/chrf", "loss/train", "loss/valid", "loss/valid_ema", "accuracy/valid",
+    assert {"test/bleu", "test/chrf", "loss/train", "loss/valid", "loss/valid_ema", "accuracy/valid", "accuracy/train",
             "val/accuracy", "train/epoch", "train/lr", "val/best_bleu"} <= scalars, scalars
     assert any(tag.startswith("memory/") for tag in scalars)
     assert events.Scalars("test/bleu")[-1].value == pytest.approx(metrics["test_bleu"])

@@ -157,10 +157,10 @@ def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cach
 
     def poisoned(model, batch, smoothing):
         calls["n"] += 1
-        loss, nll = real_batch_loss(model, batch, smoothing)
+        loss, nll, correct = real_batch_loss(model, batch, smoothing)
         if calls["n"] > 6:                    # from the 7th step on, the loss is NaN
-            return loss * float("nan"), nll * float("nan")
-        return loss, nll
+            return loss * float("nan"), nll * float("nan"), correct
+        return loss, nll, correct
 
     monkeypatch.setattr(train_module, "batch_loss", poisoned)
     cfg = compose_config(FAST + ["trainer.max_steps=50", "trainer.validate_every=2", "trainer.max_bad_steps=3",
@@ -308,16 +308,16 @@ def test_the_train_log_sums_finite_steps_on_the_device_and_stops_on_a_run_of_bad
     log = TrainLog(torch.device("cpu"), monitor=None, max_bad_steps=3)
     micro = [(SimpleNamespace(padding_share=0.1), 1)]
 
-    def step(loss, tokens):
+    def step(loss, tokens, correct=1.0):
         finite = torch.tensor(math.isfinite(loss))
-        log.add({"sums": torch.tensor([loss, loss / 2]), "finite": finite, "tokens": tokens,
+        log.add({"sums": torch.tensor([loss, loss / 2, correct]), "finite": finite, "tokens": tokens,
                  "grad_norm": torch.tensor(1.0)}, micro)
 
-    step(10.0, 5)
-    step(float("nan"), 7)                      # skipped: not in the loss, counted in tokens/s
-    step(6.0, 3)
+    step(10.0, 5, correct=2.0)
+    step(float("nan"), 7, correct=4.0)         # skipped: not in the loss or accuracy, counted in tokens/s
+    step(6.0, 3, correct=3.0)
     numbers = log.read()
-    assert numbers == {"loss_sum": 16.0, "nll_sum": 8.0, "finite_tokens": 8.0, "bad_in_a_row": 0,
+    assert numbers == {"loss_sum": 16.0, "nll_sum": 8.0, "correct": 5.0, "finite_tokens": 8.0, "bad_in_a_row": 0,
                        "skipped": 1, "tokens": 15.0}
     step(float("inf"), 1)
     step(float("nan"), 1)

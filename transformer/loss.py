@@ -34,7 +34,8 @@ CHUNK_ROWS = {"cpu": 1024, "cuda": 4096}
 class _FusedOutputCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, smoothing: float, compute_dtype: torch.dtype):
-        # hidden (N, D), weight (V, D), target (N,) -> summed loss, summed NLL (float32 scalars)
+        # hidden (N, D), weight (V, D), target (N,) -> summed loss, summed NLL, correct predictions
+        # (float32 scalars; a target counts as predicted when no token is more probable)
         n_tokens, vocab = hidden.size(0), weight.size(0)
         stored_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
         chunk = CHUNK_ROWS.get(hidden.device.type, 1024)
@@ -44,12 +45,15 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
             grad_logits = torch.empty(n_tokens, vocab, dtype=stored_dtype, device=hidden.device)
             nll = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
             logit_of_target = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
+            correct = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, n_tokens, chunk):
                 rows = slice(start, start + chunk)
                 tgt = target[rows][:, None]
                 logits = (h[rows] @ w.t()).float()                             # (n, V)
                 logp = F.log_softmax(logits, dim=1)                             # (n, V) log-probabilities
-                nll[rows] = -logp.gather(1, tgt).squeeze(1)
+                logp_of_target = logp.gather(1, tgt).squeeze(1)                  # (n,)
+                nll[rows] = -logp_of_target
+                correct += (logp_of_target >= logp.amax(dim=1)).sum()          # amax: no indices, cheap
                 if smoothing:
                     logit_of_target[rows] = logits.gather(1, tgt).squeeze(1)
                 grad = grad_logits[rows]
@@ -65,10 +69,11 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(grad_logits, h, w)
         ctx.dtypes = (hidden.dtype, weight.dtype, compute_dtype)
         ctx.uniform = smoothing / vocab
-        return loss_sum, nll_sum
+        ctx.mark_non_differentiable(correct)
+        return loss_sum, nll_sum, correct
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_nll):
+    def backward(ctx, grad_loss, grad_nll, grad_correct):
         grad_logits, h, w = ctx.saved_tensors
         hidden_dtype, weight_dtype, compute_dtype = ctx.dtypes
         scale = grad_loss.float()
@@ -86,15 +91,16 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
 
 
 def output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden (N, D), output weight (V, D), target (N,) -> (summed smoothed loss, summed NLL).
+                         smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden (N, D), output weight (V, D), target (N,) -> (summed smoothed loss, summed NLL, the number
+    of targets predicted: those no other token is more probable than).
 
     Matmuls run in the autocast dtype when autocast is on; the softmax is always float32.
-    The NLL is for logging and carries no gradient.
+    The NLL and the count are for logging and carry no gradient.
     """
     compute_dtype = autocast_dtype(hidden.device.type) or hidden.dtype
-    loss, nll = _FusedOutputCrossEntropy.apply(hidden, weight, target, smoothing, compute_dtype)
-    return loss, nll.detach()
+    loss, nll, correct = _FusedOutputCrossEntropy.apply(hidden, weight, target, smoothing, compute_dtype)
+    return loss, nll.detach(), correct
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -117,13 +123,15 @@ def output_cross_entropy_reference(hidden, weight, target, smoothing):
     logprobs = F.log_softmax((hidden @ weight.t()).float(), dim=-1)
     nll = -logprobs.gather(1, target[:, None]).squeeze(1)
     loss = (1.0 - smoothing) * nll - smoothing * logprobs.mean(dim=-1)
-    return loss.sum(), nll.detach().sum()
+    correct = (logprobs.argmax(dim=-1) == target).sum().float()
+    return loss.sum(), nll.detach().sum(), correct
 
 
 # ----- the loss of a batch, as training and validation compute it ----------------------------------
 
 def batch_loss(model, batch, smoothing: float):
-    """(summed label-smoothed loss, summed NLL) of one batch; logits only at real target positions.
+    """(summed label-smoothed loss, summed NLL, correct predictions) of one batch; logits only at real
+    target positions.
 
     `model` may be wrapped (DDP, torch.compile): its forward runs, so wrappers see the whole graph.
     """
@@ -138,19 +146,6 @@ def target_hidden(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     hidden = hidden.flatten(0, 1).index_select(0, positions)                   # (N, D)
     target = batch.tgt_out.flatten().index_select(0, positions)                # (N,)
     return hidden, target
-
-
-# Rows of logits per chunk when counting correct predictions (a float32 chunk of 1024 x 32k is 128 MB).
-ACCURACY_CHUNK_ROWS = 1024
-
-
-def correct_predictions(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """How many of the N targets are the model's most probable token (a device scalar)."""
-    correct = torch.zeros((), dtype=torch.long, device=hidden.device)
-    for start in range(0, hidden.size(0), ACCURACY_CHUNK_ROWS):
-        rows = slice(start, start + ACCURACY_CHUNK_ROWS)
-        correct += ((hidden[rows] @ weight.t()).argmax(1) == target[rows]).sum()
-    return correct
 
 
 def unwrap(model):

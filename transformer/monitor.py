@@ -138,17 +138,19 @@ class Monitor:
         self.writer.add_custom_scalars({
             "train and validation": {
                 "loss": ["Multiline", ["loss/train"] + [f"loss/{w}" for w in weights]],
-                "token accuracy": ["Multiline", [f"accuracy/{w}" for w in weights]],
+                "token accuracy": ["Multiline", ["accuracy/train"] + [f"accuracy/{w}" for w in weights]],
                 "BLEU": ["Multiline", ["val/bleu", "val_ema/bleu", "val_average/bleu", "test/bleu"]],
             }})
 
     def training(self, step: int, epoch: int, values: dict, device: torch.device) -> None:
-        """A log line's numbers (`TrainLog.write`): train/*, loss/train, the epoch and the memory."""
+        """A log line's numbers (`TrainLog.write`): train/*, loss/train and accuracy/train (on the charts
+        with validation's), the epoch and the memory."""
         if not self:
             return
         for key, value in values.items():
             self.writer.add_scalar(f"train/{key}", value, step)
         self.writer.add_scalar("loss/train", values["loss"], step)
+        self.writer.add_scalar("accuracy/train", values["accuracy"], step)
         self.writer.add_scalar("train/epoch", epoch, step)
         for key, value in memory_in_use(device).items():
             self.writer.add_scalar(key, value, step)

@@ -276,7 +276,7 @@ class Trainer:
         # torch.full fills on the device; torch.tensor(x, device="cuda") would copy from the host and sync.
         global_tokens = D.all_reduce_tensor(torch.full((), float(tokens), device=self.device), self.dist) \
             if self.dist.enabled else float(tokens)
-        loss_sum = nll_sum = torch.zeros((), device=self.device)
+        loss_sum = nll_sum = correct_sum = torch.zeros((), device=self.device)
         for i, (batch, weight) in enumerate(micro_batches):
             batch = batch.to(self.device, non_blocking=True)
             last = i == len(micro_batches) - 1
@@ -284,7 +284,7 @@ class Trainer:
             try:
                 with sync:
                     with self.autocast():
-                        loss, nll = batch_loss(self.train_model, batch, tc.label_smoothing)
+                        loss, nll, correct = batch_loss(self.train_model, batch, tc.label_smoothing)
                     # DDP averages gradients over ranks; scale by world size so the update is
                     # sum(loss over all ranks' tokens) / global target tokens.
                     scaled = loss * (weight * self.dist.world_size / global_tokens)
@@ -301,6 +301,7 @@ class Trainer:
                 return self._skip_out_of_memory(batch)
             loss_sum = loss_sum + loss.detach() * weight
             nll_sum = nll_sum + nll * weight
+            correct_sum = correct_sum + correct * weight
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_norm or float("inf"))
         finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)                       # () bool
@@ -313,7 +314,7 @@ class Trainer:
             del self.optimizer.found_inf
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.stack([loss_sum, nll_sum])
+        sums = torch.stack([loss_sum, nll_sum, correct_sum])
         if self.dist.enabled:
             sums = D.all_reduce_tensor(sums, self.dist)
         return {"sums": sums, "grad_norm": grad_norm.detach(), "finite": finite, "tokens": global_tokens}

@@ -1,6 +1,6 @@
 """The numbers of the training steps between two log lines, the log line itself, and the bar.
 
-Each step adds its summed loss and NLL, token counts and whether it was finite to a small tensor on
+Each step adds its summed loss and NLL, correctly predicted targets, token counts and whether it was finite to a small tensor on
 the device, so that no step waits for the GPU to report them; they are read back once per log line
 (`write`), which also checks the run of non-finite steps (`trainer.max_bad_steps`).
 
@@ -25,20 +25,20 @@ from transformer.run_dir import TrainingError
 log = logging.getLogger("transformer.train")
 
 # The slots of TrainLog.sums (float64, on the device).
-LOSS, NLL, FINITE_TOKENS, BAD_IN_A_ROW, BAD_IN_WINDOW, ALL_TOKENS = range(6)
+LOSS, NLL, CORRECT, FINITE_TOKENS, BAD_IN_A_ROW, BAD_IN_WINDOW, ALL_TOKENS = range(7)
 
 
 class TrainLog:
     def __init__(self, device: torch.device, monitor, max_bad_steps: int):
         """`monitor`: the run's `transformer.monitor.Monitor` (TensorBoard), or None."""
         self.device, self.monitor, self.max_bad_steps = device, monitor, max_bad_steps
-        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(7, dtype=torch.float64, device=device)
         self.grad_norm: torch.Tensor | None = None
         self.skipped_total = 0
         self._start_window()
 
     def _start_window(self) -> None:
-        self.sums[[LOSS, NLL, FINITE_TOKENS, BAD_IN_WINDOW, ALL_TOKENS]] = 0.0   # the run of bad steps carries on
+        self.sums[[LOSS, NLL, FINITE_TOKENS, BAD_IN_WINDOW, ALL_TOKENS, CORRECT]] = 0.0   # bad steps in a row carry on
         self.padding, self.steps, self.started = 0.0, 0, time.monotonic()
 
     def add(self, stats: dict, micro) -> None:
@@ -46,7 +46,7 @@ class TrainLog:
         finite = stats["finite"]
         bad = (~finite).double()
         sums = self.sums
-        sums[LOSS:NLL + 1] += torch.where(finite, stats["sums"], 0.0)   # loss, NLL of finite steps
+        sums[LOSS:CORRECT + 1] += torch.where(finite, stats["sums"], 0.0)   # loss, NLL, correct: finite steps
         sums[FINITE_TOKENS] += (1.0 - bad) * stats["tokens"]             # their target tokens
         sums[BAD_IN_A_ROW] = (sums[BAD_IN_A_ROW] + 1.0) * bad            # non-finite steps in a row
         sums[BAD_IN_WINDOW] += bad
@@ -57,9 +57,9 @@ class TrainLog:
 
     def read(self) -> dict:
         """The window's sums, read back to the host (waits for the device)."""
-        loss, nll, finite_tokens, in_a_row, skipped, all_tokens = self.sums.tolist()
+        loss, nll, correct, finite_tokens, in_a_row, skipped, all_tokens = self.sums.tolist()
         return {"loss_sum": loss, "nll_sum": nll, "finite_tokens": finite_tokens, "bad_in_a_row": int(in_a_row),
-                "skipped": int(skipped), "tokens": all_tokens}
+                "skipped": int(skipped), "tokens": all_tokens, "correct": correct}
 
     def check_finite(self, fp16: bool) -> None:
         """Stop after trainer.max_bad_steps non-finite steps in a row (x10 under fp16, whose loss scaler
@@ -80,15 +80,17 @@ class TrainLog:
         elapsed = time.monotonic() - self.started
         tokens = max(numbers["finite_tokens"], 1.0)
         loss, nll = numbers["loss_sum"] / tokens, numbers["nll_sum"] / tokens
-        values = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "lr": lr,
+        values = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "accuracy": numbers["correct"] / tokens,
+                  "lr": lr,
                   "grad_norm": float(self.grad_norm), "loss_scale": loss_scale,
                   "tokens_per_s": numbers["tokens"] / max(elapsed, 1e-9),
                   "padding_share": self.padding / max(1, self.steps), "skipped_steps": self.skipped_total}
         if self.monitor:
             self.monitor.training(step, epoch, values, self.device)
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{values['tokens_per_s']:.0f}")
-        log.info("step %d | epoch %d | loss %.3f | nll %.3f | ppl %.2f | lr %.3g | gnorm %.2f | tok/s %.0f | pad %.1f%%%s",
-                 step, epoch, loss, nll, values["ppl"], lr, values["grad_norm"], values["tokens_per_s"],
+        log.info("step %d | epoch %d | loss %.3f | nll %.3f | ppl %.2f | accuracy %.1f%% | lr %.3g | gnorm %.2f | "
+                 "tok/s %.0f | pad %.1f%%%s", step, epoch, loss, nll, values["ppl"], 100 * values["accuracy"], lr,
+                 values["grad_norm"], values["tokens_per_s"],
                  100 * values["padding_share"],
                  f" | {numbers['skipped']} non-finite steps skipped" if numbers["skipped"] else "")
         self._start_window()

@@ -12,7 +12,7 @@ import sacrebleu
 import torch
 
 from transformer.batching import batches_in_order
-from transformer.loss import correct_predictions, output_cross_entropy, target_hidden, unwrap
+from transformer.loss import output_cross_entropy, target_hidden, unwrap
 from transformer.model import eval_mode
 from transformer.search import Interrupted
 from transformer.special import BOS_ID, EOS_ID
@@ -26,7 +26,7 @@ def validation_loss(model, corpus, max_tokens: int, device, autocast, smoothing:
     accuracy: the share of target tokens that are the most probable token given the reference before
     them. `stop()` is asked between batches and True raises `search.Interrupted`."""
     total_loss = total_nll = tokens = 0.0
-    correct = torch.zeros((), dtype=torch.long, device=device)
+    correct = torch.zeros((), device=device)
     lengths = np.maximum(corpus.src_lens, corpus.tgt_lens)
     with eval_mode(model):
         for indices in batches_in_order(lengths, max_tokens):
@@ -36,8 +36,8 @@ def validation_loss(model, corpus, max_tokens: int, device, autocast, smoothing:
             with autocast():
                 hidden, target = target_hidden(model, batch)
                 weight = unwrap(model).output.weight
-                loss, nll = output_cross_entropy(hidden, weight, target, smoothing)
-                correct += correct_predictions(hidden, weight, target)
+                loss, nll, predicted = output_cross_entropy(hidden, weight, target, smoothing)
+                correct += predicted
             total_loss += loss.item()
             total_nll += nll.item()
             tokens += batch.num_tgt_tokens
