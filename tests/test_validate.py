@@ -41,3 +41,49 @@ def test_references_in_another_unicode_form_score_the_same():
     for hyps, refs in ((hypotheses, decomposed), (decomposed, hypotheses), (decomposed, decomposed)):
         assert score(hyps, refs, "de") == composed
     assert composed["bleu_signature"].endswith("|norm:nfc") and composed["chrf_signature"].endswith("|norm:nfc")
+
+
+def test_the_literature_bleu_tokenizes_and_lowercases_our_output_like_its_references():
+    from transformer.validate import literature_tokenize, tokenized_lowercased_bleu
+    hypotheses = ["One man's head, \"down\" & out.", "A dog runs."]
+    assert literature_tokenize(hypotheses, "en") == ["one man &apos;s head , &quot; down &quot; &amp; out .",
+                                                     "a dog runs ."]
+    references = ["one man &apos;s head , &quot; down &quot; &amp; out .", "a dog runs ."]
+    assert tokenized_lowercased_bleu(hypotheses, references, "en")["bleu_tokenized_lc"] == pytest.approx(100.0)
+    # the cased detokenized score of the same output against the raw references is a different number
+    raw = ["One man's head, \"down\" & out.", "The dog runs."]
+    literature = tokenized_lowercased_bleu(hypotheses, literature_tokenize(raw, "en"), "en")
+    assert literature["bleu_tokenized_lc"] != pytest.approx(score(hypotheses, raw, "en")["bleu"])
+    assert "tok:none" in literature["bleu_tokenized_lc_signature"]
+
+
+@pytest.mark.parametrize("lang", ["en", "de", "cs"])
+def test_the_literature_tokenization_reproduces_multi30k_tokenized_references(multi30k_dir, lang):
+    from transformer.validate import literature_tokenize
+    raw = (multi30k_dir / f"test_2016_flickr.{lang}").read_text(encoding="utf-8").splitlines()
+    tokenized = (multi30k_dir / "tok" / f"test_2016_flickr.lc.norm.tok.{lang}").read_text(encoding="utf-8").splitlines()
+    assert literature_tokenize(raw, lang) == tokenized          # every one of the 1,000 lines
+
+
+def test_evaluate_reports_the_literature_bleu_beside_ours(untrained_checkpoint, tmp_path, capsys):
+    import json
+    import shutil
+
+    from transformer.evaluate import main
+    checkpoint = tmp_path / "best.pt"
+    shutil.copy(untrained_checkpoint, checkpoint)
+    src, ref, tok = tmp_path / "s.de", tmp_path / "r.en", tmp_path / "r.tok.en"
+    src.write_text("Ein Hund.\nZwei Katzen.\n")
+    ref.write_text("A dog.\nTwo cats.\n")
+    tok.write_text("a dog .\ntwo cats .\n")
+    common = [str(checkpoint), "--src", str(src), "--ref", str(ref), "--beam", "1", "--max-len-b", "3"]
+    assert main(common + ["--tokenized-lc", str(tok)]) == 0
+    out = capsys.readouterr().out
+    assert "BLEU tokenized and lowercased, as the literature reports it" in out
+    scores = json.loads((tmp_path / "best.s.de.beam1.json").read_text())
+    assert {"bleu", "bleu_tokenized_lc", "bleu_tokenized_lc_signature"} <= set(scores)
+    tok.write_text("a dog .\n")
+    assert main(common + ["--tokenized-lc", str(tok)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"transformer-evaluate: error: --tokenized-lc {tok}: 1 lines for 2 sources; give the tokenized "
+                   "references of the same s.de lines"]

@@ -23,15 +23,17 @@ from transformer.translate import (
     parse_weights,
 )
 from transformer.translator import Translator
-from transformer.validate import score
+from transformer.validate import score, tokenized_lowercased_bleu
 
 
 def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src_file: str | None = None,
              ref_file: str | None = None, beam_size: int | None = None, alpha: float | None = None,
              device: str = "auto", precision: str = "auto", batch_tokens: int | None = None,
              max_len_a: float | None = None, max_len_b: int | None = None, *, weights: list[float] | None = None,
-             quantize: str | None = None, workers: int | None = None) -> dict:
-    """`checkpoint`: one, or a list (an ensemble, with optional `weights`)."""
+             quantize: str | None = None, workers: int | None = None, tokenized_lc: str | None = None) -> dict:
+    """`checkpoint`: one, or a list (an ensemble, with optional `weights`). `tokenized_lc`: a file of the
+    references lowercased and Moses-tokenized (Multi30k's tok/*.lc.norm.tok.*): BLEU as the literature
+    reports it, beside ours (`validate.tokenized_lowercased_bleu`)."""
     checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
     checkpoint = checkpoints[0]
     translator = Translator.from_checkpoints(checkpoints, weights, device=device, precision=precision, quantize=quantize)
@@ -48,6 +50,17 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
     else:
         sources, references = load_split_text(translator.config.data, split)
         name = split
+    tokenized_references = None
+    if tokenized_lc:
+        if not Path(tokenized_lc).is_file():
+            raise DataError(f"--tokenized-lc {tokenized_lc}: no such file")
+        tokenized_references = read_lines(Path(tokenized_lc))
+        if len(tokenized_references) != len(sources):
+            raise DataError(f"--tokenized-lc {tokenized_lc}: {len(tokenized_references)} lines for {len(sources)} "
+                            f"sources; give the tokenized references of the same {name} lines")
+        if not translator.config.data.tgt_lang:
+            raise DataError("--tokenized-lc tokenizes for the target language, and the checkpoint's data.tgt_lang "
+                            "is not set")
     beam = translator.config.decode.beam_size if beam_size is None else beam_size
     hyp_path, json_path = output_paths(checkpoint, name + (f".ensemble{len(checkpoints)}" if len(checkpoints) > 1
                                                            else "") + (f".{quantize}" if quantize else ""), beam)
@@ -67,6 +80,8 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
               **({"ensemble": [str(each) for each in checkpoints], "weights": weights} if len(checkpoints) > 1 else {}),
               **({"quantize": quantize} if quantize else {}),
               "seconds": round(seconds, 2), **score(hypotheses, references, translator.config.data.tgt_lang)}
+    if tokenized_references is not None:
+        result.update(tokenized_lowercased_bleu(hypotheses, tokenized_references, translator.config.data.tgt_lang))
     hyp_path.write_text("".join(h.replace("\n", " ") + "\n" for h in hypotheses), encoding="utf-8")
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     result["hypotheses_file"], result["scores_file"] = str(hyp_path), str(json_path)
@@ -86,6 +101,9 @@ def build_parser() -> CommandLineParser:
     parser.add_argument("--split", default="test", help="split of the checkpoint's data config (default test)")
     parser.add_argument("--src", help="source file (instead of --split)")
     parser.add_argument("--ref", help="reference file (instead of --split)")
+    parser.add_argument("--tokenized-lc", metavar="REF", help="the same references lowercased and Moses-tokenized "
+                        "(Multi30k's tok/*.lc.norm.tok.*): also report BLEU as the literature does, our output "
+                        "lowercased, normalized and tokenized the same way (sacremoses), sacreBLEU tokenize=none")
     add_decoding_flags(parser, leave_out=("nbest",))     # it scores the best translation of each line
     return parser
 
@@ -104,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--workers {args.workers}: must be a whole number >= 1")
         result = evaluate(args.checkpoints, args.split, args.src, args.ref, args.beam, args.alpha, args.device,
                           args.precision, args.batch_tokens, args.max_len_a, args.max_len_b, weights=weights,
-                          quantize=args.quantize, workers=args.workers)
+                          quantize=args.quantize, workers=args.workers, tokenized_lc=args.tokenized_lc)
     except KeyboardInterrupt:
         print("transformer-evaluate: interrupted", file=sys.stderr)
         return 130
@@ -119,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result['split']}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  "
           f"({result['sentences']} sentences, beam {result['beam_size']}, {result['seconds']:.1f} s)")
     print(f"BLEU signature: {result['bleu_signature']}")
+    if "bleu_tokenized_lc" in result:
+        print(f"BLEU tokenized and lowercased, as the literature reports it (not comparable with the above): "
+              f"{result['bleu_tokenized_lc']:.2f}  {result['bleu_tokenized_lc_signature']}")
     print(f"chrF signature: {result['chrf_signature']}")
     print(f"hypotheses: {result['hypotheses_file']}\nscores: {result['scores_file']}")
     return 0
