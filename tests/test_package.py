@@ -143,3 +143,18 @@ def test_importing_the_model_loads_neither_the_tokenizer_nor_the_corpus_readers(
             "'transformer.corpus', 'sentencepiece')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+@pytest.mark.parametrize("module", ["translator", "translate", "search", "checkpoint", "export", "batching"])
+def test_the_inference_side_does_not_load_the_corpus_readers(module):
+    """Only what reads corpora (data, corpus, train, evaluate) imports transformer.data; the rest raise
+    DataError from its leaf module, transformer.errors."""
+    code = (f"import sys, transformer.{module}; "
+            "print(sorted(m for m in sys.modules if m in ('transformer.data', 'transformer.corpus', 'hydra')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_data_error_has_one_home():
+    from transformer import data, errors
+    assert data.DataError is errors.DataError

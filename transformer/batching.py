@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from transformer.data import DataError
+from transformer.errors import DataError
 from transformer.special import BOS_ID, EOS_ID, PAD_ID
 
 

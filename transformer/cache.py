@@ -17,7 +17,7 @@ import stat
 import zlib
 from pathlib import Path
 
-from transformer.data import DataError
+from transformer.errors import DataError
 
 _BLOCK_BYTES = 16 << 20
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from transformer import toy
 from transformer.config import DataConfig
+from transformer.errors import DataError  # noqa: F401 - its home is errors.py; imported from here too
 
 CHUNK_LINES = 100_000
 _BLOCK_BYTES = 8 << 20
@@ -36,10 +37,6 @@ def _datasets(source: str):
         raise DataError(f"{source}: needs pip install 'transformer[data]' (HuggingFace datasets reads it)") from None
     datasets.logging.set_verbosity_error()
     return datasets
-
-
-class DataError(ValueError):
-    """Input data cannot be used; the message names the file (and line) or the config key."""
 
 
 Chunk = tuple[list[str], list[str]]          # (source lines, target lines) of equal length

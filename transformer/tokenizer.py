@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sentencepiece as spm
 from tqdm import tqdm
@@ -27,8 +28,11 @@ from transformer.cache import (
     sealed,
     write_failure,
 )
-from transformer.data import DataError, SplitSource
+from transformer.errors import DataError
 from transformer.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (also imported from here)
+
+if TYPE_CHECKING:                  # the corpus readers: only for the annotation, not loaded by translating
+    from transformer.data import SplitSource
 
 CACHE_VERSION = 2            # 2: each cached model's size and CRC-32 recorded beside it
 
