@@ -80,7 +80,7 @@ def test_multi30k_reads_local_files_with_data_path():
     ("model.attention=flash", "model.attention='flash' must be one of auto, sdpa, matmul, math"),
     ("trainer.max_tokens=0", "trainer.max_tokens=0 must be > 0"),
     ("decode.nbest=9", "decode.nbest=9: must be between 1 and the beam size (decode.beam_size=5)"),
-    ("+trainer.max_stepz=5", "unknown config key trainer.max_stepz; known keys: adam_eps, average_last, betas"),
+    ("+trainer.max_stepz=5", "unknown config key trainer.max_stepz; known keys: adam_eps, attention_heatmaps, average_last, betas"),
     # type and key errors come from Hydra's own schema check, turned into one line
     ("trainer.max_stepz=5", "Could not override 'trainer.max_stepz'"),
     ("trainer.max_steps=abc", "trainer.max_steps: Value 'abc' of type 'str' could not be converted to Integer"),
@@ -159,3 +159,10 @@ def test_docs_configuration_is_the_generated_key_table():
     from transformer.config import configuration_markdown
     text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert text == configuration_markdown(), "regenerate: python -m transformer.config --markdown > docs/configuration.md"
+
+
+def test_attention_heatmaps_takes_mean_heads_or_layers():
+    from transformer.config import ConfigError
+    assert compose_config(["trainer.attention_heatmaps=layers"]).trainer.attention_heatmaps == "layers"
+    with pytest.raises(ConfigError, match="trainer.attention_heatmaps='all' must be one of mean, heads, layers"):
+        compose_config(["trainer.attention_heatmaps=all"])

@@ -32,12 +32,33 @@ def test_the_figure_grows_with_the_tokens_up_to_a_cap():
     assert (size(500) <= np.array([16.0, 24.0])).all()
 
 
+def test_per_head_and_per_layer_panels_are_the_weights_the_mean_picture_averages(untrained_checkpoint):
+    """trainer.attention_heatmaps=heads: each head of the last layer (their mean is the default picture);
+    =layers: each layer's mean over heads (the last one is the default picture); labelled panels."""
+    from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+    from transformer.validate import cross_attention, cross_attention_panels
+    model, _, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
+    source, hypothesis = [5, 9, 14, 20], [7, 8, 11]
+    mean = cross_attention(model, source, hypothesis, "cpu")                       # (T, S) = (4, 5)
+    heads = cross_attention_panels(model, source, hypothesis, "cpu", "heads")
+    layers = cross_attention_panels(model, source, hypothesis, "cpu", "layers")
+    assert [label for label, _ in heads] == [f"last layer, head {h + 1}" for h in range(config.model.n_heads)]
+    assert len(layers) == config.model.decoder_layers and mean.shape == (4, 5)
+    assert np.allclose(np.mean([w for _, w in heads], axis=0), mean, atol=1e-6)
+    assert np.allclose(layers[-1][1], mean, atol=1e-6)
+    assert not np.allclose(heads[0][1], heads[1][1])                                # heads really differ
+    assert all(np.allclose(w.sum(axis=1), 1.0, atol=1e-5) for _, w in heads + layers)   # rows are distributions
+    figure = attention_figure([(w, list("abcde"), list("wxyz"), label) for label, w in heads], scale_label="w")
+    assert [ax.get_title() for ax in figure.axes[:len(heads)]] == [label for label, _ in heads]
+
+
 @pytest.mark.slow
 def test_a_run_writes_test_scores_config_hparams_one_loss_chart_and_the_attention_image(tmp_path, data_cache):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from transformer.train import train
-    cfg = compose_config(FAST + ["data.embedded_pairs=600", "trainer.max_steps=6", "trainer.validate_every=6",
+    cfg = compose_config(FAST + ["trainer.attention_heatmaps=heads", "data.embedded_pairs=600", "trainer.max_steps=6",
+                                 "trainer.validate_every=6",
                                  "trainer.log_every=3", "trainer.test_at_end=true", "trainer.ema_decay=0.9",
                                  "trainer.val_max_sentences=8", "decode.beam_size=1"], cache_dir=data_cache)
     metrics = train(cfg, tmp_path)
@@ -55,7 +76,7 @@ def test_a_run_writes_test_scores_config_hparams_one_loss_chart_and_the_attentio
         "_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"}
     assert "custom_scalars__config__" in tags["tensors"]
     images = set(tags["images"])
-    assert {"val/cross_attention", "val_ema/cross_attention"} <= images
+    assert {"val/cross_attention", "val_ema/cross_attention", "val/cross_attention_heads"} <= images
     assert "val_ema/samples/text_summary" in tags["tensors"]
     picture = events.Images("val/cross_attention")[-1]
     assert picture.width >= 250 and picture.height >= 250

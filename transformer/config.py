@@ -127,6 +127,7 @@ class DataConfig:
         return self.local_splits.get(split, split)
 
 
+ATTENTION_HEATMAPS = ("mean", "heads", "layers")       # trainer.attention_heatmaps
 SCHEDULES = ("inverse_sqrt", "cosine", "linear", "constant")
 
 
@@ -161,6 +162,9 @@ class TrainerConfig:
                                     "decode.beam_size")
     val_max_sentences: int = setting(0, "decode only the first N validation sentences (0 = all)")
     test_at_end: bool = setting(True, "translate the test split with the best checkpoint at the end; print BLEU")
+    attention_heatmaps: str = setting("mean", "TensorBoard's cross-attention pictures: mean (the last decoder "
+                                              "layer, mean over heads) | heads (also each head of the last "
+                                              "layer) | layers (also each layer, mean over heads)")
     keep_last: int = setting(3, "step_N.pt files kept (0 = keep all)")
     ema_decay: float = setting(0.0, "exponential moving average of the weights after every update (e.g. "
                                     "0.999; 0 = off); validation scores it too, best.pt keeps the best set")
@@ -192,6 +196,9 @@ class TrainerConfig:
             raise ConfigError(f"trainer.lr={self.lr} must be > 0 (e.g. trainer.lr=7e-4)")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"trainer.schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+        if self.attention_heatmaps not in ATTENTION_HEATMAPS:
+            raise ConfigError(f"trainer.attention_heatmaps={self.attention_heatmaps!r} must be one of "
+                              f"{', '.join(ATTENTION_HEATMAPS)}")
         if not 0.0 <= self.min_lr <= self.lr:
             raise ConfigError(f"trainer.min_lr={self.min_lr} must be in [0, trainer.lr={self.lr}]")
         if self.schedule in ("cosine", "linear") and self.max_steps <= self.warmup:

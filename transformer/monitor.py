@@ -73,27 +73,29 @@ def attention_sentences(sources: list[list[int]], count: int = ATTENTION_SENTENC
     return short[:count]
 
 
-def attention_figure(panels: list[tuple[np.ndarray, list[str], list[str]]], title: str = ""):
-    """A matplotlib Figure: one heatmap per (weights (T, S), source tokens (S), predicted tokens (T)),
-    stacked, source tokens along x, the token each row predicts along y, colours on a fixed 0-1 scale
-    with one colour bar. Its size follows the token counts, up to MAX_FIGURE_INCHES."""
+def attention_figure(panels: list[tuple], title: str = "", scale_label: str = "attention weight (mean over heads)"):
+    """A matplotlib Figure: one heatmap per (weights (T, S), source tokens (S), predicted tokens (T)[,
+    the panel's own title]), stacked, source tokens along x, the token each row predicts along y, colours
+    on a fixed 0-1 scale with one colour bar. Its size follows the token counts, up to MAX_FIGURE_INCHES."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
-    widest = max(len(src) for _, src, _ in panels)
-    rows = [len(tgt) for _, _, tgt in panels]
+    widest = max(len(panel[1]) for panel in panels)
+    rows = [len(panel[2]) for panel in panels]
     width = min(MAX_FIGURE_INCHES[0], 2.5 + INCHES_PER_TOKEN * widest)
     height = min(MAX_FIGURE_INCHES[1], 1.2 + sum(1.3 + INCHES_PER_TOKEN * r for r in rows))
     figure = Figure(figsize=(width, height), dpi=100, layout="constrained")
     axes = figure.subplots(len(panels), 1, squeeze=False, height_ratios=[r + 4 for r in rows])[:, 0]
     image = None
-    for ax, (weights, source, predicted) in zip(axes, panels):
+    for ax, (weights, source, predicted, *label) in zip(axes, panels):
         image = ax.imshow(np.nan_to_num(np.asarray(weights, dtype=np.float32)), cmap="viridis",
                           vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
         ax.set_xticks(range(len(source)), source, rotation=90, fontsize=8)
         ax.set_yticks(range(len(predicted)), predicted, fontsize=8)
         ax.set_xlabel("source token (SentencePiece pieces)", fontsize=8)
         ax.set_ylabel("target token this row predicts\n(decoder input: the token before)", fontsize=8)
-    figure.colorbar(image, ax=list(axes), label="attention weight (mean over heads)", shrink=0.8)
+        if label:
+            ax.set_title(label[0], fontsize=8)
+    figure.colorbar(image, ax=list(axes), label=scale_label, shrink=0.8)
     if title:
         figure.suptitle(title, fontsize=9)
     return figure
@@ -160,9 +162,11 @@ class Monitor:
             self.writer.add_scalar("train/oom_skipped_batches", count, step)
 
     def validation(self, step: int, weights: str, result: dict, samples: list[tuple[str, str, str]],
-                   attention=None) -> None:
+                   attention=None, attention_detail: tuple[str, list] | None = None) -> None:
         """One validation of `weights` (raw, ema, average): its numbers, samples (source, reference,
-        hypothesis) and the attention heatmaps (`attention_figure`'s panels), under val*/."""
+        hypothesis) and the attention heatmaps (`attention_figure`'s panels), under val*/; with
+        `attention_detail` (heads or layers, and labelled panels of one sentence), also
+        val*/cross_attention_heads or _layers (`trainer.attention_heatmaps`)."""
         if not self:
             return
         tag = weights_tag(weights)
@@ -177,6 +181,11 @@ class Monitor:
             title = f"cross-attention, last decoder layer, step {step} ({weights} weights)"
             self.writer.add_image(f"{tag}/cross_attention", figure_pixels(attention_figure(attention, title)), step,
                                   dataformats="HWC")
+        if attention_detail:
+            kind, panels = attention_detail
+            title = f"cross-attention by {kind[:-1]}, step {step} ({weights} weights)"
+            figure = attention_figure(panels, title, scale_label="attention weight")
+            self.writer.add_image(f"{tag}/cross_attention_{kind}", figure_pixels(figure), step, dataformats="HWC")
         self.writer.flush()
 
     def test(self, step: int, scores: dict) -> None:

@@ -54,7 +54,7 @@ from transformer.sweep import job_failed
 from transformer.tokenizer import Tokenizer
 from transformer.train_log import TrainingBar, TrainLog, log_lines_above_bars
 from transformer.translator import Translator
-from transformer.validate import cross_attention, score, validation_loss
+from transformer.validate import cross_attention, cross_attention_panels, score, validation_loss
 
 log = logging.getLogger("transformer.train")
 
@@ -497,8 +497,9 @@ class Trainer:
         log.info("validation step %d%s | loss %.3f | ppl %.2f | accuracy %.1f%% | BLEU %.2f | chrF %.2f | cut %.1f%% | %s",
                  self.progress.step, "" if weights == "raw" else f" ({weights} weights)", loss, result["ppl"],
                  100 * accuracy, scores["bleu"], scores["chrf"], 100 * cut, scores["bleu_signature"])
+        shown = [hyps[i][0].tokens for i in self.attention_sentences]
         self.monitor.validation(self.progress.step, weights, result, list(zip(sources, references, texts)),
-                                self._attention_panels([hyps[i][0].tokens for i in self.attention_sentences]))
+                                self._attention_panels(shown), self._attention_detail(shown))
         return {**result, "weights": weights}
 
     def _validation_text(self) -> tuple[list[str], list[str]]:
@@ -513,6 +514,18 @@ class Trainer:
         sources = self.translator.encode_sources([self._validation_text()[0][i] for i in self.attention_sentences])
         return [(cross_attention(self.model, source, hypothesis, self.device), pieces(tokenizer.src, source),
                  pieces(tokenizer.tgt, hypothesis)) for source, hypothesis in zip(sources, hypotheses)]
+
+    def _attention_detail(self, hypotheses: list[list[int]]) -> tuple[str, list] | None:
+        """With trainer.attention_heatmaps heads or layers: that kind, and one labelled panel per head or
+        layer for the first attention sentence; None otherwise (or with no sentence to show)."""
+        by = self.cfg.trainer.attention_heatmaps
+        if by == "mean" or not hypotheses or not self.monitor:
+            return None
+        tokenizer = self.data.tokenizer
+        source = self.translator.encode_sources([self._validation_text()[0][self.attention_sentences[0]]])[0]
+        source_pieces, predicted = pieces(tokenizer.src, source), pieces(tokenizer.tgt, hypotheses[0])
+        return by, [(weights, source_pieces, predicted, label)
+                    for label, weights in cross_attention_panels(self.model, source, hypotheses[0], self.device, by)]
 
     def test(self) -> dict | None:
         """Translate the test split with the decode config and the best weights; print BLEU."""

@@ -103,18 +103,37 @@ def nfc(lines: list[str]) -> list[str]:
     return [unicodedata.normalize("NFC", line) for line in lines]
 
 
-@torch.no_grad()
 def cross_attention(model, source_ids: list[int], hypothesis_ids: list[int], device) -> np.ndarray:
     """(T, S) cross-attention of the model's last decoder layer, mean over heads, as it reads the source
     (its ids and EOS: S) while predicting each token of the hypothesis and then EOS (T = len + 1). Ids
     within the model's positions, as `Translator` makes them."""
+    return cross_attention_by_layer(model, source_ids, hypothesis_ids, device, [-1])[0].mean(0)
+
+
+def cross_attention_panels(model, source_ids: list[int], hypothesis_ids: list[int], device,
+                           by: str) -> list[tuple[str, np.ndarray]]:
+    """(label, (T, S) weights) for `trainer.attention_heatmaps`: `heads`, each head of the last decoder
+    layer; `layers`, each layer's mean over heads."""
+    if by == "heads":
+        heads = cross_attention_by_layer(model, source_ids, hypothesis_ids, device, [-1])[0]
+        return [(f"last layer, head {h + 1}", weights) for h, weights in enumerate(heads)]
+    layers = cross_attention_by_layer(model, source_ids, hypothesis_ids, device, range(len(model.decoder_layers)))
+    return [(f"layer {i + 1}, mean over heads", weights.mean(0)) for i, weights in enumerate(layers)]
+
+
+@torch.no_grad()
+def cross_attention_by_layer(model, source_ids: list[int], hypothesis_ids: list[int], device,
+                             layers) -> list[np.ndarray]:
+    """Per decoder layer in `layers` (indices): its cross-attention weights (H, T, S) for the sentence."""
     src = torch.tensor([source_ids + [EOS_ID]], device=device)
     tgt = torch.tensor([[BOS_ID] + hypothesis_ids], device=device)
-    layer = model.decoder_layers[-1].cross_attn
-    layer.need_weights = True
+    modules = [model.decoder_layers[i].cross_attn for i in layers]
+    for module in modules:
+        module.need_weights = True
     try:
         with eval_mode(model):
             model(src, tgt)
-        return layer.last_weights[0].float().mean(0).cpu().numpy()
+        return [module.last_weights[0].float().cpu().numpy() for module in modules]
     finally:
-        layer.need_weights = False
+        for module in modules:
+            module.need_weights = False
