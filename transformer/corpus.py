@@ -39,6 +39,7 @@ from transformer.batching import Batch, make_batch
 from transformer.cache import CacheDamage, check_file, file_record, read_record, sealed, write_failure
 from transformer.config import ConfigError, DataConfig
 from transformer.data import DataError, SplitSource, open_split
+from transformer.errors import discard_stdout
 from transformer.tokenizer import Tokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
               "(run it again to finish)", file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:          # `transformer-prepare --help | head`: the reader went away
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())    # or stdout's flush at exit fails again
+        discard_stdout()
         sys.exit(0)
     print(f"prepared {cfg.data.name}: {len(prepared.train)} training pairs, vocabulary "
           f"{prepared.tokenizer.src_vocab_size} pieces, in {Path(cfg.data.cache_dir).resolve()}", flush=True)

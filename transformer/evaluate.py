@@ -18,9 +18,9 @@ from transformer.translate import (
     CommandLineParser,
     add_decoding_flags,
     add_model_arguments,
+    checked_model_arguments,
     given_decoding_options,
     overwritten_input,
-    parse_weights,
 )
 from transformer.translator import Translator
 from transformer.validate import score, tokenized_lowercased_bleu
@@ -117,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformer-evaluate: error: {error}", file=sys.stderr)
         return 2
     try:
-        weights = parse_weights(args.weights, len(args.checkpoints))
-        if args.workers is not None and args.workers < 1:
-            raise ValueError(f"--workers {args.workers}: must be a whole number >= 1")
+        weights = checked_model_arguments(args)
         result = evaluate(args.checkpoints, args.split, args.src, args.ref, args.beam, args.alpha, args.device,
                           args.precision, args.batch_tokens, args.max_len_a, args.max_len_b, weights=weights,
                           quantize=args.quantize, workers=args.workers, tokenized_lc=args.tokenized_lc)

@@ -51,9 +51,15 @@ def autocast_factory(device: torch.device, dtype: torch.dtype | None):
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def resolve_device(name: str, dist_info: DistInfo) -> torch.device:
+def auto_device(name: str) -> str:
+    """`auto`: CUDA when available, else the CPU; any other name as it is."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def resolve_device(name: str, dist_info: DistInfo) -> torch.device:
+    name = auto_device(name)
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ConfigError(f"trainer.device={name} but CUDA is not available; use trainer.device=cpu")
@@ -129,9 +135,7 @@ class Runtime:
     def for_inference(cls, device: str = "auto", precision: str = "auto") -> Runtime:
         """One process, no process group: `device` auto | cpu | cuda | cuda:N, `precision` auto | bf16 |
         fp16 | fp32 (ValueError otherwise)."""
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        resolved = torch.device(device)
+        resolved = torch.device(auto_device(device))
         if precision not in ("auto", *DTYPES):
             raise ValueError(f"precision={precision!r} must be auto, bf16, fp16 or fp32")
         precision = resolve_precision(precision, resolved)

@@ -320,18 +320,14 @@ def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, al
             wanted = prefix[:, step].repeat_interleave(beams)                     # (n*beams,)
             active, wanted_logprob = _prefix_logprob(logprobs, wanted)
             first_beam = torch.arange(n * beams, device=device) % beams == 0
-            row_scores.masked_fill_(active[:, None], float("-inf"))
-            row_scores[:, 0] = torch.where(active & first_beam, wanted_logprob, row_scores[:, 0])
-            row_tokens[:, 0] = torch.where(active, wanted, row_tokens[:, 0])
+            _only(row_scores, row_tokens, active, wanted, wanted_logprob.masked_fill(~first_beam, float("-inf")))
         else:
             row_scores, row_tokens, eos_logprob = top_candidates(decoder, tokens, 2 * K)  # (n*beams, width)
         width = row_scores.size(1)
         forced = [step + 1 >= limit for limit in limits]         # sentences at their length limit may only end
         if any(forced):
             forced_rows = torch.tensor(forced, device=device).repeat_interleave(beams)      # (n*beams,)
-            row_scores.masked_fill_(forced_rows[:, None], float("-inf"))
-            row_scores[:, 0] = torch.where(forced_rows, eos_logprob, row_scores[:, 0])
-            row_tokens[:, 0] = torch.where(forced_rows, EOS_ID, row_tokens[:, 0])
+            _only(row_scores, row_tokens, forced_rows, EOS_ID, eos_logprob)
         candidates = (scores.view(-1, 1) + row_scores).view(n, beams * width)
         top_scores, top_ids = candidates.topk(min(2 * K, beams * width), dim=1)     # (n, <= 2K)
         top_beams = top_ids // width
@@ -346,7 +342,7 @@ def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, al
         top = finish.size(1)
         read = torch.cat([finish.to(top_scores.dtype), top_beams[:, :K].to(top_scores.dtype), top_scores[:, :K],
                           next_scores[:, :1]], dim=1).tolist()                        # n x (3 top + 1)
-        token_lists = None
+        token_lists, penalty = None, length_penalty(step + 1, alpha)
         for i, row_read in enumerate(read):
             for j in range(top):
                 if row_read[j]:
@@ -354,7 +350,7 @@ def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, al
                         token_lists = tokens.tolist()             # only in steps where hypotheses finish
                     raw = row_read[2 * top + j]
                     finished[open_ids[i]].append(Hypothesis(token_lists[i * beams + int(row_read[top + j])][1:],
-                                                            raw / length_penalty(step + 1, alpha), raw, forced[i]))
+                                                            raw / penalty, raw, forced[i]))
         rows = (torch.arange(n, device=device)[:, None] * beams + top_beams.gather(1, picks)).view(-1)
         tokens = torch.cat([tokens[rows], top_tokens.gather(1, picks).view(-1, 1)], dim=1)
         scores = next_scores
@@ -374,6 +370,14 @@ def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, al
         else:
             decoder.select(rows)
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
+
+
+def _only(row_scores: torch.Tensor, row_tokens: torch.Tensor, rows: torch.Tensor, token, score: torch.Tensor) -> None:
+    """Hypothesis rows `rows` (n*beams,) bool may continue only with `token` at `score` (rows,): their
+    first candidate becomes that, the others -inf. In place; a prefix's forced token, EOS at the limit."""
+    row_scores.masked_fill_(rows[:, None], float("-inf"))
+    row_scores[:, 0] = torch.where(rows, score, row_scores[:, 0])
+    row_tokens[:, 0] = torch.where(rows, token, row_tokens[:, 0])
 
 
 def _closed(finished, open_ids: list[int], best_open: list[float], forced: list[bool], limits: list[int],

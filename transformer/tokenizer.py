@@ -91,13 +91,12 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
 
     def counted():
         try:
-            with tqdm(desc="SentencePiece: reading", unit=" lines", unit_scale=True, disable=None,
+            with tqdm(lines, desc="SentencePiece: reading", unit=" lines", unit_scale=True, disable=None,
                       leave=False) as bar:
-                for line in lines:
+                for line in bar:          # tqdm's iterator updates the bar far more cheaply than update(1)
                     read[0] += 1
                     if line.strip():
                         usable[0] += 1
-                    bar.update(1)
                     yield line
             log.info("SentencePiece: read %d lines of %s (a sample of at most %d trains it); training",
                      read[0], where, sample)

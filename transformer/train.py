@@ -34,6 +34,7 @@ from transformer.checkpoint import (
 from transformer.config import CONF_DIR, Config, ConfigError, register_schema
 from transformer.corpus import prepare
 from transformer.data import DataError, load_split_text
+from transformer.errors import discard_stdout
 from transformer.loss import batch_loss
 from transformer.model import build_model
 from transformer.monitor import Monitor, attention_sentences, pieces
@@ -117,9 +118,10 @@ class Trainer:
         if self.dist.is_main:
             self._log_banner(start.describe())
             self.monitor.start(cfg, self.precision)
-        # The validation sentences whose cross-attention TensorBoard draws at every validation.
-        self.attention_sentences = attention_sentences(
-            self.translator.encode_sources(self._validation_text()[0])) if self.dist.is_main else []
+        # The validation sentences whose cross-attention TensorBoard draws at every validation, and their ids.
+        encoded = self.translator.encode_sources(self._validation_text()[0]) if self.dist.is_main else []
+        self.attention_sentences = attention_sentences(encoded) if self.dist.is_main else []
+        self.attention_sources = [encoded[i] for i in self.attention_sentences]
 
     def _log_banner(self, start: str) -> None:
         """What the run is, at the top of its log: where it writes, how it starts, where and how it runs."""
@@ -499,7 +501,8 @@ class Trainer:
                  100 * accuracy, scores["bleu"], scores["chrf"], 100 * cut, scores["bleu_signature"])
         shown = [hyps[i][0].tokens for i in self.attention_sentences]
         self.monitor.validation(self.progress.step, weights, result, list(zip(sources, references, texts)),
-                                self._attention_panels(shown), self._attention_detail(shown))
+                                self._attention_panels(self.attention_sources, shown),
+                                self._attention_detail(self.attention_sources, shown))
         return {**result, "weights": weights}
 
     def _validation_text(self) -> tuple[list[str], list[str]]:
@@ -508,21 +511,20 @@ class Trainer:
         limit = self.cfg.trainer.val_max_sentences
         return (sources[:limit], references[:limit]) if limit else (sources, references)
 
-    def _attention_panels(self, hypotheses: list[list[int]]) -> list:
-        """(weights, source pieces, predicted pieces) of the attention sentences and their hypotheses."""
+    def _attention_panels(self, sources: list[list[int]], hypotheses: list[list[int]]) -> list:
+        """(weights, source pieces, predicted pieces) of the attention sentences (their source ids) and
+        their hypotheses."""
         tokenizer = self.data.tokenizer
-        sources = self.translator.encode_sources([self._validation_text()[0][i] for i in self.attention_sentences])
         return [(cross_attention(self.model, source, hypothesis, self.device), pieces(tokenizer.src, source),
                  pieces(tokenizer.tgt, hypothesis)) for source, hypothesis in zip(sources, hypotheses)]
 
-    def _attention_detail(self, hypotheses: list[list[int]]) -> tuple[str, list] | None:
+    def _attention_detail(self, sources: list[list[int]], hypotheses: list[list[int]]) -> tuple[str, list] | None:
         """With trainer.attention_heatmaps heads or layers: that kind, and one labelled panel per head or
         layer for the first attention sentence; None otherwise (or with no sentence to show)."""
         by = self.cfg.trainer.attention_heatmaps
         if by == "mean" or not hypotheses or not self.monitor:
             return None
-        tokenizer = self.data.tokenizer
-        source = self.translator.encode_sources([self._validation_text()[0][self.attention_sentences[0]]])[0]
+        tokenizer, source = self.data.tokenizer, sources[0]
         source_pieces, predicted = pieces(tokenizer.src, source), pieces(tokenizer.tgt, hypotheses[0])
         return by, [(weights, source_pieces, predicted, label)
                     for label, weights in cross_attention_panels(self.model, source, hypotheses[0], self.device, by)]
@@ -673,7 +675,7 @@ def main() -> None:
     try:
         _main()
     except BrokenPipeError:        # `transformer-train --help | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        discard_stdout()
         sys.exit(0)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from transformer.checkpoint import CheckpointError
 from transformer.config import DECODE_OPTIONS, ConfigError, DecodeOption, check_decode_options
+from transformer.errors import discard_stdout
 from transformer.runtime import keep_freed_memory
 from transformer.search import Sampling
 from transformer.translator import QUANTIZATIONS, Translator, check_weights
@@ -124,11 +125,17 @@ def parse_weights(text: str | None, count: int) -> list[float] | None:
                          "not all 0 (e.g. --weights " + ",".join(["1"] * count) + ")") from None
 
 
-def load_translator(args: argparse.Namespace) -> Translator:
-    """The model(s) the command line names (`add_model_arguments`): one, or an ensemble."""
+def checked_model_arguments(args: argparse.Namespace) -> list[float] | None:
+    """`add_model_arguments`' values checked (ValueError in the command line's words); the weights."""
     weights = parse_weights(args.weights, len(args.checkpoints))
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers {args.workers}: must be a whole number >= 1")
+    return weights
+
+
+def load_translator(args: argparse.Namespace) -> Translator:
+    """The model(s) the command line names (`add_model_arguments`): one, or an ensemble."""
+    weights = checked_model_arguments(args)
     try:
         return Translator.from_checkpoints(args.checkpoints, weights, device=args.device, precision=args.precision,
                                            quantize=args.quantize)
@@ -491,18 +498,11 @@ def _send(text: str, out, output: str | None) -> int | None:
         return None
     except OSError as error:
         if out is None:                         # what stdout still holds would fail again at exit, with a traceback
-            _discard_stdout()
+            discard_stdout()
         if isinstance(error, BrokenPipeError):
             return 0
         where = f"--output {output}" if out is not None else "stdout"
         return _fail(f"{where}: cannot write the output: {error.strerror or error}")
-
-
-def _discard_stdout() -> None:
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):               # no descriptor (a test's captured stdout)
-        pass
 
 
 def _close(out) -> None:
