@@ -216,8 +216,7 @@ def bench_trainer(overrides: list[str], device, args) -> list[dict]:
 
 def _time_trainer(trainer, cfg, device, steps: int, precision: str, compiled: bool) -> dict:
     from transformer.train_log import TrainLog
-    trainer.updates.start(0, 0)
-    loader = iter(trainer.loader)
+    loader = _epochs(trainer)
     for _ in range(5):                                   # warm-up: allocator, kernels, compile, workers
         micro, _ = next(loader)
         trainer.log.add(trainer.train_step(micro), micro)
@@ -244,6 +243,16 @@ def _time_trainer(trainer, cfg, device, steps: int, precision: str, compiled: bo
             vocab = trainer.data.tokenizer.tgt_vocab_size
             row["mfu"] = sum(train_flops(cfg.model, b, vocab) for b in seen) / seconds / (peak * 1e12)
     return row
+
+
+def _epochs(trainer):
+    """The trainer's (micro-batches) items, epoch after epoch, as `Trainer.fit` draws them: a large
+    trainer.max_tokens leaves few updates per Multi30k epoch (15 at 32k tokens)."""
+    epoch = 0
+    while True:
+        trainer.updates.start(epoch, 0)
+        yield from ((micro, None) for micro, _ in trainer.loader)
+        epoch += 1
 
 
 class _compiled(nn.Module):
@@ -330,7 +339,11 @@ def main() -> int:
     from transformer.data import load_split_text
     if args.checkpoint:
         model, tokenizer, ckpt_cfg = model_from_checkpoint(load_checkpoint(args.checkpoint), args.checkpoint)
-        sources, _ = load_split_text(ckpt_cfg.data, "test")
+        local_test = Path(multi30k or ".", f"test_2016_flickr.{ckpt_cfg.data.src_lang}")
+        if multi30k and local_test.exists():         # MULTI30K_DIR, wherever the checkpoint was trained
+            sources = local_test.read_text(encoding="utf-8").splitlines()
+        else:
+            sources, _ = load_split_text(ckpt_cfg.data, "test")
     else:
         model, tokenizer, ckpt_cfg, sources = _quick_model()
     if args.decode_sentences:

@@ -128,3 +128,59 @@ def test_every_backend_matches_the_formula_on_cuda(backend):
     cache = SelfAttentionCache()
     steps = torch.cat([attn(x[:, t:t + 1], causal=True, cache=cache) for t in range(7)], 1)
     assert torch.allclose(steps, reference(x, causal=True), atol=1e-4)
+
+
+@pytest.fixture
+def memory_limit():
+    """`limit(n_bytes)`: cap this process's CUDA allocations at about n bytes; lifted after the test."""
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+
+    def limit(n_bytes: int) -> None:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, n_bytes / total))
+
+    yield limit
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.cuda.empty_cache()
+
+
+def test_a_decoding_batch_out_of_memory_is_split_and_retried(memory_limit):
+    """512 sentences x beam 5 over a 32k vocabulary need about 2 GB at once; capped at 1 GB, the batch
+    runs out of memory, is halved until the halves fit, and the results are those of small batches."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(d_model=256, n_heads=4, d_ff=512, encoder_layers=2, decoder_layers=2,
+                                    dropout=0.0), 32000, 32000, True).cuda().eval()
+    sources = [[5 + (i * 31 + j * 7) % 31000 for j in range(40 + i % 20)] for i in range(512)]
+    settings = dict(beam_size=5, device="cuda", max_len_a=0.0, max_len_b=30)
+    reference = translate_ids(model, sources, batch_tokens=20_000, **settings)        # small batches
+    ooms = torch.cuda.memory_stats().get("num_ooms", 0)
+    memory_limit(1 << 30)
+    limited = translate_ids(model, sources, batch_tokens=10_000_000, **settings)      # one batch asked
+    assert torch.cuda.memory_stats().get("num_ooms", 0) > ooms, "the batch fit: the test tests nothing"
+    same = sum(a[0].tokens == b[0].tokens for a, b in zip(limited, reference))
+    assert same >= 0.99 * len(sources)
+
+
+def test_training_batches_too_large_for_the_gpu_stop_with_one_line(memory_limit, tmp_path, data_cache):
+    """Every batch out of memory: skipped with a warning, and after OOM_SKIP_LIMIT in a row the run
+    stops with a TrainingError that names trainer.max_tokens; the weights are untouched."""
+    from tests.helpers import FAST, compose_config
+    from transformer.run_dir import TrainingError
+    from transformer.train import OOM_SKIP_LIMIT, Trainer
+    cfg = compose_config(FAST + ["trainer.device=cuda", "trainer.precision=fp32", "trainer.max_tokens=40000"],
+                         data_cache)
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.updates.start(0, 0)
+        micro, _ = next(iter(trainer.loader))               # ~40k tokens: hundreds of MB of activations
+        memory_limit(torch.cuda.memory_allocated() + (8 << 20))       # 8 MB beyond the weights
+        with pytest.raises(TrainingError, match="trainer.max_tokens=40000 is too large") as stopped:
+            for _ in range(OOM_SKIP_LIMIT):
+                assert trainer.train_step(micro) == {"oom": True}
+        assert "\n" not in str(stopped.value) and trainer.oom_in_a_row == OOM_SKIP_LIMIT
+        assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+    finally:
+        trainer.leave_process_group(clean=True)
+        trainer.monitor.close()

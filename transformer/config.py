@@ -172,7 +172,8 @@ class TrainerConfig:
                                    "keep_last; 0 = off); validation scores it too")
     patience: int = setting(0, "stop after this many validations without a BLEU improvement (0 = never)")
     max_bad_steps: int = setting(20, "stop after this many consecutive non-finite steps (x10 under fp16)")
-    compile: bool = setting(False, "torch.compile the model")
+    compile: bool = setting(False, "torch.compile each encoder and decoder layer (regional compilation; the first "
+                                   "steps of each batch shape class wait for the compiler)")
     seed: int = setting(1, "seeds parameters, dropout and the batch order")
     resume: Any = setting(False, "true = newest checkpoint in the run dir; or a checkpoint path",
                           shown_type="bool | str")

@@ -51,7 +51,9 @@ class Dropout(nn.Dropout):
     """nn.Dropout, with the faster mask of `_CpuDropout` for CPU tensors."""
 
     def _cpu_mask(self, x: torch.Tensor) -> bool:
-        return self.training and self.p > 0.0 and x.device.type == "cpu"
+        # Not under torch.compile: its own dropout is fused into the graph, and this mask's 64-bit
+        # draws would break the graph at every layer.
+        return self.training and self.p > 0.0 and x.device.type == "cpu" and not torch.compiler.is_compiling()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _CpuDropout.apply(x, self.p) if self._cpu_mask(x) else super().forward(x)

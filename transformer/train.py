@@ -36,7 +36,7 @@ from transformer.corpus import prepare
 from transformer.data import DataError, load_split_text
 from transformer.errors import discard_stdout
 from transformer.loss import batch_loss
-from transformer.model import build_model
+from transformer.model import build_model, compile_layers
 from transformer.monitor import Monitor, attention_sentences, pieces
 from transformer.optim import build_optimizer
 from transformer.progress import Progress, restore_rng_state, rng_state
@@ -105,14 +105,14 @@ class Trainer:
         self.oom_skips = self.oom_in_a_row = 0
         if resume_state:
             self._load_state(resume_state)
+        if tc.compile:
+            compile_layers(self.model)
         self.train_model = self.model
         if self.dist.enabled:
             # No buffer changes during training (the sinusoid table is a constant): nothing to broadcast.
             self.train_model = DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 broadcast_buffers=False)
-        if tc.compile:
-            self.train_model = torch.compile(self.train_model, dynamic=True)
         self.monitor = Monitor(self.run_dir, enabled=self.dist.is_main)
         self.log = TrainLog(self.device, self.monitor, tc.max_bad_steps)
         if self.dist.is_main:

@@ -89,9 +89,10 @@ class TrainLog:
             self.monitor.training(step, epoch, values, self.device)
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{values['tokens_per_s']:.0f}")
         log.info("step %d | epoch %d | loss %.3f | nll %.3f | ppl %.2f | accuracy %.1f%% | lr %.3g | gnorm %.2f | "
-                 "tok/s %.0f | pad %.1f%%%s", step, epoch, loss, nll, values["ppl"], 100 * values["accuracy"], lr,
+                 "tok/s %.0f | pad %.1f%%%s%s", step, epoch, loss, nll, values["ppl"], 100 * values["accuracy"], lr,
                  values["grad_norm"], values["tokens_per_s"],
                  100 * values["padding_share"],
+                 f" | loss scale {loss_scale:g}" if fp16 else "",
                  f" | {numbers['skipped']} non-finite steps skipped" if numbers["skipped"] else "")
         self._start_window()
         return values["tokens_per_s"]

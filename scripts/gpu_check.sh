@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Every CUDA path in one go, for a lent GPU machine that has PyTorch but no package index:
+#   bash scripts/gpu_check.sh STAGE...     stages: env gputests train ddp translate oom bench suite
+# Reads Multi30k from $MULTI30K_DIR (default .gpu/multi30k), pure-Python dependencies the machine lacks
+# (hydra, omegaconf, antlr4, sacremoses) from .gpu/site, a CPU-trained checkpoint and its CPU fp32
+# hypotheses from .gpu/ (see docs/development.md, "On a GPU"). Full logs go to $OUT (or /tmp/gpu_out),
+# one summary line per finding to stdout.
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT/.gpu/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export MULTI30K_DIR=${MULTI30K_DIR:-$ROOT/.gpu/multi30k}
+PY=${PY:-python3}
+M=$MULTI30K_DIR
+RUNS=/tmp/gpu_runs
+CACHE=/tmp/gpu_cache
+LOG="$OUT/gpu.log"
+say() { echo "== $*" | tee -a "$LOG"; }
+DATA="data=multi30k_de_en data.path=$M data.cache_dir=$CACHE"
+
+stage_env() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee -a "$LOG"
+    $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), 'bf16', torch.cuda.is_bf16_supported())" 2>&1 | tee -a "$LOG"
+    $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$LOG" 2>&1 \
+        && say "env: package installed (entry points)" || say "env: pip install -e . failed (modules still run with python -m)"
+    $PY -c "import transformer.train, transformer.translate, hydra, sacrebleu, sentencepiece, tensorboard; print('imports ok')" 2>&1 | tee -a "$LOG"
+}
+
+stage_gputests() {
+    # output to a file, not a pipe: a child left behind would hold a pipe open; SIGABRT makes a hung
+    # pytest print every thread's stack (PYTHONFAULTHANDLER)
+    PYTHONFAULTHANDLER=1 timeout -s ABRT 150 $PY -m pytest -q -m gpu tests -p no:cacheprovider >"$OUT/gputests.log" 2>&1
+    say "gpu tests: rc $?"
+    tail -5 "$OUT/gputests.log"
+    leftovers
+}
+
+leftovers() {   # processes a stage left behind, with their Python stacks
+    local left
+    left=$(pgrep -f "python3? -m|multiprocessing|pytest" | grep -vx "$$" || true)
+    [ -z "$left" ] && return
+    say "left running: $(echo $left)"
+    ps -o pid,ppid,etime,args -p "$(echo $left | tr ' ' ,)" | cut -c 1-200 | tee -a "$LOG"
+    kill -ABRT $left 2>/dev/null; sleep 2; kill -9 $left 2>/dev/null
+}
+
+train_run() {   # name, extra overrides...
+    local name=$1; shift
+    local t0=$SECONDS
+    PYTHONFAULTHANDLER=1 timeout -s ABRT 150 $PY -m transformer.train $DATA model=base trainer.device=cuda trainer.max_tokens=8192 \
+        trainer.max_steps=300 trainer.validate_every=150 trainer.checkpoint_every=150 trainer.log_every=50 trainer.test_at_end=true \
+        hydra.run.dir=$RUNS/$name "$@" >"$OUT/$name.out" 2>&1
+    local rc=$?
+    say "train $name: rc $rc, $((SECONDS - t0)) s"
+    cat "$OUT/$name.out" >>"$LOG"
+    grep -E "device cuda|step (50|150|300) \||validation step|test_2016|BLEU|Error|error" "$RUNS/$name/train.log" 2>/dev/null \
+        | cut -c 27-260 | tail -12
+    leftovers
+}
+
+stage_train() {
+    train_run bf16 trainer.precision=bf16
+    train_run fp16 trainer.precision=fp16
+    TORCH_LOGS=recompiles train_run compiled trainer.precision=bf16 trainer.compile=true
+    say "compiled: $(grep -c -i 'recompiling' "$OUT/compiled.out") recompiles logged; step of each:"
+    grep -i -B1 "recompiling" "$OUT/compiled.out" | head -20 | tee -a "$LOG"
+    tail -c 3000 "$OUT/compiled.out" >>"$LOG"
+    rm -f "$OUT"/{bf16,fp16,compiled}.out
+}
+
+stage_ddp() {
+    local common="$DATA model=base trainer.device=cuda trainer.max_tokens=8192 trainer.validate_every=100 \
+        trainer.log_every=50 trainer.test_at_end=false hydra.run.dir=$RUNS/ddp"
+    $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m transformer.train $common trainer.max_steps=200 \
+        >>"$LOG" 2>&1
+    say "ddp first part: rc $?"
+    $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m transformer.train $common trainer.max_steps=300 \
+        trainer.resume=true >>"$LOG" 2>&1
+    say "ddp resumed: rc $?"
+    grep -E "world size|resum|start:|step (200|250|300) \||nccl|NCCL" $RUNS/ddp/train.log | cut -c 27-220 | tee -a "$LOG"
+}
+
+stage_translate() {
+    $PY - <<'EOF' 2>&1 | tee -a "$LOG"
+import os, time, sacrebleu, torch
+from transformer.translator import Translator
+m = os.environ["MULTI30K_DIR"]
+src = open(f"{m}/test_2016_flickr.de").read().splitlines()
+ref = open(f"{m}/test_2016_flickr.en").read().splitlines()
+cpu = {b: open(f".gpu/cpu_fp32_{b}.hyp").read().splitlines() for b in ("beam5", "greedy")}
+for precision in ("fp32", "bf16", "fp16"):
+    t = Translator.from_checkpoint(".gpu/deen-s1.pt", device="cuda", precision=precision)
+    for name, beam in (("beam5", 5), ("greedy", 1)):
+        t.translate(src[:200], beam_size=beam)                     # warm-up
+        torch.cuda.synchronize(); start = time.perf_counter()
+        hyp = t.translate(src, beam_size=beam)
+        torch.cuda.synchronize(); seconds = time.perf_counter() - start
+        same = sum(a == b for a, b in zip(hyp, cpu[name]))
+        bleu = sacrebleu.corpus_bleu(hyp, [ref]).score
+        cpu_bleu = sacrebleu.corpus_bleu(cpu[name], [ref]).score
+        print(f"translate cuda {precision} {name}: {len(src) / seconds:.0f} sentences/s ({seconds:.2f} s), "
+              f"same as CPU fp32 on {same}/{len(src)}, BLEU {bleu:.2f} (CPU fp32 {cpu_bleu:.2f})")
+EOF
+    # the CLI as users run it
+    local t0=$SECONDS
+    $PY -m transformer.translate .gpu/deen-s1.pt --device cuda --beam 5 <"$M/test_2016_flickr.de" >/tmp/cli.hyp 2>>"$LOG"
+    say "translate CLI --device cuda: rc $?, $((SECONDS - t0)) s whole process, $(wc -l </tmp/cli.hyp) lines"
+}
+
+stage_oom() {
+    # a training max_tokens far too large for the GPU: one line, rc 2
+    $PY -m transformer.train $DATA model=big trainer.device=cuda trainer.max_tokens=2000000 data.max_len=128 \
+        trainer.max_steps=20 trainer.test_at_end=false hydra.run.dir=$RUNS/oom >"$OUT/oom.out" 2>&1
+    say "train max_tokens=2000000 model=big: rc $? ; last lines:"
+    tail -4 "$OUT/oom.out" | cut -c 1-400 | tee -a "$LOG"
+    rm -f "$OUT/oom.out"
+}
+
+stage_bench() {
+    for preset in base big; do
+        $PY scripts/bench.py --device cuda --preset $preset --max-tokens 8192 --compile --data-scale 0 \
+            --checkpoint .gpu/deen-s1.pt --cli-repeats 0 --repeats 3 --steps 20 --trainer-steps 50 --output "$OUT/bench-$preset.json" >>"$LOG" 2>&1
+        say "bench $preset: rc $?"
+        tail -25 "$LOG" | grep -E "mfu|MFU|tok/s|sent|peak|train|decode" | head -20
+    done
+}
+
+stage_suite() {
+    timeout 540 $PY -m pytest -q tests -p no:cacheprovider --ignore=tests/test_install.py 2>&1 \
+        | tee "$OUT/suite.log" | tail -20
+}
+
+for stage in "$@"; do
+    say "stage $stage ($(date +%T))"
+    "stage_$stage"
+done
+say "done ($(date +%T))"
