@@ -87,3 +87,41 @@ def test_evaluate_reports_the_literature_bleu_beside_ours(untrained_checkpoint, 
     err = capsys.readouterr().err.splitlines()
     assert err == [f"transformer-evaluate: error: --tokenized-lc {tok}: 1 lines for 2 sources; give the tokenized "
                    "references of the same s.de lines"]
+
+
+def test_the_validator_computes_and_returns_without_writing(tmp_path, data_cache, caplog, monkeypatch):
+    """`Validator.run`: the loss of the whole validation split, BLEU of trainer.val_max_sentences of it,
+    the samples and the attention pictures, returned; nothing logged, nothing written."""
+    import logging
+
+    import torch
+
+    from tests.helpers import FAST, compose_config
+    from transformer.corpus import prepare
+    from transformer.model import build_model
+    from transformer.translator import Translator
+    from transformer.validate import Validator, validation_loss
+    cfg = compose_config(FAST + ["trainer.val_max_sentences=7", "trainer.attention_heatmaps=heads"], data_cache)
+    data = prepare(cfg.data)
+    tok = data.tokenizer
+    torch.manual_seed(0)
+    model = build_model(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint)
+    translator = Translator(model, tok, cfg, torch.device("cpu"))
+    text = data.sources["validation"].read_all()
+    validator = Validator(cfg, model, translator, data.valid, text, torch.device("cpu"), translator.autocast, "heads")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.DEBUG):
+        result = validator.run()
+    assert not caplog.records and list(tmp_path.iterdir()) == []
+    loss, nll, accuracy = validation_loss(model, data.valid, cfg.trainer.max_tokens, "cpu", translator.autocast,
+                                          cfg.trainer.label_smoothing)
+    assert (result.metrics["loss"], result.metrics["nll"], result.metrics["accuracy"]) == (loss, nll, accuracy)
+    hypotheses = translator.translate(text[0][:7], beam_size=cfg.trainer.val_beam_size)
+    assert result.samples == list(zip(text[0][:7], text[1][:7], hypotheses))
+    assert result.metrics["bleu"] == score(hypotheses, text[1][:7], cfg.data.tgt_lang)["bleu"]
+    assert len(result.panels) == len(validator.drawn) > 0
+    kind, panels = result.detail
+    assert kind == "heads" and [label for *_, label in panels] == [f"last layer, head {h + 1}" for h in range(cfg.model.n_heads)]
+    # ranks other than 0 draw nothing
+    quiet = Validator(cfg, model, translator, data.valid, text, torch.device("cpu"), translator.autocast, None)
+    assert quiet.run().panels == [] and quiet.run().detail is None

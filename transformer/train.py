@@ -37,7 +37,7 @@ from transformer.data import DataError, load_split_text
 from transformer.errors import discard_stdout
 from transformer.loss import batch_loss
 from transformer.model import build_model, compile_layers
-from transformer.monitor import Monitor, attention_sentences, pieces
+from transformer.monitor import Monitor
 from transformer.optim import build_optimizer
 from transformer.progress import Progress, restore_rng_state, rng_state
 from transformer.run_dir import (
@@ -55,7 +55,7 @@ from transformer.sweep import job_failed
 from transformer.tokenizer import Tokenizer
 from transformer.train_log import TrainingBar, TrainLog, log_lines_above_bars
 from transformer.translator import Translator
-from transformer.validate import cross_attention, cross_attention_panels, score, validation_loss
+from transformer.validate import Validator, score
 
 log = logging.getLogger("transformer.train")
 
@@ -84,7 +84,6 @@ class Trainer:
         # Every rank calls this: one prepares under a file lock (no collective is waiting meanwhile),
         # the others then memory-map the same files.
         self.data = prepare(cfg.data, tokenizer)
-        self.valid_text = self.data.sources["validation"].read_all()
         tok = self.data.tokenizer
         self.model = build_model(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint).to(self.device)
         if init_state is not None:
@@ -118,10 +117,9 @@ class Trainer:
         if self.dist.is_main:
             self._log_banner(start.describe())
             self.monitor.start(cfg, self.precision)
-        # The validation sentences whose cross-attention TensorBoard draws at every validation, and their ids.
-        encoded = self.translator.encode_sources(self._validation_text()[0]) if self.dist.is_main else []
-        self.attention_sentences = attention_sentences(encoded) if self.dist.is_main else []
-        self.attention_sources = [encoded[i] for i in self.attention_sentences]
+        self.validator = Validator(cfg, self.model, self.translator, self.data.valid,
+                                   self.data.sources["validation"].read_all(), self.device, self.autocast,
+                                   tc.attention_heatmaps if self.dist.is_main else None)
 
     def _log_banner(self, start: str) -> None:
         """What the run is, at the top of its log: where it writes, how it starts, where and how it runs."""
@@ -483,51 +481,16 @@ class Trainer:
         return self.stop_signal is not None
 
     def _validate_main(self, weights: str = "raw") -> dict:
-        """Loss, BLEU, chrF, samples and a heatmap of the validation split (rank 0), with the weights the
-        model holds (`weights` names them: raw, ema, average; TensorBoard's val/, val_ema/, ...)."""
-        tc, dc = self.cfg.trainer, self.cfg.decode
-        loss, nll, accuracy = validation_loss(self.model, self.data.valid, tc.max_tokens, self.device,
-                                              self.autocast, tc.label_smoothing, self._stopping)
-        sources, references = self._validation_text()
-        hyps = self.translator.hypotheses(sources, beam_size=tc.val_beam_size, batch_tokens=dc.batch_tokens,
-                                          progress=None, desc="validate", stop=self._stopping)
-        texts = [h[0].text for h in hyps]
-        scores = score(texts, references, self.cfg.data.tgt_lang)
-        cut = sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps))
-        result = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "accuracy": accuracy,
-                  "bleu": scores["bleu"], "chrf": scores["chrf"], "cut_at_max_len": cut}
+        """The validator's result for the weights the model holds (`weights` names them: raw, ema,
+        average; TensorBoard's val/, val_ema/, ...), logged and drawn (rank 0)."""
+        result = self.validator.run(self._stopping)
+        m = result.metrics
         log.info("validation step %d%s | loss %.3f | ppl %.2f | accuracy %.1f%% | BLEU %.2f | chrF %.2f | cut %.1f%% | %s",
-                 self.progress.step, "" if weights == "raw" else f" ({weights} weights)", loss, result["ppl"],
-                 100 * accuracy, scores["bleu"], scores["chrf"], 100 * cut, scores["bleu_signature"])
-        shown = [hyps[i][0].tokens for i in self.attention_sentences]
-        self.monitor.validation(self.progress.step, weights, result, list(zip(sources, references, texts)),
-                                self._attention_panels(self.attention_sources, shown),
-                                self._attention_detail(self.attention_sources, shown))
-        return {**result, "weights": weights}
-
-    def _validation_text(self) -> tuple[list[str], list[str]]:
-        """The validation sources and references decoded for BLEU (trainer.val_max_sentences of them)."""
-        sources, references = self.valid_text
-        limit = self.cfg.trainer.val_max_sentences
-        return (sources[:limit], references[:limit]) if limit else (sources, references)
-
-    def _attention_panels(self, sources: list[list[int]], hypotheses: list[list[int]]) -> list:
-        """(weights, source pieces, predicted pieces) of the attention sentences (their source ids) and
-        their hypotheses."""
-        tokenizer = self.data.tokenizer
-        return [(cross_attention(self.model, source, hypothesis, self.device), pieces(tokenizer.src, source),
-                 pieces(tokenizer.tgt, hypothesis)) for source, hypothesis in zip(sources, hypotheses)]
-
-    def _attention_detail(self, sources: list[list[int]], hypotheses: list[list[int]]) -> tuple[str, list] | None:
-        """With trainer.attention_heatmaps heads or layers: that kind, and one labelled panel per head or
-        layer for the first attention sentence; None otherwise (or with no sentence to show)."""
-        by = self.cfg.trainer.attention_heatmaps
-        if by == "mean" or not hypotheses or not self.monitor:
-            return None
-        tokenizer, source = self.data.tokenizer, sources[0]
-        source_pieces, predicted = pieces(tokenizer.src, source), pieces(tokenizer.tgt, hypotheses[0])
-        return by, [(weights, source_pieces, predicted, label)
-                    for label, weights in cross_attention_panels(self.model, source, hypotheses[0], self.device, by)]
+                 self.progress.step, "" if weights == "raw" else f" ({weights} weights)", m["loss"], m["ppl"],
+                 100 * m["accuracy"], m["bleu"], m["chrf"], 100 * m["cut_at_max_len"], m["bleu_signature"])
+        metrics = {k: v for k, v in m.items() if k != "bleu_signature"}
+        self.monitor.validation(self.progress.step, weights, metrics, result.samples, result.panels, result.detail)
+        return {**metrics, "weights": weights}
 
     def test(self) -> dict | None:
         """Translate the test split with the decode config and the best weights; print BLEU."""

@@ -1,11 +1,19 @@
 """Validation and scoring: loss and token accuracy on a split, sacreBLEU/chrF, and the cross-attention
-weights that TensorBoard's heatmaps draw (`transformer.monitor`). Decoding a split goes through `transformer.translator.Translator`."""
+weights that TensorBoard's heatmaps draw (`transformer.monitor`). Decoding a split goes through
+`transformer.translator.Translator`.
+
+`Validator` computes one validation of whatever weights the model holds and returns it: it logs
+nothing and writes nothing; the trainer says what it means (a new best, a checkpoint) and the monitor
+draws it.
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import unicodedata
+from dataclasses import dataclass
 
 import numpy as np
 import sacrebleu
@@ -14,6 +22,7 @@ import torch
 from transformer.batching import batches_in_order
 from transformer.loss import output_cross_entropy, target_hidden, unwrap
 from transformer.model import eval_mode
+from transformer.monitor import attention_sentences, pieces
 from transformer.search import Interrupted
 from transformer.special import BOS_ID, EOS_ID
 
@@ -137,3 +146,70 @@ def cross_attention_by_layer(model, source_ids: list[int], hypothesis_ids: list[
     finally:
         for module in modules:
             module.need_weights = False
+
+
+@dataclass
+class Validation:
+    """One validation: `metrics` (loss, nll, ppl, accuracy, bleu, chrf, cut_at_max_len, bleu_signature),
+    `samples` (source, reference, hypothesis) in validation order, and the attention pictures: `panels`
+    (weights (T, S), source pieces, predicted pieces) per attention sentence, `detail` (kind, labelled
+    panels per head or layer of the first sentence) or None."""
+    metrics: dict
+    samples: list[tuple[str, str, str]]
+    panels: list
+    detail: tuple[str, list] | None
+
+
+class Validator:
+    """Validation of a training run's model: the prepared validation split for the loss, its text for
+    BLEU/chrF (trainer.val_max_sentences of it) decoded through `translator`, and the cross-attention of
+    a few fixed sentences. `attention`: trainer.attention_heatmaps (mean, heads, layers), or None to draw
+    nothing (ranks other than 0)."""
+
+    def __init__(self, cfg, model, translator, corpus, text: tuple[list[str], list[str]], device, autocast,
+                 attention: str | None):
+        self.cfg, self.model, self.translator, self.corpus = cfg, model, translator, corpus
+        self.device, self.autocast, self.attention = device, autocast, attention
+        limit = cfg.trainer.val_max_sentences
+        sources, references = text
+        self.sources, self.references = (sources[:limit], references[:limit]) if limit else (sources, references)
+        # The sentences drawn at every validation of the run, chosen and encoded once.
+        encoded = translator.encode_sources(self.sources) if attention else []
+        self.drawn = attention_sentences(encoded)
+        self.drawn_sources = [encoded[i] for i in self.drawn]
+
+    def run(self, stop=None) -> Validation:
+        """Loss, BLEU, chrF, samples and pictures of the weights the model holds now. `stop()` is asked
+        between batches; True raises `search.Interrupted`."""
+        tc, dc = self.cfg.trainer, self.cfg.decode
+        loss, nll, accuracy = validation_loss(self.model, self.corpus, tc.max_tokens, self.device, self.autocast,
+                                              tc.label_smoothing, stop)
+        hyps = self.translator.hypotheses(self.sources, beam_size=tc.val_beam_size, batch_tokens=dc.batch_tokens,
+                                          progress=None, desc="validate", stop=stop)
+        texts = [h[0].text for h in hyps]
+        scores = score(texts, self.references, self.cfg.data.tgt_lang)
+        metrics = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "accuracy": accuracy,
+                   "bleu": scores["bleu"], "chrf": scores["chrf"],
+                   "cut_at_max_len": sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps)),
+                   "bleu_signature": scores["bleu_signature"]}
+        shown = [hyps[i][0].tokens for i in self.drawn]          # what each drawn sentence decodes to now
+        return Validation(metrics, list(zip(self.sources, self.references, texts)),
+                          self._panels(shown), self._detail(shown))
+
+    def _panels(self, hypotheses: list[list[int]]) -> list:
+        """(weights, source pieces, predicted pieces) of each drawn sentence and its hypothesis."""
+        tokenizer = self.translator.tokenizer
+        return [(cross_attention(self.model, source, hypothesis, self.device), pieces(tokenizer.src, source),
+                 pieces(tokenizer.tgt, hypothesis)) for source, hypothesis in zip(self.drawn_sources, hypotheses)]
+
+    def _detail(self, hypotheses: list[list[int]]) -> tuple[str, list] | None:
+        """With trainer.attention_heatmaps heads or layers: that kind, and one labelled panel per head or
+        layer of the first drawn sentence; None otherwise (or with no sentence to draw)."""
+        if self.attention in (None, "mean") or not hypotheses:
+            return None
+        tokenizer, source = self.translator.tokenizer, self.drawn_sources[0]
+        source_pieces, predicted = pieces(tokenizer.src, source), pieces(tokenizer.tgt, hypotheses[0])
+        return self.attention, [
+            (weights, source_pieces, predicted, label)
+            for label, weights in cross_attention_panels(self.model, source, hypotheses[0], self.device,
+                                                         self.attention)]
