@@ -18,8 +18,8 @@ from transformer.batching import (
     pack_sorted,
     pad_sequences,
 )
-from transformer.config import DataConfig
-from transformer.corpus import EncodedCorpus, encoded_split, prepare
+from transformer.config import ConfigError, DataConfig
+from transformer.corpus import Cleaning, EncodedCorpus, encoded_split, prepare
 from transformer.data import DataError, InMemory, ParallelFiles, load_split_text, open_split, read_lines
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 
@@ -115,6 +115,29 @@ def test_empty_nul_and_overlong_pairs_are_dropped_and_counted(tmp_path, caplog):
     assert [s for s, _ in kept] == tokenizer.encode_src(["ein Hund", "das Haus"])
     # the filter is applied at load time: another max_len reuses the same files
     assert len(EncodedCorpus(corpus.directory, None, "unit")) == 3
+
+
+def test_cleaning_rules_are_counted_and_change_nothing_prepared(tmp_path, caplog):
+    src = ["ein Hund", "ein Hund ", "Hallo", "eine Katze", "ein " * 12 + "Haus", "das Haus", "ein Hund"]
+    tgt = ["a dog", "a dog", "Hallo", "a cat", "house", "the house", "the dog"]
+    tokenizer = build_tokenizer(InMemory(src * 5, tgt * 5, "unit"), vocab_size=60, cache_dir=tmp_path)
+    cfg = DataConfig(name="unit", embedded=True, cache_dir=str(tmp_path), max_len_ratio=3.0)
+    corpus = encoded_split(InMemory(src, tgt, "unit"), tokenizer, cfg, "train")
+    with caplog.at_level(logging.INFO):
+        corpus.report()
+    assert "dropped 3 of 7 pairs (duplicate: 1, copy: 1, length ratio: 1;" in caplog.text
+    assert "WARNING" not in caplog.text                                  # cleaning is information
+    assert tokenizer.decode_tgt([corpus.ids(i)[1] for i in range(len(corpus))]) == ["a dog", "a cat", "the house",
+                                                                                    "the dog"]
+    # the rules apply at load time: off, the same prepared files give every pair back
+    off = DataConfig(name="unit", embedded=True, cache_dir=str(tmp_path), drop_duplicates=False, drop_copies=False,
+                     max_len_ratio=0.0)
+    again = encoded_split(InMemory(src, tgt, "unit"), tokenizer, off, "train")
+    assert again.directory == corpus.directory and len(again) == 7
+    # and never on the validation split
+    assert len(encoded_split(InMemory(src, tgt, "unit"), tokenizer, cfg, "validation")) == 7
+    with pytest.raises(ConfigError, match="data.max_len_ratio=0.5 must be 0 \\(off\\) or at least 1"):
+        DataConfig(max_len_ratio=0.5).validate()
 
 
 def test_a_split_with_no_usable_pair_names_its_source(tmp_path):
@@ -262,11 +285,12 @@ def test_batches_respect_the_token_budget_and_cover_every_pair_once():
     assert _sampler(seed=4)[0].batches(1).tolist() != sampler.batches(1).tolist()
 
 
-def _reference_batches(src_lens, tgt_lens, flags, max_len, max_tokens, seed, epoch):
+def _reference_batches(src_lens, tgt_lens, flags, max_len, max_tokens, seed, epoch, max_len_ratio=0.0):
     """The slow, obvious version of filtering + bucketing: a loop over pairs, Python sorting, one
-    sentence at a time into the open batch."""
+    sentence at a time into the open batch. `flags[i]`: pair i is dropped whatever its lengths."""
     kept = [i for i in range(len(src_lens)) if not flags[i] and 0 < src_lens[i] <= max_len
-            and 0 < tgt_lens[i] <= max_len]
+            and 0 < tgt_lens[i] <= max_len
+            and not (max_len_ratio and max(src_lens[i], tgt_lens[i]) > max_len_ratio * min(src_lens[i], tgt_lens[i]))]
     rng = np.random.default_rng([seed, epoch])
     tie = rng.random(len(kept))
     def key(k):
@@ -293,14 +317,27 @@ def test_vectorised_filtering_and_batching_equal_the_slow_reference(tmp_path):
     tgt = [" ".join(rng.choices(words, k=rng.randint(0, 25))) for _ in range(700)]
     for i in rng.sample(range(700), 20):
         src[i] = src[i] + "\0"
+    for i in rng.sample(range(700), 30):             # copies, some with other spaces at the ends
+        tgt[i] = src[i] + (" " if i % 2 else "")
+    for i in rng.sample(range(1, 700), 40):          # repeats of an earlier pair
+        j = rng.randrange(i)
+        src[i], tgt[i] = " " + src[j], tgt[j]
     corpus, tokenizer = _corpus(tmp_path, src, tgt, max_len=40, vocab=80)
     src_all = [len(x) for x in tokenizer.encode_src(src)]
     tgt_all = [len(x) for x in tokenizer.encode_tgt(tgt)]
-    flags = ["\0" in s or not s.strip() or not t.strip() for s, t in zip(src, tgt)]
+    seen, flags = set(), []
+    for s, t in zip(src, tgt):
+        pair = (s.strip(), t.strip())
+        flags.append("\0" in s or not pair[0] or not pair[1] or pair in seen or pair[0] == pair[1])
+        seen.add(pair)
+    ratio_dropped = [not f and max(a, b) > 3 * max(min(a, b), 1) for f, a, b in zip(flags, src_all, tgt_all)]
+    assert sum(ratio_dropped) > 20 and sum(flags) > 80                   # every rule has work to do
+    corpus = EncodedCorpus(corpus.directory, 40, "unit", Cleaning(duplicates=True, copies=True, max_len_ratio=3.0))
     sampler = TokenBatchSampler(corpus.src_lens, corpus.tgt_lens, max_tokens=300, seed=7)
     for epoch in range(3):
         ours = [corpus.pair_index[b].tolist() for b in sampler.batches(epoch)]
-        assert ours == _reference_batches(src_all, tgt_all, flags, 40, 300, 7, epoch)
+        assert ours == _reference_batches(src_all, tgt_all, flags, 40, 300, 7, epoch, max_len_ratio=3.0)
+    assert corpus.dropped["duplicate"] > 0 and corpus.dropped["copy"] > 0 and corpus.dropped["length ratio"] > 0
 
 
 def _greedy(widths, max_tokens):

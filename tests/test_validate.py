@@ -110,6 +110,7 @@ def test_the_validator_computes_and_returns_without_writing(tmp_path, data_cache
     text = data.sources["validation"].read_all()
     validator = Validator(cfg, model, translator, data.valid, text, torch.device("cpu"), translator.autocast, "heads")
     monkeypatch.chdir(tmp_path)
+    caplog.clear()                                   # what preparing the data logged
     with caplog.at_level(logging.DEBUG):
         result = validator.run()
     assert not caplog.records and list(tmp_path.iterdir()) == []

@@ -94,6 +94,11 @@ class DataConfig:
         factory=dict, meaning="file stem per split where it differs from the split name, e.g. "
                               "'{validation: dev, test: newstest2014}' (Multi30k: val, test_2016_flickr)")
     max_len: int = setting(256, "drop training pairs longer than this many tokens on either side")
+    drop_duplicates: bool = setting(True, "cleaning: keep the first of training pairs identical on both sides "
+                                          "(whitespace at the ends aside)")
+    drop_copies: bool = setting(True, "cleaning: drop training pairs whose source equals their target")
+    max_len_ratio: float = setting(9.0, "cleaning: drop training pairs where one side has more than this many "
+                                        "times the other's tokens (0 = off)")
     vocab_size: int = setting(8000, "SentencePiece pieces (per language unless joint_vocab)")
     tokenizer_type: str = setting("bpe", "bpe | unigram")
     joint_vocab: bool = setting(True, "one vocabulary for both languages (lets the model tie all embeddings)")
@@ -105,6 +110,8 @@ class DataConfig:
     def validate(self) -> None:
         _require_finite("data", self)
         _positive("data.max_len", self.max_len)
+        if self.max_len_ratio < 0 or 0 < self.max_len_ratio < 1:
+            raise ConfigError(f"data.max_len_ratio={self.max_len_ratio} must be 0 (off) or at least 1")
         _positive("data.vocab_size", self.vocab_size)
         if self.tokenizer_type not in ("bpe", "unigram"):
             raise ConfigError(f"data.tokenizer_type={self.tokenizer_type!r} must be 'bpe' or 'unigram'")

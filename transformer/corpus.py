@@ -6,7 +6,8 @@ builds whatever is missing. A split is stored under `data.cache_dir/corpus/<data
 
     src.ids, tgt.ids            every pair's token ids, one flat uint16 (int32 for > 65536 pieces) array
     src.offsets.npy, ...        int64, pairs + 1: pair i is ids[offsets[i] : offsets[i + 1]]
-    flags.npy                   uint8 per pair: 1 = a side is blank, 2 = a NUL byte
+    flags.npy                   uint8 per pair: 1 = a side is blank, 2 = a NUL byte, 4 = source equals
+                                target, 8 = the same pair came earlier in the split
     meta.json                   counts, dtype, where the text came from, every file's size and CRC-32
 
 written into a temporary directory that is renamed into place, so a killed preparation leaves nothing
@@ -16,7 +17,10 @@ a damaged split is prepared again, with one warning that names the file and what
 When something is missing or damaged, preparation takes a file lock, so concurrent runs and torchrun
 ranks prepare a corpus once (the others wait on the lock, outside any collective, however long it
 takes) and then read it; when everything is cached, every process reads it at once without the lock.
-Filtering (blank, NUL, longer than `data.max_len`) is a vectorised mask applied at load time.
+Filtering is a vectorised mask applied at load time: blank, NUL and longer than `data.max_len` always;
+on the training split, the cleaning rules `data.drop_duplicates`, `data.drop_copies` and
+`data.max_len_ratio` (each pair's properties are found once, when it is encoded: changing a rule
+prepares nothing again). The log counts what each rule dropped.
 """
 
 from __future__ import annotations
@@ -44,8 +48,8 @@ from transformer.tokenizer import Tokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2                 # 2: meta.json records every file's size and CRC-32
-FLAG_BLANK, FLAG_NUL = 1, 2
+FORMAT_VERSION = 3                 # 2: meta.json records every file's size and CRC-32; 3: copy, duplicate flags
+FLAG_BLANK, FLAG_NUL, FLAG_COPY, FLAG_DUPLICATE = 1, 2, 4, 8
 DATA_FILES = ("src.ids", "tgt.ids", "src.offsets.npy", "tgt.offsets.npy", "flags.npy")
 
 
@@ -56,8 +60,8 @@ class EncodedCorpus:
     specials. Pickles as its directory (DataLoader workers re-open the files, never copy them).
     """
 
-    def __init__(self, directory: Path, max_len: int | None, name: str):
-        self.directory, self.max_len, self.name = Path(directory), max_len, name
+    def __init__(self, directory: Path, max_len: int | None, name: str, cleaning: Cleaning | None = None):
+        self.directory, self.max_len, self.name, self.cleaning = Path(directory), max_len, name, cleaning
         self._open()
 
     def _open(self) -> None:
@@ -77,16 +81,22 @@ class EncodedCorpus:
         flags = np.load(self.directory / "flags.npy")
         blank = ((flags & FLAG_BLANK) != 0) | (src_all == 0) | (tgt_all == 0)
         nul = ~blank & ((flags & FLAG_NUL) != 0)
+        dropped = blank | nul
         too_long = np.zeros_like(blank)
         if self.max_len is not None:
-            too_long = ~blank & ~nul & ((src_all > self.max_len) | (tgt_all > self.max_len))
-        self.pair_index = np.flatnonzero(~(blank | nul | too_long))       # kept position -> stored pair
-        self.src_lens, self.tgt_lens = src_all[self.pair_index], tgt_all[self.pair_index]
+            too_long = ~dropped & ((src_all > self.max_len) | (tgt_all > self.max_len))
+        dropped |= too_long
         self.dropped = {"empty": int(blank.sum()), "NUL byte": int(nul.sum()), "too long": int(too_long.sum())}
+        for rule, mask in (self.cleaning.masks(flags, src_all, tgt_all) if self.cleaning else {}).items():
+            mask &= ~dropped                    # each pair counted under the first rule that drops it
+            self.dropped[rule] = int(mask.sum())
+            dropped |= mask
+        self.pair_index = np.flatnonzero(~dropped)                         # kept position -> stored pair
+        self.src_lens, self.tgt_lens = src_all[self.pair_index], tgt_all[self.pair_index]
         self.total_pairs = len(flags)
 
     def __getstate__(self):
-        return {"directory": self.directory, "max_len": self.max_len, "name": self.name}
+        return {"directory": self.directory, "max_len": self.max_len, "name": self.name, "cleaning": self.cleaning}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -108,14 +118,46 @@ class EncodedCorpus:
                 self._tgt_ids[self._tgt_offsets[pair]:self._tgt_offsets[pair + 1]].tolist())
 
     def report(self) -> None:
-        """Log what the filters dropped; refuse a split with nothing left."""
+        """Log what the filters dropped (a warning for unusable pairs, information for the cleaning rules);
+        refuse a split with nothing left."""
         total = sum(self.dropped.values())
         if total:
-            log.warning("%s: dropped %d of %d pairs (%s; data.max_len=%s)", self.name, total, self.total_pairs,
-                        ", ".join(f"{k}: {v}" for k, v in self.dropped.items() if v), self.max_len)
+            unusable = any(self.dropped[k] for k in ("empty", "NUL byte", "too long"))
+            rules = f"data.max_len={self.max_len}" + (f", {self.cleaning}" if self.cleaning else "")
+            log.log(logging.WARNING if unusable else logging.INFO, "%s: dropped %d of %d pairs (%s; %s)", self.name,
+                    total, self.total_pairs, ", ".join(f"{k}: {v}" for k, v in self.dropped.items() if v), rules)
         if not len(self):
             raise DataError(f"{self.name} ({self.meta['source']}): no usable sentence pairs left after filtering "
                             f"(all empty or longer than data.max_len={self.max_len})")
+
+
+@dataclass(frozen=True)
+class Cleaning:
+    """The cleaning rules of a training split (`data.drop_duplicates`, `data.drop_copies`,
+    `data.max_len_ratio`; 0 = no ratio rule)."""
+    duplicates: bool
+    copies: bool
+    max_len_ratio: float
+
+    @classmethod
+    def of(cls, cfg: DataConfig) -> Cleaning:
+        return cls(cfg.drop_duplicates, cfg.drop_copies, cfg.max_len_ratio)
+
+    def masks(self, flags: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray) -> dict[str, np.ndarray]:
+        """The pairs each rule drops, by rule name, in the order the rules apply."""
+        masks = {}
+        if self.duplicates:
+            masks["duplicate"] = (flags & FLAG_DUPLICATE) != 0
+        if self.copies:
+            masks["copy"] = (flags & FLAG_COPY) != 0
+        if self.max_len_ratio:
+            longer, shorter = np.maximum(src_lens, tgt_lens), np.maximum(np.minimum(src_lens, tgt_lens), 1)
+            masks["length ratio"] = longer > self.max_len_ratio * shorter
+        return masks
+
+    def __str__(self) -> str:
+        return (f"data.drop_duplicates={self.duplicates}, data.drop_copies={self.copies}, "
+                f"data.max_len_ratio={self.max_len_ratio:g}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -174,7 +216,7 @@ def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str
     vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
     lengths = {"src": [], "tgt": []}
-    flags = []
+    flags, keys = [], []
     threads = os.cpu_count() or 1
     with open(tmp / "src.ids", "wb") as src_file, open(tmp / "tgt.ids", "wb") as tgt_file, \
             tqdm(desc=f"encoding {desc}", unit=" pairs", unit_scale=True, disable=None, leave=False) as bar:
@@ -185,9 +227,9 @@ def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str
                 lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
                 out.write(np.fromiter((i for seq in ids for i in seq), dtype=dtype, count=int(lens.sum())).tobytes())
                 lengths[side].append(lens)
-            flags.append(np.fromiter(((FLAG_BLANK if not s.strip() or not t.strip() else 0)
-                                      | (FLAG_NUL if "\0" in s or "\0" in t else 0) for s, t in zip(src, tgt)),
-                                     dtype=np.uint8, count=len(src)))
+            chunk_flags, chunk_keys = _pair_properties(src, tgt)
+            flags.append(chunk_flags)
+            keys.append(chunk_keys)
             bar.update(len(src))
     counts = {}
     for side in ("src", "tgt"):
@@ -195,12 +237,35 @@ def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str
         np.save(tmp / f"{side}.offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
         counts[f"{side}_tokens"] = int(lens.sum())
     flag_array = np.concatenate(flags) if flags else np.zeros(0, dtype=np.uint8)
+    if keys:                                    # a pair seen before: every occurrence after the first
+        _, first = np.unique(np.concatenate(keys), return_index=True)
+        repeated = np.ones(len(flag_array), dtype=bool)
+        repeated[first] = False
+        flag_array[repeated] |= FLAG_DUPLICATE
     np.save(tmp / "flags.npy", flag_array)
     meta = {"format": FORMAT_VERSION, "pairs": len(flag_array), **counts, "dtype": dtype.name,
             "source": source.where, "src_vocab": tokenizer.src_vocab_size, "tgt_vocab": tokenizer.tgt_vocab_size,
             "files": {name: file_record(tmp / name) for name in DATA_FILES}}
     (tmp / "meta.json").write_text(sealed(meta))
     return meta
+
+
+def _pair_properties(src: list[str], tgt: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Per pair of a chunk: its flags (blank, NUL, copy) and a 64-bit key of its stripped text, equal
+    for equal pairs within this process (Python's string hash; a collision between two different pairs
+    among millions is about as likely as winning a lottery, and would drop one pair)."""
+    flags = np.zeros(len(src), dtype=np.uint8)
+    keys = np.zeros(len(src), dtype=np.int64)
+    for i, (s, t) in enumerate(zip(src, tgt)):
+        s_stripped, t_stripped = s.strip(), t.strip()
+        if not s_stripped or not t_stripped:
+            flags[i] = FLAG_BLANK
+        elif s_stripped == t_stripped:
+            flags[i] = FLAG_COPY
+        if "\0" in s or "\0" in t:
+            flags[i] |= FLAG_NUL
+        keys[i] = hash((s_stripped, t_stripped))
+    return flags, keys
 
 
 def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, split: str,
@@ -222,7 +287,7 @@ def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, sp
             log.warning("%s; preparing %s again", damage, name)
             _move_aside(directory, damage)
         _encode_to(directory, source, tokenizer, name)
-    return EncodedCorpus(directory, cfg.max_len, name)
+    return EncodedCorpus(directory, cfg.max_len, name, Cleaning.of(cfg) if split == "train" else None)
 
 
 @contextlib.contextmanager
