@@ -392,18 +392,19 @@ def test_update_plan_splits_global_batches_over_ranks_and_micro_batches():
     batches = sampler.batches(0).tolist()
     n = len(batches)
     one = list(UpdateSampler(sampler, update_freq=2))
-    assert [[b.tolist() for b, _ in plan] for plan, _ in one] == [batches[i:i + 2] for i in range(0, n, 2)]
+    assert [[b.tolist() for b, *_ in plan] for plan, _ in one] == [batches[i:i + 2] for i in range(0, n, 2)]
+    assert [key for plan, _ in one for *_, key in plan] == [(0, i) for i in range(n)]      # (epoch, batch)
     ranks = [list(UpdateSampler(sampler, update_freq=1, rank=r, world=2)) for r in (0, 1)]
     for k, ((plan0, used0), (plan1, used1)) in enumerate(zip(*ranks)):
         assert used0 == used1 == min(2, n - 2 * k)
         assert plan0[0][0].tolist() == batches[2 * k]
         if 2 * k + 1 < n:
-            assert plan1 == [(plan1[0][0], 1.0)] and plan1[0][0].tolist() == batches[2 * k + 1]
+            assert plan1 == [(plan1[0][0], 1.0, (0, 2 * k + 1))] and plan1[0][0].tolist() == batches[2 * k + 1]
         else:                     # past the end: a weight-0 repeat keeps the ranks' backward passes equal
             assert plan1[0][1] == 0.0
     resumed = UpdateSampler(sampler, update_freq=2)
     resumed.start(0, 4)
-    assert [[b.tolist() for b, _ in p] for p, _ in resumed] == [batches[i:i + 2] for i in range(4, n, 2)]
+    assert [[b.tolist() for b, *_ in p] for p, _ in resumed] == [batches[i:i + 2] for i in range(4, n, 2)]
 
 
 def test_max_tokens_smaller_than_a_sentence_is_refused():
@@ -427,3 +428,46 @@ def test_multi30k_loads_from_local_files(multi30k_dir):
     assert len(src) == len(tgt) == 29000
     assert len(load_split_text(cfg, "test")[0]) == 1000
     assert len(load_split_text(cfg, "validation")[0]) == 1014
+
+
+def _sampled_corpus(tmp_path, sampling=0.1):
+    import random
+    rng = random.Random(3)
+    words = ["Hund", "Katze", "Haus", "rot", "läuft", "schnell", "ein", "der", "über", "Brücke", "Straße"]
+    src = [" ".join(rng.choices(words, k=rng.randint(3, 12))) for _ in range(300)]
+    tgt = [" ".join(rng.choices(words, k=rng.randint(3, 12))) for _ in range(300)]
+    tokenizer = build_tokenizer(InMemory(src, tgt, "unit"), vocab_size=120, cache_dir=tmp_path)
+    cfg = DataConfig(name="unit", embedded=True, cache_dir=str(tmp_path), subword_sampling=sampling)
+    return encoded_split(InMemory(src, tgt, "unit"), tokenizer, cfg, "train"), tokenizer, src, tgt
+
+
+def test_subword_sampling_is_fresh_per_epoch_fixed_per_key_and_keeps_the_text(tmp_path):
+    import pickle
+    corpus, tokenizer, src, tgt = _sampled_corpus(tmp_path)
+    plain = corpus.collate(range(40))
+    corpus.enable_subword_sampling(tokenizer, 0.1, -1, seed=1)
+    assert torch.equal(corpus.collate(range(40)).src, plain.src)           # no key: validation, the fixed segmentation
+    first = corpus.collate(range(40), (0, 3))
+    again = corpus.collate(range(40), (0, 3))
+    worker = pickle.loads(pickle.dumps(corpus)).collate(range(40), (0, 3))  # as a DataLoader worker collates it
+    assert all(torch.equal(getattr(first, k), getattr(b, k)) for b in (again, worker) for k in ("src", "tgt_in", "tgt_out"))
+    next_epoch = corpus.collate(range(40), (1, 3))
+    assert first.src.shape != plain.src.shape or not torch.equal(first.src, plain.src)
+    assert first.src.shape != next_epoch.src.shape or not torch.equal(first.src, next_epoch.src)
+    # other pieces, the same sentences
+    pairs = corpus.pair_index[np.arange(40)]
+    def rows(t, eos):
+        return [[i for i in row if i not in (PAD_ID, eos)] for row in t.tolist()]
+    assert tokenizer.src.decode(rows(first.src, EOS_ID)) == [src[p] for p in pairs]
+    assert tokenizer.decode_tgt(rows(first.tgt_out, EOS_ID)) == [tgt[p] for p in pairs]
+    assert first.num_tgt_tokens > plain.num_tgt_tokens                    # BPE-dropout: more, smaller pieces
+
+
+def test_subword_sampling_needs_the_kept_text_and_valid_settings(tmp_path):
+    corpus, tokenizer, _, _ = _sampled_corpus(tmp_path, sampling=0.0)
+    with pytest.raises(DataError, match="prepared without its text; data.subword_sampling needs it"):
+        corpus.enable_subword_sampling(tokenizer, 0.1, -1, seed=1)
+    with pytest.raises(ConfigError, match="data.subword_sampling=1.0 must be in \\[0, 1\\)"):
+        DataConfig(subword_sampling=1.0).validate()
+    with pytest.raises(ConfigError, match="data.subword_nbest=0 must be -1"):
+        DataConfig(subword_nbest=0).validate()

@@ -55,12 +55,14 @@ def _params(path: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [0, 2])
-def test_resume_continues_exactly(tmp_path, data_cache, workers, caplog):
+@pytest.mark.parametrize("workers, sampling", [(0, 0.0), (2, 0.0), (2, 0.1)])
+def test_resume_continues_exactly(tmp_path, data_cache, workers, sampling, caplog):
+    """Also with subword sampling: each batch's segmentation depends on (seed, epoch, batch) alone,
+    whichever process collates it and wherever the run was interrupted."""
     common = FAST + ["data.embedded_pairs=800", "trainer.precision=fp32", "trainer.device=cpu", "trainer.update_freq=2",
                      "trainer.validate_every=5", "trainer.val_max_sentences=8", "decode.beam_size=1",
                      "model.dropout=0.2", "trainer.max_minutes=0", "trainer.test_at_end=false",
-                     "trainer.ema_decay=0.8", f"trainer.num_workers={workers}"]
+                     "trainer.ema_decay=0.8", f"trainer.num_workers={workers}", f"data.subword_sampling={sampling}"]
     # Uninterrupted: 20 steps (two batches each: more than one epoch of the 800-pair corpus).
     train(compose_config(common + ["trainer.max_steps=20"], data_cache), tmp_path / "full")
     # Interrupted after 7 steps, then resumed to 20.

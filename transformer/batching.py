@@ -181,7 +181,8 @@ class UpdateSampler(torch.utils.data.Sampler):
     Update k at epoch position p takes global batches p + u * world + rank (u < update_freq); a rank
     whose share runs past the end of the epoch repeats a batch with weight 0, so every rank runs the
     same number of backward passes (DDP's all-reduce needs all of them). Yields
-    ([(indices, weight), ...], batches consumed by all ranks together).
+    ([(indices, weight, (epoch, batch number)), ...], batches consumed by all ranks together); the
+    (epoch, batch number) pair seeds a batch's subword sampling (`data.subword_sampling`).
     """
 
     def __init__(self, sampler: TokenBatchSampler, update_freq: int, rank: int = 0, world: int = 1):
@@ -199,9 +200,9 @@ class UpdateSampler(torch.utils.data.Sampler):
             for u in range(self.update_freq):
                 index = position + u * self.world + self.rank
                 if index < len(batches):
-                    plan.append((batches[index], 1.0))
+                    plan.append((batches[index], 1.0, (self.epoch, index)))
                 elif self.world > 1 and position + u * self.world < len(batches):
-                    plan.append((batches[0], 0.0))
+                    plan.append((batches[0], 0.0, (self.epoch, 0)))
             consumed = min(self.update_freq * self.world, len(batches) - position)
             yield plan, consumed
             position += consumed
@@ -216,7 +217,7 @@ class UpdateBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, item):
         plan, consumed = item
-        return [(self.corpus.collate(indices), weight) for indices, weight in plan], consumed
+        return [(self.corpus.collate(indices, key), weight) for indices, weight, key in plan], consumed
 
 
 def _ignore_stop_signals(_worker_id: int) -> None:

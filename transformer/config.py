@@ -99,6 +99,10 @@ class DataConfig:
     drop_copies: bool = setting(True, "cleaning: drop training pairs whose source equals their target")
     max_len_ratio: float = setting(9.0, "cleaning: drop training pairs where one side has more than this many "
                                         "times the other's tokens (0 = off)")
+    subword_sampling: float = setting(0.0, "subword regularization of training pairs, sampled afresh every "
+                                            "epoch: BPE-dropout probability (bpe) or sampling alpha (unigram); "
+                                            "0 = off (validation and test are never sampled)")
+    subword_nbest: int = setting(-1, "unigram sampling: from the n best segmentations (-1 = all); bpe ignores it")
     vocab_size: int = setting(8000, "SentencePiece pieces (per language unless joint_vocab)")
     tokenizer_type: str = setting("bpe", "bpe | unigram")
     joint_vocab: bool = setting(True, "one vocabulary for both languages (lets the model tie all embeddings)")
@@ -110,6 +114,11 @@ class DataConfig:
     def validate(self) -> None:
         _require_finite("data", self)
         _positive("data.max_len", self.max_len)
+        if not 0.0 <= self.subword_sampling < 1.0:
+            raise ConfigError(f"data.subword_sampling={self.subword_sampling} must be in [0, 1) (0 = off; "
+                              "e.g. 0.1 for BPE-dropout, 0.1-0.5 for unigram sampling)")
+        if self.subword_nbest == 0 or self.subword_nbest < -1:
+            raise ConfigError(f"data.subword_nbest={self.subword_nbest} must be -1 (all) or at least 1")
         if self.max_len_ratio < 0 or 0 < self.max_len_ratio < 1:
             raise ConfigError(f"data.max_len_ratio={self.max_len_ratio} must be 0 (off) or at least 1")
         _positive("data.vocab_size", self.vocab_size)

@@ -8,6 +8,8 @@ builds whatever is missing. A split is stored under `data.cache_dir/corpus/<data
     src.offsets.npy, ...        int64, pairs + 1: pair i is ids[offsets[i] : offsets[i + 1]]
     flags.npy                   uint8 per pair: 1 = a side is blank, 2 = a NUL byte, 4 = source equals
                                 target, 8 = the same pair came earlier in the split
+    src.text, tgt.text, ...     with data.subword_sampling (training split only): every line's UTF-8
+    src.text_offsets.npy, ...   bytes and int64 offsets, re-segmented with sampling batch by batch
     meta.json                   counts, dtype, where the text came from, every file's size and CRC-32
 
 written into a temporary directory that is renamed into place, so a killed preparation leaves nothing
@@ -51,6 +53,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 3                 # 2: meta.json records every file's size and CRC-32; 3: copy, duplicate flags
 FLAG_BLANK, FLAG_NUL, FLAG_COPY, FLAG_DUPLICATE = 1, 2, 4, 8
 DATA_FILES = ("src.ids", "tgt.ids", "src.offsets.npy", "tgt.offsets.npy", "flags.npy")
+TEXT_FILES = ("src.text", "tgt.text", "src.text_offsets.npy", "tgt.text_offsets.npy")
 
 
 class EncodedCorpus:
@@ -62,6 +65,7 @@ class EncodedCorpus:
 
     def __init__(self, directory: Path, max_len: int | None, name: str, cleaning: Cleaning | None = None):
         self.directory, self.max_len, self.name, self.cleaning = Path(directory), max_len, name, cleaning
+        self.sampling: SubwordSampling | None = None
         self._open()
 
     def _open(self) -> None:
@@ -96,7 +100,8 @@ class EncodedCorpus:
         self.total_pairs = len(flags)
 
     def __getstate__(self):
-        return {"directory": self.directory, "max_len": self.max_len, "name": self.name, "cleaning": self.cleaning}
+        return {"directory": self.directory, "max_len": self.max_len, "name": self.name, "cleaning": self.cleaning,
+                "sampling": self.sampling}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -105,11 +110,35 @@ class EncodedCorpus:
     def __len__(self) -> int:
         return len(self.pair_index)
 
-    def collate(self, positions) -> Batch:
+    def collate(self, positions, key: tuple[int, int] | None = None) -> Batch:
+        """The batch of kept pairs `positions`. With subword sampling enabled and a `key` (epoch, batch
+        number), the pairs are segmented afresh, with a sampling seeded by the key (and trainer.seed)."""
         positions = np.asarray(positions, dtype=np.int64)
         pairs = self.pair_index[positions]
+        if self.sampling is not None and key is not None:
+            return self.sampling.batch(self, pairs, key)
         return make_batch(self._src_ids, self._src_offsets[pairs], self.src_lens[positions],
                           self._tgt_ids, self._tgt_offsets[pairs], self.tgt_lens[positions])
+
+    def enable_subword_sampling(self, tokenizer: Tokenizer, alpha: float, nbest: int, seed: int) -> None:
+        """Segment training batches afresh with SentencePiece sampling (`SubwordSampling`); needs the
+        text that a preparation with data.subword_sampling > 0 keeps."""
+        if not (self.directory / TEXT_FILES[0]).exists():
+            raise DataError(f"{self.directory}: prepared without its text; data.subword_sampling needs it "
+                            "(prepare with data.subword_sampling > 0)")
+        self.sampling = SubwordSampling(tokenizer.state_dict(), alpha, nbest, seed, self.max_len)
+
+    def text(self, side: str, pairs: np.ndarray) -> list[str]:
+        """The original lines of stored pairs `pairs` on `side` (src, tgt), from the kept text."""
+        if not hasattr(self, "_text"):
+            self._text = {}
+            for each in ("src", "tgt"):
+                offsets = np.load(self.directory / f"{each}.text_offsets.npy")
+                data = (np.memmap(self.directory / f"{each}.text", dtype=np.uint8, mode="r", shape=(int(offsets[-1]),))
+                        if offsets[-1] else np.zeros(0, dtype=np.uint8))
+                self._text[each] = (data, offsets)
+        data, offsets = self._text[side]
+        return [data[offsets[p]:offsets[p + 1]].tobytes().decode("utf-8") for p in pairs]
 
     def ids(self, position: int) -> tuple[list[int], list[int]]:
         """(source ids, target ids) of one kept pair (tests, debugging)."""
@@ -129,6 +158,43 @@ class EncodedCorpus:
         if not len(self):
             raise DataError(f"{self.name} ({self.meta['source']}): no usable sentence pairs left after filtering "
                             f"(all empty or longer than data.max_len={self.max_len})")
+
+
+@dataclass
+class SubwordSampling:
+    """data.subword_sampling: training batches re-segmented from their text with SentencePiece's
+    sampling (BPE-dropout for a BPE model, n-best sampling for a unigram one), seeded by (trainer.seed,
+    epoch, batch number): the same batch gets the same segmentation in any DataLoader worker and after
+    a resume, and another one in the next epoch. Sides are cut to data.max_len tokens (sampling makes
+    them longer than the lengths the batch was packed by)."""
+    tokenizer_state: dict
+    alpha: float
+    nbest: int
+    seed: int
+    max_len: int | None
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_tokenizer"}
+
+    def batch(self, corpus: EncodedCorpus, pairs: np.ndarray, key: tuple[int, int]) -> Batch:
+        import sentencepiece as spm
+        if getattr(self, "_tokenizer", None) is None:
+            self._tokenizer = Tokenizer.from_state_dict(self.tokenizer_state)
+        # The generator is process-wide: seeded right before each encode, one thread, so that the draws
+        # depend on the key alone.
+        seed = int(np.random.SeedSequence([self.seed, *key]).generate_state(1)[0])
+        sides = []
+        for side, processor in (("src", self._tokenizer.src), ("tgt", self._tokenizer.tgt)):
+            spm.set_random_generator_seed(seed + (side == "tgt"))
+            ids = processor.encode(corpus.text(side, pairs), enable_sampling=True, alpha=self.alpha,
+                                   nbest_size=self.nbest, num_threads=1)
+            if self.max_len is not None:
+                ids = [seq[:self.max_len] for seq in ids]
+            lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+            flat = np.fromiter((i for seq in ids for i in seq), dtype=np.int64, count=int(lens.sum()))
+            sides.append((flat, np.concatenate([[0], np.cumsum(lens)[:-1]]), lens))
+        (src_flat, src_starts, src_lens), (tgt_flat, tgt_starts, tgt_lens) = sides
+        return make_batch(src_flat, src_starts, src_lens, tgt_flat, tgt_starts, tgt_lens)
 
 
 @dataclass(frozen=True)
@@ -169,9 +235,10 @@ def check_prepared(directory: Path, checksums: bool = True) -> dict:
     `checksums`, CRC-32); CacheDamage naming the first file that does not."""
     meta = read_record(directory / "meta.json")
     files = meta.get("files")
-    if meta.get("format") != FORMAT_VERSION or not isinstance(files, dict) or set(files) != set(DATA_FILES):
+    expected = set(DATA_FILES) | (set(TEXT_FILES) if meta.get("text") else set())
+    if meta.get("format") != FORMAT_VERSION or not isinstance(files, dict) or set(files) != expected:
         raise CacheDamage(directory / "meta.json", "unreadable metadata (not this version's layout)")
-    for name in DATA_FILES:
+    for name in sorted(expected):
         check_file(directory / name, files[name], checksum=checksums)
     return meta
 
@@ -194,7 +261,7 @@ def _move_aside(directory: Path, damage: CacheDamage) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc: str) -> None:
+def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc: str, text: bool = False) -> None:
     """Encode `source` chunk by chunk (SentencePiece on every core) into the files of `directory`,
     written in a temporary directory renamed into place. Called under the preparation lock."""
     tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
@@ -202,7 +269,7 @@ def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc:
         directory.parent.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(directory)
         tmp.mkdir()
-        meta = _write_split(tmp, source, tokenizer, desc)
+        meta = _write_split(tmp, source, tokenizer, desc, text)
         os.rename(tmp, directory)
     except OSError as error:                    # a full disk, a read-only cache: one line, not a traceback
         raise write_failure(error, "the prepared corpus", directory) from None
@@ -212,10 +279,13 @@ def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc:
              directory)
 
 
-def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str) -> dict:
+def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str, text: bool = False) -> dict:
+    """`text`: also keep every line's UTF-8 bytes (for subword sampling)."""
     vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
     lengths = {"src": [], "tgt": []}
+    text_lengths = {"src": [], "tgt": []}
+    text_files = {side: open(tmp / f"{side}.text", "wb") for side in ("src", "tgt")} if text else {}
     flags, keys = [], []
     threads = os.cpu_count() or 1
     with open(tmp / "src.ids", "wb") as src_file, open(tmp / "tgt.ids", "wb") as tgt_file, \
@@ -227,6 +297,10 @@ def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str
                 lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
                 out.write(np.fromiter((i for seq in ids for i in seq), dtype=dtype, count=int(lens.sum())).tobytes())
                 lengths[side].append(lens)
+                if text:
+                    encoded = [line.encode("utf-8") for line in lines]
+                    text_files[side].write(b"".join(encoded))
+                    text_lengths[side].append(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
             chunk_flags, chunk_keys = _pair_properties(src, tgt)
             flags.append(chunk_flags)
             keys.append(chunk_keys)
@@ -236,6 +310,10 @@ def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str
         lens = np.concatenate(lengths[side]) if lengths[side] else np.zeros(0, dtype=np.int64)
         np.save(tmp / f"{side}.offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
         counts[f"{side}_tokens"] = int(lens.sum())
+        if text:
+            text_files[side].close()
+            lens = np.concatenate(text_lengths[side]) if text_lengths[side] else np.zeros(0, dtype=np.int64)
+            np.save(tmp / f"{side}.text_offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
     flag_array = np.concatenate(flags) if flags else np.zeros(0, dtype=np.uint8)
     if keys:                                    # a pair seen before: every occurrence after the first
         _, first = np.unique(np.concatenate(keys), return_index=True)
@@ -245,7 +323,7 @@ def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str
     np.save(tmp / "flags.npy", flag_array)
     meta = {"format": FORMAT_VERSION, "pairs": len(flag_array), **counts, "dtype": dtype.name,
             "source": source.where, "src_vocab": tokenizer.src_vocab_size, "tgt_vocab": tokenizer.tgt_vocab_size,
-            "files": {name: file_record(tmp / name) for name in DATA_FILES}}
+            "text": text, "files": {name: file_record(tmp / name) for name in DATA_FILES + (TEXT_FILES if text else ())}}
     (tmp / "meta.json").write_text(sealed(meta))
     return meta
 
@@ -273,8 +351,10 @@ def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, sp
     """The prepared split for this source and tokenizer: read from the cache once its files are checked,
     or encoded now (or None when it is missing or damaged and `build` is false). With `build`, call it
     under `preparation_lock`: a damaged split is moved aside and encoded again."""
+    text = split == "train" and cfg.subword_sampling > 0       # the text kept for subword sampling
     key = hashlib.sha256(json.dumps({"source": source.fingerprint(), "tokenizer": tokenizer.fingerprint(),
-                                     "format": FORMAT_VERSION}).encode()).hexdigest()[:16]
+                                     "format": FORMAT_VERSION, **({"text": True} if text else {})}
+                                    ).encode()).hexdigest()[:16]
     name = f"{cfg.name}.{split}"
     directory = Path(cfg.cache_dir) / "corpus" / f"{name}.{key}"
     try:
@@ -286,7 +366,7 @@ def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, sp
         if directory.exists():                  # damaged, not simply never prepared
             log.warning("%s; preparing %s again", damage, name)
             _move_aside(directory, damage)
-        _encode_to(directory, source, tokenizer, name)
+        _encode_to(directory, source, tokenizer, name, text)
     return EncodedCorpus(directory, cfg.max_len, name, Cleaning.of(cfg) if split == "train" else None)
 
 

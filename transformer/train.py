@@ -85,6 +85,8 @@ class Trainer:
         # the others then memory-map the same files.
         self.data = prepare(cfg.data, tokenizer)
         tok = self.data.tokenizer
+        if cfg.data.subword_sampling:
+            self.data.train.enable_subword_sampling(tok, cfg.data.subword_sampling, cfg.data.subword_nbest, tc.seed)
         self.model = build_model(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint).to(self.device)
         if init_state is not None:
             load_model_weights(self.model, init_state["model"], tc.init_from)
