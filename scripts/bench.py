@@ -24,6 +24,7 @@ whose loss is not finite or does not fall over the timed steps fails the bench (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -42,7 +43,7 @@ from transformer.batching import TokenBatchSampler  # noqa: E402
 from transformer.config import compose  # noqa: E402
 from transformer.corpus import prepare  # noqa: E402
 from transformer.loss import batch_loss  # noqa: E402
-from transformer.model import SinusoidalPositions, build_model  # noqa: E402
+from transformer.model import SinusoidalPositions, build_model, compile_layers  # noqa: E402
 from transformer.runtime import (  # noqa: E402
     DTYPES,
     cpu_has_native_bf16,
@@ -256,10 +257,17 @@ def _epochs(trainer):
 
 
 class _compiled(nn.Module):
+    """Compiled as a user would: our model as trainer.compile does it (each layer), nn.Transformer's
+    loss as one torch.compile."""
+
     def __init__(self, module):
         super().__init__()
         self.inner = module
-        self.compiled_loss = torch.compile(module.loss, dynamic=True)
+        if isinstance(module, OurModel):
+            compile_layers(module.model)
+            self.compiled_loss = module.loss
+        else:
+            self.compiled_loss = torch.compile(module.loss, dynamic=True)
 
     def loss(self, batch, smoothing):
         return self.compiled_loss(batch, smoothing)
@@ -339,11 +347,10 @@ def main() -> int:
     from transformer.data import load_split_text
     if args.checkpoint:
         model, tokenizer, ckpt_cfg = model_from_checkpoint(load_checkpoint(args.checkpoint), args.checkpoint)
-        local_test = Path(multi30k or ".", f"test_2016_flickr.{ckpt_cfg.data.src_lang}")
-        if multi30k and local_test.exists():         # MULTI30K_DIR, wherever the checkpoint was trained
-            sources = local_test.read_text(encoding="utf-8").splitlines()
-        else:
-            sources, _ = load_split_text(ckpt_cfg.data, "test")
+        data_cfg = ckpt_cfg.data
+        if multi30k and data_cfg.name.startswith("multi30k"):   # MULTI30K_DIR, wherever it was trained
+            data_cfg = dataclasses.replace(data_cfg, path=multi30k)
+        sources, _ = load_split_text(data_cfg, "test")
     else:
         model, tokenizer, ckpt_cfg, sources = _quick_model()
     if args.decode_sentences:

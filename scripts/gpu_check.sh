@@ -10,7 +10,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
-export PYTHONPATH="$ROOT/.gpu/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$ROOT/.gpu/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 GPU_CHECK_RUN=$$
 export MULTI30K_DIR=${MULTI30K_DIR:-$ROOT/.gpu/multi30k}
 PY=${PY:-python3}
 M=$MULTI30K_DIR
@@ -37,11 +37,14 @@ stage_gputests() {
     leftovers
 }
 
-leftovers() {   # processes a stage left behind, with their Python stacks
-    local left
-    left=$(pgrep -f "python3? -m|multiprocessing|pytest" | grep -vx "$$" || true)
+leftovers() {   # processes this script started that outlived their stage (found by a marker in their
+                # environment, so nothing else on the machine is touched), with their Python stacks
+    local left="" pid
+    for pid in $(grep -lzx "GPU_CHECK_RUN=$$" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do
+        [ "$pid" != "$$" ] && [ "$pid" != "$BASHPID" ] && left="$left $pid"
+    done
     [ -z "$left" ] && return
-    say "left running: $(echo $left)"
+    say "left running:$left"
     ps -o pid,ppid,etime,args -p "$(echo $left | tr ' ' ,)" | cut -c 1-200 | tee -a "$LOG"
     kill -ABRT $left 2>/dev/null; sleep 2; kill -9 $left 2>/dev/null
 }

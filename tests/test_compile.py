@@ -1,8 +1,8 @@
 """trainer.compile: each layer compiled in place (`model.compile_layers`), on the CPU with the real compiler.
 
-What broke on an H100 (first GPU run): the whole-model graph took over a minute per compilation, and a
-function that traced the fused loss compiled once per batch size until dynamo gave up. On the CPU the
-fast dropout mask broke the graph at every layer. Each is pinned here."""
+What broke on an H100 (first GPU run): the whole-model graph took over a minute per compilation (the
+layers are compiled one by one now, and the fused loss is never traced). On the CPU the fast dropout
+mask broke the graph at every layer. Each is pinned here."""
 
 import pytest
 import torch
@@ -82,13 +82,11 @@ def test_cached_decoding_stays_eager_and_unchanged(fresh_dynamo):
     assert counters["stats"].get("unique_graphs", 0) <= 1          # the encoder's eval graph, nothing per step
 
 
-def test_a_compiled_caller_of_the_fused_loss_does_not_recompile_per_batch_size(fresh_dynamo):
-    weight = torch.randn(50, 16, requires_grad=True)
-
-    def step(hidden, target):
-        return output_cross_entropy(hidden * 2.0, weight, target, 0.1)[0]
-
-    compiled = torch.compile(step, dynamic=True, backend="eager")
-    for n in range(20, 300, 29):                                        # ten token counts
-        compiled(torch.randn(n, 16, requires_grad=True), torch.randint(0, 50, (n,))).backward()
-    assert counters["stats"]["unique_graphs"] <= 2
+def test_the_inference_side_does_not_load_the_compiler():
+    """torch._dynamo costs a second of start-up: the translation CLI and the loss must not import it
+    (a `torch.compiler.disable` decorator on the fused loss once did)."""
+    import subprocess
+    import sys
+    code = "import sys, transformer.translate, transformer.loss; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -168,8 +168,8 @@ def test_training_batches_too_large_for_the_gpu_stop_with_one_line(memory_limit,
     from tests.helpers import FAST, compose_config
     from transformer.run_dir import TrainingError
     from transformer.train import OOM_SKIP_LIMIT, Trainer
-    cfg = compose_config(FAST + ["trainer.device=cuda", "trainer.precision=fp32", "trainer.max_tokens=40000"],
-                         data_cache)
+    cfg = compose_config(FAST + ["trainer.device=cuda", "trainer.precision=fp32", "trainer.max_tokens=40000",
+                                 "trainer.num_workers=0"], data_cache)          # no worker left behind on failure
     trainer = Trainer(cfg, tmp_path)
     try:
         before = [p.detach().clone() for p in trainer.model.parameters()]

@@ -64,7 +64,10 @@ def test_resume_continues_exactly(tmp_path, data_cache, workers, sampling, caplo
                      "model.dropout=0.2", "trainer.max_minutes=0", "trainer.test_at_end=false",
                      "trainer.ema_decay=0.8", f"trainer.num_workers={workers}", f"data.subword_sampling={sampling}"]
     # Uninterrupted: 20 steps (two batches each: more than one epoch of the 800-pair corpus).
-    train(compose_config(common + ["trainer.max_steps=20"], data_cache), tmp_path / "full")
+    import logging
+    with caplog.at_level(logging.INFO):
+        train(compose_config(common + ["trainer.max_steps=20"], data_cache), tmp_path / "full")
+    assert ("re-segmented with SentencePiece sampling (data.subword_sampling=0.1)" in caplog.text) == bool(sampling)
     # Interrupted after 7 steps, then resumed to 20.
     train(compose_config(common + ["trainer.max_steps=7"], data_cache), tmp_path / "split")
     assert load_checkpoint(tmp_path / "split/checkpoints/last.pt")["step"] == 7
@@ -79,7 +82,6 @@ def test_resume_continues_exactly(tmp_path, data_cache, workers, sampling, caplo
     assert all(torch.equal(full_ema[name], resumed_ema[name]) for name in full_ema)      # the EMA resumes too
     assert metrics["stop_reason"] == "reached trainer.max_steps=20"
     if not workers:       # a resume with other batching settings continues, but says it is not exact
-        import logging
         with caplog.at_level(logging.WARNING):
             train(compose_config(common + ["trainer.max_steps=21", "trainer.resume=true", "trainer.max_tokens=900"],
                                  data_cache), tmp_path / "split")

@@ -68,10 +68,15 @@ def pad_flat(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, *, bos: 
 def pad_sequences(seqs, prefix: list[int] = (), suffix: list[int] = ()) -> torch.Tensor:
     """Lists of ids as a (B, W) PAD-padded int64 tensor with optional [BOS] prefix / [EOS] suffix."""
     assert list(prefix) in ([], [BOS_ID]) and list(suffix) in ([], [EOS_ID])
+    flat, starts, lengths = flat_ids(seqs)
+    return torch.from_numpy(pad_flat(flat, starts, lengths, bos=bool(prefix), eos=bool(suffix)))
+
+
+def flat_ids(seqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Lists of ids as (all ids in one int64 array, where each list starts in it, each list's length)."""
     lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
     flat = np.fromiter((i for s in seqs for i in s), dtype=np.int64, count=int(lengths.sum()))
-    starts = np.cumsum(lengths) - lengths
-    return torch.from_numpy(pad_flat(flat, starts, lengths, bos=bool(prefix), eos=bool(suffix)))
+    return flat, np.cumsum(lengths) - lengths, lengths
 
 
 def make_batch(src_flat, src_starts, src_lens, tgt_flat, tgt_starts, tgt_lens) -> Batch:

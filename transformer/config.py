@@ -102,7 +102,7 @@ class DataConfig:
     subword_sampling: float = setting(0.0, "subword regularization of training pairs, sampled afresh every "
                                             "epoch: BPE-dropout probability (bpe) or sampling alpha (unigram); "
                                             "0 = off (validation and test are never sampled)")
-    subword_nbest: int = setting(-1, "unigram sampling: from the n best segmentations (-1 = all); bpe ignores it")
+    subword_nbest: int = setting(-1, "unigram sampling: from the n best segmentations (-1 = all, else at least 2)")
     vocab_size: int = setting(8000, "SentencePiece pieces (per language unless joint_vocab)")
     tokenizer_type: str = setting("bpe", "bpe | unigram")
     joint_vocab: bool = setting(True, "one vocabulary for both languages (lets the model tie all embeddings)")
@@ -117,8 +117,8 @@ class DataConfig:
         if not 0.0 <= self.subword_sampling < 1.0:
             raise ConfigError(f"data.subword_sampling={self.subword_sampling} must be in [0, 1) (0 = off; "
                               "e.g. 0.1 for BPE-dropout, 0.1-0.5 for unigram sampling)")
-        if self.subword_nbest == 0 or self.subword_nbest < -1:
-            raise ConfigError(f"data.subword_nbest={self.subword_nbest} must be -1 (all) or at least 1")
+        if self.subword_nbest != -1 and self.subword_nbest < 2:      # SentencePiece refuses 1 (nothing to sample)
+            raise ConfigError(f"data.subword_nbest={self.subword_nbest} must be -1 (all) or at least 2")
         if self.max_len_ratio < 0 or 0 < self.max_len_ratio < 1:
             raise ConfigError(f"data.max_len_ratio={self.max_len_ratio} must be 0 (off) or at least 1")
         _positive("data.vocab_size", self.vocab_size)

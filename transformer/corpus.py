@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from transformer.batching import Batch, make_batch
+from transformer.batching import Batch, flat_ids, make_batch
 from transformer.cache import CacheDamage, check_file, file_record, read_record, sealed, write_failure
 from transformer.config import ConfigError, DataConfig
 from transformer.data import DataError, SplitSource, open_split
@@ -127,6 +127,9 @@ class EncodedCorpus:
             raise DataError(f"{self.directory}: prepared without its text; data.subword_sampling needs it "
                             "(prepare with data.subword_sampling > 0)")
         self.sampling = SubwordSampling(tokenizer.state_dict(), alpha, nbest, seed, self.max_len)
+        log.info("%s: every training batch re-segmented with SentencePiece sampling (data.subword_sampling=%g%s), "
+                 "seeded by trainer.seed, epoch and batch", self.name, alpha,
+                 f", data.subword_nbest={nbest}" if nbest != -1 else "")
 
     def text(self, side: str, pairs: np.ndarray) -> list[str]:
         """The original lines of stored pairs `pairs` on `side` (src, tgt), from the kept text."""
@@ -157,7 +160,8 @@ class EncodedCorpus:
                     total, self.total_pairs, ", ".join(f"{k}: {v}" for k, v in self.dropped.items() if v), rules)
         if not len(self):
             raise DataError(f"{self.name} ({self.meta['source']}): no usable sentence pairs left after filtering "
-                            f"(all empty or longer than data.max_len={self.max_len})")
+                            f"(all empty, longer than data.max_len={self.max_len} or dropped by the cleaning "
+                            "rules: see the line above)")
 
 
 @dataclass
@@ -182,19 +186,16 @@ class SubwordSampling:
             self._tokenizer = Tokenizer.from_state_dict(self.tokenizer_state)
         # The generator is process-wide: seeded right before each encode, one thread, so that the draws
         # depend on the key alone.
-        seed = int(np.random.SeedSequence([self.seed, *key]).generate_state(1)[0])
+        seeds = np.random.SeedSequence([self.seed, *key]).generate_state(2)      # one 32-bit seed per side
         sides = []
-        for side, processor in (("src", self._tokenizer.src), ("tgt", self._tokenizer.tgt)):
-            spm.set_random_generator_seed(seed + (side == "tgt"))
+        for seed, side, processor in zip(seeds, ("src", "tgt"), (self._tokenizer.src, self._tokenizer.tgt)):
+            spm.set_random_generator_seed(int(seed))
             ids = processor.encode(corpus.text(side, pairs), enable_sampling=True, alpha=self.alpha,
                                    nbest_size=self.nbest, num_threads=1)
             if self.max_len is not None:
                 ids = [seq[:self.max_len] for seq in ids]
-            lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-            flat = np.fromiter((i for seq in ids for i in seq), dtype=np.int64, count=int(lens.sum()))
-            sides.append((flat, np.concatenate([[0], np.cumsum(lens)[:-1]]), lens))
-        (src_flat, src_starts, src_lens), (tgt_flat, tgt_starts, tgt_lens) = sides
-        return make_batch(src_flat, src_starts, src_lens, tgt_flat, tgt_starts, tgt_lens)
+            sides.append(flat_ids(ids))
+        return make_batch(*sides[0], *sides[1])
 
 
 @dataclass(frozen=True)
@@ -285,10 +286,12 @@ def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
     lengths = {"src": [], "tgt": []}
     text_lengths = {"src": [], "tgt": []}
-    text_files = {side: open(tmp / f"{side}.text", "wb") for side in ("src", "tgt")} if text else {}
+    closing = contextlib.ExitStack()
+    text_files = {side: closing.enter_context(open(tmp / f"{side}.text", "wb")) for side in ("src", "tgt")} \
+        if text else {}
     flags, keys = [], []
     threads = os.cpu_count() or 1
-    with open(tmp / "src.ids", "wb") as src_file, open(tmp / "tgt.ids", "wb") as tgt_file, \
+    with closing, open(tmp / "src.ids", "wb") as src_file, open(tmp / "tgt.ids", "wb") as tgt_file, \
             tqdm(desc=f"encoding {desc}", unit=" pairs", unit_scale=True, disable=None, leave=False) as bar:
         for src, tgt in source.chunks():
             for side, lines, out in (("src", src, src_file), ("tgt", tgt, tgt_file)):
@@ -311,7 +314,6 @@ def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str
         np.save(tmp / f"{side}.offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
         counts[f"{side}_tokens"] = int(lens.sum())
         if text:
-            text_files[side].close()
             lens = np.concatenate(text_lengths[side]) if text_lengths[side] else np.zeros(0, dtype=np.int64)
             np.save(tmp / f"{side}.text_offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
     flag_array = np.concatenate(flags) if flags else np.zeros(0, dtype=np.uint8)

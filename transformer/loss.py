@@ -90,7 +90,6 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
         return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None, None
 
 
-@torch.compiler.disable
 def output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (N, D), output weight (V, D), target (N,) -> (summed smoothed loss, summed NLL, the number
@@ -99,9 +98,11 @@ def output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     Matmuls run in the autocast dtype when autocast is on; the softmax is always float32.
     The NLL and the count are for logging and carry no gradient.
 
-    Never traced by torch.compile (a function that calls it breaks its graph here): the loop over
-    chunks of rows would specialise the graph on the batch's token count, one compilation per batch
-    size until dynamo gives up (seen on an H100: recompile_limit after minutes of compiling).
+    Not for torch.compile to trace: its loop over chunks of rows specialises a graph on the batch's
+    token count, one compilation per batch size until dynamo gives up (seen on an H100: minutes of
+    compiling, then recompile_limit). trainer.compile compiles the layers only (`model.compile_layers`);
+    code that compiles a caller wraps this in `torch.compiler.disable` (not done here: it would load
+    torch._dynamo, a second of start-up, in every command).
     """
     compute_dtype = autocast_dtype(hidden.device.type) or hidden.dtype
     loss, nll, correct = _FusedOutputCrossEntropy.apply(hidden, weight, target, smoothing, compute_dtype)
