@@ -471,3 +471,22 @@ def test_subword_sampling_needs_the_kept_text_and_valid_settings(tmp_path):
         DataConfig(subword_sampling=1.0).validate()
     with pytest.raises(ConfigError, match="data.subword_nbest=0 must be -1"):
         DataConfig(subword_nbest=0).validate()
+
+
+def test_sampled_epochs_are_packed_by_their_own_lengths(tmp_path):
+    """The sampler sees each epoch's sampled lengths, and collating reproduces them: every sampled batch
+    keeps to the token budget (packing by the fixed lengths did not: a third of it was padding)."""
+    corpus, tokenizer, _, _ = _sampled_corpus(tmp_path)
+    corpus.enable_subword_sampling(tokenizer, 0.1, -1, seed=1)
+    sampler = TokenBatchSampler(corpus.src_lens, corpus.tgt_lens, max_tokens=400, seed=7,
+                                epoch_lengths=corpus.sampled_lengths)
+    for epoch in (0, 1):
+        src_lens, tgt_lens = corpus.sampled_lengths(epoch)
+        assert not np.array_equal(src_lens, corpus.src_lens)                  # not the fixed segmentation
+        for number, positions in enumerate(sampler.batches(epoch)):
+            batch = corpus.collate(positions, (epoch, number))
+            real_src = (batch.src != PAD_ID).sum(dim=1).numpy() - 1            # without EOS
+            assert real_src.tolist() == src_lens[positions].tolist()
+            assert ((batch.tgt_out != PAD_ID).sum(dim=1).numpy() - 1).tolist() == tgt_lens[positions].tolist()
+            width = max(batch.src.size(1), batch.tgt_in.size(1))
+            assert len(positions) == 1 or len(positions) * width <= 400

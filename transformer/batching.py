@@ -146,13 +146,18 @@ class TokenBatchSampler:
     random tie-break) and packed greedily so that `n_sentences * widest <= max_tokens`; the batch
     order is then shuffled. An epoch's batches depend only on (seed, epoch), so a position in an
     epoch is all the state needed to resume exactly.
+
+    With `epoch_lengths` (subword sampling: epoch -> the (source, target) lengths of that epoch's
+    segmentation, a pure function of the epoch too), each epoch is packed by its own lengths, so that
+    sampled batches keep to the budget with little padding; the fixed lengths check the budget once.
     """
 
-    def __init__(self, src_lens, tgt_lens, max_tokens: int, seed: int):
+    def __init__(self, src_lens, tgt_lens, max_tokens: int, seed: int, epoch_lengths=None):
         self.src_lens = np.asarray(src_lens, dtype=np.int64) + 1   # + EOS
         self.tgt_lens = np.asarray(tgt_lens, dtype=np.int64) + 1   # + BOS/EOS
         self.widths = np.maximum(self.src_lens, self.tgt_lens)
-        self.max_tokens, self.seed = max_tokens, seed
+        self.max_tokens, self.seed, self.epoch_lengths = max_tokens, seed, epoch_lengths
+        self._epoch_widths: tuple | None = None                    # (epoch, its lengths): the last asked
         longest = int(self.widths.max(initial=0))
         if longest > max_tokens:
             raise DataError(
@@ -160,11 +165,21 @@ class TokenBatchSampler:
                 f"raise trainer.max_tokens or lower data.max_len"
             )
 
+    def _lengths(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source, target, padded width) per pair, specials included, in `epoch`'s segmentation."""
+        if self.epoch_lengths is None:
+            return self.src_lens, self.tgt_lens, self.widths
+        if self._epoch_widths is None or self._epoch_widths[0] != epoch:
+            src, tgt = (np.asarray(x, dtype=np.int64) + 1 for x in self.epoch_lengths(epoch))
+            self._epoch_widths = (epoch, (src, tgt, np.maximum(src, tgt)))
+        return self._epoch_widths[1]
+
     def batches(self, epoch: int) -> EpochBatches:
+        src_lens, tgt_lens, widths = self._lengths(epoch)
         rng = np.random.default_rng([self.seed, epoch])
-        tie_break = rng.random(len(self.widths))
-        order = np.lexsort((tie_break, self.tgt_lens, self.src_lens, self.widths))
-        starts = pack_sorted(self.widths[order], self.max_tokens)
+        tie_break = rng.random(len(widths))
+        order = np.lexsort((tie_break, tgt_lens, src_lens, widths))
+        starts = pack_sorted(widths[order], self.max_tokens)
         return EpochBatches(order, starts, rng.permutation(len(starts)))
 
 

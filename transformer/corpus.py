@@ -112,11 +112,11 @@ class EncodedCorpus:
 
     def collate(self, positions, key: tuple[int, int] | None = None) -> Batch:
         """The batch of kept pairs `positions`. With subword sampling enabled and a `key` (epoch, batch
-        number), the pairs are segmented afresh, with a sampling seeded by the key (and trainer.seed)."""
+        number), the pairs in that epoch's sampled segmentation."""
         positions = np.asarray(positions, dtype=np.int64)
         pairs = self.pair_index[positions]
         if self.sampling is not None and key is not None:
-            return self.sampling.batch(self, pairs, key)
+            return self.sampling.batch(self, pairs, epoch=key[0])
         return make_batch(self._src_ids, self._src_offsets[pairs], self.src_lens[positions],
                           self._tgt_ids, self._tgt_offsets[pairs], self.tgt_lens[positions])
 
@@ -128,8 +128,13 @@ class EncodedCorpus:
                             "(prepare with data.subword_sampling > 0)")
         self.sampling = SubwordSampling(tokenizer.state_dict(), alpha, nbest, seed, self.max_len)
         log.info("%s: every training batch re-segmented with SentencePiece sampling (data.subword_sampling=%g%s), "
-                 "seeded by trainer.seed, epoch and batch", self.name, alpha,
+                 "seeded by trainer.seed, epoch and pair", self.name, alpha,
                  f", data.subword_nbest={nbest}" if nbest != -1 else "")
+
+    def sampled_lengths(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source and target lengths of the kept pairs in `epoch`'s sampled segmentation (the batch
+        sampler packs by them)."""
+        return self.sampling.lengths(self, epoch)
 
     def text(self, side: str, pairs: np.ndarray) -> list[str]:
         """The original lines of stored pairs `pairs` on `side` (src, tgt), from the kept text."""
@@ -166,11 +171,11 @@ class EncodedCorpus:
 
 @dataclass
 class SubwordSampling:
-    """data.subword_sampling: training batches re-segmented from their text with SentencePiece's
-    sampling (BPE-dropout for a BPE model, n-best sampling for a unigram one), seeded by (trainer.seed,
-    epoch, batch number): the same batch gets the same segmentation in any DataLoader worker and after
-    a resume, and another one in the next epoch. Sides are cut to data.max_len tokens (sampling makes
-    them longer than the lengths the batch was packed by)."""
+    """data.subword_sampling: training pairs re-segmented from their text with SentencePiece's sampling
+    (BPE-dropout for a BPE model, n-best sampling for a unigram one), each pair seeded by (trainer.seed,
+    epoch, pair): a pair has the same pieces in any DataLoader worker and after a resume, other pieces
+    in the next epoch. The sampler packs each epoch by that epoch's sampled lengths (`lengths`), which
+    collating the batch (`batch`) reproduces exactly. Sides are cut to data.max_len tokens."""
     tokenizer_state: dict
     alpha: float
     nbest: int
@@ -180,22 +185,45 @@ class SubwordSampling:
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_tokenizer"}
 
-    def batch(self, corpus: EncodedCorpus, pairs: np.ndarray, key: tuple[int, int]) -> Batch:
+    def _seeds(self, pairs: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Two 32-bit seeds per pair (source, target): splitmix64 of (seed, epoch, pair)."""
+        x = (pairs.astype(np.uint64) + np.uint64(epoch) * np.uint64(0x9E3779B97F4A7C15)
+             + np.uint64(self.seed) * np.uint64(0xD1B54A32D192ED03))
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        return (x >> np.uint64(32)).astype(np.uint32), (x & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+    def segment(self, corpus: EncodedCorpus, pairs: np.ndarray, epoch: int) -> tuple[list, list]:
+        """(source ids, target ids) of stored pairs `pairs` in `epoch`'s sampled segmentation."""
         import sentencepiece as spm
         if getattr(self, "_tokenizer", None) is None:
             self._tokenizer = Tokenizer.from_state_dict(self.tokenizer_state)
-        # The generator is process-wide: seeded right before each encode, one thread, so that the draws
-        # depend on the key alone.
-        seeds = np.random.SeedSequence([self.seed, *key]).generate_state(2)      # one 32-bit seed per side
         sides = []
-        for seed, side, processor in zip(seeds, ("src", "tgt"), (self._tokenizer.src, self._tokenizer.tgt)):
-            spm.set_random_generator_seed(int(seed))
-            ids = processor.encode(corpus.text(side, pairs), enable_sampling=True, alpha=self.alpha,
-                                   nbest_size=self.nbest, num_threads=1)
-            if self.max_len is not None:
-                ids = [seq[:self.max_len] for seq in ids]
-            sides.append(flat_ids(ids))
-        return make_batch(*sides[0], *sides[1])
+        for seeds, side, processor in zip(self._seeds(pairs, epoch), ("src", "tgt"),
+                                          (self._tokenizer.src, self._tokenizer.tgt)):
+            ids = []
+            # The generator is process-wide: seeded right before each sentence, so that its pieces
+            # depend on (seed, epoch, pair) alone.
+            for line, seed in zip(corpus.text(side, pairs), seeds.tolist()):
+                spm.set_random_generator_seed(seed)
+                ids.append(processor.encode(line, enable_sampling=True, alpha=self.alpha, nbest_size=self.nbest))
+            sides.append([seq[:self.max_len] for seq in ids] if self.max_len is not None else ids)
+        return sides[0], sides[1]
+
+    def lengths(self, corpus: EncodedCorpus, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source and target lengths of every kept pair in `epoch`'s sampled segmentation."""
+        src, tgt = [], []
+        for start in range(0, len(corpus.pair_index), 100_000):
+            s, t = self.segment(corpus, corpus.pair_index[start:start + 100_000], epoch)
+            src.append(np.fromiter(map(len, s), dtype=np.int64, count=len(s)))
+            tgt.append(np.fromiter(map(len, t), dtype=np.int64, count=len(t)))
+        empty = np.zeros(0, dtype=np.int64)
+        return (np.concatenate(src) if src else empty), (np.concatenate(tgt) if tgt else empty)
+
+    def batch(self, corpus: EncodedCorpus, pairs: np.ndarray, epoch: int) -> Batch:
+        src, tgt = self.segment(corpus, pairs, epoch)
+        return make_batch(*flat_ids(src), *flat_ids(tgt))
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,9 @@ class Trainer:
         # Validation and the test decode through the same front end as transformer-translate.
         self.translator = Translator(self.model, tok, cfg, self.device, autocast=self.autocast)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self.sampler = TokenBatchSampler(self.data.train.src_lens, self.data.train.tgt_lens, tc.max_tokens, tc.seed)
+        train = self.data.train
+        self.sampler = TokenBatchSampler(train.src_lens, train.tgt_lens, tc.max_tokens, tc.seed,
+                                         epoch_lengths=train.sampled_lengths if train.sampling else None)
         self.updates = UpdateSampler(self.sampler, tc.update_freq, self.dist.rank, self.dist.world_size)
         if self.dist.is_main:
             self._warn_about_settings_the_run_cannot_honour()
