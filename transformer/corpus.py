@@ -76,9 +76,8 @@ class EncodedCorpus:
                             "run `make prepare` again") from None
         self.meta = meta
         for side in ("src", "tgt"):
-            offsets = np.load(self.directory / f"{side}.offsets.npy")
-            ids = (np.memmap(self.directory / f"{side}.ids", dtype=meta["dtype"], mode="r", shape=(int(offsets[-1]),))
-                   if offsets[-1] else np.zeros(0, dtype=meta["dtype"]))
+            ids, offsets = _mapped(self.directory / f"{side}.ids", self.directory / f"{side}.offsets.npy",
+                                   meta["dtype"])
             setattr(self, f"_{side}_ids", ids)
             setattr(self, f"_{side}_offsets", offsets)
         src_all, tgt_all = np.diff(self._src_offsets), np.diff(self._tgt_offsets)
@@ -139,12 +138,8 @@ class EncodedCorpus:
     def text(self, side: str, pairs: np.ndarray) -> list[str]:
         """The original lines of stored pairs `pairs` on `side` (src, tgt), from the kept text."""
         if not hasattr(self, "_text"):
-            self._text = {}
-            for each in ("src", "tgt"):
-                offsets = np.load(self.directory / f"{each}.text_offsets.npy")
-                data = (np.memmap(self.directory / f"{each}.text", dtype=np.uint8, mode="r", shape=(int(offsets[-1]),))
-                        if offsets[-1] else np.zeros(0, dtype=np.uint8))
-                self._text[each] = (data, offsets)
+            self._text = {each: _mapped(self.directory / f"{each}.text", self.directory / f"{each}.text_offsets.npy",
+                                        np.uint8) for each in ("src", "tgt")}
         data, offsets = self._text[side]
         return [data[offsets[p]:offsets[p + 1]].tobytes().decode("utf-8") for p in pairs]
 
@@ -167,6 +162,14 @@ class EncodedCorpus:
             raise DataError(f"{self.name} ({self.meta['source']}): no usable sentence pairs left after filtering "
                             f"(all empty, longer than data.max_len={self.max_len} or dropped by the cleaning "
                             "rules: see the line above)")
+
+
+def _mapped(data: Path, offsets: Path, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A prepared flat array (memory-mapped; empty when it holds nothing) and its int64 offsets."""
+    bounds = np.load(offsets)
+    flat = (np.memmap(data, dtype=dtype, mode="r", shape=(int(bounds[-1]),)) if bounds[-1]
+            else np.zeros(0, dtype=dtype))
+    return flat, bounds
 
 
 @dataclass

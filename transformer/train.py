@@ -491,10 +491,9 @@ class Trainer:
         m = result.metrics
         log.info("validation step %d%s | loss %.3f | ppl %.2f | accuracy %.1f%% | BLEU %.2f | chrF %.2f | cut %.1f%% | %s",
                  self.progress.step, "" if weights == "raw" else f" ({weights} weights)", m["loss"], m["ppl"],
-                 100 * m["accuracy"], m["bleu"], m["chrf"], 100 * m["cut_at_max_len"], m["bleu_signature"])
-        metrics = {k: v for k, v in m.items() if k != "bleu_signature"}
-        self.monitor.validation(self.progress.step, weights, metrics, result.samples, result.panels, result.detail)
-        return {**metrics, "weights": weights}
+                 100 * m["accuracy"], m["bleu"], m["chrf"], 100 * m["cut_at_max_len"], result.signature)
+        self.monitor.validation(self.progress.step, weights, m, result.samples, result.panels, result.detail)
+        return {**m, "weights": weights}
 
     def test(self) -> dict | None:
         """Translate the test split with the decode config and the best weights; print BLEU."""

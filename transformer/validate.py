@@ -150,11 +150,12 @@ def cross_attention_by_layer(model, source_ids: list[int], hypothesis_ids: list[
 
 @dataclass
 class Validation:
-    """One validation: `metrics` (loss, nll, ppl, accuracy, bleu, chrf, cut_at_max_len, bleu_signature),
-    `samples` (source, reference, hypothesis) in validation order, and the attention pictures: `panels`
-    (weights (T, S), source pieces, predicted pieces) per attention sentence, `detail` (kind, labelled
-    panels per head or layer of the first sentence) or None."""
+    """One validation: `metrics` (loss, nll, ppl, accuracy, bleu, chrf, cut_at_max_len), sacreBLEU's
+    `signature`, `samples` (source, reference, hypothesis) in validation order, and the attention
+    pictures: `panels` (weights (T, S), source pieces, predicted pieces) per attention sentence,
+    `detail` (kind, labelled panels per head or layer of the first sentence) or None."""
     metrics: dict
+    signature: str
     samples: list[tuple[str, str, str]]
     panels: list
     detail: tuple[str, list] | None
@@ -190,10 +191,9 @@ class Validator:
         scores = score(texts, self.references, self.cfg.data.tgt_lang)
         metrics = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "accuracy": accuracy,
                    "bleu": scores["bleu"], "chrf": scores["chrf"],
-                   "cut_at_max_len": sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps)),
-                   "bleu_signature": scores["bleu_signature"]}
+                   "cut_at_max_len": sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps))}
         shown = [hyps[i][0].tokens for i in self.drawn]          # what each drawn sentence decodes to now
-        return Validation(metrics, list(zip(self.sources, self.references, texts)),
+        return Validation(metrics, scores["bleu_signature"], list(zip(self.sources, self.references, texts)),
                           self._panels(shown), self._detail(shown))
 
     def _panels(self, hypotheses: list[list[int]]) -> list:
