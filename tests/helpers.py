@@ -4,6 +4,7 @@ values read back to the host."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import torch
@@ -44,6 +45,16 @@ def write_untrained_checkpoint(path: Path) -> Path:
     save_checkpoint({"model": model.state_dict(), "config": config.to_dict(), "tokenizer": tokenizer.state_dict(),
                      "step": 10, "metrics": metrics}, path)
     return path
+
+
+def _sigint_as_at_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# Popen keyword arguments for a child the test interrupts with SIGINT (Ctrl-C): a suite started in the
+# background (`make test &`) ignores SIGINT, children inherit that, and Python then never raises
+# KeyboardInterrupt. The child gets the default disposition back, as at a terminal.
+INTERRUPTIBLE = {"preexec_fn": _sigint_as_at_a_terminal}
 
 
 # Operations that make a GPU report a value to the host (the step then waits for the device).

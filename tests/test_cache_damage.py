@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import transformer.corpus as corpus_module
-from tests.helpers import ROOT
+from tests.helpers import INTERRUPTIBLE, ROOT
 from transformer.config import DataConfig
 from transformer.corpus import DATA_FILES, prepare
 from transformer.data import DataError
@@ -248,7 +248,7 @@ corpus.main(sys.argv[1:])
 def test_ctrl_c_while_preparing_is_one_line_exit_130_and_leaves_nothing_half_written(tmp_path):
     cache = tmp_path / "cache"
     proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED, *OVERRIDES, f"data.cache_dir={cache}"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **INTERRUPTIBLE)
     for line in proc.stdout:
         if line.strip() == "encoding":
             break

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import INTERRUPTIBLE, ROOT
 from transformer.evaluate import main as evaluate_main
 from transformer.evaluate import output_paths
 from transformer.search import Sampling
@@ -168,7 +168,8 @@ def test_a_full_disk_on_the_output_file_is_one_line(untrained_checkpoint, source
 
 def test_ctrl_c_while_streaming_keeps_what_was_translated_and_exits_130(untrained_checkpoint):
     proc = subprocess.Popen([sys.executable, "-m", "transformer.translate", str(untrained_checkpoint), "--beam", "1"],
-                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            **INTERRUPTIBLE)
     try:
         proc.stdin.write(b"Der Hund.\n")
         proc.stdin.flush()

@@ -334,7 +334,7 @@ def test_the_train_log_sums_finite_steps_on_the_device_and_stops_on_a_run_of_bad
 
 
 def test_resuming_into_fp16_starts_the_loss_scaler_afresh_from_a_bf16_or_fp32_checkpoint(caplog):
-    from transformer.train import load_scaler_state
+    from transformer.run_state import load_scaler_state
     written_in_bf16 = torch.amp.GradScaler("cpu", enabled=False).state_dict()
     assert written_in_bf16 == {}
     fp16 = torch.amp.GradScaler("cpu", enabled=True, init_scale=1024.0)

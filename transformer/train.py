@@ -20,7 +20,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from transformer import distributed as D
-from transformer.averaging import ExponentialMovingAverage, weights_swapped
+from transformer.averaging import weights_swapped
 from transformer.batching import TokenBatchSampler, UpdateSampler, update_loader
 from transformer.checkpoint import (
     CheckpointDirectory,
@@ -28,7 +28,6 @@ from transformer.checkpoint import (
     average_checkpoints,
     load_checkpoint,
     load_model_weights,
-    non_finite_tensors,
     step_checkpoints,
 )
 from transformer.config import CONF_DIR, Config, ConfigError, register_schema
@@ -39,7 +38,7 @@ from transformer.loss import batch_loss
 from transformer.model import build_model, compile_layers
 from transformer.monitor import Monitor
 from transformer.optim import build_optimizer
-from transformer.progress import Progress, restore_rng_state, rng_state
+from transformer.progress import Progress
 from transformer.run_dir import (
     Launch,
     RunDirectoryLock,
@@ -48,7 +47,7 @@ from transformer.run_dir import (
     install_signal_handlers,
     resume_hint,
 )
-from transformer.run_state import check_run_directory, starting_point
+from transformer.run_state import TrainingState, check_run_directory, starting_point
 from transformer.runtime import Runtime, keep_freed_memory
 from transformer.search import Interrupted
 from transformer.sweep import job_failed
@@ -72,7 +71,6 @@ class Trainer:
                                                                  runtime.autocast)
         self.run_dir = Path(D.broadcast_object(str(run_dir), self.dist))
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.checkpoints = CheckpointDirectory(self.ckpt_dir, tc.keep_last, self.dist.is_main)
         self.stop_signal: str | None = None
 
         start = starting_point(cfg, self.ckpt_dir, self.dist)
@@ -94,6 +92,10 @@ class Trainer:
         # Validation and the test decode through the same front end as transformer-translate.
         self.translator = Translator(self.model, tok, cfg, self.device, autocast=self.autocast)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.state = TrainingState(cfg, self.model, tok, self.optimizer, self.scheduler, self.scaler,
+                                   CheckpointDirectory(self.ckpt_dir, tc.keep_last, self.dist.is_main),
+                                   self.data.train.directory.name, self.dist, self.device,
+                                   bad_in_a_row=lambda: self.log.read()["bad_in_a_row"])
         train = self.data.train
         self.sampler = TokenBatchSampler(train.src_lens, train.tgt_lens, tc.max_tokens, tc.seed,
                                          epoch_lengths=train.sampled_lengths if train.sampling else None)
@@ -103,11 +105,9 @@ class Trainer:
         cuda = self.device.type == "cuda"
         workers = tc.num_workers if tc.num_workers is not None else (2 if cuda else 0)
         self.loader = update_loader(self.data.train, self.updates, workers, pin_memory=cuda)
-        self.progress = Progress()
-        self.ema = ExponentialMovingAverage(self.model, tc.ema_decay) if tc.ema_decay else None
         self.oom_skips = self.oom_in_a_row = 0
         if resume_state:
-            self._load_state(resume_state)
+            self.state.load(resume_state)
         if tc.compile:
             compile_layers(self.model)
         self.train_model = self.model
@@ -124,6 +124,11 @@ class Trainer:
         self.validator = Validator(cfg, self.model, self.translator, self.data.valid,
                                    self.data.sources["validation"].read_all(), self.device, self.autocast,
                                    tc.attention_heatmaps if self.dist.is_main else None)
+
+    @property
+    def progress(self) -> Progress:
+        """Where the run stands (step, epoch, best score): part of the state a checkpoint holds."""
+        return self.state.progress
 
     def _log_banner(self, start: str) -> None:
         """What the run is, at the top of its log: where it writes, how it starts, where and how it runs."""
@@ -168,100 +173,6 @@ class Trainer:
         self.train_model = None
         gc.collect()
         D.shutdown(self.dist, barrier=clean)
-
-    # ------------------------------------------------------------------------------------------------
-    # State
-
-    def state_dict(self) -> dict:
-        return {
-            "model": self.model.state_dict(),
-            "config": self.cfg.to_dict(),
-            "tokenizer": self.data.tokenizer.state_dict(),
-            "step": self.progress.step,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "rng": D.gather_objects(rng_state(self.device), self.dist),         # one entry per rank
-            "data_state": self.progress.data_state(self.dist.world_size, self._batching()),
-            "metrics": self.progress.metrics(),
-            **({"ema": self.ema.state_dict()} if self.ema else {}),
-        }
-
-    def _load_state(self, state: dict) -> None:
-        load_model_weights(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        load_scaler_state(self.scaler, state["scaler"])
-        data_state = state["data_state"]
-        if data_state.get("world_size", 1) != self.dist.world_size:
-            raise TrainingError(f"checkpoint was written with {data_state.get('world_size')} processes; "
-                                f"resume with the same number (now {self.dist.world_size})")
-        self.progress = Progress.from_checkpoint(state)
-        if self.ema and "ema" in state:
-            self.ema.load_state_dict(state["ema"])
-        elif self.ema:
-            log.warning("the checkpoint holds no EMA of the weights: the average starts from its weights")
-            self.ema = ExponentialMovingAverage(self.model, self.cfg.trainer.ema_decay)
-        # The settings the batch order depends on are compared with the checkpoint's config on resume
-        # (run_state.adopt_resumed_config); what the config cannot show: the training text itself changed.
-        saved, now = data_state.get("batching"), self._batching()
-        if saved is None or saved.get("order") != now["order"]:
-            log.warning("the checkpoint predates this release's batch order: the batches from here on differ from "
-                        "those the interrupted run would have seen (not an exact resume)")
-        elif _corpus_key(saved["corpus"]) != _corpus_key(now["corpus"]):
-            log.warning("the training corpus differs from the one the checkpoint was trained on (%s, now %s): the "
-                        "batches from here on differ (not an exact resume)", saved["corpus"], now["corpus"])
-        restore_rng_state(state["rng"][self.dist.rank], self.device)
-
-    def _batching(self) -> dict:
-        """What the batch order depends on besides (seed, epoch): an exact resume needs all of it equal."""
-        tc = self.cfg.trainer
-        return {"corpus": self.data.train.directory.name, "max_len": self.cfg.data.max_len, "seed": tc.seed,
-                "max_tokens": tc.max_tokens, "update_freq": tc.update_freq, "order": "width,src,tgt,random"}
-
-    def save(self, name: str, periodic: bool = False, weights: str = "raw") -> None:
-        """Write checkpoint `name` (with `periodic`, also step_N.pt, pruned to trainer.keep_last). With
-        `weights="ema"`, its `model` entry holds the moving average (best.pt, when the EMA validates best)."""
-        state = self.state_dict()           # every rank joins the RNG gather
-        if weights == "ema":
-            state["model"] = self.ema.model_state(self.model)
-        state["weights"] = weights
-        self._refuse_non_finite_weights(state)
-        started = time.monotonic()
-        try:
-            if periodic:
-                self.checkpoints.save_periodic(state, self.progress.step)
-            else:
-                self.checkpoints.save(state, name)
-        except CheckpointError as error:
-            raise TrainingError(str(error)) from None
-        names = [f"step_{self.progress.step}.pt", "last.pt"] if periodic else [name]
-        self._log_saved(names, weights, time.monotonic() - started)
-
-    def _log_saved(self, names: list[str], weights: str, seconds: float) -> None:
-        if self.dist.is_main:
-            log.info("saved checkpoint %s (step %d%s, %.1f s)", " and ".join(str(self.ckpt_dir / n) for n in names),
-                     self.progress.step, "" if weights == "raw" else f", {weights} weights", seconds)
-
-    def _refuse_non_finite_weights(self, state: dict) -> None:
-        """Stop before writing a checkpoint whose weights (or their moving average) are not all finite:
-        the update that overflowed them had finite gradients, so nothing skipped it."""
-        tensors = {**state["model"], **{f"ema.{k}": v for k, v in state.get("ema", {}).get("weights", {}).items()}}
-        bad = non_finite_tensors(tensors)
-        if not bad:
-            return
-        step, tc = self.progress.step, self.cfg.trainer
-        in_a_row = self.log.read()["bad_in_a_row"]
-        since = f"; the loss has not been finite since step {step - in_a_row + 1}" if in_a_row else ""
-        last = self.ckpt_dir / "last.pt"
-        try:
-            good = f"the last good checkpoint is {last} (step {load_checkpoint(last, mmap=True)['step']})"
-            retry = f"e.g. from its weights with trainer.init_from={last} in a new hydra.run.dir"
-        except CheckpointError:
-            good, retry = "no checkpoint was written before", "from the start"
-        raise TrainingError(
-            f"step {step}: the weights are not finite ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}), so "
-            f"nothing was saved{since}; {good}: train again with a lower trainer.lr (now {tc.lr}), {retry}")
 
     # ------------------------------------------------------------------------------------------------
     # The loop
@@ -390,7 +301,7 @@ class Trainer:
             self.validate()
         if tc.average_last and not by_signal:
             self.average_last()         # before last.pt, so that its metrics (best score, patience) count it
-        self.save("last.pt")            # non-finite updates were skipped: the weights are finite
+        self.state.save("last.pt")            # non-finite updates were skipped: the weights are finite
         if self.dist.is_main:
             log.info("%s", resume_hint(self.run_dir, self.launch, reason))
         progress.stop_reason = reason
@@ -406,8 +317,8 @@ class Trainer:
             return self._stop_reason(started)
         progress.step += 1
         self.oom_in_a_row = 0
-        if self.ema:
-            self.ema.update(progress.step)
+        if self.state.ema:
+            self.state.ema.update(progress.step)
         bar.advance(progress.step)
         self.log.add(stats, micro)
         log_step = progress.step % tc.log_every == 0
@@ -419,7 +330,7 @@ class Trainer:
             self.validate()
         if progress.step % (tc.checkpoint_every or tc.validate_every) == 0:
             self.log.check_finite(self.precision == "fp16")
-            self.save("last.pt", periodic=True)
+            self.state.save("last.pt", periodic=True)
         return self._stop_reason(started, agree=log_step)
 
     def validate(self) -> None:
@@ -432,14 +343,14 @@ class Trainer:
             log.info("validating at step %d", step)
             try:
                 result = self._validate_main()
-                if self.ema:
-                    with weights_swapped(self.model, self.ema.model_state(self.model)):
+                if self.state.ema:
+                    with weights_swapped(self.model, self.state.ema.model_state(self.model)):
                         result = _better(result, self._validate_main("ema"))
             except Interrupted:           # a stop signal arrived: skip the rest, the run saves and exits
                 log.warning("validation at step %d interrupted by %s", step, self.stop_signal)
         result = D.broadcast_object(result, self.dist)
         if self._record_validation(result):
-            self.save("best.pt", weights=result["weights"])
+            self.state.save("best.pt", weights=result["weights"])
 
     def _record_validation(self, result: dict | None) -> bool:
         """Record a validation result (None: it was interrupted); True when it is a new best to save,
@@ -476,9 +387,7 @@ class Trainer:
         result = D.broadcast_object(result, self.dist)
         if self._record_validation(result) and self.dist.is_main:
             state.update(weights=result["weights"], metrics=self.progress.metrics())
-            started = time.monotonic()
-            self.checkpoints.save(state, "best.pt")
-            self._log_saved(["best.pt"], "averaged", time.monotonic() - started)
+            self.state.write(state, ["best.pt"], "averaged")
 
     def _stopping(self) -> bool:
         """Asked between validation batches: a stop signal abandons the validation."""
@@ -516,21 +425,6 @@ class Trainer:
         print(message, flush=True)
         self.monitor.test(self.progress.step, scores)
         return scores
-
-
-def load_scaler_state(scaler: torch.amp.GradScaler, state: dict) -> None:
-    """Restore the fp16 loss scaler, or start it afresh when the checkpoint was written in bf16/fp32
-    (whose disabled scaler saved nothing: GradScaler refuses an empty state)."""
-    if state:
-        scaler.load_state_dict(state)           # a disabled (bf16/fp32) scaler ignores it
-    elif scaler.is_enabled():
-        log.info("the checkpoint has no fp16 loss-scaler state (it was trained in bf16 or fp32); "
-                 "the scaler starts at %g", scaler.get_scale())
-
-
-def _corpus_key(directory_name: str) -> str:
-    """The content hash ending a prepared corpus's directory name (`{data.name}.{split}.{hash}`)."""
-    return directory_name.rsplit(".", 1)[-1]
 
 
 def _better(raw: dict, other: dict) -> dict:
