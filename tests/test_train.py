@@ -95,7 +95,6 @@ def test_resume_continues_exactly(tmp_path, data_cache, workers, sampling, caplo
         assert all(torch.equal(full[name], in_process[name]) for name in full)
 
 
-@pytest.mark.slow
 def test_refuses_a_run_directory_holding_another_run(untrained_checkpoint, tmp_path, data_cache):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
@@ -104,7 +103,6 @@ def test_refuses_a_run_directory_holding_another_run(untrained_checkpoint, tmp_p
         train(compose_config(FAST + ["trainer.max_steps=1"], data_cache), run_dir)
 
 
-@pytest.mark.slow
 def test_max_tokens_smaller_than_a_sentence_fails_before_training(tmp_path, data_cache):
     with pytest.raises(DataError, match="trainer.max_tokens=8 is smaller than the longest sentence"):
         train(compose_config(FAST + ["trainer.max_tokens=8"], data_cache), tmp_path)
