@@ -150,13 +150,16 @@ class TokenBatchSampler:
     With `epoch_lengths` (subword sampling: epoch -> the (source, target) lengths of that epoch's
     segmentation, a pure function of the epoch too), each epoch is packed by its own lengths, so that
     sampled batches keep to the budget with little padding; the fixed lengths check the budget once.
+
+    With `epoch_pairs` (a mixture of corpora: epoch -> the positions that epoch trains on, repeats
+    included, again a pure function of the epoch), each epoch packs those positions instead of all.
     """
 
-    def __init__(self, src_lens, tgt_lens, max_tokens: int, seed: int, epoch_lengths=None):
+    def __init__(self, src_lens, tgt_lens, max_tokens: int, seed: int, epoch_lengths=None, epoch_pairs=None):
         self.src_lens = np.asarray(src_lens, dtype=np.int64) + 1   # + EOS
         self.tgt_lens = np.asarray(tgt_lens, dtype=np.int64) + 1   # + BOS/EOS
         self.widths = np.maximum(self.src_lens, self.tgt_lens)
-        self.max_tokens, self.seed, self.epoch_lengths = max_tokens, seed, epoch_lengths
+        self.max_tokens, self.seed, self.epoch_lengths, self.epoch_pairs = max_tokens, seed, epoch_lengths, epoch_pairs
         self._epoch_widths: tuple | None = None                    # (epoch, its lengths): the last asked
         longest = int(self.widths.max(initial=0))
         if longest > max_tokens:
@@ -176,10 +179,16 @@ class TokenBatchSampler:
 
     def batches(self, epoch: int) -> EpochBatches:
         src_lens, tgt_lens, widths = self._lengths(epoch)
+        chosen = None
+        if self.epoch_pairs is not None:
+            chosen = self.epoch_pairs(epoch)                           # (M,) positions, repeats included
+            src_lens, tgt_lens, widths = src_lens[chosen], tgt_lens[chosen], widths[chosen]
         rng = np.random.default_rng([self.seed, epoch])
         tie_break = rng.random(len(widths))
         order = np.lexsort((tie_break, tgt_lens, src_lens, widths))
         starts = pack_sorted(widths[order], self.max_tokens)
+        if chosen is not None:
+            order = chosen[order]
         return EpochBatches(order, starts, rng.permutation(len(starts)))
 
 

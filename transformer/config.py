@@ -76,6 +76,27 @@ class ModelConfig:
 
 
 @dataclass
+class CorpusConfig:
+    """One training corpus of a mixture (`data.corpora`): where its text is, how much of each epoch it
+    makes up. Validation and test come from data.path / data.hub_id, as for a single corpus."""
+    path: str | None = setting(None, "local directory (or file) with its training split")
+    hub_id: str | None = setting(None, "or a HuggingFace hub dataset id")
+    hub_config: str | None = setting(None, "the hub dataset's configuration name, if it has several")
+    name: str | None = setting(None, "names its prepared directory (default: the last part of path or hub_id); "
+                                     "runs that list the same corpus share it")
+    weight: float = setting(1.0, "multiplies its size in the mixture (2 = as if it were twice as large)")
+    train_split: str = setting("train", "its split trained on")
+    local_splits: dict[str, str] = setting(factory=dict, meaning="file stem per split where it differs")
+
+    def label(self) -> str:
+        """The corpus's name: given, or the last part of its path or hub id."""
+        if self.name:
+            return self.name
+        where = (self.path or self.hub_id or "corpus").rstrip("/\\")
+        return Path(where).name.split(".")[0] or "corpus"
+
+
+@dataclass
 class DataConfig:
     """The corpus and its tokenizer: a data preset (toy, custom, multi30k_*, ...) fills these in. Where the
     text comes from, first match wins: path (local files), hub_id, embedded."""
@@ -99,6 +120,13 @@ class DataConfig:
     drop_copies: bool = setting(True, "cleaning: drop training pairs whose source equals their target")
     max_len_ratio: float = setting(9.0, "cleaning: drop training pairs where one side has more than this many "
                                         "times the other's tokens (0 = off)")
+    corpora: list[CorpusConfig] = setting(
+        factory=list, shown_type="list of corpora",
+        meaning="train on several corpora mixed: '[{path: DIR, weight: 1}, {path: DIR2, weight: 0.5}]' (keys: "
+                "path, hub_id, hub_config, name, weight, train_split, local_splits); empty = the training split "
+                "of data.path / data.hub_id")
+    temperature: float = setting(1.0, "mixing corpora: corpus i makes up a share of each epoch proportional to "
+                                      "(weight_i x pairs_i)^(1/T); 1 = by size, larger flattens toward equal shares")
     subword_sampling: float = setting(0.0, "subword regularization of training pairs, sampled afresh every "
                                             "epoch: BPE-dropout probability (bpe) or sampling alpha (unigram); "
                                             "0 = off (validation and test are never sampled)")
@@ -138,6 +166,26 @@ class DataConfig:
             )
         if self.src_lang == self.tgt_lang:
             raise ConfigError(f"data.src_lang and data.tgt_lang are both {self.src_lang!r}")
+        self._validate_corpora()
+
+    def _validate_corpora(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ConfigError(f"data.temperature={self.temperature} must be a positive number (1 = mix by size)")
+        names = []
+        for i, corpus in enumerate(self.corpora):
+            key = f"data.corpora[{i}]"
+            if not (corpus.path or corpus.hub_id):
+                raise ConfigError(f"{key} names no source: give it a path (local files) or a hub_id")
+            if not (math.isfinite(corpus.weight) and corpus.weight > 0):
+                raise ConfigError(f"{key}.weight={corpus.weight} must be a positive number")
+            names.append(corpus.label())
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ConfigError(f"data.corpora: two corpora are named {repeated[0]!r}; give each a name "
+                              f"(data.corpora='[{{path: ..., name: {repeated[0]}_a}}, ...]')")
+        if self.corpora and self.subword_sampling:
+            raise ConfigError("data.subword_sampling does not work with data.corpora yet; train a mixture with "
+                              "data.subword_sampling=0")
 
     def split_name(self, split: str) -> str:
         return self.local_splits.get(split, split)
@@ -365,8 +413,11 @@ class Config:
             config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), raw))
         except ConfigKeyError as error:
             section = error.full_key.rpartition(".")[0]
-            known = [f.name for f in dataclasses.fields(cls)] if not section else \
-                [f.name for f in dataclasses.fields(type(getattr(cls(), section)))]
+            if "corpora[" in section:
+                known = [f.name for f in dataclasses.fields(CorpusConfig)]
+            else:
+                known = [f.name for f in dataclasses.fields(cls)] if not section else \
+                    [f.name for f in dataclasses.fields(type(getattr(cls(), section)))]
             raise ConfigError(f"unknown config key {error.full_key}; known keys: {', '.join(sorted(known))}") from None
         except OmegaConfBaseException as error:
             raise ConfigError(composition_error_line(error)) from None
@@ -624,6 +675,8 @@ def composition_error_line(error: BaseException) -> str:
     if listed:
         line += f"; {listed[1][0].lower()}{listed[1][1:]}: {', '.join(listed[2].split())} (presets of your own: " \
                 "--config-dir DIR, with DIR/GROUP/NAME.yaml)"
+    if "not in 'CorpusConfig'" in line:
+        line += f"; a corpus of data.corpora takes {', '.join(f.name for f in dataclasses.fields(CorpusConfig))}"
     return line
 
 

@@ -143,6 +143,15 @@ class EncodedCorpus:
         data, offsets = self._text[side]
         return [data[offsets[p]:offsets[p + 1]].tobytes().decode("utf-8") for p in pairs]
 
+    @property
+    def identity(self) -> str:
+        """Names this training data in a checkpoint (`{data.name}.{split}.{content hash}`)."""
+        return self.directory.name
+
+    def stored(self, side: str) -> tuple[np.ndarray, np.ndarray]:
+        """(flat ids, offsets) of `side` (src, tgt) as stored: kept position k is stored pair pair_index[k]."""
+        return getattr(self, f"_{side}_ids"), getattr(self, f"_{side}_offsets")
+
     def ids(self, position: int) -> tuple[list[int], list[int]]:
         """(source ids, target ids) of one kept pair (tests, debugging)."""
         pair = self.pair_index[position]
@@ -438,11 +447,14 @@ def train_tokenizer(cfg: DataConfig, source: SplitSource, build: bool = True) ->
 def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train", "validation"),
             sources: dict[str, SplitSource] | None = None) -> PreparedData:
     """Tokenizer (trained on the training split unless given) and the encoded `splits` (or `sources`,
-    already opened).
+    already opened). With data.corpora, the mixture of those corpora (`mixture.prepare_mixture`).
 
     Everything cached and whole: read without the lock (every rank at once). Something missing or
     damaged: take the lock and build what is still missing or damaged once it is held.
     """
+    if cfg.corpora:
+        from transformer.mixture import prepare_mixture
+        return prepare_mixture(cfg, tokenizer, splits, sources)
     sources = sources or {split: open_split(cfg, split) for split in splits}
     for source in sources.values():
         source.fingerprint()                      # hashed outside the lock, once per process
@@ -489,7 +501,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = command_line_config(sys.argv[1:] if argv is None else argv, "transformer-prepare")
         if cfg is None:          # it printed the help or the composed config
             return
-        sources = {split: open_split(cfg.data, split) for split in ("train", "validation")}
+        splits = ("validation",) if cfg.data.corpora else ("train", "validation")   # a mixture: its corpora
+        sources = {split: open_split(cfg.data, split) for split in splits}
         try:
             sources["test"] = open_split(cfg.data, "test")
         except DataError as error:

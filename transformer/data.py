@@ -310,6 +310,22 @@ class InMemory(SplitSource):
             yield self.src[start:start + size], self.tgt[start:start + size]
 
 
+class Concatenated(SplitSource):
+    """Several sources read one after the other (the corpora of a mixture, for their joint tokenizer)."""
+
+    def __init__(self, sources: list[SplitSource]):
+        self.sources = sources
+        self.where = " + ".join(source.where for source in sources)
+
+    def _compute_fingerprint(self) -> str:
+        joined = "\0".join(source.fingerprint() for source in self.sources)
+        return hashlib.sha256(joined.encode()).hexdigest()[:16]
+
+    def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
+        for source in self.sources:
+            yield from source.chunks(size)
+
+
 def open_split(cfg: DataConfig, split: str) -> SplitSource:
     """The source of one split ("train", "validation" or "test" in config terms)."""
     split_key = {"train": cfg.train_split, "validation": cfg.valid_split, "test": cfg.test_split}.get(split, split)

@@ -63,11 +63,11 @@ class TrainingState:
     been finite (for the message when the weights themselves are not)."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module, tokenizer: Tokenizer, optimizer, scheduler,
-                 scaler: torch.amp.GradScaler, checkpoints: CheckpointDirectory, corpus_directory: str,
+                 scaler: torch.amp.GradScaler, checkpoints: CheckpointDirectory, corpus_identity: str,
                  dist: D.DistInfo, device: torch.device, bad_in_a_row: Callable[[], int] = lambda: 0):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
-        self.checkpoints, self.corpus_directory = checkpoints, corpus_directory
+        self.checkpoints, self.corpus_identity = checkpoints, corpus_identity
         self.dist, self.device, self.bad_in_a_row = dist, device, bad_in_a_row
         decay = cfg.trainer.ema_decay
         self.ema = ExponentialMovingAverage(model, decay) if decay else None
@@ -76,7 +76,7 @@ class TrainingState:
     def batching(self) -> dict:
         """What the batch order depends on besides (seed, epoch): an exact resume needs all of it equal."""
         tc = self.cfg.trainer
-        return {"corpus": self.corpus_directory, "max_len": self.cfg.data.max_len, "seed": tc.seed,
+        return {"corpus": self.corpus_identity, "max_len": self.cfg.data.max_len, "seed": tc.seed,
                 "max_tokens": tc.max_tokens, "update_freq": tc.update_freq, "order": "width,src,tgt,random"}
 
     def state_dict(self) -> dict:
@@ -245,6 +245,8 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
         decays = section == "trainer" and values.schedule in ("cosine", "linear")
         for spec in dataclasses.fields(values):
             key, new = spec.name, getattr(values, spec.name)
+            if key == "corpora":            # dataclasses in the config, plain dicts in the checkpoint
+                new = [dataclasses.asdict(corpus) for corpus in new]
             if key not in old_values or old_values[key] == new:
                 continue
             old = old_values[key]

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -35,6 +36,7 @@ from transformer.corpus import prepare
 from transformer.data import DataError, load_split_text
 from transformer.errors import discard_stdout
 from transformer.loss import batch_loss
+from transformer.mixture import MixedCorpus
 from transformer.model import build_model, compile_layers
 from transformer.monitor import Monitor
 from transformer.optim import build_optimizer
@@ -94,11 +96,13 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.state = TrainingState(cfg, self.model, tok, self.optimizer, self.scheduler, self.scaler,
                                    CheckpointDirectory(self.ckpt_dir, tc.keep_last, self.dist.is_main),
-                                   self.data.train.directory.name, self.dist, self.device,
+                                   self.data.train.identity, self.dist, self.device,
                                    bad_in_a_row=lambda: self.log.read()["bad_in_a_row"])
         train = self.data.train
-        self.sampler = TokenBatchSampler(train.src_lens, train.tgt_lens, tc.max_tokens, tc.seed,
-                                         epoch_lengths=train.sampled_lengths if train.sampling else None)
+        self.sampler = TokenBatchSampler(
+            train.src_lens, train.tgt_lens, tc.max_tokens, tc.seed,
+            epoch_lengths=train.sampled_lengths if train.sampling else None,
+            epoch_pairs=functools.partial(train.epoch_positions, tc.seed) if isinstance(train, MixedCorpus) else None)
         self.updates = UpdateSampler(self.sampler, tc.update_freq, self.dist.rank, self.dist.world_size)
         if self.dist.is_main:
             self._warn_about_settings_the_run_cannot_honour()

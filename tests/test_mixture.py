@@ -1,0 +1,157 @@
+"""Training on several corpora (data.corpora): the shares of an epoch, the batches that mix them, what a
+mixture prepares, the config's refusals, and an exact resume of a two-corpus run."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import FAST, compose_config
+from transformer.batching import TokenBatchSampler, pad_sequences
+from transformer.checkpoint import load_checkpoint
+from transformer.config import ConfigError
+from transformer.corpus import prepare
+from transformer.mixture import MixedCorpus, epoch_counts, mixture_shares
+from transformer.toy import generate
+
+
+def _write_corpus(directory: Path, pairs: int, seed: int) -> Path:
+    """A corpus directory of files: {train,validation,test}.{de,en}, from the toy generator."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, (src, tgt) in generate(pairs, 40, 40, seed=seed).items():
+        (directory / f"{split}.de").write_text("\n".join(src) + "\n")
+        (directory / f"{split}.en").write_text("\n".join(tgt) + "\n")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("corpora")
+    return _write_corpus(root / "big", 900, seed=1), _write_corpus(root / "small", 150, seed=2)
+
+
+def _mixture_overrides(corpora, weights=(1, 1), temperature=1.0) -> list[str]:
+    big, small = corpora
+    return [f"data.path={big}", "data.name=mix", "data.embedded=false",
+            f"data.corpora=[{{path: {big}, weight: {weights[0]}}}, {{path: {small}, weight: {weights[1]}}}]",
+            f"data.temperature={temperature}"]
+
+
+def test_shares_follow_weighted_size_and_flatten_with_the_temperature():
+    assert np.allclose(mixture_shares([900, 100], [1, 1], 1.0), [0.9, 0.1])
+    assert np.allclose(mixture_shares([900, 100], [1, 9], 1.0), [0.5, 0.5])             # weight 9 = 9x the size
+    assert np.allclose(mixture_shares([900, 100], [1, 1], 2.0), [0.75, 0.25])           # sqrt(9) : 1
+    assert np.allclose(mixture_shares([900, 100], [1, 1], 1e6), [0.5, 0.5], atol=1e-4)  # toward uniform
+    counts = epoch_counts(np.array([1 / 3, 1 / 3, 1 / 3]), 1000)
+    assert counts.sum() == 1000 and sorted(counts.tolist()) == [333, 333, 334]
+
+
+def test_each_epoch_draws_every_corpus_in_its_share_and_batches_mix_them(corpora, data_cache):
+    cfg = compose_config(FAST + _mixture_overrides(corpora, weights=(1, 3), temperature=2.0), data_cache)
+    train = prepare(cfg.data).train
+    assert isinstance(train, MixedCorpus)
+    big, small = (len(part) for part in train.parts)
+    expected = mixture_shares([big, small], [1, 3], 2.0)
+    sampler = TokenBatchSampler(train.src_lens, train.tgt_lens, 300, seed=7,
+                                epoch_pairs=lambda epoch: train.epoch_positions(7, epoch))
+    subsets = []
+    for epoch in range(3):
+        positions = np.concatenate(list(sampler.batches(epoch)))
+        assert len(positions) == big + small                            # an epoch holds all pairs' count
+        assert np.array_equal(np.sort(positions), np.sort(train.epoch_positions(7, epoch)))
+        drawn = np.bincount(train.corpus_of(positions), minlength=2)
+        assert np.abs(drawn / len(positions) - expected).max() <= 1 / len(positions)     # rounding only
+        first = positions[train.corpus_of(positions) == 0]
+        assert len(np.unique(first)) == len(first)                      # a down-sampled corpus: no repeats
+        subsets.append(frozenset(first.tolist()))
+        small_drawn = np.bincount(positions[train.corpus_of(positions) == 1] - big)
+        assert small_drawn.min() >= drawn[1] // small                   # every pair of the up-sampled one
+        assert any(len(set(batch.tolist()) & set(range(big))) and len(set(batch.tolist()) - set(range(big)))
+                   for batch in sampler.batches(epoch))                 # batches mix the corpora
+    assert len(set(subsets)) == 3                                       # another subset each epoch
+    assert np.array_equal(train.epoch_positions(7, 1), train.epoch_positions(7, 1))
+
+
+def test_a_mixed_batch_holds_each_pairs_own_ids(corpora, data_cache):
+    cfg = compose_config(FAST + _mixture_overrides(corpora), data_cache)
+    train = prepare(cfg.data).train
+    positions = np.array([len(train) - 1, 0, train.parts[0].__len__(), 5, len(train) - 2])
+    batch = train.collate(positions)
+    src, tgt = [], []
+    for position in positions.tolist():                         # the slow reference: pair by pair
+        corpus = int(train.corpus_of([position])[0])
+        s, t = train.parts[corpus].ids(position - int(train.starts[corpus]))
+        src.append(s)
+        tgt.append(t)
+    from transformer.special import BOS_ID, EOS_ID
+    assert torch.equal(batch.src, pad_sequences(src, suffix=[EOS_ID]))
+    assert torch.equal(batch.tgt_out, pad_sequences(tgt, suffix=[EOS_ID]))
+    assert torch.equal(batch.tgt_in[:, 0], torch.full((len(positions),), BOS_ID))
+    assert batch.num_tgt_tokens == sum(len(t) + 1 for t in tgt)
+
+
+def test_each_corpus_is_prepared_once_and_shared_by_runs_that_list_it(corpora, tmp_path, caplog):
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="transformer"):
+        first = prepare(compose_config(FAST + _mixture_overrides(corpora), cache).data).train
+    assert "training mixture (data.temperature=1), each epoch 1,050 pairs: big 900 pairs x weight 1 -> 85.7%" \
+        in caplog.text
+    directories = sorted(p.name.split(".")[0] for p in (cache / "corpus").iterdir())
+    assert directories == ["big", "mix", "small"]                 # mix: the validation split
+    stamps = {p: p.stat().st_mtime_ns for p in (cache / "corpus").iterdir()}
+    again = prepare(compose_config(FAST + _mixture_overrides(corpora, weights=(2, 1)), cache).data).train
+    assert {p: p.stat().st_mtime_ns for p in (cache / "corpus").iterdir()} == stamps      # nothing prepared again
+    assert [p.identity for p in again.parts] == [p.identity for p in first.parts]
+    assert again.identity != first.identity                       # other weights: another mixture
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.corpora=[{weight: 1}]", "data.corpora[0] names no source: give it a path"),
+    ("data.corpora=[{path: a, weight: 0}]", "data.corpora[0].weight=0.0 must be a positive number"),
+    ("data.corpora=[{path: a, weight: nan}]", "data.corpora[0].weight"),
+    ("data.corpora=[{path: x/a}, {path: y/a}]", "two corpora are named 'a'; give each a name"),
+    ("data.temperature=0", "data.temperature=0.0 must be a positive number"),
+])
+def test_a_bad_mixture_is_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", "\\[").replace("]", "\\]")):
+        compose_config([override])
+
+
+def test_an_unknown_corpus_key_lists_the_keys_a_corpus_takes():
+    with pytest.raises(ConfigError) as error:
+        compose_config(["data.corpora=[{path: a, wieght: 2}]"])
+    assert "wieght" in str(error.value) and "weight" in str(error.value) and "hub_id" in str(error.value)
+
+
+def test_subword_sampling_of_a_mixture_is_refused(corpora):
+    with pytest.raises(ConfigError, match="data.subword_sampling does not work with data.corpora"):
+        compose_config(_mixture_overrides(corpora) + ["data.subword_sampling=0.1"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_two_corpus_run_resumed_mid_epoch_trains_like_an_uninterrupted_one(corpora, tmp_path, data_cache, workers,
+                                                                           caplog):
+    from transformer.train import train
+    common = FAST + _mixture_overrides(corpora, weights=(1, 2), temperature=1.5) + [
+        "trainer.precision=fp32", "trainer.device=cpu", "trainer.max_tokens=3000", "trainer.validate_every=4",
+        "trainer.val_max_sentences=8", "decode.beam_size=1", "model.dropout=0.2", "trainer.max_minutes=0",
+        "trainer.test_at_end=false", f"trainer.num_workers={workers}"]
+    train(compose_config(common + ["trainer.max_steps=12"], data_cache), tmp_path / "full")
+    train(compose_config(common + ["trainer.max_steps=5"], data_cache), tmp_path / "split")
+    state = load_checkpoint(tmp_path / "split/checkpoints/last.pt")
+    assert state["step"] == 5 and state["data_state"]["epoch"] == 0 and state["data_state"]["position"] > 0
+    assert ".mixture." in state["data_state"]["batching"]["corpus"]
+    with caplog.at_level(logging.WARNING, logger="transformer"):
+        train(compose_config(common + ["trainer.max_steps=12", "trainer.resume=true"], data_cache),
+              tmp_path / "split")
+    assert "not an exact resume" not in caplog.text
+    full = load_checkpoint(tmp_path / "full/checkpoints/last.pt")
+    resumed = load_checkpoint(tmp_path / "split/checkpoints/last.pt")
+    assert full["data_state"]["epoch"] >= 1                        # the run crossed into a second epoch
+    for name, value in full["model"].items():
+        assert torch.equal(value, resumed["model"][name]), name

@@ -1,0 +1,175 @@
+"""Several training corpora mixed into one training set (`data.corpora`, `data.temperature`).
+
+Each corpus is prepared on its own, like a single corpus (`{name}.train.{key}/` in the cache: runs that
+list the same corpus with the same tokenizer share it), with one SentencePiece model trained on all of
+them. `MixedCorpus` numbers their kept pairs one corpus after the other (positions 0..N-1) and draws
+every epoch's mixture from (seed, epoch) alone:
+
+    share_i = (weight_i * pairs_i) ** (1 / T) / sum_j (weight_j * pairs_j) ** (1 / T)
+    an epoch holds N = sum_i pairs_i pairs, of which round(share_i * N) come from corpus i
+
+(rounded so that they sum to N). A corpus drawn more often than it has pairs repeats all of them as
+often as fits and adds a random subset; one drawn less often gives a random subset, another each epoch.
+T = 1 mixes by (weighted) size, a large T flattens toward equal shares. The epoch's pairs then go
+through the usual length bucketing (`TokenBatchSampler(epoch_pairs=...)`), so a batch mixes corpora
+and an exact resume needs nothing but the position in the epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+
+import numpy as np
+
+from transformer.batching import Batch, make_batch
+from transformer.config import CorpusConfig, DataConfig
+from transformer.corpus import EncodedCorpus, PreparedData, encoded_split, preparation_lock, train_tokenizer
+from transformer.data import Concatenated, SplitSource, open_split
+from transformer.tokenizer import Tokenizer
+
+log = logging.getLogger("transformer.corpus")
+
+
+def corpus_config(cfg: DataConfig, corpus: CorpusConfig) -> DataConfig:
+    """The data config of one corpus of the mixture: its source and name, every other setting (cleaning,
+    max_len, tokenizer) the run's."""
+    return dataclasses.replace(cfg, name=corpus.label(), path=corpus.path, hub_id=corpus.hub_id,
+                               hub_config=corpus.hub_config, embedded=False, train_split=corpus.train_split,
+                               local_splits=dict(corpus.local_splits), corpora=[])
+
+
+def mixture_shares(sizes, weights, temperature: float) -> np.ndarray:
+    """Each corpus's share of an epoch: (weight x pairs)^(1/T), normalised."""
+    scaled = (np.asarray(weights, dtype=np.float64) * np.asarray(sizes, dtype=np.float64)) ** (1.0 / temperature)
+    return scaled / scaled.sum()
+
+
+def epoch_counts(shares: np.ndarray, total: int) -> np.ndarray:
+    """round(share x total) per corpus, by largest remainder so that the counts sum to `total`."""
+    exact = shares * total
+    counts = np.floor(exact).astype(np.int64)
+    short = total - int(counts.sum())
+    counts[np.argsort(-(exact - counts), kind="stable")[:short]] += 1
+    return counts
+
+
+class MixedCorpus:
+    """The kept pairs of several prepared corpora, numbered one corpus after the other, and the pairs
+    each epoch draws from them (`epoch_positions`). Collates batches that mix corpora; pickles as its
+    parts (each as its directory)."""
+
+    sampling = None                 # subword sampling is not offered for mixtures (the config refuses it)
+
+    def __init__(self, parts: list[EncodedCorpus], weights: list[float], temperature: float, name: str,
+                 labels: list[str]):
+        self.parts, self.weights, self.temperature, self.name, self.labels = parts, weights, temperature, name, labels
+        sizes = [len(part) for part in parts]
+        self.starts = np.cumsum([0] + sizes)                    # corpus i: positions starts[i]:starts[i + 1]
+        self.src_lens = np.concatenate([part.src_lens for part in parts])
+        self.tgt_lens = np.concatenate([part.tgt_lens for part in parts])
+        self.shares = mixture_shares(sizes, weights, temperature)
+        self.counts = epoch_counts(self.shares, len(self))
+
+    def __reduce__(self):
+        return MixedCorpus, (self.parts, self.weights, self.temperature, self.name, self.labels)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def identity(self) -> str:
+        """Names this training data in a checkpoint: the corpora, their weights and the temperature."""
+        what = {"parts": [part.identity for part in self.parts], "weights": self.weights, "T": self.temperature}
+        return f"{self.name}.mixture.{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]}"
+
+    def epoch_positions(self, seed: int, epoch: int) -> np.ndarray:
+        """(N,) int64: the positions epoch `epoch` trains on, corpus by corpus (`counts[i]` of corpus i,
+        repeats included); the same for the same (seed, epoch)."""
+        drawn = []
+        for i, count in enumerate(self.counts.tolist()):
+            size = int(self.starts[i + 1] - self.starts[i])
+            whole, rest = divmod(count, size)
+            subset = np.random.default_rng([seed, epoch, i]).permutation(size)[:rest]
+            drawn.append(self.starts[i] + np.concatenate([np.tile(np.arange(size), whole), np.sort(subset)]))
+        return np.concatenate(drawn).astype(np.int64)
+
+    def corpus_of(self, positions) -> np.ndarray:
+        """Which corpus (its index in data.corpora) each position belongs to."""
+        return np.searchsorted(self.starts, np.asarray(positions), side="right") - 1
+
+    def collate(self, positions, key=None) -> Batch:
+        """The batch of positions `positions`, in their order, whichever corpora they come from."""
+        positions = np.asarray(positions, dtype=np.int64)
+        owner = self.corpus_of(positions)
+        flat, starts = {"src": [], "tgt": []}, {"src": np.zeros(len(positions), np.int64),
+                                                  "tgt": np.zeros(len(positions), np.int64)}
+        lengths = {"src": self.src_lens[positions], "tgt": self.tgt_lens[positions]}
+        used = {"src": 0, "tgt": 0}
+        for i in np.unique(owner).tolist():
+            rows = np.flatnonzero(owner == i)
+            pairs = self.parts[i].pair_index[positions[rows] - self.starts[i]]
+            for side in ("src", "tgt"):
+                ids, offsets = self.parts[i].stored(side)
+                compact, compact_starts = _gather(ids, offsets[pairs], lengths[side][rows])
+                flat[side].append(compact)
+                starts[side][rows] = compact_starts + used[side]
+                used[side] += len(compact)
+        src, tgt = (np.concatenate(flat[side]) if flat[side] else np.zeros(0, np.int64) for side in ("src", "tgt"))
+        return make_batch(src, starts["src"], lengths["src"], tgt, starts["tgt"], lengths["tgt"])
+
+    def report(self) -> None:
+        """One line on how each epoch is mixed."""
+        rows = []
+        for label, part, weight, share, count in zip(self.labels, self.parts, self.weights, self.shares, self.counts):
+            rows.append(f"{label} {len(part):,} pairs x weight {weight:g} -> {100 * share:.1f}% "
+                        f"({count / len(part):.2f}x its pairs)")
+        log.info("training mixture (data.temperature=%g), each epoch %s pairs: %s", self.temperature,
+                 f"{len(self):,}", "; ".join(rows))
+
+
+def _gather(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences flat[starts[b] : starts[b] + lengths[b]] side by side in one int64 array, and where
+    each begins in it."""
+    new_starts = np.cumsum(lengths) - lengths
+    index = np.repeat(starts - new_starts, lengths) + np.arange(int(lengths.sum()))
+    return flat[index].astype(np.int64), new_starts
+
+
+def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, sources: dict | None) -> PreparedData:
+    """`corpus.prepare` for data.corpora: one tokenizer for all corpora (unless given), each corpus's
+    training split prepared under its own lock, validation (and test) from data.path / data.hub_id."""
+    others: dict[str, SplitSource] = dict(sources or {split: open_split(cfg, split) for split in splits
+                                                      if split != "train"})
+    others.pop("train", None)
+    part_cfgs = [corpus_config(cfg, corpus) for corpus in cfg.corpora]
+    part_sources = [open_split(part_cfg, "train") for part_cfg in part_cfgs]
+    joined = Concatenated(part_sources)
+    if tokenizer is None:
+        tokenizer = train_tokenizer(cfg, joined, build=False)
+        if tokenizer is None:
+            with preparation_lock(cfg):
+                tokenizer = train_tokenizer(cfg, joined)
+    parts = [_encoded(part_cfg, source, tokenizer, "train") for part_cfg, source in zip(part_cfgs, part_sources)]
+    encoded = {split: _encoded(cfg, source, tokenizer, split) for split, source in others.items()}
+    for part in parts:
+        part.report()
+    train = MixedCorpus(parts, [corpus.weight for corpus in cfg.corpora], cfg.temperature, cfg.name,
+                        [corpus.label() for corpus in cfg.corpora])
+    train.report()
+    if "validation" in encoded:
+        encoded["validation"].report()
+    log.info("data %s: %d training pairs in %d corpora%s", cfg.name, len(train), len(parts),
+             f", {len(encoded['validation'])} validation pairs" if "validation" in encoded else "")
+    return PreparedData(tokenizer, train, encoded.get("validation"), {**others, "train": joined})
+
+
+def _encoded(cfg: DataConfig, source: SplitSource, tokenizer: Tokenizer, split: str) -> EncodedCorpus:
+    """A prepared split: read if cached and whole, else prepared under the lock of `cfg`'s corpus."""
+    corpus = encoded_split(source, tokenizer, cfg, split, build=False)
+    if corpus is None:
+        with preparation_lock(cfg):
+            corpus = encoded_split(source, tokenizer, cfg, split)
+    return corpus
