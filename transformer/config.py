@@ -87,13 +87,20 @@ class CorpusConfig:
     weight: float = setting(1.0, "multiplies its size in the mixture (2 = as if it were twice as large)")
     train_split: str = setting("train", "its split trained on")
     local_splits: dict[str, str] = setting(factory=dict, meaning="file stem per split where it differs")
+    src_lang: str | None = setting(None, "its source language (default: data.src_lang)")
+    tgt_lang: str | None = setting(None, "its target language (default: data.tgt_lang); corpora into more than "
+                                         "one target language train one multilingual model with target tags")
 
-    def label(self) -> str:
-        """The corpus's name: given, or the last part of its path or hub id."""
+    def label(self, data: DataConfig) -> str:
+        """The corpus's name: given, or the last part of its path or hub id (and its languages, where it
+        names its own: multi30k_fr_en)."""
         if self.name:
             return self.name
         where = (self.path or self.hub_id or "corpus").rstrip("/\\")
-        return Path(where).name.split(".")[0] or "corpus"
+        base = Path(where).name.split(".")[0] or "corpus"
+        if self.src_lang or self.tgt_lang:
+            return f"{base}_{self.src_lang or data.src_lang}_{self.tgt_lang or data.tgt_lang}"
+        return base
 
 
 @dataclass
@@ -178,17 +185,34 @@ class DataConfig:
                 raise ConfigError(f"{key} names no source: give it a path (local files) or a hub_id")
             if not (math.isfinite(corpus.weight) and corpus.weight > 0):
                 raise ConfigError(f"{key}.weight={corpus.weight} must be a positive number")
-            names.append(corpus.label())
+            src, tgt = corpus.src_lang or self.src_lang, corpus.tgt_lang or self.tgt_lang
+            if src == tgt:
+                raise ConfigError(f"{key}: src_lang and tgt_lang are both {src!r}")
+            names.append(corpus.label(self))
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise ConfigError(f"data.corpora: two corpora are named {repeated[0]!r}; give each a name "
                               f"(data.corpora='[{{path: ..., name: {repeated[0]}_a}}, ...]')")
+        if len(self.target_languages()) > 1 and not self.joint_vocab:
+            raise ConfigError(f"data.corpora translate into {', '.join(self.target_languages())}: a multilingual "
+                              "model needs one vocabulary for all languages; set data.joint_vocab=true")
         if self.corpora and self.subword_sampling:
             raise ConfigError("data.subword_sampling does not work with data.corpora yet; train a mixture with "
                               "data.subword_sampling=0")
 
     def split_name(self, split: str) -> str:
         return self.local_splits.get(split, split)
+
+    def directions(self) -> list[tuple[str, str]]:
+        """The (source, target) language pairs trained on, in the order first listed."""
+        pairs = [(c.src_lang or self.src_lang, c.tgt_lang or self.tgt_lang) for c in self.corpora]
+        return list(dict.fromkeys(pairs or [(self.src_lang, self.tgt_lang)]))
+
+    def target_languages(self) -> list[str]:
+        """A multilingual model's target languages (each gets a tag): those of the corpora and data.tgt_lang,
+        when there is more than one; [] for a model into one language."""
+        languages = sorted({tgt for _, tgt in self.directions()} | {self.tgt_lang})
+        return languages if len(languages) > 1 else []
 
 
 ATTENTION_HEATMAPS = ("mean", "heads", "layers")       # trainer.attention_heatmaps

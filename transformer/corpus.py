@@ -302,7 +302,8 @@ def _move_aside(directory: Path, damage: CacheDamage) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc: str, text: bool = False) -> None:
+def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc: str, text: bool = False,
+               tag: str | None = None) -> None:
     """Encode `source` chunk by chunk (SentencePiece on every core) into the files of `directory`,
     written in a temporary directory renamed into place. Called under the preparation lock."""
     tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
@@ -310,7 +311,7 @@ def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc:
         directory.parent.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(directory)
         tmp.mkdir()
-        meta = _write_split(tmp, source, tokenizer, desc, text)
+        meta = _write_split(tmp, source, tokenizer, desc, text, tag)
         os.rename(tmp, directory)
     except OSError as error:                    # a full disk, a read-only cache: one line, not a traceback
         raise write_failure(error, "the prepared corpus", directory) from None
@@ -320,8 +321,10 @@ def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc:
              directory)
 
 
-def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str, text: bool = False) -> dict:
-    """`text`: also keep every line's UTF-8 bytes (for subword sampling)."""
+def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str, text: bool = False,
+                 tag: str | None = None) -> dict:
+    """`text`: also keep every line's UTF-8 bytes (for subword sampling); `tag`: the target language whose
+    tag starts every source sentence (a multilingual model)."""
     vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
     lengths = {"src": [], "tgt": []}
@@ -335,8 +338,8 @@ def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str
             tqdm(desc=f"encoding {desc}", unit=" pairs", unit_scale=True, disable=None, leave=False) as bar:
         for src, tgt in source.chunks():
             for side, lines, out in (("src", src, src_file), ("tgt", tgt, tgt_file)):
-                encode = tokenizer.encode_src if side == "src" else tokenizer.encode_tgt
-                ids = encode(lines, num_threads=threads)
+                ids = tokenizer.encode_src(lines, num_threads=threads, tgt_lang=tag) if side == "src" \
+                    else tokenizer.encode_tgt(lines, num_threads=threads)
                 lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
                 out.write(np.fromiter((i for seq in ids for i in seq), dtype=dtype, count=int(lens.sum())).tobytes())
                 lengths[side].append(lens)
@@ -394,9 +397,13 @@ def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, sp
     or encoded now (or None when it is missing or damaged and `build` is false). With `build`, call it
     under `preparation_lock`: a damaged split is moved aside and encoded again."""
     text = split == "train" and cfg.subword_sampling > 0       # the text kept for subword sampling
+    tag = cfg.tgt_lang if tokenizer.target_languages else None   # a multilingual model: sources tagged
+    if tag is not None and tag not in tokenizer.target_languages:
+        raise DataError(f"{source.where}: translates into {tag!r}, which is not a target language of the "
+                        f"model's tokenizer (it knows {', '.join(tokenizer.target_languages)})")
     key = hashlib.sha256(json.dumps({"source": source.fingerprint(), "tokenizer": tokenizer.fingerprint(),
-                                     "format": FORMAT_VERSION, **({"text": True} if text else {})}
-                                    ).encode()).hexdigest()[:16]
+                                     "format": FORMAT_VERSION, **({"text": True} if text else {}),
+                                     **({"tag": tag} if tag else {})}).encode()).hexdigest()[:16]
     name = f"{cfg.name}.{split}"
     directory = Path(cfg.cache_dir) / "corpus" / f"{name}.{key}"
     try:
@@ -408,7 +415,7 @@ def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, sp
         if directory.exists():                  # damaged, not simply never prepared
             log.warning("%s; preparing %s again", damage, name)
             _move_aside(directory, damage)
-        _encode_to(directory, source, tokenizer, name, text)
+        _encode_to(directory, source, tokenizer, name, text, tag)
     return EncodedCorpus(directory, cfg.max_len, name, Cleaning.of(cfg) if split == "train" else None)
 
 
@@ -441,7 +448,7 @@ class PreparedData:
 def train_tokenizer(cfg: DataConfig, source: SplitSource, build: bool = True) -> Tokenizer | None:
     return build_tokenizer(source, vocab_size=cfg.vocab_size, model_type=cfg.tokenizer_type, joint=cfg.joint_vocab,
                            character_coverage=cfg.character_coverage, sample=cfg.tokenizer_sample,
-                           cache_dir=cfg.cache_dir, build=build)
+                           cache_dir=cfg.cache_dir, build=build, languages=cfg.target_languages())
 
 
 def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train", "validation"),

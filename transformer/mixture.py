@@ -36,9 +36,10 @@ log = logging.getLogger("transformer.corpus")
 def corpus_config(cfg: DataConfig, corpus: CorpusConfig) -> DataConfig:
     """The data config of one corpus of the mixture: its source and name, every other setting (cleaning,
     max_len, tokenizer) the run's."""
-    return dataclasses.replace(cfg, name=corpus.label(), path=corpus.path, hub_id=corpus.hub_id,
+    return dataclasses.replace(cfg, name=corpus.label(cfg), path=corpus.path, hub_id=corpus.hub_id,
                                hub_config=corpus.hub_config, embedded=False, train_split=corpus.train_split,
-                               local_splits=dict(corpus.local_splits), corpora=[])
+                               local_splits=dict(corpus.local_splits), src_lang=corpus.src_lang or cfg.src_lang,
+                               tgt_lang=corpus.tgt_lang or cfg.tgt_lang, corpora=[])
 
 
 def mixture_shares(sizes, weights, temperature: float) -> np.ndarray:
@@ -157,7 +158,7 @@ def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, source
     for part in parts:
         part.report()
     train = MixedCorpus(parts, [corpus.weight for corpus in cfg.corpora], cfg.temperature, cfg.name,
-                        [corpus.label() for corpus in cfg.corpora])
+                        [corpus.label(cfg) for corpus in cfg.corpora])
     train.report()
     if "validation" in encoded:
         encoded["validation"].report()

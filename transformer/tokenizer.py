@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +36,10 @@ if TYPE_CHECKING:                  # the corpus readers: only for the annotation
     from transformer.data import SplitSource
 
 CACHE_VERSION = 2            # 2: each cached model's size and CRC-32 recorded beside it
+# A multilingual model's target-language tag: a piece of its own in SentencePiece (a user-defined
+# symbol, never split), put at the start of every source sentence.
+LANGUAGE_TAG = "<2{}>"
+_TAG_PATTERN = re.compile(r"<2([^<>\s]+)>")
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +60,31 @@ class Tokenizer:
     def tgt_vocab_size(self) -> int:
         return self.tgt.get_piece_size()
 
-    def encode_src(self, lines: Sequence[str], num_threads: int = 1) -> list[list[int]]:
-        return self.src.encode(list(lines), num_threads=num_threads)
+    @property
+    def target_languages(self) -> list[str]:
+        """The languages a multilingual model translates into (its `<2xx>` pieces); [] for a bilingual one."""
+        if not hasattr(self, "_languages"):
+            self._languages = {}
+            for i in range(self.src.get_piece_size()):
+                match = _TAG_PATTERN.fullmatch(self.src.id_to_piece(i))
+                if match:
+                    self._languages[match[1]] = i
+        return sorted(self._languages)
+
+    def tag_id(self, language: str) -> int:
+        """The id of `language`'s tag; ValueError naming the languages there are."""
+        if language not in self.target_languages:
+            known = ", ".join(self.target_languages) or "none: a bilingual model has no language tags"
+            raise ValueError(f"{language!r} is not a target language of this model (it knows {known})")
+        return self._languages[language]
+
+    def encode_src(self, lines: Sequence[str], num_threads: int = 1, tgt_lang: str | None = None) -> list[list[int]]:
+        """Source ids; with `tgt_lang` (a multilingual model), each starting with that language's tag."""
+        ids = self.src.encode(list(lines), num_threads=num_threads)
+        if tgt_lang is None:
+            return ids
+        tag = self.tag_id(tgt_lang)
+        return [[tag, *sentence] for sentence in ids]
 
     def encode_tgt(self, lines: Sequence[str], num_threads: int = 1) -> list[list[int]]:
         return self.tgt.encode(list(lines), num_threads=num_threads)
@@ -78,12 +106,13 @@ class Tokenizer:
 
 
 def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
-                        character_coverage: float, sample: int, where: str = "the training split") -> bytes:
+                        character_coverage: float, sample: int, where: str = "the training split",
+                        symbols: Sequence[str] = ()) -> bytes:
     """Train one SentencePiece model in memory and return its serialised bytes.
 
     The lines are streamed: SentencePiece keeps a uniform random sample of at most `sample` of them
     (its input_sentence_size / shuffle_input_sentence), so its time and memory do not grow with the
-    corpus beyond reading it once. On a terminal a bar counts the lines read; a log line says when
+    corpus beyond reading it once. `symbols` (language tags) become pieces of their own. On a terminal a bar counts the lines read; a log line says when
     SentencePiece has them all and trains (which it does without reporting progress).
     """
     model = io.BytesIO()
@@ -105,7 +134,7 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
             raise
 
     try:
-        _train(counted(), model, vocab_size, model_type, character_coverage, sample)
+        _train(counted(), model, vocab_size, model_type, character_coverage, sample, symbols)
     except RuntimeError as error:
         if failure:
             raise failure[0] from None
@@ -116,7 +145,8 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
     return model.getvalue()
 
 
-def _train(sentences, model, vocab_size, model_type, character_coverage, sample) -> None:
+def _train(sentences, model, vocab_size, model_type, character_coverage, sample, symbols=()) -> None:
+    extra = {"user_defined_symbols": list(symbols)} if symbols else {}
     spm.SentencePieceTrainer.train(
         sentence_iterator=sentences,
         model_writer=model,
@@ -130,19 +160,22 @@ def _train(sentences, model, vocab_size, model_type, character_coverage, sample)
         shuffle_input_sentence=True,
         num_threads=os.cpu_count() or 1,
         minloglevel=2,
+        **extra,
     )
 
 
 def build_tokenizer(source: SplitSource, *, vocab_size: int, model_type: str = "bpe", joint: bool = True,
                     character_coverage: float = 1.0, sample: int = 1_000_000, cache_dir: str | Path = "data",
-                    build: bool = True) -> Tokenizer | None:
+                    build: bool = True, languages: Sequence[str] = ()) -> Tokenizer | None:
     """Load the cached tokenizer for this training split (by its fingerprint) and these settings, or
     train and cache it, streaming the split. With `build=False`, None when nothing (whole) is cached.
 
     The cache is `spm/<key>.joint.model` (or `.src.model` + `.tgt.model`) and `spm/<key>.json`, which
-    records each model's size and CRC-32: a damaged or missing model is trained again, with a warning."""
+    records each model's size and CRC-32: a damaged or missing model is trained again, with a warning.
+    `languages`: the target languages of a multilingual model, each with a tag piece (joint only)."""
     settings = {"vocab_size": vocab_size, "model_type": model_type, "joint": joint,
-                "character_coverage": character_coverage, "sample": sample}
+                "character_coverage": character_coverage, "sample": sample,
+                **({"languages": sorted(languages)} if languages else {})}
     key = hashlib.sha256(json.dumps({**settings, "corpus": source.fingerprint(), "cache": CACHE_VERSION},
                                     sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cache_dir) / "spm"
@@ -158,8 +191,9 @@ def build_tokenizer(source: SplitSource, *, vocab_size: int, model_type: str = "
             log.warning("%s; training SentencePiece again", damage)
         log.info("SentencePiece: training %s %s vocabulary of %d pieces", "joint" if joint else "separate",
                  model_type, vocab_size)
-        train = dict(vocab_size=vocab_size, model_type=model_type,
-                     character_coverage=character_coverage, sample=sample, where=source.where)
+        train = dict(vocab_size=vocab_size, model_type=model_type, character_coverage=character_coverage,
+                     sample=sample, where=source.where,
+                     symbols=[LANGUAGE_TAG.format(language) for language in sorted(languages)])
         if joint:
             models = [train_sentencepiece(source.lines("src", "tgt"), **train)]
         else:

@@ -92,7 +92,8 @@ class Trainer:
             load_model_weights(self.model, init_state["model"], tc.init_from)
         self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device)
         # Validation and the test decode through the same front end as transformer-translate.
-        self.translator = Translator(self.model, tok, cfg, self.device, autocast=self.autocast)
+        self.translator = Translator(self.model, tok, cfg, self.device, autocast=self.autocast,
+                                     tgt_lang=cfg.data.tgt_lang)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.state = TrainingState(cfg, self.model, tok, self.optimizer, self.scheduler, self.scaler,
                                    CheckpointDirectory(self.ckpt_dir, tc.keep_last, self.dist.is_main),

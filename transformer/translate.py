@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     parser.add_argument("--input", "-i", help="source text file (default: stdin)")
     parser.add_argument("--output", "-o", help="where to write translations (default: stdout)")
+    parser.add_argument("--tgt-lang", metavar="LANG", help="the target language of a multilingual model (its "
+                        "<2LANG> tag starts every source sentence; a bilingual model needs none)")
     parser.add_argument("--prefix", metavar="FILE", help="target-language prefixes, one per input line (an empty "
                         "line: none): each translation starts with its prefix and the search continues from there")
     add_decoding_flags(parser)                  # --beam, --nbest, --alpha, ...
@@ -288,6 +290,10 @@ def _run(args) -> int:
     try:
         translator = load_translator(args)
     except (CheckpointError, ConfigError, ValueError) as error:
+        return _fail(str(error))
+    try:                                  # every path below translates into this language
+        translator.tgt_lang = translator.target_language(args.tgt_lang, knob="--tgt-lang ")
+    except ValueError as error:
         return _fail(str(error))
     if not scoring:
         if args.beam is None:             # one draw per line, or the decode config the model was trained with

@@ -37,8 +37,10 @@ class Translator:
     `from_checkpoints` makes an ensemble: several models over one vocabulary, decoding together.
     """
 
-    def __init__(self, model, tokenizer, config, device: torch.device, precision: str = "fp32", autocast=None):
+    def __init__(self, model, tokenizer, config, device: torch.device, precision: str = "fp32", autocast=None,
+                 tgt_lang: str | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.tgt_lang = tgt_lang                            # a multilingual model's default target language
         self.models, self.weights = [model], None           # an ensemble: `from_checkpoints`
         self.max_length = model.cfg.max_positions - 1       # tokens of a sentence, EOS or BOS aside
         self.device = device
@@ -102,10 +104,40 @@ class Translator:
         first.max_length = min(member.max_length for member in members)
         return first
 
-    def encode_sources(self, sentences: list[str]) -> list[list[int]]:
-        """Source token ids, each cut to the model's positions (with one warning for all that were)."""
+    @property
+    def target_languages(self) -> list[str]:
+        """What a multilingual model translates into (`tgt_lang=`); [] for a bilingual one."""
+        return self.tokenizer.target_languages
+
+    def target_language(self, tgt_lang: str | None, knob: str = "tgt_lang=") -> str | None:
+        """The target language whose tag starts each source: `tgt_lang` or the default, checked; None for
+        a bilingual model, which takes no tag (its own target language is accepted). ValueError in one
+        line naming the languages there are, and `knob` as the way to give one."""
+        languages = self.target_languages
+        data = self.config.data
+        if not languages:
+            if tgt_lang not in (None, data.tgt_lang):
+                raise ValueError(f"{knob}{tgt_lang}: this model translates {data.src_lang} -> {data.tgt_lang} only; "
+                                 "leave the target language out")
+            return None
+        language = tgt_lang or self.tgt_lang
+        if language is None:
+            raise ValueError(f"this model translates into several languages ({', '.join(languages)}): choose one "
+                             f"with {knob}LANG")
+        if language not in languages:
+            raise ValueError(f"{knob}{language}: not a target language of this model; it translates into "
+                             f"{', '.join(languages)}")
+        return language
+
+    def encode_sources(self, sentences: list[str], tgt_lang: str | None = None) -> list[list[int]]:
+        """Source token ids, each cut to the model's positions (with one warning for all that were); a
+        multilingual model's start with the tag of `tgt_lang` (`target_language`), an empty one stays empty."""
         limit = self.max_length
+        language = self.target_language(tgt_lang)
         sources = self.tokenizer.encode_src([s.strip() for s in sentences])
+        if language is not None:
+            tag = self.tokenizer.tag_id(language)
+            sources = [[tag, *ids] if ids else [] for ids in sources]
         truncated = sum(len(s) > limit for s in sources)
         if truncated:
             warnings.warn(f"{truncated} source sentence(s) longer than {limit} tokens were truncated "
@@ -120,7 +152,8 @@ class Translator:
                    nbest: int | None = None, max_len_a: float | None = None, max_len_b: int | None = None,
                    batch_tokens: int | None = None, progress: bool | None = False, desc: str = "translate",
                    sampling: Sampling | None = None, stop=None, use_cache: bool = True,
-                   prefixes: list[str] | None = None, workers: int | None = None) -> list[list[Hypothesis]]:
+                   prefixes: list[str] | None = None, workers: int | None = None,
+                   tgt_lang: str | None = None) -> list[list[Hypothesis]]:
         """n-best `Hypothesis` lists (text, score, tokens, ...), best first. Options left out come from the
         config's decode section (nbest, batch_tokens: the schema's defaults; `DecodeConfig.for_translation`),
         and a bad one is a ValueError naming it. Empty sentences translate to ''. With `sampling` (`search.Sampling`), one
@@ -129,8 +162,10 @@ class Translator:
         log-probability counts in the score). `workers`: on the CPU, batches decoded at a time, one core
         each (`search.in_parallel`; None: as many as PyTorch has threads, i.e. the cores). `progress`: a
         tqdm bar (None: when stderr is a terminal); `stop()`, asked between batches, may raise
-        `search.Interrupted`; `use_cache=False` recomputes every prefix (the bench's reference)."""
+        `search.Interrupted`; `use_cache=False` recomputes every prefix (the bench's reference).
+        `tgt_lang`: the target language of a multilingual model (`target_languages`), which needs one."""
         sentences = list_of_str(sentences, "sentences", "translate([text])")
+        self.target_language(tgt_lang)              # refused before anything else is done
         prefix_ids = self.encode_prefixes(prefixes, len(sentences))
         batch_tokens_given = batch_tokens is not None
         decode = self.config.decode.for_translation(beam_size=beam_size, alpha=alpha, nbest=nbest, max_len_a=max_len_a,
@@ -140,7 +175,7 @@ class Translator:
         if self.quantized and not batch_tokens_given:    # int8 runs fastest on batches of a few thousand
             rows = 1 if sampling is not None or beam_size == 1 else beam_size
             batch_tokens = min(batch_tokens, INT8_SOURCE_TOKENS * rows)
-        sources = self.encode_sources(sentences)
+        sources = self.encode_sources(sentences, tgt_lang)
         wanted = [i for i, s in enumerate(sources) if s]
         results: list[list[Hypothesis]] = [[] for _ in sources]
         with tqdm(total=len(wanted), desc=desc, unit="sent", leave=False,
@@ -171,10 +206,12 @@ class Translator:
         return [ids[:self.max_length - 1] for ids in self.tokenizer.encode_tgt([p.strip() for p in prefixes])]
 
     @torch.inference_mode()
-    def score(self, sentences: list[str], references: list[str], batch_tokens: int | None = None) -> list[float]:
+    def score(self, sentences: list[str], references: list[str], batch_tokens: int | None = None,
+              tgt_lang: str | None = None) -> list[float]:
         """Log-probability of each reference translation given its source under the model (forced
         decoding): the sum over its tokens and the final EOS, as sentence scores for filtering corpora.
-        Sources and references longer than the model's positions are truncated."""
+        Sources and references longer than the model's positions are truncated. `tgt_lang`: as for
+        `hypotheses`."""
         sentences = list_of_str(sentences, "sentences", "score([source], [reference])")
         references = list_of_str(references, "references", "score([source], [reference])")
         if len(sentences) != len(references):
@@ -182,7 +219,7 @@ class Translator:
                              "per source")
         if batch_tokens is not None:
             check_decode_options({"batch_tokens": batch_tokens}, "api")
-        sources = self.encode_sources(sentences)
+        sources = self.encode_sources(sentences, tgt_lang)
         targets = [ids[:self.max_length] for ids in self.tokenizer.encode_tgt([r.strip() for r in references])]
         widths = [max(len(a), len(b)) for a, b in zip(sources, targets)]
         scores = [0.0] * len(sources)

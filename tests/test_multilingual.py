@@ -1,0 +1,124 @@
+"""One model for several language pairs: corpora into more than one target language get target tags
+(`<2xx>` pieces of the joint SentencePiece model, first in every source), and translating with such a
+model needs a target language, refused in one line when missing or unknown."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import FAST, ROOT, compose_config
+from transformer.checkpoint import save_checkpoint
+from transformer.config import ConfigError
+from transformer.corpus import prepare
+from transformer.model import build_model
+from transformer.toy import generate
+from transformer.translator import Translator
+
+
+def _write_corpus(directory: Path, pairs: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, (src, tgt) in generate(pairs, 30, 30, seed=3).items():
+        (directory / f"{split}.de").write_text("\n".join(src) + "\n")
+        (directory / f"{split}.en").write_text("\n".join(tgt) + "\n")
+    return directory
+
+
+def _overrides(corpus: Path) -> list[str]:
+    """de->en and en->de from the same files: one model into two languages."""
+    return [f"data.path={corpus}", "data.name=both", "data.embedded=false",
+            f"data.corpora=[{{path: {corpus}, src_lang: de, tgt_lang: en}}, "
+            f"{{path: {corpus}, src_lang: en, tgt_lang: de, weight: 0.5}}]"]
+
+
+@pytest.fixture(scope="module")
+def multilingual(tmp_path_factory):
+    """(prepared data, path of an untrained multilingual checkpoint)."""
+    root = tmp_path_factory.mktemp("multilingual")
+    cfg = compose_config(FAST + _overrides(_write_corpus(root / "toy", 300)), root / "cache")
+    data = prepare(cfg.data)
+    torch.manual_seed(0)
+    tok = data.tokenizer
+    model = build_model(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint)
+    save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tok.state_dict(),
+                     "step": 0}, root / "best.pt")
+    return data, root / "best.pt"
+
+
+def test_every_source_starts_with_the_tag_of_its_corpus_target_language(multilingual):
+    data, _ = multilingual
+    tok = data.tokenizer
+    assert tok.target_languages == ["de", "en"]
+    assert tok.src.id_to_piece(tok.tag_id("en")) == "<2en>"
+    into_en, into_de = data.train.parts
+    assert into_en.name == "toy_de_en.train" and into_de.name == "toy_en_de.train"
+    for part, language in ((into_en, "en"), (into_de, "de")):
+        firsts = {part.ids(k)[0][0] for k in range(len(part))}
+        assert firsts == {tok.tag_id(language)}
+        assert all(tok.tag_id(other) not in part.ids(k)[1] for k in range(20) for other in ("de", "en"))
+    assert {data.valid.ids(k)[0][0] for k in range(len(data.valid))} == {tok.tag_id("en")}   # data.tgt_lang
+    # The same text, each side once as source and once as target.
+    assert into_en.ids(0)[0][1:] == into_de.ids(0)[1] and into_en.ids(0)[1] == into_de.ids(0)[0][1:]
+
+
+def test_a_multilingual_model_needs_a_known_target_language_and_the_tag_reaches_the_encoder(multilingual):
+    _, path = multilingual
+    translator = Translator.from_checkpoint(path, device="cpu")
+    assert translator.target_languages == ["de", "en"]
+    with pytest.raises(ValueError, match=r"^this model translates into several languages \(de, en\): choose one "
+                                         r"with tgt_lang=LANG$"):
+        translator.translate(["Der Hund."])
+    with pytest.raises(ValueError, match="tgt_lang=fr: not a target language of this model; it translates into de, en"):
+        translator.translate(["Der Hund."], tgt_lang="fr")
+    assert translator.translate(["Der Hund .", ""], tgt_lang="en", beam_size=2)[1] == ""
+    into_en = translator.score(["Der Hund ."], ["The dog ."], tgt_lang="en")
+    into_de = translator.score(["Der Hund ."], ["The dog ."], tgt_lang="de")
+    assert into_en != into_de                                     # the tag is part of what the encoder reads
+    assert translator.score(["Der Hund ."], ["The dog ."], tgt_lang="en") == into_en
+
+
+def test_a_bilingual_model_needs_no_target_language_and_refuses_another(untrained_checkpoint):
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu")
+    assert translator.target_languages == []
+    plain = translator.score(["Der Hund ."], ["The dog ."])
+    assert translator.score(["Der Hund ."], ["The dog ."], tgt_lang="en") == plain
+    with pytest.raises(ValueError, match="tgt_lang=fr: this model translates de -> en only"):
+        translator.translate(["Der Hund ."], tgt_lang="fr")
+
+
+@pytest.mark.parametrize("flags, code, message", [
+    ([], 2, "transformer-translate: error: this model translates into several languages (de, en): choose one with "
+            "--tgt-lang LANG"),
+    (["--tgt-lang", "cs"], 2, "transformer-translate: error: --tgt-lang cs: not a target language of this model; it "
+                              "translates into de, en"),
+    (["--tgt-lang", "de"], 0, ""),
+])
+def test_the_cli_refuses_a_missing_or_unknown_target_language_in_one_line(multilingual, flags, code, message):
+    _, path = multilingual
+    result = subprocess.run([sys.executable, "-m", "transformer.translate", str(path), "--beam", "1", *flags],
+                            input="Der Hund .\n", capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == code, result.stderr
+    assert result.stderr.strip() == message
+    assert len(result.stdout.splitlines()) == (1 if code == 0 else 0)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.corpora=[{path: a, src_lang: en, tgt_lang: en}]", "data.corpora\\[0\\]: src_lang and tgt_lang are both 'en'"),
+    ("data.corpora=[{path: a, tgt_lang: de, src_lang: en}, {path: a}]", "a multilingual model needs one vocabulary"),
+])
+def test_a_bad_multilingual_config_is_refused(override, message):
+    overrides = [override] + (["data.joint_vocab=false"] if "vocabulary" in message else [])
+    with pytest.raises(ConfigError, match=message):
+        compose_config(overrides)
+
+
+def test_corpora_of_one_directory_are_named_by_their_languages():
+    cfg = compose_config(["data.corpora=[{path: /d/multi30k, src_lang: fr}, {path: /d/multi30k, tgt_lang: cs}, "
+                          "{path: /d/other}]"])
+    assert [c.label(cfg.data) for c in cfg.data.corpora] == ["multi30k_fr_en", "multi30k_de_cs", "other"]
+    assert cfg.data.directions() == [("fr", "en"), ("de", "cs"), ("de", "en")]
+    assert cfg.data.target_languages() == ["cs", "en"]
