@@ -122,3 +122,59 @@ def test_corpora_of_one_directory_are_named_by_their_languages():
     assert [c.label(cfg.data) for c in cfg.data.corpora] == ["multi30k_fr_en", "multi30k_de_cs", "other"]
     assert cfg.data.directions() == [("fr", "en"), ("de", "cs"), ("de", "en")]
     assert cfg.data.target_languages() == ["cs", "en"]
+
+
+@pytest.mark.slow
+def test_a_multilingual_run_validates_each_direction_and_keeps_the_best_by_their_mean(tmp_path, data_cache):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from transformer.train import train
+    corpus = _write_corpus(tmp_path / "toy", 300)
+    cfg = compose_config(FAST + _overrides(corpus) + [
+        "trainer.max_steps=6", "trainer.validate_every=3", "trainer.val_max_sentences=10", "decode.beam_size=1",
+        "trainer.test_at_end=false", "trainer.max_minutes=0", "trainer.ema_decay=0"], data_cache)
+    metrics = train(cfg, tmp_path / "run")
+    log = (tmp_path / "run" / "train.log").read_text()
+    for what in ("de-en", "en-de", "mean of 2 directions"):
+        assert f"validation step 3 {what} | loss" in log, what
+    for step in (3, 6):
+        entry = next(v for v in metrics["val_history"] if v["step"] == step)
+        assert entry["bleu"] == pytest.approx((entry["bleu_de-en"] + entry["bleu_en-de"]) / 2)
+    assert metrics["best_bleu"] == max(v["bleu"] for v in metrics["val_history"])
+    events = EventAccumulator(str(tmp_path / "run" / "tb"))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {"val/de-en/bleu", "val/en-de/bleu", "val/de-en/chrf", "val/bleu", "loss/valid"} <= scalars
+    assert "val/de-en/cross_attention" in events.Tags()["images"]           # drawn for the first direction
+    assert "val/en-de/cross_attention" not in events.Tags()["images"]
+
+
+def test_evaluate_scores_a_chosen_direction_and_refuses_an_unknown_one(multilingual, capsys):
+    from transformer.evaluate import evaluate, main
+    _, path = multilingual
+    result = evaluate(path, split="test", src_lang="en", tgt_lang="de", beam_size=1, device="cpu")
+    assert result["split"] == "test.en-de" and result["sentences"] == 30
+    assert Path(result["hypotheses_file"]).name == "best.test.en-de.beam1.hyp"
+    assert "|tok:13a|" in result["bleu_signature"]
+    default = evaluate(path, split="test", beam_size=1, device="cpu")        # the checkpoint's data pair
+    assert default["split"] == "test" and default["sentences"] == 30
+    assert main([str(path), "--tgt-lang", "fr", "--beam", "1"]) == 2
+    assert capsys.readouterr().err.strip() == ("transformer-evaluate: error: --tgt-lang fr: not a target language "
+                                               "of this model; it translates into de, en")
+
+
+def test_the_joint_tokenizer_reads_each_language_once_and_at_most_its_share(tmp_path):
+    from transformer.data import open_split
+    from transformer.mixture import corpus_config, tokenizer_input
+    corpus = _write_corpus(tmp_path / "toy", 300)
+    cfg = compose_config(FAST + _overrides(corpus) + ["data.tokenizer_sample=400"]).data
+    parts = [corpus_config(cfg, c) for c in cfg.corpora]
+    sample = tokenizer_input(cfg, parts, [open_split(p, "train") for p in parts])
+    lines = list(sample.lines("src", "tgt"))
+    german = (corpus / "train.de").read_text().splitlines()
+    english = (corpus / "train.en").read_text().splitlines()
+    assert lines == german[:200] + english[:200]        # de-en and en-de share their files: each side once
+    bilingual = compose_config(FAST + [f"data.path={corpus}", "data.embedded=false",
+                                       f"data.corpora=[{{path: {corpus}}}]"]).data
+    part = corpus_config(bilingual, bilingual.corpora[0])
+    assert len(list(tokenizer_input(bilingual, [part], [open_split(part, "train")]).lines("src", "tgt"))) == 600

@@ -35,7 +35,7 @@ import logging
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -443,6 +443,9 @@ class PreparedData:
     train: EncodedCorpus
     valid: EncodedCorpus | None
     sources: dict[str, SplitSource]          # the splits' text (validation and test are scored from it)
+    # A multilingual mixture: each direction's validation split and its text ("fr-en": (corpus, source));
+    # `valid` and sources["validation"] are then data.src_lang -> data.tgt_lang's (else the first's).
+    directions: dict[str, tuple[EncodedCorpus, SplitSource]] = field(default_factory=dict)
 
 
 def train_tokenizer(cfg: DataConfig, source: SplitSource, build: bool = True) -> Tokenizer | None:

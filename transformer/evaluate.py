@@ -5,6 +5,7 @@ ensemble)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -30,13 +31,22 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
              ref_file: str | None = None, beam_size: int | None = None, alpha: float | None = None,
              device: str = "auto", precision: str = "auto", batch_tokens: int | None = None,
              max_len_a: float | None = None, max_len_b: int | None = None, *, weights: list[float] | None = None,
-             quantize: str | None = None, workers: int | None = None, tokenized_lc: str | None = None) -> dict:
+             quantize: str | None = None, workers: int | None = None, tokenized_lc: str | None = None,
+             src_lang: str | None = None, tgt_lang: str | None = None) -> dict:
     """`checkpoint`: one, or a list (an ensemble, with optional `weights`). `tokenized_lc`: a file of the
     references lowercased and Moses-tokenized (Multi30k's tok/*.lc.norm.tok.*): BLEU as the literature
-    reports it, beside ours (`validate.tokenized_lowercased_bleu`)."""
+    reports it, beside ours (`validate.tokenized_lowercased_bleu`). `src_lang` / `tgt_lang`: another
+    direction of a multilingual model (the split's files in those languages; the translations into
+    `tgt_lang`, which files given with `src_file` need)."""
     checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
     checkpoint = checkpoints[0]
     translator = Translator.from_checkpoints(checkpoints, weights, device=device, precision=precision, quantize=quantize)
+    data = translator.config.data
+    if src_lang or tgt_lang:
+        data = dataclasses.replace(data, src_lang=src_lang or data.src_lang, tgt_lang=tgt_lang or data.tgt_lang,
+                                   corpora=[])
+    translator.tgt_lang = translator.target_language(tgt_lang or (None if src_file else data.tgt_lang),
+                                                     knob="--tgt-lang ")
     if src_file or ref_file:
         if not (src_file and ref_file):
             raise DataError("give both --src and --ref")
@@ -48,8 +58,8 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
             raise DataError(f"line counts differ: {src_file} has {len(sources)}, {ref_file} has {len(references)}")
         name = Path(src_file).name
     else:
-        sources, references = load_split_text(translator.config.data, split)
-        name = split
+        sources, references = load_split_text(data, split)
+        name = f"{split}.{data.src_lang}-{data.tgt_lang}" if src_lang or tgt_lang else split
     tokenized_references = None
     if tokenized_lc:
         if not Path(tokenized_lc).is_file():
@@ -58,7 +68,7 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
         if len(tokenized_references) != len(sources):
             raise DataError(f"--tokenized-lc {tokenized_lc}: {len(tokenized_references)} lines for {len(sources)} "
                             f"sources; give the tokenized references of the same {name} lines")
-        if not translator.config.data.tgt_lang:
+        if not data.tgt_lang:
             raise DataError("--tokenized-lc tokenizes for the target language, and the checkpoint's data.tgt_lang "
                             "is not set")
     beam = translator.config.decode.beam_size if beam_size is None else beam_size
@@ -79,9 +89,9 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
     result = {"checkpoint": str(checkpoint), "split": name, "sentences": len(sources), "beam_size": beam,
               **({"ensemble": [str(each) for each in checkpoints], "weights": weights} if len(checkpoints) > 1 else {}),
               **({"quantize": quantize} if quantize else {}),
-              "seconds": round(seconds, 2), **score(hypotheses, references, translator.config.data.tgt_lang)}
+              "seconds": round(seconds, 2), **score(hypotheses, references, data.tgt_lang)}
     if tokenized_references is not None:
-        result.update(tokenized_lowercased_bleu(hypotheses, tokenized_references, translator.config.data.tgt_lang))
+        result.update(tokenized_lowercased_bleu(hypotheses, tokenized_references, data.tgt_lang))
     hyp_path.write_text("".join(h.replace("\n", " ") + "\n" for h in hypotheses), encoding="utf-8")
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     result["hypotheses_file"], result["scores_file"] = str(hyp_path), str(json_path)
@@ -101,6 +111,10 @@ def build_parser() -> CommandLineParser:
     parser.add_argument("--split", default="test", help="split of the checkpoint's data config (default test)")
     parser.add_argument("--src", help="source file (instead of --split)")
     parser.add_argument("--ref", help="reference file (instead of --split)")
+    parser.add_argument("--src-lang", metavar="LANG", help="a multilingual model: the source language of the "
+                        "split's files to translate (default: the checkpoint's data.src_lang)")
+    parser.add_argument("--tgt-lang", metavar="LANG", help="a multilingual model: the target language to translate "
+                        "into and score (default: the checkpoint's data.tgt_lang; needed with --src)")
     parser.add_argument("--tokenized-lc", metavar="REF", help="the same references lowercased and Moses-tokenized "
                         "(Multi30k's tok/*.lc.norm.tok.*): also report BLEU as the literature does, our output "
                         "lowercased, normalized and tokenized the same way (sacremoses), sacreBLEU tokenize=none")
@@ -120,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         weights = checked_model_arguments(args)
         result = evaluate(args.checkpoints, args.split, args.src, args.ref, args.beam, args.alpha, args.device,
                           args.precision, args.batch_tokens, args.max_len_a, args.max_len_b, weights=weights,
-                          quantize=args.quantize, workers=args.workers, tokenized_lc=args.tokenized_lc)
+                          quantize=args.quantize, workers=args.workers, tokenized_lc=args.tokenized_lc,
+                          src_lang=args.src_lang, tgt_lang=args.tgt_lang)
     except KeyboardInterrupt:
         print("transformer-evaluate: interrupted", file=sys.stderr)
         return 130

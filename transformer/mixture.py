@@ -38,7 +38,8 @@ def corpus_config(cfg: DataConfig, corpus: CorpusConfig) -> DataConfig:
     max_len, tokenizer) the run's."""
     return dataclasses.replace(cfg, name=corpus.label(cfg), path=corpus.path, hub_id=corpus.hub_id,
                                hub_config=corpus.hub_config, embedded=False, train_split=corpus.train_split,
-                               local_splits=dict(corpus.local_splits), src_lang=corpus.src_lang or cfg.src_lang,
+                               local_splits={**cfg.local_splits, **corpus.local_splits},
+                               src_lang=corpus.src_lang or cfg.src_lang,
                                tgt_lang=corpus.tgt_lang or cfg.tgt_lang, corpora=[])
 
 
@@ -139,32 +140,96 @@ def _gather(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[
     return flat[index].astype(np.int64), new_starts
 
 
+class LanguageSample(SplitSource):
+    """What a multilingual mixture's joint SentencePiece model trains on: each language's text once (a
+    side that several corpora share, English in de-en and en-fr from one directory, is read once) and
+    at most `per_language` lines of each language (its first ones, corpus after corpus), so that one
+    language's volume does not drown the others in SentencePiece's sample."""
+
+    def __init__(self, sides: dict[str, list[tuple[SplitSource, int]]], per_language: int):
+        self.sides, self.per_language = sides, per_language          # language -> [(source, 0 = src, 1 = tgt)]
+        self.where = " + ".join(f"{language} ({len(entries)} file(s))" for language, entries in sides.items())
+
+    def _compute_fingerprint(self) -> str:
+        what = [[language, [(source.fingerprint(), index) for source, index in entries]]
+                for language, entries in self.sides.items()]
+        return hashlib.sha256(json.dumps([what, self.per_language]).encode()).hexdigest()[:16]
+
+    def lines(self, *sides: str):
+        return self
+
+    def __iter__(self):
+        for entries in self.sides.values():
+            left = self.per_language
+            for source, index in entries:
+                for chunk in source.chunks():
+                    taken = chunk[index][:left]
+                    yield from taken
+                    left -= len(taken)
+                    if not left:
+                        break
+                if not left:
+                    break
+
+
+def tokenizer_input(cfg: DataConfig, part_cfgs: list[DataConfig], part_sources: list[SplitSource]) -> SplitSource:
+    """The text the joint tokenizer trains on: all training splits, or, for a multilingual model, a
+    sample balanced across languages (`LanguageSample`)."""
+    if not cfg.target_languages():
+        return Concatenated(part_sources)
+    sides: dict[str, dict[tuple, tuple[SplitSource, int]]] = {}
+    for part_cfg, source in zip(part_cfgs, part_sources):
+        where = (part_cfg.path, part_cfg.hub_id, part_cfg.hub_config, part_cfg.train_split)
+        for index, language in enumerate((part_cfg.src_lang, part_cfg.tgt_lang)):
+            sides.setdefault(language, {}).setdefault(where, (source, index))
+    per_language = -(-cfg.tokenizer_sample // len(sides))
+    return LanguageSample({language: list(entries.values()) for language, entries in sides.items()}, per_language)
+
+
 def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, sources: dict | None) -> PreparedData:
     """`corpus.prepare` for data.corpora: one tokenizer for all corpora (unless given), each corpus's
-    training split prepared under its own lock, validation (and test) from data.path / data.hub_id."""
+    training split prepared under its own lock; validation (and test) from data.path / data.hub_id, or,
+    for a multilingual model, a validation split per direction, from the first corpus of each."""
+    multilingual = bool(cfg.target_languages())
     others: dict[str, SplitSource] = dict(sources or {split: open_split(cfg, split) for split in splits
-                                                      if split != "train"})
+                                                      if split != "train" and not (multilingual and
+                                                                                   split == "validation")})
     others.pop("train", None)
     part_cfgs = [corpus_config(cfg, corpus) for corpus in cfg.corpora]
     part_sources = [open_split(part_cfg, "train") for part_cfg in part_cfgs]
     joined = Concatenated(part_sources)
     if tokenizer is None:
-        tokenizer = train_tokenizer(cfg, joined, build=False)
+        text = tokenizer_input(cfg, part_cfgs, part_sources)
+        tokenizer = train_tokenizer(cfg, text, build=False)
         if tokenizer is None:
             with preparation_lock(cfg):
-                tokenizer = train_tokenizer(cfg, joined)
+                tokenizer = train_tokenizer(cfg, text)
     parts = [_encoded(part_cfg, source, tokenizer, "train") for part_cfg, source in zip(part_cfgs, part_sources)]
-    encoded = {split: _encoded(cfg, source, tokenizer, split) for split, source in others.items()}
+    directions = {}
+    if multilingual and ("validation" in splits or "validation" in others):
+        others.pop("validation", None)
+        for src_lang, tgt_lang in cfg.directions():
+            first = next(p for p in part_cfgs if (p.src_lang, p.tgt_lang) == (src_lang, tgt_lang))
+            source = open_split(first, "validation")
+            directions[f"{src_lang}-{tgt_lang}"] = (_encoded(first, source, tokenizer, "validation"), source)
+        main = directions.get(f"{cfg.src_lang}-{cfg.tgt_lang}") or next(iter(directions.values()))
+        others["validation"] = main[1]
+    encoded = {split: _encoded(cfg, source, tokenizer, split) for split, source in others.items()
+               if not (directions and split == "validation")}
+    if directions:
+        encoded["validation"] = main[0]
     for part in parts:
         part.report()
     train = MixedCorpus(parts, [corpus.weight for corpus in cfg.corpora], cfg.temperature, cfg.name,
                         [corpus.label(cfg) for corpus in cfg.corpora])
     train.report()
-    if "validation" in encoded:
-        encoded["validation"].report()
+    for valid in [corpus for corpus, _ in directions.values()] or [encoded.get("validation")]:
+        if valid is not None:
+            valid.report()
     log.info("data %s: %d training pairs in %d corpora%s", cfg.name, len(train), len(parts),
-             f", {len(encoded['validation'])} validation pairs" if "validation" in encoded else "")
-    return PreparedData(tokenizer, train, encoded.get("validation"), {**others, "train": joined})
+             f", validation: {', '.join(f'{d} {len(c)} pairs' for d, (c, _) in directions.items())}" if directions
+             else f", {len(encoded['validation'])} validation pairs" if "validation" in encoded else "")
+    return PreparedData(tokenizer, train, encoded.get("validation"), {**others, "train": joined}, directions)
 
 
 def _encoded(cfg: DataConfig, source: SplitSource, tokenizer: Tokenizer, split: str) -> EncodedCorpus:

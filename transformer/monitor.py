@@ -162,21 +162,25 @@ class Monitor:
             self.writer.add_scalar("train/oom_skipped_batches", count, step)
 
     def validation(self, step: int, weights: str, result: dict, samples: list[tuple[str, str, str]],
-                   attention=None, attention_detail: tuple[str, list] | None = None) -> None:
+                   attention=None, attention_detail: tuple[str, list] | None = None,
+                   direction: str | None = None) -> None:
         """One validation of `weights` (raw, ema, average): its numbers, samples (source, reference,
         hypothesis) and the attention heatmaps (`attention_figure`'s panels), under val*/; with
         `attention_detail` (heads or layers, and labelled panels of one sentence), also
-        val*/cross_attention_heads or _layers (`trainer.attention_heatmaps`)."""
+        val*/cross_attention_heads or _layers (`trainer.attention_heatmaps`). A multilingual run's
+        `direction` (de-en) goes under val*/de-en/; its mean over directions under val*/ itself."""
         if not self:
             return
-        tag = weights_tag(weights)
+        tag = weights_tag(weights) + (f"/{direction}" if direction else "")
         for key, value in result.items():
             self.writer.add_scalar(f"{tag}/{key}", value, step)
-        self.writer.add_scalar(f"loss/{tag.replace('val', 'valid')}", result["loss"], step)
-        if "accuracy" in result:
-            self.writer.add_scalar(f"accuracy/{tag.replace('val', 'valid')}", result["accuracy"], step)
-        self.writer.add_text(f"{tag}/samples", "\n\n".join(
-            f"**src** {s}  \n**ref** {r}  \n**hyp** {h}" for s, r, h in samples[:SAMPLES]), step)
+        if direction is None:
+            self.writer.add_scalar(f"loss/{tag.replace('val', 'valid')}", result["loss"], step)
+            if "accuracy" in result:
+                self.writer.add_scalar(f"accuracy/{tag.replace('val', 'valid')}", result["accuracy"], step)
+        if samples:
+            self.writer.add_text(f"{tag}/samples", "\n\n".join(
+                f"**src** {s}  \n**ref** {r}  \n**hyp** {h}" for s, r, h in samples[:SAMPLES]), step)
         if attention:
             title = f"cross-attention, last decoder layer, step {step} ({weights} weights)"
             self.writer.add_image(f"{tag}/cross_attention", figure_pixels(attention_figure(attention, title)), step,

@@ -56,7 +56,7 @@ from transformer.sweep import job_failed
 from transformer.tokenizer import Tokenizer
 from transformer.train_log import TrainingBar, TrainLog, log_lines_above_bars
 from transformer.translator import Translator
-from transformer.validate import Validator, score
+from transformer.validate import Validator, mean_metrics, score
 
 log = logging.getLogger("transformer.train")
 
@@ -126,9 +126,16 @@ class Trainer:
         if self.dist.is_main:
             self._log_banner(start.describe())
             self.monitor.start(cfg, self.precision)
-        self.validator = Validator(cfg, self.model, self.translator, self.data.valid,
-                                   self.data.sources["validation"].read_all(), self.device, self.autocast,
-                                   tc.attention_heatmaps if self.dist.is_main else None)
+        # One validator, or one per direction of a multilingual model (into its target language); the
+        # attention pictures are drawn for the first.
+        splits = self.data.directions or {None: (self.data.valid, self.data.sources["validation"])}
+        self.validators = {
+            direction: Validator(cfg, self.model, Translator(self.model, tok, cfg, self.device, autocast=self.autocast,
+                                                             tgt_lang=direction.split("-")[1] if direction
+                                                             else cfg.data.tgt_lang),
+                                 corpus, source.read_all(), self.device, self.autocast,
+                                 tc.attention_heatmaps if self.dist.is_main and i == 0 else None)
+            for i, (direction, (corpus, source)) in enumerate(splits.items())}
 
     @property
     def progress(self) -> Progress:
@@ -401,13 +408,23 @@ class Trainer:
     def _validate_main(self, weights: str = "raw") -> dict:
         """The validator's result for the weights the model holds (`weights` names them: raw, ema,
         average; TensorBoard's val/, val_ema/, ...), logged and drawn (rank 0)."""
-        result = self.validator.run(self._stopping)
-        m = result.metrics
-        log.info("validation step %d%s | loss %.3f | ppl %.2f | accuracy %.1f%% | BLEU %.2f | chrF %.2f | cut %.1f%% | %s",
-                 self.progress.step, "" if weights == "raw" else f" ({weights} weights)", m["loss"], m["ppl"],
-                 100 * m["accuracy"], m["bleu"], m["chrf"], 100 * m["cut_at_max_len"], result.signature)
-        self.monitor.validation(self.progress.step, weights, m, result.samples, result.panels, result.detail)
-        return {**m, "weights": weights}
+        results = {direction: validator.run(self._stopping) for direction, validator in self.validators.items()}
+        for direction, result in results.items():
+            self._log_validation(result.metrics, weights, direction or "", result.signature)
+            self.monitor.validation(self.progress.step, weights, result.metrics, result.samples, result.panels,
+                                    result.detail, direction=direction)
+        if None in results:
+            return {**results[None].metrics, "weights": weights}
+        mean = mean_metrics([result.metrics for result in results.values()])     # drives best.pt and patience
+        self._log_validation(mean, weights, f"mean of {len(results)} directions", "")
+        self.monitor.validation(self.progress.step, weights, mean, [])
+        return {**mean, **{f"bleu_{d}": r.metrics["bleu"] for d, r in results.items()}, "weights": weights}
+
+    def _log_validation(self, m: dict, weights: str, what: str, signature: str) -> None:
+        log.info("validation step %d%s%s | loss %.3f | ppl %.2f | accuracy %.1f%% | BLEU %.2f | chrF %.2f | cut %.1f%%%s",
+                 self.progress.step, f" {what}" if what else "", "" if weights == "raw" else f" ({weights} weights)",
+                 m["loss"], m["ppl"], 100 * m["accuracy"], m["bleu"], m["chrf"], 100 * m["cut_at_max_len"],
+                 f" | {signature}" if signature else "")
 
     def test(self) -> dict | None:
         """Translate the test split with the decode config and the best weights; print BLEU."""
@@ -424,7 +441,8 @@ class Trainer:
         dc = self.cfg.decode
         texts = self.translator.translate(sources, batch_tokens=dc.batch_tokens, progress=None, desc="test")
         scores = score(texts, references, self.cfg.data.tgt_lang)
-        message = (f"test BLEU {scores['bleu']:.2f} | chrF {scores['chrf']:.2f} ({len(sources)} sentences, "
+        direction = f"{self.cfg.data.src_lang}-{self.cfg.data.tgt_lang}, " if self.data.directions else ""
+        message = (f"test BLEU {scores['bleu']:.2f} | chrF {scores['chrf']:.2f} ({direction}{len(sources)} sentences, "
                    f"beam {dc.beam_size}, {best if best.exists() else 'final weights'}) {scores['bleu_signature']}")
         log.info(message)
         print(message, flush=True)

@@ -148,6 +148,13 @@ def cross_attention_by_layer(model, source_ids: list[int], hypothesis_ids: list[
             module.need_weights = False
 
 
+def mean_metrics(results: list[dict]) -> dict:
+    """The mean of several directions' validation metrics (perplexity: of their mean NLL)."""
+    mean = {key: sum(r[key] for r in results) / len(results) for key in results[0]}
+    mean["ppl"] = math.exp(min(mean["nll"], 50))
+    return mean
+
+
 @dataclass
 class Validation:
     """One validation: `metrics` (loss, nll, ppl, accuracy, bleu, chrf, cut_at_max_len), sacreBLEU's
@@ -165,7 +172,8 @@ class Validator:
     """Validation of a training run's model: the prepared validation split for the loss, its text for
     BLEU/chrF (trainer.val_max_sentences of it) decoded through `translator`, and the cross-attention of
     a few fixed sentences. `attention`: trainer.attention_heatmaps (mean, heads, layers), or None to draw
-    nothing (ranks other than 0)."""
+    nothing (ranks other than 0). A multilingual model's validator per direction decodes through a
+    translator into that direction's target language (`Translator.tgt_lang`), scored by its rules."""
 
     def __init__(self, cfg, model, translator, corpus, text: tuple[list[str], list[str]], device, autocast,
                  attention: str | None):
@@ -188,7 +196,7 @@ class Validator:
         hyps = self.translator.hypotheses(self.sources, beam_size=tc.val_beam_size, batch_tokens=dc.batch_tokens,
                                           progress=None, desc="validate", stop=stop)
         texts = [h[0].text for h in hyps]
-        scores = score(texts, self.references, self.cfg.data.tgt_lang)
+        scores = score(texts, self.references, self.translator.tgt_lang or self.cfg.data.tgt_lang)
         metrics = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "accuracy": accuracy,
                    "bleu": scores["bleu"], "chrf": scores["chrf"],
                    "cut_at_max_len": sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps))}
