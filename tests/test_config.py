@@ -7,7 +7,7 @@ from transformer.config import CONF_DIR, Config, ConfigError
 
 # Each group's default option is its dataclass in Hydra's ConfigStore (transformer/config.py).
 SCHEMA_OPTIONS = {"model": ["tiny"], "trainer": ["default"], "decode": ["beam"], "data": []}
-NEEDS_A_SOURCE = {"custom": ["data.path=/corpus"]}
+NEEDS_A_SOURCE = {"custom": ["data.path=/corpus"], "multi30k_multi": ["data.path=/corpus"]}
 
 
 @pytest.mark.parametrize("group", ["model", "data", "trainer", "decode"])

@@ -70,8 +70,13 @@ def test_every_schema_key_is_in_the_train_help_with_its_type_default_and_meaning
 
 
 def test_the_help_lists_every_preset_and_marks_the_picked_one(train_help):
-    presets = {line.strip().split("=", 1)[0]: line for line in train_help.splitlines()
-               if re.match(r"  [a-z]+=", line)}
+    presets = {}                 # group -> its options, wrapped lines joined
+    for line in train_help[train_help.index("\nPresets"):train_help.index("\nKeys")].splitlines():
+        if re.match(r"  [a-z]+=", line):
+            group = line.strip().split("=", 1)[0]
+            presets[group] = line
+        elif line.startswith("      ") and presets:
+            presets[group] += " " + line.strip()
     for group in [path.name for path in CONF_DIR.iterdir() if path.is_dir()]:
         for option in (path.stem for path in (CONF_DIR / group).glob("*.yaml")):
             assert re.search(rf"[=| ]{option}\*?(?: |$)", presets[group]), f"{group}={option} not in --help"
@@ -139,7 +144,7 @@ def test_cfg_job_resolve_resolves_interpolations(capsys):
     (["--config-dir", "no/such/dir"], "error: --config-dir no/such/dir: no such directory; give the directory "
                                       "that holds your presets (DIR/data/NAME.yaml, then data=NAME)"),
     (["data=mypresett"], "error: In 'config': Could not find 'data/mypresett'; available options in 'data': "
-                         "custom, iwslt17_de_en, multi30k_de_en, multi30k_en_de, mypreset, toy"),
+                         "custom, iwslt17_de_en, multi30k_de_en, multi30k_en_de, multi30k_multi, mypreset, toy"),
 ])
 def test_prepare_refuses_what_it_cannot_take_in_one_line(args, message, preset_dir, tmp_path, capsys,
                                                          monkeypatch):

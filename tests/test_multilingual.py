@@ -178,3 +178,28 @@ def test_the_joint_tokenizer_reads_each_language_once_and_at_most_its_share(tmp_
                                        f"data.corpora=[{{path: {corpus}}}]"]).data
     part = corpus_config(bilingual, bilingual.corpora[0])
     assert len(list(tokenizer_input(bilingual, [part], [open_split(part, "train")]).lines("src", "tgt"))) == 600
+
+
+def test_exports_keep_the_tag_a_safetensors_card_says_how_and_ctranslate2_scores_like_ours(multilingual, tmp_path):
+    from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+    from transformer.export import export_ctranslate2, save_pretrained
+    _, path = multilingual
+    model, tokenizer, config = model_from_checkpoint(load_checkpoint(path))
+    directory = save_pretrained(model, tokenizer, config, tmp_path / "both")
+    card = (directory / "README.md").read_text()
+    assert 'language:\n- "de"\n- "en"\n' in card and "multilingual translation (de → en, en → de)" in card
+    assert 'translator.translate(["..."], tgt_lang="en")' in card and "--tgt-lang en" in card
+    loaded = Translator.from_pretrained(directory, device="cpu", precision="fp32")
+    original = Translator.from_checkpoint(path, device="cpu", precision="fp32")
+    sources = ["Der Hund .", "Ein Mann ."]
+    assert loaded.translate(sources, tgt_lang="de", beam_size=2) == original.translate(sources, tgt_lang="de",
+                                                                                          beam_size=2)
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    out = export_ctranslate2(model.eval(), tokenizer, tmp_path / "ct2")
+    references = ["The dog .", "A man ."]
+    for language in ("de", "en"):                # the tag as the first token of each tokenized source
+        pieces = [[f"<2{language}>", *tokenizer.src.encode(s, out_type=str)] for s in sources]
+        targets = [tokenizer.tgt.encode(r, out_type=str) for r in references]
+        theirs = ctranslate2.Translator(str(out), device="cpu").score_batch(pieces, targets)
+        ours = original.score(sources, references, tgt_lang=language)
+        assert [sum(r.log_probs) for r in theirs] == pytest.approx(ours, abs=1e-3)

@@ -200,8 +200,16 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
     load it. `trained`: the checkpoint's `step` and `metrics` (either may be missing)."""
     data, shape = config.data, config.model
     src, tgt = data.src_lang, data.tgt_lang
-    front = ["---", f"library_name: {FORMAT_NAME}", "language:", f"- {json.dumps(src)}", f"- {json.dumps(tgt)}",
+    directions, targets = data.directions(), tokenizer.target_languages
+    languages = list(dict.fromkeys(language for pair in directions for language in pair)) if targets else [src, tgt]
+    front = ["---", f"library_name: {FORMAT_NAME}", "language:", *(f"- {json.dumps(x)}" for x in languages),
              "tags:", "- translation", "pipeline_tag: translation", "license: other"]
+    title = f"multilingual translation ({', '.join(f'{a} → {b}' for a, b in directions)})" if targets \
+        else f"{src} → {tgt} translation"
+    said = (f"Directions trained: {', '.join(f'`{a}` → `{b}`' for a, b in directions)}. Choose the target "
+            f"language ({', '.join(f'`{x}`' for x in targets)}) with `tgt_lang=` or `--tgt-lang`: its tag "
+            f"(`<2{targets[0]}>`, ...) starts every source sentence.") if targets else f"Source `{src}`, target `{tgt}`."
+    choose = f', tgt_lang="{tgt}"' if targets else ""
     if data.hub_id:
         front += ["datasets:", f"- {json.dumps(data.hub_id)}"]
     parameters = sum(p.numel() for p in model.parameters())        # a tied matrix counts once
@@ -209,7 +217,7 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
                   if tokenizer.joint else f"SentencePiece {data.tokenizer_type} vocabularies of "
                   f"{tokenizer.src_vocab_size} ({src}) and {tokenizer.tgt_vocab_size} ({tgt}) pieces")
     lines = [*front, "---", "",
-             f"# {name}: {src} → {tgt} translation",
+             f"# {name}: {title}",
              "",
              f"A Transformer encoder-decoder (Vaswani et al., 2017) trained with `{FORMAT_NAME}` (the Python "
              "package `transformer`). This directory is that package's safetensors format: weights "
@@ -217,7 +225,7 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
              "",
              "## Languages",
              "",
-             f"Source `{src}`, target `{tgt}`.",
+             said,
              "",
              "## Training data",
              "",
@@ -243,13 +251,13 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
              "from transformer import Translator",
              "",
              f'translator = Translator.from_pretrained("{name}")    # this directory, or its Hub id owner/name',
-             'print(translator.translate(["..."]))',
+             f'print(translator.translate(["..."]{choose}))',
              "```",
              "",
              "From the command line, one translation per input line:",
              "",
              "```sh",
-             f"transformer-translate {name} < input.{src} > output.{tgt}",
+             f"transformer-translate {name}{' --tgt-lang ' + tgt if targets else ''} < input.{src} > output.{tgt}",
              "```",
              "",
              "HuggingFace `transformers` cannot load this directory: the architecture is not a `transformers` "
