@@ -130,8 +130,9 @@ class DataConfig:
     corpora: list[CorpusConfig] = setting(
         factory=list, shown_type="list of corpora",
         meaning="train on several corpora mixed: '[{path: DIR, weight: 1}, {path: DIR2, weight: 0.5}]' (keys: "
-                "path, hub_id, hub_config, name, weight, train_split, local_splits); empty = the training split "
-                "of data.path / data.hub_id")
+                "path, hub_id, hub_config, name, weight, train_split, local_splits, src_lang, tgt_lang: corpora "
+                "into several target languages train one multilingual model); empty = the training split of "
+                "data.path / data.hub_id")
     temperature: float = setting(1.0, "mixing corpora: corpus i makes up a share of each epoch proportional to "
                                       "(weight_i x pairs_i)^(1/T); 1 = by size, larger flattens toward equal shares")
     subword_sampling: float = setting(0.0, "subword regularization of training pairs, sampled afresh every "
