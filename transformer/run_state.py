@@ -132,20 +132,18 @@ class TrainingState:
             state["model"] = self.ema.model_state(self.model)
         state["weights"] = weights
         self._refuse_non_finite_weights(state)
-        if periodic:
-            self.write(state, [f"step_{self.progress.step}.pt", "last.pt"], weights)
-        else:
-            self.write(state, [name], weights)
+        self.write(state, name, weights, periodic)
 
-    def write(self, state: dict, names: list[str], weights: str) -> None:
-        """Write `state` as checkpoint `names` (["step_N.pt", "last.pt"]: a periodic checkpoint, the old
-        step files pruned) and log it."""
+    def write(self, state: dict, name: str, weights: str, periodic: bool = False) -> None:
+        """Write `state` as checkpoint `name` (with `periodic`: step_N.pt and last.pt, the old step
+        files pruned) and log it."""
+        names = [f"step_{self.progress.step}.pt", "last.pt"] if periodic else [name]
         started = time.monotonic()
         try:
-            if names[0].startswith("step_"):
+            if periodic:
                 self.checkpoints.save_periodic(state, self.progress.step)
             else:
-                self.checkpoints.save(state, names[0])
+                self.checkpoints.save(state, name)
         except CheckpointError as error:
             raise TrainingError(str(error)) from None
         if self.dist.is_main:
@@ -245,8 +243,8 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
         decays = section == "trainer" and values.schedule in ("cosine", "linear")
         for spec in dataclasses.fields(values):
             key, new = spec.name, getattr(values, spec.name)
-            if key == "corpora":            # dataclasses in the config, plain dicts in the checkpoint
-                new = [dataclasses.asdict(corpus) for corpus in new]
+            if isinstance(new, list) and any(dataclasses.is_dataclass(x) for x in new):
+                new = [dataclasses.asdict(x) for x in new]      # the checkpoint holds plain dicts
             if key not in old_values or old_values[key] == new:
                 continue
             old = old_values[key]

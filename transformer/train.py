@@ -399,7 +399,7 @@ class Trainer:
         result = D.broadcast_object(result, self.dist)
         if self._record_validation(result) and self.dist.is_main:
             state.update(weights=result["weights"], metrics=self.progress.metrics())
-            self.state.write(state, ["best.pt"], "averaged")
+            self.state.write(state, "best.pt", "averaged")
 
     def _stopping(self) -> bool:
         """Asked between validation batches: a stop signal abandons the validation."""
