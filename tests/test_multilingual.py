@@ -156,8 +156,14 @@ def test_evaluate_scores_a_chosen_direction_and_refuses_an_unknown_one(multiling
     assert result["split"] == "test.en-de" and result["sentences"] == 30
     assert Path(result["hypotheses_file"]).name == "best.test.en-de.beam1.hyp"
     assert "|tok:13a|" in result["bleu_signature"]
+    # an untrained model's output, in whatever language: its off-target rate, among the model's languages
+    assert result["off_target_among"] == ["de", "en"] and 0 <= result["off_target"] <= 100
+    assert result["off_target_count"] == sum(result["off_target_languages"].values())
+    assert set(result["off_target_languages"]) <= {"en"}
     default = evaluate(path, split="test", beam_size=1, device="cpu")        # the checkpoint's data pair
     assert default["split"] == "test" and default["sentences"] == 30
+    assert main([str(path), "--src-lang", "en", "--tgt-lang", "de", "--beam", "1"]) == 0
+    assert "off-target: " in capsys.readouterr().out
     assert main([str(path), "--tgt-lang", "fr", "--beam", "1"]) == 2
     assert capsys.readouterr().err.strip() == ("transformer-evaluate: error: --tgt-lang fr: not a target language "
                                                "of this model; it translates into de, en")

@@ -90,6 +90,11 @@ class CorpusConfig:
     src_lang: str | None = setting(None, "its source language (default: data.src_lang)")
     tgt_lang: str | None = setting(None, "its target language (default: data.tgt_lang); corpora into more than "
                                          "one target language train one multilingual model with target tags")
+    drop_duplicates: bool | None = setting(None, "its own cleaning rule (default: data.drop_duplicates)")
+    drop_copies: bool | None = setting(None, "its own cleaning rule (default: data.drop_copies)")
+    max_len_ratio: float | None = setting(None, "its own cleaning rule (default: data.max_len_ratio)")
+    langid: bool | None = setting(None, "its own cleaning rule (default: data.langid): e.g. true for a crawled "
+                                        "corpus only")
 
     def label(self, data: DataConfig) -> str:
         """The corpus's name: given, or the last part of its path or hub id (and its languages, where it
@@ -127,12 +132,16 @@ class DataConfig:
     drop_copies: bool = setting(True, "cleaning: drop training pairs whose source equals their target")
     max_len_ratio: float = setting(9.0, "cleaning: drop training pairs where one side has more than this many "
                                         "times the other's tokens (0 = off)")
+    langid: bool = setting(False, "cleaning: drop training pairs whose source or target py3langid identifies as "
+                                  "another language than data.src_lang / data.tgt_lang (found once per corpus, "
+                                  "kept beside its prepared files)")
     corpora: list[CorpusConfig] = setting(
         factory=list, shown_type="list of corpora",
         meaning="train on several corpora mixed: '[{path: DIR, weight: 1}, {path: DIR2, weight: 0.5}]' (keys: "
                 "path, hub_id, hub_config, name, weight, train_split, local_splits, src_lang, tgt_lang: corpora "
-                "into several target languages train one multilingual model); empty = the training split of "
-                "data.path / data.hub_id")
+                "into several target languages train one multilingual model; drop_duplicates, drop_copies, "
+                "max_len_ratio, langid: its own cleaning rules); empty = the training split of data.path / "
+                "data.hub_id")
     temperature: float = setting(1.0, "mixing corpora: corpus i makes up a share of each epoch proportional to "
                                       "(weight_i x pairs_i)^(1/T); 1 = by size, larger flattens toward equal shares")
     subword_sampling: float = setting(0.0, "subword regularization of training pairs, sampled afresh every "
@@ -189,6 +198,9 @@ class DataConfig:
             src, tgt = corpus.src_lang or self.src_lang, corpus.tgt_lang or self.tgt_lang
             if src == tgt:
                 raise ConfigError(f"{key}: src_lang and tgt_lang are both {src!r}")
+            ratio = corpus.max_len_ratio
+            if ratio is not None and not (math.isfinite(ratio) and (ratio == 0 or ratio >= 1)):
+                raise ConfigError(f"{key}.max_len_ratio={ratio} must be 0 (off) or at least 1")
             names.append(corpus.label(self))
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:

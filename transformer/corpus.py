@@ -8,6 +8,8 @@ builds whatever is missing. A split is stored under `data.cache_dir/corpus/<data
     src.offsets.npy, ...        int64, pairs + 1: pair i is ids[offsets[i] : offsets[i + 1]]
     flags.npy                   uint8 per pair: 1 = a side is blank, 2 = a NUL byte, 4 = source equals
                                 target, 8 = the same pair came earlier in the split
+    langid.SRC-TGT.npy          with data.langid (training split): uint8 per pair, 1 = the source, 2 = the
+                                target identified as another language (found once, on first use)
     src.text, tgt.text, ...     with data.subword_sampling (training split only): every line's UTF-8
     src.text_offsets.npy, ...   bytes and int64 offsets, re-segmented with sampling batch by batch
     meta.json                   counts, dtype, where the text came from, every file's size and CRC-32
@@ -20,9 +22,10 @@ When something is missing or damaged, preparation takes a file lock, so concurre
 ranks prepare a corpus once (the others wait on the lock, outside any collective, however long it
 takes) and then read it; when everything is cached, every process reads it at once without the lock.
 Filtering is a vectorised mask applied at load time: blank, NUL and longer than `data.max_len` always;
-on the training split, the cleaning rules `data.drop_duplicates`, `data.drop_copies` and
-`data.max_len_ratio` (each pair's properties are found once, when it is encoded: changing a rule
-prepares nothing again). The log counts what each rule dropped.
+on the training split, the cleaning rules `data.drop_duplicates`, `data.drop_copies`,
+`data.max_len_ratio` and `data.langid` (each pair's properties are found once, when it is encoded or,
+for its languages, when data.langid first asks: changing a rule prepares nothing again). The log
+counts what each rule dropped.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +50,7 @@ from transformer.cache import CacheDamage, check_file, file_record, read_record,
 from transformer.config import ConfigError, DataConfig
 from transformer.data import DataError, SplitSource, open_split
 from transformer.errors import discard_stdout
+from transformer.langid import WRONG_SOURCE, WRONG_TARGET, language_flags
 from transformer.tokenizer import Tokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -90,7 +95,7 @@ class EncodedCorpus:
             too_long = ~dropped & ((src_all > self.max_len) | (tgt_all > self.max_len))
         dropped |= too_long
         self.dropped = {"empty": int(blank.sum()), "NUL byte": int(nul.sum()), "too long": int(too_long.sum())}
-        for rule, mask in (self.cleaning.masks(flags, src_all, tgt_all) if self.cleaning else {}).items():
+        for rule, mask in (self.cleaning.masks(flags, src_all, tgt_all, self.directory) if self.cleaning else {}).items():
             mask &= ~dropped                    # each pair counted under the first rule that drops it
             self.dropped[rule] = int(mask.sum())
             dropped |= mask
@@ -241,16 +246,20 @@ class SubwordSampling:
 @dataclass(frozen=True)
 class Cleaning:
     """The cleaning rules of a training split (`data.drop_duplicates`, `data.drop_copies`,
-    `data.max_len_ratio`; 0 = no ratio rule)."""
+    `data.max_len_ratio`: 0 = no ratio rule; `data.langid`: the file of language flags beside the
+    prepared split, or None)."""
     duplicates: bool
     copies: bool
     max_len_ratio: float
+    langid: str | None = None
 
     @classmethod
     def of(cls, cfg: DataConfig) -> Cleaning:
-        return cls(cfg.drop_duplicates, cfg.drop_copies, cfg.max_len_ratio)
+        return cls(cfg.drop_duplicates, cfg.drop_copies, cfg.max_len_ratio,
+                   f"langid.{cfg.src_lang}-{cfg.tgt_lang}.npy" if cfg.langid else None)
 
-    def masks(self, flags: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray) -> dict[str, np.ndarray]:
+    def masks(self, flags: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray,
+              directory: Path) -> dict[str, np.ndarray]:
         """The pairs each rule drops, by rule name, in the order the rules apply."""
         masks = {}
         if self.duplicates:
@@ -260,11 +269,13 @@ class Cleaning:
         if self.max_len_ratio:
             longer, shorter = np.maximum(src_lens, tgt_lens), np.maximum(np.minimum(src_lens, tgt_lens), 1)
             masks["length ratio"] = longer > self.max_len_ratio * shorter
+        if self.langid:
+            masks["language"] = np.load(directory / self.langid) != 0
         return masks
 
     def __str__(self) -> str:
         return (f"data.drop_duplicates={self.duplicates}, data.drop_copies={self.copies}, "
-                f"data.max_len_ratio={self.max_len_ratio:g}")
+                f"data.max_len_ratio={self.max_len_ratio:g}" + (", data.langid=true" if self.langid else ""))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -303,7 +314,7 @@ def _move_aside(directory: Path, damage: CacheDamage) -> None:
 
 
 def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc: str, text: bool = False,
-               tag: str | None = None) -> None:
+               tag: str | None = None) -> dict:
     """Encode `source` chunk by chunk (SentencePiece on every core) into the files of `directory`,
     written in a temporary directory renamed into place. Called under the preparation lock."""
     tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
@@ -319,6 +330,7 @@ def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc:
         shutil.rmtree(tmp, ignore_errors=True)  # on any failure (Ctrl-C included): nothing half-written
     log.info("%s: %d pairs, %d + %d tokens -> %s", desc, meta["pairs"], meta["src_tokens"], meta["tgt_tokens"],
              directory)
+    return meta
 
 
 def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str, text: bool = False,
@@ -407,7 +419,7 @@ def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, sp
     name = f"{cfg.name}.{split}"
     directory = Path(cfg.cache_dir) / "corpus" / f"{name}.{key}"
     try:
-        check_prepared(directory)
+        meta = check_prepared(directory)
         log.info("%s: prepared corpus %s", name, directory)
     except CacheDamage as damage:
         if not build:
@@ -415,8 +427,44 @@ def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, sp
         if directory.exists():                  # damaged, not simply never prepared
             log.warning("%s; preparing %s again", damage, name)
             _move_aside(directory, damage)
-        _encode_to(directory, source, tokenizer, name, text, tag)
-    return EncodedCorpus(directory, cfg.max_len, name, Cleaning.of(cfg) if split == "train" else None)
+        meta = _encode_to(directory, source, tokenizer, name, text, tag)
+    cleaning = Cleaning.of(cfg) if split == "train" else None
+    if cleaning and cleaning.langid and not _identified(directory / cleaning.langid, meta["pairs"]):
+        if not build:
+            return None
+        _identify_languages(directory / cleaning.langid, source, cfg, name, meta["pairs"])
+    return EncodedCorpus(directory, cfg.max_len, name, cleaning)
+
+
+def _identified(path: Path, pairs: int) -> bool:
+    """Whether `path` holds the language flags of `pairs` pairs (data.langid)."""
+    try:
+        return len(np.load(path, mmap_mode="r")) == pairs
+    except (OSError, ValueError):               # missing, or cut short by a killed run: identified again
+        return False
+
+
+def _identify_languages(path: Path, source: SplitSource, cfg: DataConfig, desc: str, pairs: int) -> None:
+    """The language flags of every pair of `source` (transformer/langid.py), saved as `path` beside the
+    prepared split, written under another name and renamed. Called under the preparation lock."""
+    started = time.perf_counter()
+    with tqdm(total=pairs, desc=f"identifying languages {desc}", unit=" pairs", unit_scale=True, disable=None,
+              leave=False) as bar:
+        flags = language_flags(source.chunks(), cfg.src_lang, cfg.tgt_lang, pairs, bar.update)
+    if len(flags) != pairs:
+        raise DataError(f"{source.where}: {len(flags)} pairs now, {pairs} when it was prepared into "
+                        f"{path.parent}; was it changed meanwhile? Run again")
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npy")
+    try:
+        np.save(tmp, flags)
+        os.replace(tmp, path)
+    except OSError as error:
+        raise write_failure(error, "the language flags (data.langid)", path) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("%s: identified the languages of %d pairs in %.1f s (data.langid, py3langid): %d sources not %s, "
+             "%d targets not %s", desc, pairs, time.perf_counter() - started, int(((flags & WRONG_SOURCE) != 0).sum()),
+             cfg.src_lang, int(((flags & WRONG_TARGET) != 0).sum()), cfg.tgt_lang)
 
 
 @contextlib.contextmanager

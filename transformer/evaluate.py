@@ -1,7 +1,8 @@
 """`make evaluate CKPT=... [split=test]`: translate a split (or a source/reference file pair), print
 sacreBLEU and chrF with their signatures (`validate.score`: hypotheses and references in Unicode NFC,
 `|norm:nfc`), and write the hypotheses and a JSON of scores beside the checkpoint (the first one of an
-ensemble)."""
+ensemble). For a multilingual model, also the share of translations in another of its languages
+(off-target rate, transformer/langid.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from transformer.checkpoint import CheckpointError
 from transformer.config import check_decode_options
 from transformer.data import DataError, load_split_text, read_lines
+from transformer.langid import off_target
 from transformer.runtime import keep_freed_memory
 from transformer.translate import (
     CommandLineParser,
@@ -92,6 +94,10 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
               "seconds": round(seconds, 2), **score(hypotheses, references, data.tgt_lang)}
     if tokenized_references is not None:
         result.update(tokenized_lowercased_bleu(hypotheses, tokenized_references, data.tgt_lang))
+    model_data = translator.config.data
+    if model_data.target_languages():           # a multilingual model: how often it answers in another language
+        languages = {lang for direction in model_data.directions() for lang in direction}
+        result.update(off_target(hypotheses, data.tgt_lang, languages) or {})
     hyp_path.write_text("".join(h.replace("\n", " ") + "\n" for h in hypotheses), encoding="utf-8")
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     result["hypotheses_file"], result["scores_file"] = str(hyp_path), str(json_path)
@@ -154,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"BLEU tokenized and lowercased, as the literature reports it (not comparable with the above): "
               f"{result['bleu_tokenized_lc']:.2f}  {result['bleu_tokenized_lc_signature']}")
     print(f"chrF signature: {result['chrf_signature']}")
+    if "off_target" in result:
+        wrong = ", ".join(f"{lang} {count}" for lang, count in result["off_target_languages"].items())
+        print(f"off-target: {result['off_target']:.2f}% of the translations are in another of the model's languages "
+              f"({wrong or 'none'}; py3langid choosing among {', '.join(result['off_target_among'])})")
     print(f"hypotheses: {result['hypotheses_file']}\nscores: {result['scores_file']}")
     return 0
 

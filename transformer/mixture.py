@@ -31,16 +31,18 @@ from transformer.data import Concatenated, SplitSource, open_split
 from transformer.tokenizer import Tokenizer
 
 log = logging.getLogger("transformer.corpus")
+CLEANING_KEYS = ("drop_duplicates", "drop_copies", "max_len_ratio", "langid")   # a corpus may set its own
 
 
 def corpus_config(cfg: DataConfig, corpus: CorpusConfig) -> DataConfig:
-    """The data config of one corpus of the mixture: its source and name, every other setting (cleaning,
-    max_len, tokenizer) the run's."""
+    """The data config of one corpus of the mixture: its source, name and languages, the cleaning rules it
+    sets itself; every other setting (max_len, tokenizer) the run's."""
+    own_rules = {key: getattr(corpus, key) for key in CLEANING_KEYS if getattr(corpus, key) is not None}
     return dataclasses.replace(cfg, name=corpus.label(cfg), path=corpus.path, hub_id=corpus.hub_id,
                                hub_config=corpus.hub_config, embedded=False, train_split=corpus.train_split,
                                local_splits={**cfg.local_splits, **corpus.local_splits},
                                src_lang=corpus.src_lang or cfg.src_lang,
-                               tgt_lang=corpus.tgt_lang or cfg.tgt_lang, corpora=[])
+                               tgt_lang=corpus.tgt_lang or cfg.tgt_lang, corpora=[], **own_rules)
 
 
 def mixture_shares(sizes, weights, temperature: float) -> np.ndarray:
