@@ -415,3 +415,17 @@ def test_parallel_workers_stop_when_asked_and_pass_errors_on(model_and_sources, 
     monkeypatch.setattr(search, "greedy_search", broken)
     with pytest.raises(RuntimeError, match="decoding failed"):
         translate_ids(model, sources * 6, beam_size=1, batch_tokens=30, workers=2)
+
+
+def test_a_decoding_process_that_dies_is_reported_not_waited_for(model_and_sources, monkeypatch):
+    import os
+
+    import transformer.search as search
+    model, sources = model_and_sources
+
+    def killed(*args, **kwargs):                    # as the kernel's out-of-memory killer would end it
+        os._exit(9)
+
+    monkeypatch.setattr(search, "greedy_search", killed)
+    with pytest.raises(search.DecodingProcessDied, match="exit code 9"):
+        translate_ids(model, sources * 6, beam_size=1, batch_tokens=30, workers=2)

@@ -33,21 +33,19 @@ def code(lang: str) -> str:
     return lang.replace("_", "-").split("-")[0].lower()
 
 
-@functools.lru_cache(maxsize=8)
-def identifier(languages: tuple[str, ...] | None = None):
-    """py3langid's identifier, choosing among `languages` (py3langid codes) or all it knows."""
+@functools.cache
+def identifier():
+    """py3langid's identifier (loaded once: about half a second)."""
     try:
         from py3langid.langid import MODEL_FILE, LanguageIdentifier
     except ImportError:
         raise DataError("language identification needs py3langid, which is not installed: "
                         "pip install py3langid") from None
-    found = LanguageIdentifier.from_model_file(MODEL_FILE)
-    if languages:
-        found.set_languages(list(languages))
-    return found
+    return LanguageIdentifier.from_model_file(MODEL_FILE)
 
 
 def known_languages() -> list[str]:
+    identifier().set_languages(None)
     return identifier().labels
 
 
@@ -60,7 +58,8 @@ def unknown(languages: Iterable[str]) -> list[str]:
 def identify(texts: list[str], languages: Iterable[str] | None = None) -> list[str]:
     """The language of each text (py3langid codes), among `languages` or all py3langid knows; '' for a
     blank text."""
-    chosen = identifier(tuple(sorted({code(lang) for lang in languages})) if languages else None)
+    chosen = identifier()
+    chosen.set_languages(sorted({code(lang) for lang in languages}) if languages else None)
     return [chosen.classify(text)[0] if text.strip() else "" for text in texts]
 
 

@@ -16,7 +16,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import threading
+import multiprocessing
+import pickle
+import queue
+import signal
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -411,7 +415,7 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
     (without BOS) to force first, [] for none; the hypotheses start with them. Sources longer than the
     model's positions, and prefixes that leave no room for EOS, are cut by the caller (see
     `Translator`). `stop`, if given, is asked before every batch; True raises `Interrupted`. On a CPU,
-    `workers` > 1 decodes that many batches at a time, one core each (`in_parallel`).
+    `workers` > 1 decodes that many batches at a time, one core each (`in_processes`).
     """
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     results: list[list[Hypothesis]] = [[] for _ in sources]
@@ -466,7 +470,12 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
             budget = min(budget, max(PARALLEL_MIN_BATCH_TOKENS, sum(lengths) // (4 * workers)))
         batches = batches_in_order(lengths, budget)
         if workers > 1 and len(batches) > 1:
-            in_parallel(batches, decode_batch, workers, stop)
+            def done(indices: list[int], batch_results: list[list[Hypothesis]]) -> None:
+                for index, hyps in zip(indices, batch_results):
+                    results[index] = hyps
+                if progress is not None:
+                    progress.update(len(indices))
+            in_processes(batches, attempt, done, workers, stop)
         else:
             for indices in batches:
                 if stop is not None and stop():
@@ -479,48 +488,71 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
 PARALLEL_MIN_BATCH_TOKENS = 256
 
 
-def in_parallel(batches: list[list[int]], decode_batch, workers: int, stop=None) -> None:
-    """`decode_batch` for every batch, in `workers` threads that each take the next batch and run it on
-    one CPU core (PyTorch's own threads set to 1 meanwhile): on a CPU, separate small batches in
-    parallel use the cores better than splitting every small operation over them (CTranslate2's
-    inter_threads). The first exception (or `stop()`: `Interrupted`) ends all workers after their
-    current batch and is raised here; so is a KeyboardInterrupt while waiting."""
-    pending = iter(batches)
-    lock, halt = threading.Lock(), threading.Event()
-    failures: list[BaseException] = []
+class DecodingProcessDied(RuntimeError):
+    """A decoding process ended without a result (killed, out of memory)."""
 
-    def work() -> None:
-        with torch.inference_mode():             # thread-local, like autocast (entered per batch)
-            while not halt.is_set():
-                with lock:
-                    indices = next(pending, None)
-                    if indices is not None and stop is not None and stop():
-                        failures.append(Interrupted())
-                        indices = None
-                if indices is None:
-                    break
+
+def in_processes(batches: list[list[int]], attempt, done, workers: int, stop=None) -> None:
+    """`attempt(batch)` for every batch in `workers` forked processes, one core each (PyTorch's threads
+    set to 1 in each, as DataLoader workers do), which share the parent's weights copy-on-write; `done(batch,
+    results)` in the parent as each batch comes back. Processes rather than threads: a decoding step is
+    many small operations, and threads take turns on the interpreter lock to launch them. At most two
+    batches per process are handed out ahead, `stop()` asked before each (True: `Interrupted`); the first
+    error of a process is raised here, and any error or Ctrl-C ends every process at once."""
+    context = multiprocessing.get_context("fork")
+    tasks, answers = context.SimpleQueue(), context.Queue()
+
+    def serve() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the parent's to handle
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            while (number := tasks.get()) is not None:
                 try:
-                    decode_batch(indices)
-                except BaseException as error:   # noqa: BLE001 - handed to the calling thread
-                    failures.append(error)
-                    break
-        if failures:
-            halt.set()
+                    answers.put((number, attempt(batches[number]), None))
+                except BaseException as error:          # noqa: BLE001 - handed to the parent
+                    answers.put((number, None, _portable(error)))
+                    return
 
-    threads = [threading.Thread(target=work, name=f"decode-{i}", daemon=True) for i in range(workers)]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)                     # new threads take this count at their first operation
+    with warnings.catch_warnings():                      # Python warns of fork() beside native threads
+        warnings.simplefilter("ignore", DeprecationWarning)
+        processes = [context.Process(target=serve, name=f"decode-{i}", daemon=True) for i in range(workers)]
+        for process in processes:
+            process.start()
+    handed = received = 0
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(0.2)                 # a short wait keeps Ctrl-C deliverable
-    except BaseException:
-        halt.set()
-        raise
+        while received < len(batches):
+            while handed < len(batches) and handed - received < 2 * workers:
+                if stop is not None and stop():
+                    raise Interrupted
+                tasks.put(handed)
+                handed += 1
+            try:
+                number, batch_results, error = answers.get(timeout=0.2)   # a short wait keeps Ctrl-C deliverable
+            except queue.Empty:
+                dead = [p for p in processes if p.exitcode not in (None, 0)]
+                if dead:
+                    raise DecodingProcessDied(f"a decoding process ended with exit code {dead[0].exitcode} "
+                                              "(out of memory?); try fewer workers or a smaller batch_tokens") from None
+                continue
+            if error is not None:
+                raise error
+            done(batches[number], batch_results)
+            received += 1
     finally:
-        torch.set_num_threads(previous)
-    if failures:
-        raise failures[0]
+        for process in processes:
+            if received < len(batches):
+                process.kill()                         # an error or Ctrl-C: no batch is worth waiting for
+            else:
+                tasks.put(None)
+        for process in processes:
+            process.join()
+        answers.close()
 
+
+def _portable(error: BaseException) -> BaseException:
+    """`error`, or a RuntimeError with its message where it cannot cross a process boundary."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:                                    # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"{type(error).__name__}: {error}")

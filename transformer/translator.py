@@ -160,7 +160,7 @@ class Translator:
         sampled translation per sentence instead of a search. `prefixes`: one target-language prefix per
         sentence ('' for none) that each translation starts with, the search continuing after it (its
         log-probability counts in the score). `workers`: on the CPU, batches decoded at a time, one core
-        each (`search.in_parallel`; None: as many as PyTorch has threads, i.e. the cores). `progress`: a
+        each (`search.in_processes`; None: as many as PyTorch has threads, i.e. the cores). `progress`: a
         tqdm bar (None: when stderr is a terminal); `stop()`, asked between batches, may raise
         `search.Interrupted`; `use_cache=False` recomputes every prefix (the bench's reference).
         `tgt_lang`: the target language of a multilingual model (`target_languages`), which needs one."""
