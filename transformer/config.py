@@ -221,6 +221,10 @@ class DataConfig:
         pairs = [(c.src_lang or self.src_lang, c.tgt_lang or self.tgt_lang) for c in self.corpora]
         return list(dict.fromkeys(pairs or [(self.src_lang, self.tgt_lang)]))
 
+    def languages(self) -> list[str]:
+        """Every language of the directions trained on, in the order first listed."""
+        return list(dict.fromkeys(language for pair in self.directions() for language in pair))
+
     def target_languages(self) -> list[str]:
         """A multilingual model's target languages (each gets a tag): those of the corpora and data.tgt_lang,
         when there is more than one; [] for a model into one language."""

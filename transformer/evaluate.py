@@ -96,8 +96,7 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
         result.update(tokenized_lowercased_bleu(hypotheses, tokenized_references, data.tgt_lang))
     model_data = translator.config.data
     if model_data.target_languages():           # a multilingual model: how often it answers in another language
-        languages = {lang for direction in model_data.directions() for lang in direction}
-        result.update(off_target(hypotheses, data.tgt_lang, languages) or {})
+        result.update(off_target(hypotheses, data.tgt_lang, model_data.languages()) or {})
     hyp_path.write_text("".join(h.replace("\n", " ") + "\n" for h in hypotheses), encoding="utf-8")
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     result["hypotheses_file"], result["scores_file"] = str(hyp_path), str(json_path)

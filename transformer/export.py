@@ -201,7 +201,7 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
     data, shape = config.data, config.model
     src, tgt = data.src_lang, data.tgt_lang
     directions, targets = data.directions(), tokenizer.target_languages
-    languages = list(dict.fromkeys(language for pair in directions for language in pair)) if targets else [src, tgt]
+    languages = data.languages() if targets else [src, tgt]
     front = ["---", f"library_name: {FORMAT_NAME}", "language:", *(f"- {json.dumps(x)}" for x in languages),
              "tags:", "- translation", "pipeline_tag: translation", "license: other"]
     title = f"multilingual translation ({', '.join(f'{a} → {b}' for a, b in directions)})" if targets \

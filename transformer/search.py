@@ -435,6 +435,12 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
                 return [[h] for h in greedy_search(decoder, lens, sampling, prefix)]
             return beam_search(decoder, lens, beam_size, alpha, nbest, prefix)
 
+    def done(indices: list[int], batch_results: list[list[Hypothesis]]) -> None:
+        for index, hyps in zip(indices, batch_results):
+            results[index] = hyps
+        if progress is not None:
+            progress.update(len(indices))
+
     def decode_batch(indices: list[int]) -> None:
         try:
             batch_results = attempt(indices)
@@ -453,10 +459,7 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
             decode_batch(indices[:half])
             decode_batch(indices[half:])
             return
-        for index, hyps in zip(indices, batch_results):
-            results[index] = hyps
-        if progress is not None:
-            progress.update(len(indices))
+        done(indices, batch_results)
 
     hypotheses = 1 if sampling is not None else beam_size              # rows per sentence in a batch
     with contextlib.ExitStack() as in_eval_mode:
@@ -470,11 +473,6 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
             budget = min(budget, max(PARALLEL_MIN_BATCH_TOKENS, sum(lengths) // (4 * workers)))
         batches = batches_in_order(lengths, budget)
         if workers > 1 and len(batches) > 1:
-            def done(indices: list[int], batch_results: list[list[Hypothesis]]) -> None:
-                for index, hyps in zip(indices, batch_results):
-                    results[index] = hyps
-                if progress is not None:
-                    progress.update(len(indices))
             in_processes(batches, attempt, done, workers, stop)
         else:
             for indices in batches:
