@@ -3,8 +3,10 @@ import torch
 
 from transformer.attention import (
     BACKENDS,
+    CPU_ONE_QUERY_MATMUL_KEYS,
     MultiHeadAttention,
     SelfAttentionCache,
+    attend,
     attention_math,
     causal_allowed,
     key_padding_allowed,
@@ -221,3 +223,24 @@ def test_the_backend_is_a_model_setting():
     assert {m.backend for m in model.modules() if isinstance(m, MultiHeadAttention)} == {"sdpa"}
     with pytest.raises(ValueError, match="attention backend 'flash'"):
         MultiHeadAttention(16, 2, backend="flash")
+
+
+@pytest.mark.parametrize("keys", [3, CPU_ONE_QUERY_MATMUL_KEYS, 20])
+def test_auto_on_a_cpu_picks_by_shape_and_matches_the_formula(keys, monkeypatch):
+    """One query (a decoding step) over many keys takes the matmuls, over a few SDPA; both give the formula."""
+    import transformer.attention as attention
+    generator = torch.Generator().manual_seed(keys)
+    q = torch.randn(6, 4, 1, 8, generator=generator)
+    k, v = (torch.randn(6, 4, keys, 8, generator=generator) for _ in range(2))
+    allowed = torch.ones(6, 1, 1, keys, dtype=torch.bool)
+    allowed[2, ..., keys // 2:] = False
+    reference = attention_math(q, k, v, allowed)[0]
+    sdpa, matmul, used = attention.F.scaled_dot_product_attention, attention.matmul_attention, []
+    monkeypatch.setattr(attention, "matmul_attention", lambda *a, **kw: used.append("matmul") or matmul(*a, **kw))
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: used.append("sdpa") or sdpa(*a, **kw))
+    out, _ = attend(q, k, v, allowed)
+    assert used == (["matmul"] if keys >= CPU_ONE_QUERY_MATMUL_KEYS else ["sdpa"])
+    assert torch.allclose(out, reference, atol=1e-6)
+    attend(q.expand(6, 4, 2, 8), k, v, allowed)                 # two queries: SDPA, as in training
+    assert used[-1] == "sdpa"

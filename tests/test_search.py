@@ -95,6 +95,46 @@ def test_nbest_larger_than_beam_is_refused():
         beam_search(TableDecoder(), torch.tensor([5]), beam_size=2, nbest=3)
 
 
+class CountdownDecoder:
+    """Sentence i says A `lengths[i]` times, then EOS; it follows `select` like a real decoder's cache,
+    so a wrong row kept at a compaction changes what that row says next."""
+
+    def __init__(self, lengths):
+        self.sentence = torch.arange(len(lengths))        # the sentence of each row
+        self.lengths = torch.tensor(lengths)
+        self.compactions = 0
+
+    def step(self, tokens):
+        out = torch.full((tokens.size(0), VOCAB), float("-inf"))
+        said = tokens.size(1) - 1
+        ends = self.lengths[self.sentence] <= said
+        out[:, EOS_ID] = torch.where(ends, 0.0, -5.0)
+        out[:, A] = torch.where(ends, -5.0, -0.1 * (self.sentence + 1).float())
+        return out
+
+    def select(self, rows, sentences=None):
+        self.sentence = self.sentence[rows]
+        self.compactions += 1
+
+
+def test_greedy_drops_finished_sentences_in_batches_with_the_same_results(monkeypatch):
+    import transformer.search as search
+    lengths = [3, 0, 7, 1, 1, 5, 2, 9, 4, 6, 2, 8]
+    results = {}
+    for share in (0.0, 0.25, 1.0):         # at every finish, a quarter of the rows, never until the end
+        monkeypatch.setattr(search, "GREEDY_COMPACT_SHARE", share)
+        decoder = CountdownDecoder(lengths)
+        hyps = greedy_search(decoder, torch.full((len(lengths),), 20))
+        results[share] = ([h.tokens for h in hyps], [h.logprob for h in hyps], decoder.compactions)
+    assert results[0.0][0] == [[A] * n for n in lengths]
+    assert results[0.0][1] == pytest.approx([-0.1 * (i + 1) * n for i, n in enumerate(lengths)], abs=1e-5)
+    for share in (0.25, 1.0):
+        assert results[share][:2] == results[0.0][:2]
+    # Sentences finish at 10 distinct steps, the last with no row left: 9 compactions at every finish;
+    # by quarters, when more than a quarter of the rows left are finished: 5 (at steps 2, 4, 6, 7, 8).
+    assert (results[0.0][2], results[0.25][2], results[1.0][2]) == (9, 5, 0)
+
+
 @pytest.mark.parametrize("width,k", [(8000, 10), (8000, 1), (5000, 6), (300, 4)])
 def test_row_topk_equals_torch_topk(width, k):
     """The block-maxima shortcut against plain topk, with ties, blocked columns and a ragged last block."""
@@ -155,6 +195,14 @@ def test_blockwise_candidates_equal_those_from_the_full_distribution(model_and_s
     assert torch.allclose(plain.gather(1, ids), values, atol=1e-5)
     assert torch.allclose(eos, plain[:, EOS_ID], atol=1e-5)
     assert torch.equal(generic[1], ids)
+
+
+def test_greedy_batches_of_finished_sentences_do_not_change_the_model_output(model_and_sources, monkeypatch):
+    import transformer.search as search
+    model, sources = model_and_sources
+    lazily = translate_ids(model, sources, beam_size=1)
+    monkeypatch.setattr(search, "GREEDY_COMPACT_SHARE", 0.0)
+    assert [h[0].tokens for h in translate_ids(model, sources, beam_size=1)] == [h[0].tokens for h in lazily]
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])

@@ -93,7 +93,7 @@ def attend(q, k, v, allowed=None, causal=False, dropout_p=0.0, need_weights=Fals
     if need_weights:
         backend = "math"
     elif backend == "auto":
-        backend = "sdpa_gpu" if q.device.type != "cpu" else cpu_backend(q.dtype, dropout_p)
+        backend = "sdpa_gpu" if q.device.type != "cpu" else cpu_backend(q.dtype, dropout_p, q.size(-2), k.size(-2))
     if causal and backend in ("math", "matmul"):              # only SDPA takes `is_causal`
         allowed, causal = with_causal(allowed, q.size(-2), k.size(-2), q.device), False
     if backend == "math":
@@ -111,11 +111,21 @@ def attend(q, k, v, allowed=None, causal=False, dropout_p=0.0, need_weights=Fals
     raise ValueError(f"unknown attention backend {backend!r}; one of {', '.join(BACKENDS)}")
 
 
-def cpu_backend(dtype: torch.dtype, dropout_p: float) -> str:
-    """What `auto` runs on a CPU. In float32 SDPA's flash kernel is the faster: model=small trains about
-    4% more tokens/s, and decodes as fast. In bfloat16 it is far slower than the matmuls (0.65x the
-    training tokens/s), and with attention dropout SDPA falls back to its unfused math on a CPU."""
-    return "sdpa" if dtype == torch.float32 and dropout_p == 0.0 else "matmul"
+# Keys from which one query (a decoding step) is attended faster by the matmuls than by SDPA's float32
+# CPU kernel: one thread, 500 rows x 4 heads x 64: 0.63x SDPA's time at 16 keys, 0.67x at 24, 0.84-0.95x
+# at 8-12; at 2-6 keys SDPA is 1.4-2.3x faster.
+CPU_ONE_QUERY_MATMUL_KEYS = 8
+
+
+def cpu_backend(dtype: torch.dtype, dropout_p: float, queries: int = 0, keys: int = 0) -> str:
+    """What `auto` runs on a CPU. In float32 SDPA's flash kernel is the faster for training (model=small
+    trains about 4% more tokens/s) and for one query over a few keys; one query over
+    `CPU_ONE_QUERY_MATMUL_KEYS` or more (decoding with a cache) takes the matmuls. In bfloat16 SDPA is
+    far slower than the matmuls (0.65x the training tokens/s), and with attention dropout it falls back
+    to its unfused math on a CPU."""
+    if dtype != torch.float32 or dropout_p > 0.0:
+        return "matmul"
+    return "matmul" if queries == 1 and keys >= CPU_ONE_QUERY_MATMUL_KEYS else "sdpa"
 
 
 def matmul_attention(q, k, v, allowed=None, dropout_p=0.0) -> torch.Tensor:

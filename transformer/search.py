@@ -241,17 +241,27 @@ class Sampling:
         return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
+# Greedy search drops finished sentences from the batch (and the decoder's caches) once they are this
+# share of its rows, not at every step where one finishes: copying every cache for a few rows costs more
+# than carrying them a few steps.
+GREEDY_COMPACT_SHARE = 0.25
+
+
 @torch.no_grad()
 def greedy_search(decoder: StepDecoder, max_lens: torch.Tensor, sampling: Sampling | None = None,
                   prefix: torch.Tensor | None = None) -> list[Hypothesis]:
     """Pick the most probable token at every step (or draw one, with `sampling`); sentences leave the
-    batch when they emit EOS. `prefix` (n, P): target tokens forced first, PAD after each sentence's
-    own prefix (its length + 1 must fit in `max_lens`)."""
+    batch when they emit EOS (in batches of `GREEDY_COMPACT_SHARE` of the rows; with `sampling` at
+    once, so that the draws do not depend on it). `prefix` (n, P): target tokens forced first, PAD
+    after each sentence's own prefix (its length + 1 must fit in `max_lens`)."""
     batch = max_lens.numel()
     device = max_lens.device
     tokens = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=device)     # (n, t)
     logprob = torch.zeros(batch, device=device)
-    open_ids = torch.arange(batch, device=device)       # original index of each open sentence
+    open_ids = torch.arange(batch, device=device)       # original index of each row's sentence
+    decoding = torch.ones(batch, dtype=torch.bool, device=device)   # rows not finished yet
+    carried = 0                                         # finished rows still in the batch
+    compact_share = 0.0 if sampling is not None else GREEDY_COMPACT_SHARE
     results: list[Hypothesis | None] = [None] * batch
     for step in range(int(max_lens.max())):
         in_prefix = prefix is not None and step < prefix.size(1)
@@ -274,19 +284,25 @@ def greedy_search(decoder: StepDecoder, max_lens: torch.Tensor, sampling: Sampli
         token_logprob = torch.where(forced, eos_logprob, best_logprob)
         logprob = logprob + token_logprob
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-        done = next_token == EOS_ID
+        done = (next_token == EOS_ID) & decoding                                  # (n,) finished now
         if not done.any():
             continue
         token_lists, logprob_list, forced_list = tokens.tolist(), logprob.tolist(), forced.tolist()
-        for row, sentence in zip(done.nonzero().flatten().tolist(), open_ids[done].tolist()):
+        done_rows = done.nonzero().flatten().tolist()
+        for row, sentence in zip(done_rows, open_ids[done].tolist()):
             results[sentence] = Hypothesis(token_lists[row][1:-1], logprob_list[row], logprob_list[row],
                                            forced_list[row])
-        keep = (~done).nonzero().flatten()
-        if keep.numel() == 0:
+        decoding = decoding & ~done
+        carried += len(done_rows)
+        rows = decoding.numel()
+        if carried == rows:
             break
-        tokens, logprob, open_ids, max_lens = tokens[keep], logprob[keep], open_ids[keep], max_lens[keep]
-        prefix = None if prefix is None else prefix[keep]
-        decoder.select(keep, keep)
+        if carried > compact_share * rows:
+            keep = decoding.nonzero().flatten()
+            tokens, logprob, open_ids, max_lens = tokens[keep], logprob[keep], open_ids[keep], max_lens[keep]
+            decoding, carried = decoding[keep], 0
+            prefix = None if prefix is None else prefix[keep]
+            decoder.select(keep, keep)
     return results
 
 
