@@ -36,21 +36,23 @@ def test_the_presets_only_override_the_schema_defaults():
                     assert getattr(defaults[section], key) != value, f"{path.name}: {section}.{key}={value} is the default"
 
 
-def test_a_recipe_changes_every_key_it_sets_and_the_command_line_still_wins():
-    """recipe=multi30k_long comes after the data preset: each key it sets changes the composed config
-    (none restates what `data=multi30k_de_en model=small` already gives; the recipe replaces the model),
-    and key=value overrides it."""
+@pytest.mark.parametrize("recipe_name, base", [("multi30k_long", ["data=multi30k_de_en", "model=small"]),
+                                                ("multi30k_multi", ["data=multi30k_multi"])])
+def test_a_recipe_changes_every_key_it_sets_and_the_command_line_still_wins(recipe_name, base):
+    """A recipe comes after the data preset: each key it sets changes the composed config (none restates
+    what its data preset and model already give; the recipe replaces the model), and key=value
+    overrides it."""
     import yaml
-    base = compose_config(["data=multi30k_de_en", "data.path=/corpus", "model=small"])
-    recipe = compose_config(["data=multi30k_de_en", "data.path=/corpus", "model=small", "recipe=multi30k_long"])
-    values = yaml.safe_load((CONF_DIR / "recipe" / "multi30k_long.yaml").read_text())
+    plain = compose_config(base + ["data.path=/corpus"])
+    recipe = compose_config(base + ["data.path=/corpus", f"recipe={recipe_name}"])
+    values = yaml.safe_load((CONF_DIR / "recipe" / f"{recipe_name}.yaml").read_text())
     for section, keys in values.items():
         for key, value in keys.items():
             assert getattr(getattr(recipe, section), key) == value
-            assert getattr(getattr(base, section), key) != value, f"recipe {section}.{key}={value} changes nothing"
-    assert recipe.decode.alpha == base.decode.alpha == 1.5 and recipe.data == base.data
-    mine = compose_config(["data=multi30k_de_en", "data.path=/corpus", "recipe=multi30k_long", "trainer.lr=1e-3"])
-    assert mine.trainer.lr == 1e-3 and mine.model.d_model == 128
+            assert getattr(getattr(plain, section), key) != value, f"recipe {section}.{key}={value} changes nothing"
+    assert recipe.decode.alpha == plain.decode.alpha == 1.5 and recipe.data == plain.data
+    mine = compose_config(base + ["data.path=/corpus", f"recipe={recipe_name}", "trainer.lr=1e-4", "model.d_model=64"])
+    assert mine.trainer.lr == 1e-4 and mine.model.d_model == 64 and mine.model.d_ff == recipe.model.d_ff
 
 
 def test_the_trainer_defaults_are_the_dataclass_defaults():
