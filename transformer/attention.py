@@ -117,7 +117,7 @@ def attend(q, k, v, allowed=None, causal=False, dropout_p=0.0, need_weights=Fals
 CPU_ONE_QUERY_MATMUL_KEYS = 8
 
 
-def cpu_backend(dtype: torch.dtype, dropout_p: float, queries: int = 0, keys: int = 0) -> str:
+def cpu_backend(dtype: torch.dtype, dropout_p: float, queries: int, keys: int) -> str:
     """What `auto` runs on a CPU. In float32 SDPA's flash kernel is the faster for training (model=small
     trains about 4% more tokens/s) and for one query over a few keys; one query over
     `CPU_ONE_QUERY_MATMUL_KEYS` or more (decoding with a cache) takes the matmuls. In bfloat16 SDPA is
