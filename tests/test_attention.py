@@ -3,7 +3,6 @@ import torch
 
 from transformer.attention import (
     BACKENDS,
-    CACHE_SPARE_POSITIONS,
     CPU_ONE_QUERY_MATMUL_KEYS,
     MultiHeadAttention,
     SelfAttentionCache,
@@ -133,37 +132,6 @@ def test_cache_with_beam_reordering_matches_recomputing_each_history():
             history = torch.cat([history[order], torch.randn(keep, 1, 16)], dim=1)
             rows = keep
     assert cache.length == 40
-
-
-def test_cache_appends_in_place_and_copies_the_past_only_to_grow_or_gather():
-    """Greedy-style decoding: 70 steps, rows dropped twice (finished sentences). Every step equals the
-    full recomputation; the buffers move only when they run out of room or rows are gathered, and the
-    second gather reuses the buffers the first one left."""
-    torch.manual_seed(0)
-    attn = MultiHeadAttention(16, 4).eval()
-    rows = 5
-    history = torch.randn(rows, 1, 16)
-    cache = SelfAttentionCache()
-    buffers = []                                         # (step, data pointer) of each move
-    with torch.no_grad():
-        for step in range(70):
-            out = attn(history[:, -1:], causal=True, cache=cache)
-            assert torch.allclose(out, attn(history, causal=True)[:, -1:], atol=1e-5), step
-            assert cache.keys.shape == cache.values.shape == (rows, 4, step + 1, 4)
-            pointer = cache._buffers[0].data_ptr()
-            if not buffers or buffers[-1][1] != pointer:
-                buffers.append((step, pointer))
-            if step in (30, 35):                                 # a sentence finished: keep the others
-                keep = torch.tensor([r for r in range(rows) if r != 1])
-                cache.reorder(keep)
-                history, rows = history[keep], rows - 1
-            history = torch.cat([history, torch.randn(rows, 1, 16)], dim=1)
-    # Room for 1 + 8 positions, then 10 + 10, 21 + 21; the gather at step 31 takes new buffers (room
-    # 32 + 32), the one at step 36 the 42-position ones it left; when those are full (step 42) the
-    # 64-position spare holds the past until step 64, then new buffers (65 + 32).
-    assert CACHE_SPARE_POSITIONS == 32
-    assert [step for step, _ in buffers] == [0, 9, 20, 31, 36, 42, 64]
-    assert buffers[4][1] == buffers[2][1] and buffers[5][1] == buffers[3][1]
 
 
 def test_cpu_path_gradients_match_explicit_softmax_math():

@@ -233,83 +233,49 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(out)
 
 
-# A self-attention cache keeps room for up to this many positions beyond those it holds (as many as it
-# holds, when that is fewer), so that a decoding step writes its keys and values in place and the past is
-# copied when the room runs out or rows are reordered, not at every step.
-CACHE_SPARE_POSITIONS = 32
-
-
 class SelfAttentionCache:
     """One decoder layer's self-attention keys and values of the positions decoded so far.
 
-    They live in buffers (B, H, capacity, Dh) with room for more positions; `keys` and `values` are views
-    of the first `length`. A step writes its new positions in place, so greedy decoding copies the past
-    only when the room runs out (every `CACHE_SPARE_POSITIONS` steps or so), not at every step; attention
-    reads the views (the batch axes keep one stride, so batched matmuls take them without a copy).
-
     Reordering hypotheses is lazy: `reorder` only records which rows survive, and the next `append`
-    gathers them while it copies the past into buffers with room for the new positions: the spare ones
-    the previous gather left, when they are large enough. So a beam search step copies the cache once,
-    not twice (concatenate, then reorder), into memory it already holds rather than fresh pages.
+    gathers them while it copies the past into a tensor with room for the new positions. So a beam
+    search step copies the cache once, not twice (concatenate, then reorder), and attention always
+    reads contiguous keys and values (PyTorch's bf16 batched matmul copies strided ones first).
     """
 
     def __init__(self):
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None   # keys, values (B, H, capacity, Dh)
-        self._spare: tuple[torch.Tensor, torch.Tensor] | None = None     # the buffers before the last gather
-        self._length = 0
+        self.keys: torch.Tensor | None = None       # (B, H, length, Dh)
+        self.values: torch.Tensor | None = None
         self.rows: torch.Tensor | None = None       # pending reorder of the B axis
 
     @property
     def length(self) -> int:
-        return self._length
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        """(B, H, length, Dh): a view of the keys buffer."""
-        return None if self._buffers is None else self._buffers[0][:, :, :self._length]
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        """(B, H, length, Dh): a view of the values buffer."""
-        return None if self._buffers is None else self._buffers[1][:, :, :self._length]
+        return 0 if self.keys is None else self.keys.size(2)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add k, v (B, H, T, Dh) of T new positions; returns every position's keys, values (B, H, past + T, Dh)."""
-        past, needed = self._length, self._length + k.size(2)
-        if self._buffers is None or self.rows is not None or needed > self._buffers[0].size(2):
-            self._buffers = self._moved(k, needed)
-            self.rows = None
-        for buffer, new in zip(self._buffers, (k, v)):
-            buffer[:, :, past:needed] = new
-        self._length = needed
+        if self.keys is None:
+            self.keys, self.values = k.contiguous(), v.contiguous()
+            return self.keys, self.values
+        past = self.length
+        self.keys, self.values = (self._extend(old, new, past) for old, new in ((self.keys, k), (self.values, v)))
+        self.rows = None
         return self.keys, self.values
 
-    def _moved(self, k: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Buffers for k's rows with room for `needed` positions, holding the past (its pending `rows`
-        gathered): the spare buffers if they are large enough, else new ones."""
-        rows, past, old = k.size(0), self._length, self._buffers
-        spare = self._spare
-        if spare is None or spare[0].size(0) < rows or spare[0].size(2) < needed or spare[0].dtype != k.dtype:
-            capacity = needed + min(max(needed, 8), CACHE_SPARE_POSITIONS)
-            shape = (rows, k.size(1), capacity, k.size(3))
-            spare = (k.new_empty(shape), k.new_empty(shape))
-        moved = (spare[0][:rows], spare[1][:rows])
-        if old is not None:
-            for target, source in zip(moved, old):
-                target, source = target[:, :, :past], source[:, :, :past]
-                if self.rows is None:
-                    target.copy_(source)
-                elif source.device.type == "cpu":           # gathers straight into place
-                    torch.index_select(source, 0, self.rows, out=target)
-                else:                                       # the plainly supported form: a temporary, then a copy
-                    target.copy_(source.index_select(0, self.rows))
-        # After a gather the old buffers are the next gather's target; after growing they are let go.
-        self._spare = old if self.rows is not None else None
-        return moved
+    def _extend(self, old: torch.Tensor, new: torch.Tensor, past: int) -> torch.Tensor:
+        rows, heads, length, head_dim = new.shape
+        out = torch.empty(rows, heads, past + length, head_dim, dtype=old.dtype, device=old.device)
+        if self.rows is None:
+            out[:, :, :past] = old
+        elif old.device.type == "cpu":      # gathers straight into place
+            torch.index_select(old, 0, self.rows, out=out[:, :, :past])
+        else:                               # the plainly supported form: a temporary, then a copy
+            out[:, :, :past] = old.index_select(0, self.rows)
+        out[:, :, past:] = new
+        return out
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep hypothesis rows `rows` (a LongTensor over the row axis), in that order."""
-        if self._buffers is not None:
+        if self.keys is not None:
             self.rows = rows if self.rows is None else self.rows.index_select(0, rows)
 
 
