@@ -2,11 +2,15 @@
 --workers 1, --quantize int8) and the checkpoint exported with `transformer-export --format
 ctranslate2` (float32 and int8, each thread setting) translating the same files beside it, with BLEU,
 each row's ratio to CTranslate2's fastest, the share of sentences where CTranslate2's fp32 greedy
-output equals ours, our start-up time, and optionally an ensemble against its members. CTranslate2's length penalty is set
+output equals ours, our start-up time, and optionally an ensemble against its members. Every row also
+carries its own start-up (the same command on empty input) and the time it spent translating, the
+whole time less that start-up, with the ratio of those: throughput, what a long-running process
+(a pipe, `Translator`) sees, where torch's import is paid once. CTranslate2's length penalty is set
 to the checkpoint's decode.alpha (its normalisation differs slightly from our GNMT formula: with both
 at 0.6, validation BLEU of the README's model was 40.14 against our 40.13).
 
-Run alone: `python scripts/bench_ctranslate2.py CKPT SOURCE REFERENCE [--lines N] [--ensemble CKPT2 ...]`.
+Run alone: `python scripts/bench_ctranslate2.py CKPT SOURCE REFERENCE [--lines N] [--ensemble CKPT2 ...]
+[--fastest]`.
 Also the whole-process translator it times (what a user of the exported model would run):
 
     python scripts/bench_ctranslate2.py translate MODEL_DIR --beam 5 [--compute-type int8]
@@ -77,6 +81,25 @@ def _timed(command: list[str], source_file: Path, repeats: int) -> tuple[list[fl
     return times, output.splitlines()
 
 
+def _startup_seconds(command: list[str], repeats: int, known: dict) -> float:
+    """Median time of `command` on empty input (the interpreter, the imports, the model; nothing to
+    translate), measured once per command: `known` holds what earlier rows measured."""
+    key = tuple(command)
+    if key not in known:
+        with tempfile.NamedTemporaryFile(suffix=".txt") as empty:
+            times, _ = _timed(command, Path(empty.name), repeats)
+        known[key] = statistics.median(times)
+    return known[key]
+
+
+def _with_startup(row: dict, command: list[str], repeats: int, known: dict) -> dict:
+    """`row` with its command's start-up (the beam left out: start-up does not depend on it) and the
+    seconds it spent translating, its median time less that start-up."""
+    at = command.index("--beam")
+    startup = _startup_seconds(command[:at] + command[at + 2:], repeats, known)
+    return {**row, "startup_seconds": startup, "translating_seconds": row["seconds_median"] - startup}
+
+
 def _bleu(lines: list[str], reference_file: Path, checkpoint: str) -> float:
     """BLEU the way validation and transformer-evaluate compute it (`validate.score`: NFC, the target
     language's tokenizer)."""
@@ -97,18 +120,21 @@ OURS_SETTINGS = {"default": [], "--workers 1": ["--workers", "1"], "--quantize i
 
 
 def bench_translate_cli(checkpoints: list[str], source_file: Path, reference_file: Path, repeats: int,
-                        settings: dict[str, list[str]] = OURS_SETTINGS, beams=(5, 1)) -> list[dict]:
-    """`transformer-translate CKPT... --beam N [flags] < source_file` as whole processes, model load included."""
-    rows = []
+                        settings: dict[str, list[str]] = OURS_SETTINGS, beams=(5, 1),
+                        startups: dict | None = None) -> list[dict]:
+    """`transformer-translate CKPT... --beam N [flags] < source_file` as whole processes, model load
+    included; each row with its start-up (`_with_startup`; `startups` keeps them across calls)."""
+    rows, startups = [], {} if startups is None else startups
     for beam in beams:
         for setting, flags in settings.items():
             command = [sys.executable, "-m", "transformer.translate", *checkpoints, "--beam", str(beam), *flags]
             times, lines = _timed(command, source_file, repeats)
-            rows.append({"section": "translate_cli", "engine": "transformer-translate", "setting": setting,
-                         "checkpoints": len(checkpoints), "beam": beam, "file": str(source_file),
-                         "sentences": len(lines), "seconds_median": statistics.median(times),
-                         "seconds_min": min(times), "seconds_max": max(times), "repeats": repeats,
-                         "bleu": _bleu(lines, reference_file, checkpoints[0])})
+            row = {"section": "translate_cli", "engine": "transformer-translate", "setting": setting,
+                   "checkpoints": len(checkpoints), "beam": beam, "file": str(source_file),
+                   "sentences": len(lines), "seconds_median": statistics.median(times),
+                   "seconds_min": min(times), "seconds_max": max(times), "repeats": repeats,
+                   "bleu": _bleu(lines, reference_file, checkpoints[0])}
+            rows.append(_with_startup(row, command, repeats, startups))
     return rows
 
 
@@ -119,9 +145,12 @@ def bench_startup(checkpoint: str, repeats: int) -> dict:
     return {"section": "translate_startup", "seconds_median": statistics.median(times), "repeats": repeats}
 
 
-def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, repeats: int) -> list[dict]:
+def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, repeats: int,
+                      startups: dict | None = None, fastest: bool = False) -> list[dict]:
     """The same file through CTranslate2 (the checkpoint exported in float32 and int8, every thread
-    setting), as whole processes; the fp32 greedy rows say how many lines equal ours."""
+    setting), as whole processes, each row with its start-up (`_with_startup`); the fp32 greedy rows say
+    how many lines equal ours. `fastest`: only its fastest setting here (int8, two single-thread workers)."""
+    startups = {} if startups is None else startups
     try:
         import ctranslate2  # noqa: F401
     except ImportError:
@@ -130,15 +159,17 @@ def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, 
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
     from transformer.export import export_ctranslate2
 
-    _, ours_fp32_greedy = _timed([sys.executable, "-m", "transformer.translate", checkpoint, "--beam", "1",
-                                  "--precision", "fp32"], source_file, 1)
+    quantizations, thread_settings = (("int8",), THREAD_SETTINGS[:1]) if fastest else (("float32", "int8"), THREAD_SETTINGS)
+    if not fastest:
+        _, ours_fp32_greedy = _timed([sys.executable, "-m", "transformer.translate", checkpoint, "--beam", "1",
+                                      "--precision", "fp32"], source_file, 1)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-ct2-") as tmp:
         model, tokenizer, config = model_from_checkpoint(load_checkpoint(checkpoint), checkpoint)
-        for quantization in ("float32", "int8"):
+        for quantization in quantizations:
             directory = export_ctranslate2(model, tokenizer, Path(tmp) / quantization, quantization)
             for beam in (5, 1):
-                for inter, intra in THREAD_SETTINGS:
+                for inter, intra in thread_settings:
                     command = [sys.executable, str(Path(__file__).resolve()), "translate", str(directory),
                                "--beam", str(beam), "--compute-type", quantization,
                                "--inter-threads", str(inter), "--intra-threads", str(intra),
@@ -152,31 +183,39 @@ def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, 
                     if quantization == "float32" and beam == 1:
                         same = sum(a == b for a, b in zip(lines, ours_fp32_greedy))
                         row["identical_to_ours_fp32_greedy"] = same / max(1, len(lines))
-                    rows.append(row)
+                    rows.append(_with_startup(row, command, repeats, startups))
     return rows
 
 
 def bench_translation(checkpoint: str, files: list[tuple[Path, Path]], repeats: int,
-                      ensemble: list[str] = ()) -> list[dict]:
+                      ensemble: list[str] = (), fastest: bool = False) -> list[dict]:
     """For each (source, reference) file: our settings and CTranslate2's side by side, each row with its
-    ratio to CTranslate2's fastest at the same beam; start-up; and, given `ensemble` (more checkpoints of
-    the same vocabulary), each model alone and all together on the first file at beam 5."""
-    rows = [bench_startup(checkpoint, repeats)]
+    ratio to CTranslate2's fastest at the same beam, with and without start-up; start-up; and, given
+    `ensemble` (more checkpoints of the same vocabulary), each model alone and all together on the first
+    file at beam 5. `fastest`: only each engine's fastest settings (ours: defaults and int8)."""
+    rows, startups = [bench_startup(checkpoint, repeats)], {}
+    settings = {k: v for k, v in OURS_SETTINGS.items() if k != "--workers 1"} if fastest else OURS_SETTINGS
     for source_file, reference_file in files:
-        ours = bench_translate_cli([checkpoint], source_file, reference_file, repeats)
-        theirs = bench_ctranslate2(checkpoint, source_file, reference_file, repeats)
+        ours = bench_translate_cli([checkpoint], source_file, reference_file, repeats, settings, startups=startups)
+        theirs = bench_ctranslate2(checkpoint, source_file, reference_file, repeats, startups, fastest)
         for beam in (5, 1):
-            best = min((r["seconds_median"] for r in theirs if r["beam"] == beam), default=None)
+            at_beam = [r for r in theirs if r["beam"] == beam]
+            if not at_beam:
+                continue
+            best = min(r["seconds_median"] for r in at_beam)
+            best_translating = min(r["translating_seconds"] for r in at_beam)
             for row in ours + theirs:
-                if row["beam"] == beam and best:
+                if row["beam"] == beam:
                     row["over_ctranslate2_best"] = row["seconds_median"] / best
+                    row["translating_over_ctranslate2_best"] = row["translating_seconds"] / best_translating
         rows += ours + theirs
     if ensemble:
         source_file, reference_file = files[0]
         members = [checkpoint, *ensemble]
         for each in members:
-            rows += bench_translate_cli([each], source_file, reference_file, repeats, {"ensemble member": []}, (5,))
-        rows += bench_translate_cli(members, source_file, reference_file, repeats, {"ensemble": []}, (5,))
+            rows += bench_translate_cli([each], source_file, reference_file, repeats, {"ensemble member": []}, (5,),
+                                        startups)
+        rows += bench_translate_cli(members, source_file, reference_file, repeats, {"ensemble": []}, (5,), startups)
     return rows
 
 
@@ -188,6 +227,10 @@ def print_row(row: dict) -> None:
     same = (f" | identical to ours (fp32 greedy) {100 * row['identical_to_ours_fp32_greedy']:.1f}%"
             if "identical_to_ours_fp32_greedy" in row else "")
     ratio = f" | {row['over_ctranslate2_best']:.2f}x CTranslate2's fastest" if "over_ctranslate2_best" in row else ""
+    if "translating_seconds" in row:
+        ratio += f" | start-up {row['startup_seconds']:.2f} s, translating {row['translating_seconds']:.2f} s"
+        if "translating_over_ctranslate2_best" in row:
+            ratio += f" ({row['translating_over_ctranslate2_best']:.2f}x)"
     models = f" ({row['checkpoints']} models)" if row.get("checkpoints", 1) > 1 else ""
     print(f"{row['engine']:21s} {row['setting']:36s}{models} beam {row['beam']} | {Path(row['file']).name} "
           f"{row['sentences']} lines | {row['seconds_median']:6.2f} s | BLEU {row['bleu']:.2f}{ratio}{same}")
@@ -203,11 +246,13 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lines", type=int, default=0, help="only the first N lines of source and reference")
     parser.add_argument("--ensemble", nargs="*", default=[], help="more checkpoints: ensemble rows on this file")
+    parser.add_argument("--fastest", action="store_true",
+                        help="only each engine's fastest settings (CTranslate2 int8 2x1; ours defaults and int8)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     files = [(Path(args.source), Path(args.reference))]
     with tempfile.TemporaryDirectory(prefix="bench-lines-") as tmp:
         if args.lines:
             files = [(first_lines(files[0][0], args.lines, Path(tmp)), first_lines(files[0][1], args.lines, Path(tmp)))]
-        for r in bench_translation(args.checkpoint, files, args.repeats, args.ensemble):
+        for r in bench_translation(args.checkpoint, files, args.repeats, args.ensemble, args.fastest):
             print_row(r)

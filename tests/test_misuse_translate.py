@@ -284,3 +284,26 @@ def test_the_bench_scores_through_the_same_function(untrained_checkpoint, tmp_pa
     reference = tmp_path / "ref"
     reference.write_text("".join(unicodedata.normalize("NFD", h) + "\n" for h in hypotheses), encoding="utf-8")
     assert _bleu(hypotheses, reference, str(untrained_checkpoint)) == 100.0
+
+
+def test_the_bench_takes_each_commands_own_start_up_out_once(tmp_path, monkeypatch):
+    """A row's translating time is its median less the same command's time on empty input, the beam
+    left out; a second beam of the same command reuses the start-up measured for the first."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_ctranslate2
+
+    calls = []
+
+    def fake_timed(command, source_file, repeats):
+        calls.append((command, Path(source_file).read_text()))
+        return [0.25, 0.5, 0.75], []
+
+    monkeypatch.setattr(bench_ctranslate2, "_timed", fake_timed)
+    known = {}
+    command = ["translate", "MODEL", "--beam", "5", "--quantize", "int8"]
+    row = bench_ctranslate2._with_startup({"beam": 5, "seconds_median": 3.0}, command, 3, known)
+    again = bench_ctranslate2._with_startup({"beam": 1, "seconds_median": 2.0},
+                                            ["translate", "MODEL", "--beam", "1", "--quantize", "int8"], 3, known)
+    assert calls == [(["translate", "MODEL", "--quantize", "int8"], "")]      # once, on empty input, no --beam
+    assert row["startup_seconds"] == again["startup_seconds"] == 0.5
+    assert row["translating_seconds"] == 2.5 and again["translating_seconds"] == 1.5

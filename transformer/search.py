@@ -287,13 +287,13 @@ def greedy_search(decoder: StepDecoder, max_lens: torch.Tensor, sampling: Sampli
         done = (next_token == EOS_ID) & decoding                                  # (n,) finished now
         if not done.any():
             continue
-        token_lists, logprob_list, forced_list = tokens.tolist(), logprob.tolist(), forced.tolist()
-        done_rows = done.nonzero().flatten().tolist()
-        for row, sentence in zip(done_rows, open_ids[done].tolist()):
-            results[sentence] = Hypothesis(token_lists[row][1:-1], logprob_list[row], logprob_list[row],
-                                           forced_list[row])
+        done_rows = done.nonzero().flatten()                                      # (d,)
+        # Only the finished rows go to the host, not the whole batch's tokens at every such step.
+        for sentence, ids, score, was_forced in zip(open_ids[done_rows].tolist(), tokens[done_rows, 1:-1].tolist(),
+                                                    logprob[done_rows].tolist(), forced[done_rows].tolist()):
+            results[sentence] = Hypothesis(ids, score, score, was_forced)
         decoding = decoding & ~done
-        carried += len(done_rows)
+        carried += done_rows.numel()
         rows = decoding.numel()
         if carried == rows:
             break
