@@ -244,3 +244,16 @@ def test_auto_on_a_cpu_picks_by_shape_and_matches_the_formula(keys, monkeypatch)
     assert torch.allclose(out, reference, atol=1e-6)
     attend(q.expand(6, 4, 2, 8), k, v, allowed)                 # two queries: SDPA, as in training
     assert used[-1] == "sdpa"
+
+
+def test_the_caches_cross_attention_mask_follows_the_sentences_kept():
+    # The decoder cache builds the memory's allowed mask once (not per layer and step); dropping finished
+    # sentences must drop their rows of it too, or attention would read another sentence's padding.
+    from transformer.attention import DecoderCache
+    src_pad = torch.tensor([[False, False, True], [False, True, True], [False, False, False]])
+    memory_kv = [(torch.randn(3, 2, 3, 4), torch.randn(3, 2, 3, 4))]
+    cache = DecoderCache(memory_kv, src_pad)
+    assert torch.equal(cache.memory_allowed, key_padding_allowed(src_pad))
+    cache.keep_sentences(torch.tensor([2, 0]))
+    assert torch.equal(cache.memory_allowed, key_padding_allowed(src_pad[[2, 0]]))
+    assert cache.memory_allowed.shape == (2, 1, 1, 3)

@@ -120,6 +120,21 @@ def test_cpu_dropout_added_to_the_residual_equals_the_unfused_sum(branch_dtype):
     assert torch.equal(layer.eval().add_to(residual, branch), residual + branch)
 
 
+def test_dropout_that_drops_nothing_runs_no_operator():
+    # In eval mode (every decoding step) and at p=0, Dropout hands back its input itself: no aten::dropout
+    # per call. The profiler counts the operators that ran.
+    from transformer.model import Dropout
+    x = torch.randn(4, 3, 8)
+    for layer in (Dropout(0.3).eval(), Dropout(0.0).train()):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            out = layer(x)
+            summed = layer.add_to(x, x)
+        assert out is x
+        assert torch.equal(summed, 2 * x)
+        ran = {event.key for event in profile.key_averages()}
+        assert "aten::dropout" not in ran and "aten::add" in ran
+
+
 def test_feed_forward_relu_after_dropout_matches_the_textbook_order():
     # FeedForward applies the ReLU in place after dropout; with the same mask that must equal
     # down(dropout(relu(up(x)))) exactly, gradients included.

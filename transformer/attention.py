@@ -189,18 +189,21 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, *, memory: torch.Tensor | None = None,
                 memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                key_pad_mask: torch.Tensor | None = None, causal: bool = False,
-                cache: SelfAttentionCache | None = None) -> torch.Tensor:
+                key_pad_mask: torch.Tensor | None = None, key_allowed: torch.Tensor | None = None,
+                causal: bool = False, cache: SelfAttentionCache | None = None) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D).
 
         Self-attention: keys are x (plus the past positions in `cache`, which this call extends).
         Cross-attention: keys are `memory` or its precomputed `memory_kv`. If x has K times the rows of
         the memory (K beams per sentence), the beams are folded into the query axis, so one copy of the
-        memory keys serves every beam.
+        memory keys serves every beam. `key_allowed` is `key_padding_allowed(key_pad_mask)` made once
+        (a decoding step's cross-attention takes it from the cache).
         """
         batch, length, d_model = x.shape
         dropout_p = self.dropout if self.training else 0.0
-        allowed = key_padding_allowed(key_pad_mask) if key_pad_mask is not None else None
+        allowed = key_allowed
+        if allowed is None and key_pad_mask is not None:
+            allowed = key_padding_allowed(key_pad_mask)
         if self.cross:
             q, = self._heads(self.q_proj(x), 1)                                # (B, H, T, Dh)
             k, v = memory_kv if memory_kv is not None else self.project_memory(memory)
@@ -262,11 +265,11 @@ class SelfAttentionCache:
         return self.keys, self.values
 
     def _extend(self, old: torch.Tensor, new: torch.Tensor, past: int) -> torch.Tensor:
+        if self.rows is None:               # the same rows: one operator (greedy's every step)
+            return torch.cat((old, new), dim=2)
         rows, heads, length, head_dim = new.shape
         out = torch.empty(rows, heads, past + length, head_dim, dtype=old.dtype, device=old.device)
-        if self.rows is None:
-            out[:, :, :past] = old
-        elif old.device.type == "cpu":      # gathers straight into place
+        if old.device.type == "cpu":        # gathers straight into place
             torch.index_select(old, 0, self.rows, out=out[:, :, :past])
         else:                               # the plainly supported form: a temporary, then a copy
             out[:, :, :past] = old.index_select(0, self.rows)
@@ -291,6 +294,7 @@ class DecoderCache:
         # Contiguous: the projection's head split leaves strides that would make every step copy them.
         self.memory_kv = [(k.contiguous(), v.contiguous()) for k, v in memory_kv]
         self.src_pad_mask = src_pad_mask
+        self.memory_allowed = key_padding_allowed(src_pad_mask)     # (B, 1, 1, S), every layer's, every step's
         self.self_kv = [SelfAttentionCache() for _ in memory_kv]
 
     @property
@@ -307,3 +311,4 @@ class DecoderCache:
         self.memory_kv = [(k.index_select(0, sentences), v.index_select(0, sentences))
                           for k, v in self.memory_kv]
         self.src_pad_mask = self.src_pad_mask.index_select(0, sentences)
+        self.memory_allowed = key_padding_allowed(self.src_pad_mask)

@@ -56,8 +56,10 @@ class Dropout(nn.Dropout):
         return self.training and self.p > 0.0 and x.device.type == "cpu" and not torch.compiler.is_compiling()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:     # the identity: no operator (decoding calls this per step)
+            return x
         return _CpuDropout.apply(x, self.p) if self._cpu_mask(x) else super().forward(x)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + dropout(x), on the CPU in one pass."""
-        return _CpuDropout.apply(x, self.p, residual) if self._cpu_mask(x) else residual + self(x)
+        return _CpuDropout.apply(x, self.p, residual) if self._cpu_mask(x) else residual + self.forward(x)

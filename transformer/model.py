@@ -89,12 +89,12 @@ class DecoderLayer(nn.Module):
         self.sub_cross = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.sub_ff = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
-    def forward(self, x, memory, src_pad_mask, memory_kv=None, self_cache=None) -> torch.Tensor:
+    def forward(self, x, memory, src_pad_mask, memory_kv=None, self_cache=None, memory_allowed=None) -> torch.Tensor:
         # Target padding sits after every real token, so the causal mask alone keeps real positions from
         # seeing it; padded positions are ignored by the loss.
         x = self.sub_self(x, lambda h: self.self_attn(h, causal=True, cache=self_cache))
         x = self.sub_cross(x, lambda h: self.cross_attn(h, memory=memory, memory_kv=memory_kv,
-                                                        key_pad_mask=src_pad_mask))
+                                                        key_pad_mask=src_pad_mask, key_allowed=memory_allowed))
         return self.sub_ff(x, self.feed_forward)
 
 
@@ -149,7 +149,7 @@ class Transformer(nn.Module):
                 x = layer(x, memory, src_pad_mask)
             else:   # .forward: eager even where trainer.compile compiled the layer (`compile_layers`)
                 x = layer.forward(x, None, cache.src_pad_mask, memory_kv=cache.memory_kv[i],
-                                  self_cache=cache.self_kv[i])
+                                  self_cache=cache.self_kv[i], memory_allowed=cache.memory_allowed)
         return self.decoder_norm(x)
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor | None, src_pad_mask: torch.Tensor,
