@@ -156,7 +156,8 @@ def model_from_checkpoint(state: dict, path: str | Path = "checkpoint") -> tuple
     if bad:
         raise CheckpointError(f"{path}: weight {bad[0]} holds NaN or infinite values (the run diverged before it "
                               "was saved); use an earlier checkpoint of the run")
-    model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
+    model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint,
+                        initialize=False)
     load_model_weights(model, weights, path)
     return model, tokenizer, config
 

@@ -99,7 +99,8 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool):
+    def __init__(self, cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool,
+                 initialize: bool = True):
         super().__init__()
         self.cfg = cfg
         self.tgt_embed = nn.Embedding(tgt_vocab_size, cfg.d_model, padding_idx=PAD_ID)
@@ -113,7 +114,8 @@ class Transformer(nn.Module):
         self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
         self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
         self.output = nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
-        self._reset_parameters()
+        if initialize:      # not for weights about to be loaded: half of building the model's time
+            self._reset_parameters()
         if cfg.tie_embeddings:
             self.output.weight = self.tgt_embed.weight
 
@@ -193,5 +195,8 @@ def eval_mode(model: nn.Module):
         model.train(was_training)
 
 
-def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool) -> Transformer:
-    return Transformer(cfg, src_vocab_size, tgt_vocab_size, shared_vocab)
+def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool,
+                initialize: bool = True) -> Transformer:
+    """The model; `initialize=False` leaves the weights as PyTorch's layers made them, for a caller that
+    loads every one of them next (`load_model_weights` refuses a state dict that misses any)."""
+    return Transformer(cfg, src_vocab_size, tgt_vocab_size, shared_vocab, initialize)
