@@ -94,10 +94,11 @@ def _startup_seconds(command: list[str], repeats: int, known: dict) -> float:
 
 def _with_startup(row: dict, command: list[str], repeats: int, known: dict) -> dict:
     """`row` with its command's start-up (the beam left out: start-up does not depend on it) and the
-    seconds it spent translating, its median time less that start-up."""
+    seconds it spent translating, its median time less that start-up (at least a millisecond: on a
+    file of a few lines the two medians may cross, and the ratios divide by it)."""
     at = command.index("--beam")
     startup = _startup_seconds(command[:at] + command[at + 2:], repeats, known)
-    return {**row, "startup_seconds": startup, "translating_seconds": row["seconds_median"] - startup}
+    return {**row, "startup_seconds": startup, "translating_seconds": max(row["seconds_median"] - startup, 1e-3)}
 
 
 def _bleu(lines: list[str], reference_file: Path, checkpoint: str) -> float:

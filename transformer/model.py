@@ -150,8 +150,8 @@ class Transformer(nn.Module):
             if cache is None:
                 x = layer(x, memory, src_pad_mask)
             else:   # .forward: eager even where trainer.compile compiled the layer (`compile_layers`)
-                x = layer.forward(x, None, cache.src_pad_mask, memory_kv=cache.memory_kv[i],
-                                  self_cache=cache.self_kv[i], memory_allowed=cache.memory_allowed)
+                x = layer.forward(x, None, None, memory_kv=cache.memory_kv[i], self_cache=cache.self_kv[i],
+                                  memory_allowed=cache.memory_allowed)
         return self.decoder_norm(x)
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor | None, src_pad_mask: torch.Tensor,
