@@ -112,7 +112,7 @@ def test_cached_decoding_with_prefixes_and_reordering_runs_on_meta(backend):
     for self_kv, (keys, values) in zip(cache.self_kv, cache.memory_kv):
         assert self_kv.keys.shape == self_kv.values.shape == (4, 4, tokens.size(1), 8)
         assert keys.shape == values.shape == (2, 4, 7, 8)
-        assert self_kv.keys.device == keys.device == cache.src_pad_mask.device == META
+        assert self_kv.keys.device == keys.device == cache.memory_allowed.device == META
 
 
 @pytest.mark.parametrize("width, k", [(VOCAB, 4), (5000, 4)])          # torch.topk, then ranked blocks

@@ -287,14 +287,14 @@ class DecoderCache:
 
     `self_kv[i]` holds layer i's self-attention keys/values of the positions decoded so far, one row
     per hypothesis (B*K rows); `memory_kv[i]` holds its encoder-decoder keys/values, one row per
-    sentence (B rows), shared by all beams of that sentence.
+    sentence (B rows), shared by all beams of that sentence. `memory_allowed` (B, 1, 1, S) is which
+    memory positions every layer's cross-attention may see at every step (made once from the padding).
     """
 
     def __init__(self, memory_kv: list[tuple[torch.Tensor, torch.Tensor]], src_pad_mask: torch.Tensor):
         # Contiguous: the projection's head split leaves strides that would make every step copy them.
         self.memory_kv = [(k.contiguous(), v.contiguous()) for k, v in memory_kv]
-        self.src_pad_mask = src_pad_mask
-        self.memory_allowed = key_padding_allowed(src_pad_mask)     # (B, 1, 1, S), every layer's, every step's
+        self.memory_allowed = key_padding_allowed(src_pad_mask)
         self.self_kv = [SelfAttentionCache() for _ in memory_kv]
 
     @property
@@ -310,5 +310,4 @@ class DecoderCache:
         """Drop finished sentences from the shared memory keys/values (B axis)."""
         self.memory_kv = [(k.index_select(0, sentences), v.index_select(0, sentences))
                           for k, v in self.memory_kv]
-        self.src_pad_mask = self.src_pad_mask.index_select(0, sentences)
-        self.memory_allowed = key_padding_allowed(self.src_pad_mask)
+        self.memory_allowed = self.memory_allowed.index_select(0, sentences)

@@ -349,7 +349,8 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
     except RuntimeError as error:       # sentencepiece: not a model (e.g. a git-lfs pointer cloned without lfs)
         raise CheckpointError(f"{folder}: {', '.join(names)}: not a SentencePiece model ({str(error).splitlines()[0]}); "
                               "if the directory was cloned with git, fetch its LFS files (git lfs pull)") from None
-    model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
+    model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint,
+                        initialize=False)     # every weight is loaded next (missing ones are refused)
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{folder}: no {WEIGHTS_FILE}")
