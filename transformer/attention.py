@@ -197,7 +197,7 @@ class MultiHeadAttention(nn.Module):
         Cross-attention: keys are `memory` or its precomputed `memory_kv`. If x has K times the rows of
         the memory (K beams per sentence), the beams are folded into the query axis, so one copy of the
         memory keys serves every beam. `key_allowed`, instead of `key_pad_mask`: its
-        `key_padding_allowed`, made once (a decoding step's cross-attention takes it from the cache).
+        `key_padding_allowed`, made once by the caller for every layer (and, decoding, every step).
         """
         batch, length, d_model = x.shape
         dropout_p = self.dropout if self.training else 0.0

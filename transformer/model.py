@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from transformer.attention import DecoderCache, MultiHeadAttention, padding_mask
+from transformer.attention import DecoderCache, MultiHeadAttention, key_padding_allowed, padding_mask
 from transformer.config import ModelConfig
 from transformer.kernels import Dropout
 from transformer.special import PAD_ID
@@ -73,8 +73,9 @@ class EncoderLayer(nn.Module):
         self.sub_attn = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.sub_ff = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
-    def forward(self, x: torch.Tensor, src_pad_mask: torch.Tensor) -> torch.Tensor:
-        x = self.sub_attn(x, lambda h: self.self_attn(h, key_pad_mask=src_pad_mask))
+    def forward(self, x: torch.Tensor, src_allowed: torch.Tensor) -> torch.Tensor:
+        """x (B, S, D); src_allowed (B, 1, 1, S): the source positions that are not padding."""
+        x = self.sub_attn(x, lambda h: self.self_attn(h, key_allowed=src_allowed))
         return self.sub_ff(x, self.feed_forward)
 
 
@@ -89,12 +90,13 @@ class DecoderLayer(nn.Module):
         self.sub_cross = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.sub_ff = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
-    def forward(self, x, memory, src_pad_mask, memory_kv=None, self_cache=None, memory_allowed=None) -> torch.Tensor:
+    def forward(self, x, memory, memory_allowed, memory_kv=None, self_cache=None) -> torch.Tensor:
+        """x (B, T, D); memory_allowed (B, 1, 1, S): the memory positions that are not padding."""
         # Target padding sits after every real token, so the causal mask alone keeps real positions from
         # seeing it; padded positions are ignored by the loss.
         x = self.sub_self(x, lambda h: self.self_attn(h, causal=True, cache=self_cache))
         x = self.sub_cross(x, lambda h: self.cross_attn(h, memory=memory, memory_kv=memory_kv,
-                                                        key_pad_mask=src_pad_mask, key_allowed=memory_allowed))
+                                                        key_allowed=memory_allowed))
         return self.sub_ff(x, self.feed_forward)
 
 
@@ -135,10 +137,10 @@ class Transformer(nn.Module):
 
     def encode(self, src: torch.Tensor) -> torch.Tensor:
         """src (B, S) -> memory (B, S, D)."""
-        src_pad_mask = padding_mask(src, PAD_ID)
+        src_allowed = key_padding_allowed(padding_mask(src, PAD_ID))     # (B, 1, 1, S), once for every layer
         x = self._embed(self.src_embed, src)
         for layer in self.encoder_layers:
-            x = layer(x, src_pad_mask)
+            x = layer(x, src_allowed)
         return self.encoder_norm(x)
 
     def decode_hidden(self, tgt_in: torch.Tensor, memory: torch.Tensor | None, src_pad_mask: torch.Tensor,
@@ -146,12 +148,14 @@ class Transformer(nn.Module):
         """tgt_in (B, T) -> decoder output (B, T, D). With a cache, tgt_in holds only the new positions."""
         offset = cache.length if cache is not None else 0
         x = self._embed(self.tgt_embed, tgt_in, offset)
+        if cache is None:
+            memory_allowed = key_padding_allowed(src_pad_mask)                # (B, 1, 1, S), once for every layer
         for i, layer in enumerate(self.decoder_layers):
             if cache is None:
-                x = layer(x, memory, src_pad_mask)
+                x = layer(x, memory, memory_allowed)
             else:   # .forward: eager even where trainer.compile compiled the layer (`compile_layers`)
-                x = layer.forward(x, None, None, memory_kv=cache.memory_kv[i], self_cache=cache.self_kv[i],
-                                  memory_allowed=cache.memory_allowed)
+                x = layer.forward(x, None, cache.memory_allowed, memory_kv=cache.memory_kv[i],
+                                  self_cache=cache.self_kv[i])
         return self.decoder_norm(x)
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor | None, src_pad_mask: torch.Tensor,
