@@ -9,7 +9,12 @@ import torch.nn.functional as F
 
 from transformer.batching import pad_sequences
 from transformer.config import ModelConfig
-from transformer.loss import batch_loss, output_cross_entropy, output_cross_entropy_reference
+from transformer.loss import (
+    batch_loss,
+    output_cross_entropy,
+    output_cross_entropy_reference,
+    rdrop_cross_entropy_reference,
+)
 from transformer.model import build_model
 from transformer.optim import inverse_sqrt_schedule
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -163,7 +168,7 @@ def test_fp16_keeps_the_gradients_of_improbable_tokens():
     probabilities = torch.softmax(hidden.double() @ weight.double().t(), 1)[:, 250:]
     assert probabilities.max() < 3e-8 and probabilities.min() > 1e-10
     w32 = weight.clone().requires_grad_()             # parameters stay fp32 under autocast; compute is fp16
-    loss, _, _ = _FusedOutputCrossEntropy.apply(hidden, w32, target, 0.0, torch.float16)
+    loss, _, _ = _FusedOutputCrossEntropy.apply(hidden, w32, target, 0.0, 0.0, torch.float16)
     (loss * 2.0**16).backward()
     w64 = weight.double().requires_grad_()
     reference, _, _ = output_cross_entropy_reference(hidden.double(), w64, target, 0.0)
@@ -171,3 +176,50 @@ def test_fp16_keeps_the_gradients_of_improbable_tokens():
     improbable, ours = w64.grad[250:], w32.grad[250:].double()
     assert (ours != 0).all()
     assert (ours - improbable).norm() / improbable.norm() < 2e-2
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("pairs", [7, 1300])           # 1300 pairs span several chunks of each pass
+def test_rdrop_loss_and_gradients_match_autograd_reference(smoothing, pairs):
+    torch.manual_seed(0)
+    first = torch.randn(pairs, 16)
+    hidden = torch.cat([first, first + 0.5 * torch.randn(pairs, 16)])   # two "passes" that disagree a little
+    weight = torch.randn(37, 16)
+    target = torch.randint(0, 37, (pairs,)).repeat(2)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, nll, correct = output_cross_entropy(h1, w1, target, smoothing, rdrop=5.0)
+    ref_loss, ref_nll, ref_correct = rdrop_cross_entropy_reference(h2, w2, target, smoothing, 5.0)
+    plain, _, _ = output_cross_entropy(hidden, weight, target, smoothing)
+    assert loss.item() > plain.item() * 1.05                  # the consistency term is there and not small
+    (1.5 * loss).backward()
+    (1.5 * ref_loss).backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert nll.item() == pytest.approx(ref_nll.item(), rel=1e-5)
+    assert correct.item() == ref_correct.item()
+    assert torch.allclose(h1.grad, h2.grad, atol=1e-4)
+    assert torch.allclose(w1.grad, w2.grad, atol=1e-4)
+
+
+def test_rdrop_of_two_equal_passes_is_the_plain_loss_and_an_odd_row_count_is_refused():
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(5, 8), torch.randn(11, 8)
+    target = torch.randint(0, 11, (5,))
+    plain, _, _ = output_cross_entropy(hidden, weight, target, 0.1)
+    twice, _, _ = output_cross_entropy(hidden.repeat(2, 1), weight, target.repeat(2), 0.1, rdrop=5.0)
+    assert twice.item() == pytest.approx(2 * plain.item(), rel=1e-6)       # KL 0: twice the same loss
+    with pytest.raises(ValueError, match="even number of tokens"):
+        output_cross_entropy(hidden, weight, target, 0.1, rdrop=1.0)
+
+
+def test_a_batch_twice_puts_the_copy_after_the_batch_and_its_targets_in_the_same_order():
+    from transformer.batching import Batch
+    src = pad_sequences([[5, 6, 7], [8, 9]], suffix=[EOS_ID])
+    tgt = [[14, 15], [16, 17, 18]]
+    batch = Batch(src, pad_sequences(tgt, prefix=[BOS_ID]), pad_sequences(tgt, suffix=[EOS_ID]),
+                  num_tgt_tokens=7)
+    doubled = batch.twice()
+    assert doubled.src.shape == (4, 4) and torch.equal(doubled.src[2:], batch.src)
+    assert doubled.num_tgt_tokens == 14
+    targets = doubled.tgt_out.flatten()[doubled.target_positions()]
+    assert targets.tolist() == [14, 15, EOS_ID, 16, 17, 18, EOS_ID] * 2

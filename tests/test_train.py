@@ -344,3 +344,33 @@ def test_resuming_into_fp16_starts_the_loss_scaler_afresh_from_a_bf16_or_fp32_ch
     load_scaler_state(fp16, written_in_fp16)
     assert fp16.get_scale() == 8.0 and fp16.state_dict()["growth_interval"] == 7
     load_scaler_state(torch.amp.GradScaler("cpu", enabled=False), written_in_fp16)   # fp16 -> bf16: ignored
+
+
+@pytest.mark.slow
+def test_rdrop_without_dropout_makes_the_plain_update_and_with_dropout_a_different_one(tmp_path, data_cache):
+    """R-Drop's two passes agree when nothing is dropped: the KL term is 0 and the doubled batch, divided
+    by twice the tokens, gives the plain step's update. With dropout the passes differ and so does it."""
+    from transformer.train import Trainer
+
+    def one_step(run, *overrides):
+        cfg = compose_config(FAST + ["trainer.precision=fp32", *overrides], data_cache)
+        trainer = Trainer(cfg, tmp_path / run)
+        try:
+            trainer.updates.start(0, 0)
+            micro, _ = next(iter(trainer.loader))
+            torch.manual_seed(3)
+            stats = trainer.train_step(micro)
+            return {k: v.clone() for k, v in trainer.model.state_dict().items()}, stats
+        finally:
+            trainer.leave_process_group(clean=True)
+            trainer.monitor.close()
+
+    plain, plain_stats = one_step("plain", "model.dropout=0")
+    rdrop, rdrop_stats = one_step("rdrop", "model.dropout=0", "trainer.rdrop=5")
+    assert rdrop_stats["tokens"] == 2 * plain_stats["tokens"]
+    assert torch.allclose(rdrop_stats["sums"] / 2, plain_stats["sums"], rtol=1e-5)
+    assert all(torch.allclose(rdrop[k], plain[k], atol=1e-6) for k in plain)
+    _, dropped = one_step("dropped", "model.dropout=0.3")
+    _, dropped_rdrop = one_step("dropped-rdrop", "model.dropout=0.3", "trainer.rdrop=5")
+    per_token = dropped_rdrop["sums"][0] / dropped_rdrop["tokens"] - dropped["sums"][0] / dropped["tokens"]
+    assert per_token > 0.01                      # the two dropout passes disagree: the KL term counts

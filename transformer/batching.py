@@ -41,6 +41,14 @@ class Batch:
         src, tgt_in, tgt_out, positions = (t.to(device, non_blocking=non_blocking) for t in self._tensors())
         return Batch(src, tgt_in, tgt_out, self.num_tgt_tokens, self.padding_share, positions)
 
+    def twice(self) -> Batch:
+        """The batch followed by itself (2B rows): R-Drop's two dropout passes in one forward. The loss
+        sees the first copy's N target tokens, then the second's, in the same order."""
+        src, tgt_in, tgt_out, positions = self._tensors()
+        second = positions + tgt_out.numel()                                   # (N,) the copy's positions
+        return Batch(torch.cat([src, src]), torch.cat([tgt_in, tgt_in]), torch.cat([tgt_out, tgt_out]),
+                     2 * self.num_tgt_tokens, self.padding_share, torch.cat([positions, second]))
+
     def pin_memory(self) -> Batch:
         """Page-locked copies, so that `.to(cuda, non_blocking=True)` really overlaps (DataLoader calls this)."""
         src, tgt_in, tgt_out, positions = (t.pin_memory() for t in self._tensors())

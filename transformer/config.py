@@ -257,6 +257,10 @@ class TrainerConfig:
     weight_decay: float = setting(0.0, "decoupled (AdamW) weight decay")
     clip_norm: float = setting(1.0, "clip the gradient norm to this; 0 = no clipping")
     label_smoothing: float = setting(0.1, "label smoothing of the loss, in [0, 1)")
+    rdrop: float = setting(0.0, "R-Drop (Liang et al. 2021): every batch runs twice under different dropout; "
+                                "the loss is the paper's CE1 + CE2 + rdrop x (KL(p||q) + KL(q||p)) / 2 per "
+                                "token pair (rdrop = its alpha, 5 in its translation runs), divided by 2. "
+                                "Twice the compute per step; 0 = off")
     max_steps: int = setting(100000, "stop after this many optimizer steps (0 = no limit)")
     max_epochs: int = setting(0, "stop after this many epochs (0 = no limit)")
     max_minutes: float = setting(0.0, "stop after this much wall-clock time, validation included (0 = no "
@@ -327,6 +331,8 @@ class TrainerConfig:
                               f"trainer.keep_last={self.average_last} (now {self.keep_last})")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"trainer.label_smoothing={self.label_smoothing} must be in [0, 1)")
+        if self.rdrop < 0:
+            raise ConfigError(f"trainer.rdrop={self.rdrop} must be >= 0 (0 = off; the R-Drop paper uses 5)")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"trainer.betas={self.betas} must be two numbers in [0, 1)")
         _positive("trainer.val_beam_size", self.val_beam_size)

@@ -33,10 +33,13 @@ CHUNK_ROWS = {"cpu": 1024, "cuda": 4096}
 
 class _FusedOutputCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, smoothing: float, compute_dtype: torch.dtype):
+    def forward(ctx, hidden, weight, target, smoothing: float, rdrop: float, compute_dtype: torch.dtype):
         # hidden (N, D), weight (V, D), target (N,) -> summed loss, summed NLL, correct predictions
         # (float32 scalars; a target counts as predicted when no token is more probable)
         n_tokens, vocab = hidden.size(0), weight.size(0)
+        if rdrop:
+            return _FusedOutputCrossEntropy._forward_rdrop(ctx, hidden, weight, target, smoothing, rdrop,
+                                                           compute_dtype)
         stored_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
         chunk = CHUNK_ROWS.get(hidden.device.type, 1024)
         with autocast_off(hidden.device.type):
@@ -66,11 +69,71 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
                 log_partition = logit_of_target + nll                           # (N,) lse = z_y - log p_y
                 mean_logp = (h.float() @ ctx.weight_sum) / vocab - log_partition  # (N,) mean_v log p_v
                 loss_sum = loss_sum - smoothing * mean_logp.sum()
+        return _FusedOutputCrossEntropy._keep_for_backward(ctx, grad_logits, h, w, hidden, weight, compute_dtype,
+                                                           smoothing, loss_sum, nll_sum, correct)
+
+    @staticmethod
+    def _keep_for_backward(ctx, grad_logits, h, w, hidden, weight, compute_dtype, smoothing, loss_sum, nll_sum,
+                           correct):
         ctx.save_for_backward(grad_logits, h, w)
         ctx.dtypes = (hidden.dtype, weight.dtype, compute_dtype)
-        ctx.uniform = smoothing / vocab
+        ctx.uniform = smoothing / weight.size(0)
         ctx.mark_non_differentiable(correct)
         return loss_sum, nll_sum, correct
+
+    @staticmethod
+    def _forward_rdrop(ctx, hidden, weight, target, smoothing, rdrop, compute_dtype):
+        """The loss of R-Drop (Liang et al. 2021): rows [0, N/2) and [N/2, N) of `hidden` are two passes of
+        the same tokens under different dropout (row i and row N/2 + i share a target). To the
+        label-smoothed loss of every row it adds, per pair of rows with distributions p and q,
+        rdrop / 2 x (KL(p || q) + KL(q || p)): the paper's CE₁ + CE₂ + α/2 (KL(p||q) + KL(q||p)) halved, so
+        that divided by the N target tokens it is per token what the plain loss is.
+
+        Per pair the symmetric KL is Σ_v (p_v - q_v)(log p_v - log q_v); its gradient at the first pass's
+        logits is p ⊙ (log p - log q - KL(p || q)) + p - q, and the mirror image at the second's. Both are
+        added to the stored gradient, which stays one (N, V) tensor; the chunk works in float32.
+        """
+        n_tokens, vocab = hidden.size(0), weight.size(0)
+        if n_tokens % 2:
+            raise ValueError(f"R-Drop needs the two passes' rows: an even number of tokens, not {n_tokens}")
+        pairs = n_tokens // 2
+        stored_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
+        chunk = CHUNK_ROWS.get(hidden.device.type, 1024) // 2
+        with autocast_off(hidden.device.type):
+            h = hidden.to(compute_dtype)
+            w = weight.to(compute_dtype)
+            grad_logits = torch.empty(n_tokens, vocab, dtype=stored_dtype, device=hidden.device)
+            nll_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            mean_logp_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            kl_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            correct = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for start in range(0, pairs, chunk):
+                logps = []
+                for rows in (slice(start, min(start + chunk, pairs)),
+                             slice(pairs + start, pairs + min(start + chunk, pairs))):
+                    tgt = target[rows][:, None]
+                    logp = F.log_softmax((h[rows] @ w.t()).float(), dim=1)      # (n, V)
+                    logp_of_target = logp.gather(1, tgt).squeeze(1)               # (n,)
+                    nll_sum += -logp_of_target.sum()
+                    mean_logp_sum += logp.mean(dim=1).sum()
+                    correct += (logp_of_target >= logp.amax(dim=1)).sum()
+                    logps.append((rows, tgt, logp))
+                (rows_p, tgt_p, logp_p), (rows_q, tgt_q, logp_q) = logps
+                p, q = logp_p.exp(), logp_q.exp()                                  # (n, V) each
+                log_ratio = logp_p - logp_q                                        # (n, V) log p - log q
+                kl_pq = (p * log_ratio).sum(1, keepdim=True)                       # (n, 1) KL(p || q)
+                kl_qp = -(q * log_ratio).sum(1, keepdim=True)                      # (n, 1) KL(q || p)
+                kl_sum += (kl_pq + kl_qp).sum()
+                half = rdrop / 2
+                for rows, tgt, own, other, own_log_ratio, own_kl in (
+                        (rows_p, tgt_p, p, q, log_ratio, kl_pq), (rows_q, tgt_q, q, p, -log_ratio, kl_qp)):
+                    grad = own + half * (own * (own_log_ratio - own_kl) + own - other)   # (n, V) float32
+                    grad[torch.arange(grad.size(0), device=grad.device), tgt[:, 0]] -= 1.0 - smoothing
+                    grad_logits[rows] = grad
+            loss_sum = (1.0 - smoothing) * nll_sum - smoothing * mean_logp_sum + rdrop / 2 * kl_sum
+            ctx.weight_sum = w.float().sum(0) if smoothing else None                # (D,) for backward
+        return _FusedOutputCrossEntropy._keep_for_backward(ctx, grad_logits, h, w, hidden, weight, compute_dtype,
+                                                           smoothing, loss_sum, nll_sum, correct)
 
     @staticmethod
     def backward(ctx, grad_loss, grad_nll, grad_correct):
@@ -87,13 +150,16 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
         if ctx.uniform:                               # the -ε/V at every logit, through each matmul
             grad_hidden -= (scale * ctx.uniform) * ctx.weight_sum
             grad_weight -= (scale * ctx.uniform) * h.float().sum(0)
-        return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None, None
+        return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None, None, None
 
 
 def output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         smoothing: float, rdrop: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (N, D), output weight (V, D), target (N,) -> (summed smoothed loss, summed NLL, the number
     of targets predicted: those no other token is more probable than).
+
+    rdrop > 0: the rows are two dropout passes over the same N/2 tokens, and the loss adds R-Drop's
+    consistency term (`_FusedOutputCrossEntropy._forward_rdrop`).
 
     Matmuls run in the autocast dtype when autocast is on; the softmax is always float32.
     The NLL and the count are for logging and carry no gradient.
@@ -105,7 +171,7 @@ def output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     torch._dynamo, a second of start-up, in every command).
     """
     compute_dtype = autocast_dtype(hidden.device.type) or hidden.dtype
-    loss, nll, correct = _FusedOutputCrossEntropy.apply(hidden, weight, target, smoothing, compute_dtype)
+    loss, nll, correct = _FusedOutputCrossEntropy.apply(hidden, weight, target, smoothing, rdrop, compute_dtype)
     return loss, nll.detach(), correct
 
 
@@ -133,16 +199,26 @@ def output_cross_entropy_reference(hidden, weight, target, smoothing):
     return loss.sum(), nll.detach().sum(), correct
 
 
+def rdrop_cross_entropy_reference(hidden, weight, target, smoothing, rdrop):
+    """R-Drop's loss with plain autograd ops: the label-smoothed loss of every row plus rdrop / 2 x the
+    symmetric KL divergence between the distributions of row i and row N/2 + i."""
+    loss, nll, correct = output_cross_entropy_reference(hidden, weight, target, smoothing)
+    logp, logq = F.log_softmax((hidden @ weight.t()).float(), dim=-1).chunk(2)     # (N/2, V) each
+    symmetric_kl = (F.kl_div(logq, logp, log_target=True, reduction="sum")          # KL(p || q)
+                    + F.kl_div(logp, logq, log_target=True, reduction="sum"))       # KL(q || p)
+    return loss + rdrop / 2 * symmetric_kl, nll, correct
+
+
 # ----- the loss of a batch, as training and validation compute it ----------------------------------
 
-def batch_loss(model, batch, smoothing: float):
+def batch_loss(model, batch, smoothing: float, rdrop: float = 0.0):
     """(summed label-smoothed loss, summed NLL, correct predictions) of one batch; logits only at real
-    target positions.
+    target positions. rdrop > 0: `batch` is `Batch.twice()` of one, and the loss is R-Drop's.
 
     `model` may be wrapped (DDP, torch.compile): its forward runs, so wrappers see the whole graph.
     """
     hidden, target = target_hidden(model, batch)
-    return output_cross_entropy(hidden, unwrap(model).output.weight, target, smoothing)
+    return output_cross_entropy(hidden, unwrap(model).output.weight, target, smoothing, rdrop)
 
 
 def target_hidden(model, batch) -> tuple[torch.Tensor, torch.Tensor]:

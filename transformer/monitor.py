@@ -43,7 +43,7 @@ def hyperparameters(cfg, precision: str) -> dict:
     return {"data": d.name, "model": m.name, "d_model": m.d_model, "n_heads": m.n_heads, "d_ff": m.d_ff,
             "encoder_layers": m.encoder_layers, "decoder_layers": m.decoder_layers, "dropout": m.dropout,
             "lr": t.lr, "warmup": t.warmup, "schedule": t.schedule, "max_tokens": t.max_tokens,
-            "update_freq": t.update_freq, "label_smoothing": t.label_smoothing, "precision": precision,
+            "update_freq": t.update_freq, "label_smoothing": t.label_smoothing, "rdrop": t.rdrop, "precision": precision,
             "ema_decay": t.ema_decay, "seed": t.seed}
 
 

@@ -198,7 +198,8 @@ class Trainer:
         `found_inf` flag (the fp16 GradScaler sets the same flag) and leaves weights and moments alone.
         """
         tc = self.cfg.trainer
-        tokens = sum(b.num_tgt_tokens * w for b, w in micro_batches)      # host ints counted by collate
+        passes = 2 if tc.rdrop else 1                                      # R-Drop: every batch twice
+        tokens = passes * sum(b.num_tgt_tokens * w for b, w in micro_batches)   # host ints counted by collate
         # The normaliser: every rank's target tokens. Under DDP an all-reduce on the device, not read back.
         # torch.full fills on the device; torch.tensor(x, device="cuda") would copy from the host and sync.
         global_tokens = D.all_reduce_tensor(torch.full((), float(tokens), device=self.device), self.dist) \
@@ -206,12 +207,14 @@ class Trainer:
         loss_sum = nll_sum = correct_sum = torch.zeros((), device=self.device)
         for i, (batch, weight) in enumerate(micro_batches):
             batch = batch.to(self.device, non_blocking=True)
+            if tc.rdrop:
+                batch = batch.twice()
             last = i == len(micro_batches) - 1
             sync = self.train_model.no_sync() if self.dist.enabled and not last else contextlib.nullcontext()
             try:
                 with sync:
                     with self.autocast():
-                        loss, nll, correct = batch_loss(self.train_model, batch, tc.label_smoothing)
+                        loss, nll, correct = batch_loss(self.train_model, batch, tc.label_smoothing, tc.rdrop)
                     # DDP averages gradients over ranks; scale by world size so the update is
                     # sum(loss over all ranks' tokens) / global target tokens.
                     scaled = loss * (weight * self.dist.world_size / global_tokens)
