@@ -221,5 +221,7 @@ def test_a_batch_twice_puts_the_copy_after_the_batch_and_its_targets_in_the_same
     doubled = batch.twice()
     assert doubled.src.shape == (4, 4) and torch.equal(doubled.src[2:], batch.src)
     assert doubled.num_tgt_tokens == 14
-    targets = doubled.tgt_out.flatten()[doubled.target_positions()]
+    positions = doubled.target_positions()
+    assert torch.equal(positions[7:], batch.target_positions() + batch.tgt_out.numel())   # into the copy's rows
+    targets = doubled.tgt_out.flatten()[positions]
     assert targets.tolist() == [14, 15, EOS_ID, 16, 17, 18, EOS_ID] * 2

@@ -157,9 +157,9 @@ def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cach
     calls = {"n": 0}
     real_batch_loss = train_module.batch_loss
 
-    def poisoned(model, batch, smoothing):
+    def poisoned(model, batch, smoothing, rdrop=0.0):
         calls["n"] += 1
-        loss, nll, correct = real_batch_loss(model, batch, smoothing)
+        loss, nll, correct = real_batch_loss(model, batch, smoothing, rdrop)
         if calls["n"] > 6:                    # from the 7th step on, the loss is NaN
             return loss * float("nan"), nll * float("nan"), correct
         return loss, nll, correct
@@ -189,11 +189,11 @@ def test_out_of_memory_on_one_batch_skips_it_and_training_goes_on(tmp_path, data
     calls = {"n": 0}
     real_batch_loss = train_module.batch_loss
 
-    def flaky(model, batch, smoothing):
+    def flaky(model, batch, smoothing, rdrop=0.0):
         calls["n"] += 1
         if calls["n"] == 3:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_batch_loss(model, batch, smoothing)
+        return real_batch_loss(model, batch, smoothing, rdrop)
 
     monkeypatch.setattr(train_module, "batch_loss", flaky)
     cfg = compose_config(FAST + ["trainer.max_steps=6", "trainer.validate_every=6", "trainer.val_max_sentences=4",
@@ -212,11 +212,11 @@ def test_a_batch_budget_too_large_for_the_device_stops_with_one_line(tmp_path, d
     calls = {"n": 0}
     real_batch_loss = train_module.batch_loss
 
-    def no_memory_after_two(model, batch, smoothing):
+    def no_memory_after_two(model, batch, smoothing, rdrop=0.0):
         calls["n"] += 1
         if calls["n"] > 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_batch_loss(model, batch, smoothing)
+        return real_batch_loss(model, batch, smoothing, rdrop)
 
     monkeypatch.setattr(train_module, "batch_loss", no_memory_after_two)
     cfg = compose_config(FAST + ["trainer.max_steps=50", "trainer.test_at_end=false"], data_cache)
@@ -347,7 +347,7 @@ def test_resuming_into_fp16_starts_the_loss_scaler_afresh_from_a_bf16_or_fp32_ch
 
 
 @pytest.mark.slow
-def test_rdrop_without_dropout_makes_the_plain_update_and_with_dropout_a_different_one(tmp_path, data_cache):
+def test_rdrop_without_dropout_makes_the_plain_update_and_with_dropout_a_different_one(tmp_path, data_cache, caplog):
     """R-Drop's two passes agree when nothing is dropped: the KL term is 0 and the doubled batch, divided
     by twice the tokens, gives the plain step's update. With dropout the passes differ and so does it."""
     from transformer.train import Trainer
@@ -367,10 +367,14 @@ def test_rdrop_without_dropout_makes_the_plain_update_and_with_dropout_a_differe
 
     plain, plain_stats = one_step("plain", "model.dropout=0")
     rdrop, rdrop_stats = one_step("rdrop", "model.dropout=0", "trainer.rdrop=5")
+    assert "R-Drop adds nothing and doubles the compute" in caplog.text        # said once, at the start
     assert rdrop_stats["tokens"] == 2 * plain_stats["tokens"]
     assert torch.allclose(rdrop_stats["sums"] / 2, plain_stats["sums"], rtol=1e-5)
+    assert torch.allclose(rdrop_stats["grad_norm"], plain_stats["grad_norm"], rtol=1e-5)   # the gradient's scale
     assert all(torch.allclose(rdrop[k], plain[k], atol=1e-6) for k in plain)
-    _, dropped = one_step("dropped", "model.dropout=0.3")
-    _, dropped_rdrop = one_step("dropped-rdrop", "model.dropout=0.3", "trainer.rdrop=5")
-    per_token = dropped_rdrop["sums"][0] / dropped_rdrop["tokens"] - dropped["sums"][0] / dropped["tokens"]
-    assert per_token > 0.01                      # the two dropout passes disagree: the KL term counts
+    # With dropout and no label smoothing the summed loss minus the summed NLL is the KL term alone.
+    _, dropped = one_step("dropped", "model.dropout=0.3", "trainer.label_smoothing=0")
+    _, dropped_rdrop = one_step("dropped-rdrop", "model.dropout=0.3", "trainer.label_smoothing=0", "trainer.rdrop=5")
+    assert dropped["sums"][0] == pytest.approx(dropped["sums"][1].item(), rel=1e-6)
+    kl_per_token = (dropped_rdrop["sums"][0] - dropped_rdrop["sums"][1]) / dropped_rdrop["tokens"]
+    assert kl_per_token > 0.05                   # the two dropout passes disagree: the KL term counts

@@ -155,7 +155,8 @@ class Trainer:
 
     def _warn_about_settings_the_run_cannot_honour(self) -> None:
         """Settings the run cannot honour in full, said once: more batches per update than an epoch has
-        (an update never spans two epochs), a warm-up longer than the run (the peak lr is never reached)."""
+        (an update never spans two epochs), R-Drop without dropout, a warm-up longer than the run (the peak lr is
+        never reached)."""
         tc, world = self.cfg.trainer, self.dist.world_size
         per_update = tc.update_freq * world
         # Each batch holds at most max_tokens of padded width: a lower bound, before counting exactly.
@@ -167,6 +168,10 @@ class Trainer:
                             "lower trainer.update_freq to %d or less, or trainer.max_tokens", tc.update_freq,
                             f" x {world} processes" if world > 1 else "", in_epoch, tc.max_tokens, in_epoch,
                             max(1, in_epoch // world))
+        if tc.rdrop and not (self.cfg.model.dropout or self.cfg.model.attention_dropout):
+            log.warning("trainer.rdrop=%g with model.dropout=0 and model.attention_dropout=0: the two passes of each "
+                        "batch are the same, R-Drop adds nothing and doubles the compute; set model.dropout (e.g. "
+                        "0.3) or trainer.rdrop=0", tc.rdrop)
         if tc.max_steps and tc.warmup > tc.max_steps:
             log.warning("trainer.warmup=%d is longer than the run (trainer.max_steps=%d): the learning rate rises to "
                         "%.0f%% of trainer.lr=%g and never reaches it; lower trainer.warmup", tc.warmup, tc.max_steps,
@@ -254,7 +259,8 @@ class Trainer:
         self.oom_skips += 1
         self.oom_in_a_row += 1
         shape = (f"{batch.src.size(0)} sentences, source {batch.src.size(1)} and target "
-                 f"{batch.tgt_in.size(1)} tokens wide")
+                 f"{batch.tgt_in.size(1)} tokens wide" + (" (the batch twice, for trainer.rdrop)"
+                                                         if self.cfg.trainer.rdrop else ""))
         del batch
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
