@@ -99,6 +99,7 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
         pairs = n_tokens // 2
         stored_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
         chunk = CHUNK_ROWS.get(hidden.device.type, 1024) // 2
+        half = rdrop / 2                                                           # the KL sum's weight
         with autocast_off(hidden.device.type):
             h = hidden.to(compute_dtype)
             w = weight.to(compute_dtype)
@@ -124,13 +125,12 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
                 kl_pq = (p * log_ratio).sum(1, keepdim=True)                       # (n, 1) KL(p || q)
                 kl_qp = -(q * log_ratio).sum(1, keepdim=True)                      # (n, 1) KL(q || p)
                 kl_sum += (kl_pq + kl_qp).sum()
-                half = rdrop / 2
                 for rows, tgt, own, other, own_log_ratio, own_kl in (
                         (rows_p, tgt_p, p, q, log_ratio, kl_pq), (rows_q, tgt_q, q, p, -log_ratio, kl_qp)):
                     grad = own + half * (own * (own_log_ratio - own_kl) + own - other)   # (n, V) float32
                     grad[torch.arange(grad.size(0), device=grad.device), tgt[:, 0]] -= 1.0 - smoothing
                     grad_logits[rows] = grad
-            loss_sum = (1.0 - smoothing) * nll_sum - smoothing * mean_logp_sum + rdrop / 2 * kl_sum
+            loss_sum = (1.0 - smoothing) * nll_sum - smoothing * mean_logp_sum + half * kl_sum
             ctx.weight_sum = w.float().sum(0) if smoothing else None                # (D,) for backward
         return _FusedOutputCrossEntropy._keep_for_backward(ctx, grad_logits, h, w, hidden, weight, compute_dtype,
                                                            smoothing, loss_sum, nll_sum, correct)
