@@ -195,22 +195,22 @@ BAR = re.compile(r"train \(0\.1 min\):\s+\d+%\|.*?\| (\d+)/(\d+) \[")
 @pytest.mark.slow
 def test_on_a_terminal_log_lines_stay_off_the_bar_whose_total_follows_max_minutes(tmp_path, data_cache):
     run_dir = tmp_path / "run"
-    overrides = FAST + ["trainer.max_steps=100000", "trainer.max_minutes=0.1", "trainer.log_every=5",
+    overrides = FAST + ["trainer.max_steps=100000", "trainer.max_minutes=0.1", "trainer.log_every=1",
                         "trainer.validate_every=100000", "trainer.test_at_end=false", "trainer.val_max_sentences=8",
                         "trainer.num_workers=0", f"data.cache_dir={data_cache}"]
     raw = run_on_a_terminal([sys.executable, "-m", "transformer.train", *overrides, f"hydra.run.dir={run_dir}"],
                             ROOT)
     lines = screen_lines(raw)
     logged = [line for line in lines if re.search(r" - step \d+ \| epoch", line)]
-    assert len(logged) >= 3, raw[-3000:]
+    assert len(logged) >= 3, raw[-3000:]    # a log line every step: 3 steps in the 6 seconds, even on a loaded machine
     for line in logged:                # each log line on a line of its own, no bar text on it
         assert not BAR.search(line) and "step/s" not in line and "train (" not in line, line
 
     # The bar keeps being drawn after the log lines, and its total follows the minute's tenth.
     renders = [(m.start(), int(m.group(1)), int(m.group(2))) for m in BAR.finditer(raw)]
-    first_log = re.search(r" - step 5 \| epoch", raw).start()
+    first_log = re.search(r" - step 1 \| epoch", raw).start()
     later = [(n, total) for at, n, total in renders if at > first_log]
-    assert len(later) >= 3 and later[-1][0] > 5, renders[-5:]
+    assert len(later) >= 3 and later[-1][0] > 1, renders[-5:]
     assert all(total < 100000 for n, total in later), later
     final_n, final_total = later[-1]
     assert final_n == final_total, later[-3:]          # the run stopped where the bar said it would
