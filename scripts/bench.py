@@ -47,8 +47,8 @@ from transformer.model import SinusoidalPositions, build_model, compile_layers  
 from transformer.runtime import (  # noqa: E402
     DTYPES,
     cpu_has_native_bf16,
-    keep_freed_memory,
     resolve_precision,
+    tune_cpu_process,
 )
 from transformer.special import PAD_ID  # noqa: E402
 
@@ -324,7 +324,7 @@ def main() -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--output", default="bench.json")
     args = parser.parse_args()
-    keep_freed_memory()                                   # as the training and translation CLIs do
+    tune_cpu_process()                                   # as the training and translation CLIs do
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     multi30k = os.environ.get("MULTI30K_DIR")
     if multi30k:

@@ -1,5 +1,6 @@
 """The transformer-translate CLI, the Translator API and make evaluate."""
 
+import os
 import platform
 import subprocess
 import sys
@@ -116,6 +117,41 @@ def test_keep_freed_memory_stops_reallocations_from_page_faulting_again():
 
     kept, mapped = faults("keep"), faults("mmap")
     assert kept * 5 < mapped, (kept, mapped)
+
+
+KERNEL_CACHE_PROBE = """
+import os, sys
+import transformer.train  # noqa: F401  everything the training CLI imports before it calls tune_cpu_process
+from transformer.runtime import tune_cpu_process
+if sys.argv[1] == "tuned":
+    tune_cpu_process()
+import torch
+weight = torch.randn(16, 16, dtype=torch.bfloat16)
+for rows in range(17, 1300):                          # 1,283 shapes, more than oneDNN's default 1,024
+    torch.randn(rows, 16, dtype=torch.bfloat16) @ weight
+torch.randn(17, 16, dtype=torch.bfloat16) @ weight    # the first shape again: still compiled?
+"""
+
+
+def test_tune_cpu_process_keeps_more_compiled_kernels_than_onednns_default():
+    """Under ONEDNN_VERBOSE=all oneDNN says whether each kernel came from its cache; after more shapes than
+    its default capacity the first one is compiled again unless the CLIs' tuning ran first."""
+    import torch
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+
+    def last_creation(mode, **env):            # "create:cache_hit" or "create:cache_miss"
+        run = subprocess.run([sys.executable, "-c", KERNEL_CACHE_PROBE, mode], capture_output=True, text=True,
+                             check=True, env={**base, "ONEDNN_VERBOSE": "all", **env})
+        created = [line for line in (run.stdout + run.stderr).splitlines() if ",create:" in line]
+        if not created:
+            pytest.skip("this CPU's bf16 matmuls do not go through oneDNN")
+        return created[-1].split(",")[3]
+
+    base = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    assert last_creation("plain") == "create:cache_miss"
+    assert last_creation("tuned") == "create:cache_hit"
+    assert last_creation("tuned", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024") == "create:cache_miss"   # the user's value
 
 
 def test_the_default_beam_is_the_checkpoints_decode_config(untrained_checkpoint, tmp_path):

@@ -16,7 +16,7 @@ from transformer.checkpoint import CheckpointError
 from transformer.config import check_decode_options
 from transformer.data import DataError, load_split_text, read_lines
 from transformer.langid import off_target
-from transformer.runtime import keep_freed_memory
+from transformer.runtime import tune_cpu_process
 from transformer.translate import (
     CommandLineParser,
     add_decoding_flags,
@@ -129,7 +129,7 @@ def build_parser() -> CommandLineParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    keep_freed_memory()
+    tune_cpu_process()
     try:                                  # refused before the model is loaded
         check_decode_options(given_decoding_options(args), "cli")
     except ValueError as error:

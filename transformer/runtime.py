@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import platform
 from dataclasses import dataclass
 
@@ -21,6 +22,26 @@ from transformer.distributed import DistInfo
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+ONEDNN_CACHE_CAPACITY = 8192      # compiled CPU kernels kept; oneDNN's default is 1,024
+
+
+def tune_cpu_process() -> None:
+    """What the training and translation CLIs set before their first tensor operation (CPU only in effect)."""
+    keep_freed_memory()
+    cache_more_cpu_kernels()
+
+
+def cache_more_cpu_kernels() -> None:
+    """Let oneDNN keep 8,192 compiled kernels instead of 1,024, unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is set.
+
+    oneDNN (the CPU matmuls, bf16 and fp32) compiles a kernel per operation and shape and caches the last
+    1,024. Length-bucketed batches have thousands of distinct (sentences, source length, target length)
+    shapes, so with the default the cache cycles and kernels are compiled again every epoch. A 2.5-minute
+    `recipe=multi30k_long` run on this project's 2-core Xeon (bf16, the same losses step for step): 368-382
+    steps and 3.7 GB peak resident memory at 1,024; 405 at 2,048; 427-436 and 3.0 GB at 4,096 to 16,384.
+    Read when oneDNN makes its first kernel, so this must run before the process's first matmul.
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
 
 
 def keep_freed_memory() -> None:

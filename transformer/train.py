@@ -50,7 +50,7 @@ from transformer.run_dir import (
     resume_hint,
 )
 from transformer.run_state import TrainingState, check_run_directory, starting_point
-from transformer.runtime import Runtime, keep_freed_memory
+from transformer.runtime import Runtime, tune_cpu_process
 from transformer.search import Interrupted
 from transformer.sweep import job_failed
 from transformer.tokenizer import Tokenizer
@@ -534,7 +534,7 @@ def main() -> None:
             sys.exit(2)
 
     # An absolute path: Hydra then finds conf/ however this module was started (-m, torchrun, -c).
-    keep_freed_memory()      # a CPU step frees and reallocates the same ~100 MB of activations
+    tune_cpu_process()       # before the first tensor operation (runtime.py says why)
     register_schema()        # the ConfigStore entries conf/config.yaml names, and the help's resolver
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

@@ -26,7 +26,7 @@ import torch
 from transformer.checkpoint import CheckpointError
 from transformer.config import DECODE_OPTIONS, ConfigError, DecodeOption, check_decode_options
 from transformer.errors import discard_stdout
-from transformer.runtime import keep_freed_memory
+from transformer.runtime import tune_cpu_process
 from transformer.search import Sampling
 from transformer.translator import QUANTIZATIONS, Translator, check_weights
 
@@ -251,7 +251,7 @@ def _fail(message: str) -> int:
 
 
 def _run(args) -> int:
-    keep_freed_memory()
+    tune_cpu_process()
     scoring = args.score_reference is not None
     given = {name for name in DECODING_OPTIONS if getattr(args, name) is not None}
     args.nbest = 1 if args.nbest is None else args.nbest
