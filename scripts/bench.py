@@ -324,7 +324,7 @@ def main() -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--output", default="bench.json")
     args = parser.parse_args()
-    tune_cpu_process()                                   # as the training and translation CLIs do
+    tune_cpu_process()                                    # as the training and translation CLIs do
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     multi30k = os.environ.get("MULTI30K_DIR")
     if multi30k:
