@@ -120,7 +120,7 @@ def test_keep_freed_memory_stops_reallocations_from_page_faulting_again():
 
 
 KERNEL_CACHE_PROBE = """
-import os, sys
+import sys
 import transformer.train  # noqa: F401  everything the training CLI imports before it calls tune_cpu_process
 from transformer.runtime import tune_cpu_process
 if sys.argv[1] == "tuned":
