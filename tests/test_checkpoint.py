@@ -108,3 +108,75 @@ def test_the_checkpoint_directory_keeps_the_newest_step_files(tmp_path):
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 10
     CheckpointDirectory(tmp_path / "other", keep_last=2, is_main=False).save({"step": 1}, "last.pt")
     assert not (tmp_path / "other").exists()                   # only the main rank writes
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_last_pt_is_the_newest_step_file_and_outlives_its_pruning(tmp_path, background):
+    from transformer.checkpoint import CheckpointDirectory
+    checkpoints = CheckpointDirectory(tmp_path / "checkpoints", keep_last=1, is_main=True, background=background)
+    for step in (2, 4):
+        checkpoints.save_periodic(_state(float(step)), step)
+    checkpoints.close()
+    folder = tmp_path / "checkpoints"
+    assert sorted(os.listdir(folder)) == ["last.pt", "step_4.pt"]           # step_2.pt pruned, no temporaries
+    assert os.path.samefile(folder / "last.pt", folder / "step_4.pt")      # one file written, not two
+    (folder / "step_4.pt").unlink()
+    assert load_checkpoint(folder / "last.pt")["model"]["w"][0, 0].item() == 4.0
+
+
+def test_last_pt_is_copied_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    import errno
+
+    from transformer.checkpoint import CheckpointDirectory
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+    monkeypatch.setattr(os, "link", refuse)
+    checkpoints = CheckpointDirectory(tmp_path / "checkpoints", keep_last=0, is_main=True)
+    checkpoints.save_periodic(_state(3.0), 3)
+    folder = tmp_path / "checkpoints"
+    assert sorted(os.listdir(folder)) == ["last.pt", "step_3.pt"]
+    assert not os.path.samefile(folder / "last.pt", folder / "step_3.pt")
+    assert (folder / "last.pt").read_bytes() == (folder / "step_3.pt").read_bytes()
+
+
+def test_a_background_save_returns_before_the_write_and_keeps_the_state_as_it_was(tmp_path, monkeypatch):
+    import threading
+
+    import transformer.checkpoint as checkpoint
+    real_save, release, writing = torch.save, threading.Event(), threading.Event()
+
+    def slow_save(*args, **kwargs):
+        writing.set()
+        assert release.wait(30), "the test never released the writer"
+        return real_save(*args, **kwargs)
+    monkeypatch.setattr(checkpoint.torch, "save", slow_save)
+    checkpoints = checkpoint.CheckpointDirectory(tmp_path, keep_last=0, is_main=True, background=True)
+    state, written = _state(1.0), []
+    checkpoints.save(state, "last.pt", done=written.append)
+    assert writing.wait(30) and not (tmp_path / "last.pt").exists() and not written   # training goes on meanwhile
+    state["model"]["w"].add_(100.0)                       # what the next optimizer step does to the weights
+    release.set()
+    checkpoints.flush()
+    assert load_checkpoint(tmp_path / "last.pt")["model"]["w"][0, 0].item() == 1.0    # the state when saved
+    assert len(written) == 1 and written[0] >= 0
+    checkpoints.close()
+
+
+def test_a_failed_background_write_is_raised_at_the_next_save_and_close_only_logs(tmp_path, monkeypatch, caplog):
+    import transformer.checkpoint as checkpoint
+    checkpoints = checkpoint.CheckpointDirectory(tmp_path, keep_last=0, is_main=True, background=True)
+    checkpoints.save(_state(1.0), "last.pt")
+    checkpoints.flush()
+
+    def full(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    checkpoints.save(_state(2.0), "best.pt")                           # returns: the write fails later
+    with pytest.raises(CheckpointError, match=r"best\.pt: cannot write the checkpoint: disk full; "
+                                              r"the last good checkpoint is .*last\.pt"):
+        checkpoints.save(_state(3.0), "best.pt")
+    checkpoints.save(_state(4.0), "best.pt")                            # fails again, in the background
+    checkpoints.close()
+    assert "best.pt: cannot write the checkpoint: disk full" in caplog.text
+    assert sorted(os.listdir(tmp_path)) == ["last.pt"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -136,20 +135,28 @@ class TrainingState:
 
     def write(self, state: dict, name: str, weights: str, periodic: bool = False) -> None:
         """Write `state` as checkpoint `name` (with `periodic`: step_N.pt and last.pt, the old step
-        files pruned) and log it."""
-        names = [f"step_{self.progress.step}.pt", "last.pt"] if periodic else [name]
-        started = time.monotonic()
+        files pruned) and log it once written (on the checkpoint writer's thread: `flush` waits)."""
+        step = self.progress.step
+        names = [f"step_{step}.pt", "last.pt"] if periodic else [name]
+        paths = " and ".join(str(self.checkpoints.directory / n) for n in names)
+
+        def written(seconds: float) -> None:
+            log.info("saved checkpoint %s (step %d%s, %.1f s)", paths, step,
+                     "" if weights == "raw" else f", {weights} weights", seconds)
         try:
             if periodic:
-                self.checkpoints.save_periodic(state, self.progress.step)
+                self.checkpoints.save_periodic(state, step, written)
             else:
-                self.checkpoints.save(state, name)
+                self.checkpoints.save(state, name, written)
         except CheckpointError as error:
             raise TrainingError(str(error)) from None
-        if self.dist.is_main:
-            paths = " and ".join(str(self.checkpoints.directory / n) for n in names)
-            log.info("saved checkpoint %s (step %d%s, %.1f s)", paths, self.progress.step,
-                     "" if weights == "raw" else f", {weights} weights", time.monotonic() - started)
+
+    def flush(self) -> None:
+        """Wait until every checkpoint saved so far is on disk; a failed write raises here."""
+        try:
+            self.checkpoints.flush()
+        except CheckpointError as error:
+            raise TrainingError(str(error)) from None
 
     def _refuse_non_finite_weights(self, state: dict) -> None:
         """Stop before writing a checkpoint whose weights (or their moving average) are not all finite:
@@ -160,6 +167,7 @@ class TrainingState:
             return
         step, tc = self.progress.step, self.cfg.trainer
         in_a_row = self.bad_in_a_row()
+        self.flush()                        # last.pt below is read back
         since = f"; the loss has not been finite since step {step - in_a_row + 1}" if in_a_row else ""
         last = self.checkpoints.directory / "last.pt"
         try:

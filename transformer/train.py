@@ -96,7 +96,8 @@ class Trainer:
                                      tgt_lang=cfg.data.tgt_lang)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.state = TrainingState(cfg, self.model, tok, self.optimizer, self.scheduler, self.scaler,
-                                   CheckpointDirectory(self.ckpt_dir, tc.keep_last, self.dist.is_main),
+                                   CheckpointDirectory(self.ckpt_dir, tc.keep_last, self.dist.is_main,
+                                                       background=True),
                                    self.data.train.identity, self.dist, self.device,
                                    bad_in_a_row=lambda: self.log.read()["bad_in_a_row"])
         train = self.data.train
@@ -323,6 +324,7 @@ class Trainer:
         if tc.average_last and not by_signal:
             self.average_last()         # before last.pt, so that its metrics (best score, patience) count it
         self.state.save("last.pt")            # non-finite updates were skipped: the weights are finite
+        self.state.flush()                    # the test reads best.pt; the hint names last.pt
         if self.dist.is_main:
             log.info("%s", resume_hint(self.run_dir, self.launch, reason))
         progress.stop_reason = reason
@@ -392,6 +394,7 @@ class Trainer:
         n = self.cfg.trainer.average_last
         result = state = None
         if self.dist.is_main:
+            self.state.flush()                          # the newest step_N.pt may still be being written
             paths = step_checkpoints(self.run_dir)[-n:]
             if len(paths) < 2:
                 log.warning("trainer.average_last=%d: %d step_N.pt file(s) in %s, nothing to average; lower "
@@ -513,6 +516,7 @@ def _train_in(cfg: Config, run_dir: Path, launch: Launch | None) -> dict:
     finally:
         for sig, previous in handlers.items():
             signal.signal(sig, previous)
+        trainer.state.checkpoints.close()            # lets a write in flight finish
         trainer.monitor.close()
         trainer.leave_process_group(clean=False)     # after an error: no barrier
 
