@@ -25,6 +25,8 @@ from transformer.config import Config, ConfigError
 from transformer.model import Transformer, build_model
 from transformer.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 REQUIRED_KEYS = ("model", "config", "tokenizer", "step")
 # Raised when a change to the keys or their meaning would mislead an older release reading the file: that
 # release then refuses the file (load_checkpoint) instead of misreading it.
@@ -132,7 +134,7 @@ class CheckpointDirectory:
         try:
             self.flush()
         except CheckpointError as error:
-            logging.getLogger("transformer.train").error("%s", error)
+            log.error("%s", error)
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
@@ -140,21 +142,18 @@ class CheckpointDirectory:
     def _submit(self, write: Callable[[dict], None], state: dict, done: Callable[[float], None] | None) -> None:
         if not self.is_main:
             return
-        if self._writer is None:
+
+        def run(state: dict) -> None:
             started = time.monotonic()
             write(state)
             if done:
                 done(time.monotonic() - started)
+        if self._writer is None:
+            run(state)
             return
         self.flush()
-        snapshot = tensors_copied_to_cpu(state)      # training goes on changing the tensors in place
-
-        def run() -> None:
-            started = time.monotonic()
-            write(snapshot)
-            if done:
-                done(time.monotonic() - started)
-        self._pending = self._writer.submit(run)
+        # A copy on the CPU: training goes on changing the tensors in place.
+        self._pending = self._writer.submit(run, tensors_copied_to_cpu(state))
 
     def _write(self, state: dict, name: str) -> None:
         try:
