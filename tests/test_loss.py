@@ -113,6 +113,27 @@ def test_the_optimizer_follows_the_schedule():
     assert lrs[39] == pytest.approx(2e-3 * math.sqrt(10 / 40))
 
 
+@pytest.mark.parametrize("decay_norm_bias", [True, False])
+def test_weight_decay_reaches_norms_and_biases_only_when_asked(decay_norm_bias):
+    """With a zero gradient AdamW's step is the decay alone, p <- p (1 - lr wd): every parameter shrinks
+    by that factor, or, without trainer.weight_decay_norm_bias, the weight matrices and embeddings do
+    and the LayerNorm gains and biases stay as they were."""
+    from transformer.config import TrainerConfig
+    from transformer.optim import build_optimizer
+    model = build_model(ModelConfig(d_model=16, n_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1), 50, 50, True)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    config = TrainerConfig(lr=0.1, warmup=0, max_steps=1, weight_decay=0.5, weight_decay_norm_bias=decay_norm_bias)
+    optimizer, _ = build_optimizer(model, config, torch.device("cpu"))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    vectors = [name for name, p in model.named_parameters() if p.dim() < 2]
+    assert any("norm" in name for name in vectors) and any(name.endswith("bias") for name in vectors)
+    for name, p in model.named_parameters():
+        decayed = decay_norm_bias or p.dim() >= 2
+        torch.testing.assert_close(p.detach(), before[name] * (1 - 0.1 * 0.5 if decayed else 1.0), msg=name)
+
+
 @pytest.mark.parametrize("schedule, expected_at", [
     # warm-up 10, decay to step 110 with min_lr = lr / 10: hand-computed lr factors
     ("constant", {5: 0.5, 10: 1.0, 60: 1.0, 500: 1.0}),

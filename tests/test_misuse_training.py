@@ -219,6 +219,18 @@ def test_resume_with_a_decaying_schedule_says_a_new_max_steps_moves_the_decay(ca
     assert "trainer.max_steps 100 -> 300 differ from the checkpoint" in caplog.text
 
 
+def test_resume_of_a_checkpoint_older_than_a_fixed_key_keeps_that_keys_default(caplog):
+    """Checkpoints written before trainer.weight_decay_norm_bias decayed every parameter (one optimizer
+    group): resumed with the key false, they keep it true, whose state they hold, and say so."""
+    saved = _saved(compose_config())
+    del saved["config"]["trainer"]["weight_decay_norm_bias"]
+    cfg = compose_config(["trainer.weight_decay_norm_bias=false"])
+    with caplog.at_level(logging.WARNING):
+        adopt_resumed_config(cfg, saved, Path("last.pt"))
+    assert cfg.trainer.weight_decay_norm_bias is True
+    assert "trainer.weight_decay_norm_bias=False (keeps True) ignored" in caplog.text
+
+
 def test_resume_with_the_checkpoints_lr_checks_the_config_again():
     saved = _saved(compose_config(["trainer.lr=1e-4"]))
     cfg = compose_config(["trainer.lr=1e-3", "trainer.min_lr=5e-4"])

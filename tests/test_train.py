@@ -62,7 +62,8 @@ def test_resume_continues_exactly(tmp_path, data_cache, workers, sampling, caplo
     common = FAST + ["data.embedded_pairs=800", "trainer.precision=fp32", "trainer.device=cpu", "trainer.update_freq=2",
                      "trainer.validate_every=5", "trainer.val_max_sentences=8", "decode.beam_size=1",
                      "model.dropout=0.2", "trainer.max_minutes=0", "trainer.test_at_end=false",
-                     "trainer.ema_decay=0.8", f"trainer.num_workers={workers}", f"data.subword_sampling={sampling}"]
+                     "trainer.ema_decay=0.8", f"trainer.num_workers={workers}", f"data.subword_sampling={sampling}",
+                     "trainer.weight_decay=0.01", "trainer.weight_decay_norm_bias=false"]   # two optimizer groups
     # Uninterrupted: 20 steps (two batches each: more than one epoch of the 800-pair corpus).
     import logging
     with caplog.at_level(logging.INFO):

@@ -255,6 +255,8 @@ class TrainerConfig:
     betas: list[float] = setting(factory=lambda: [0.9, 0.98], meaning="Adam betas")
     adam_eps: float = setting(1e-9, "Adam epsilon")
     weight_decay: float = setting(0.0, "decoupled (AdamW) weight decay")
+    weight_decay_norm_bias: bool = setting(True, "weight decay on LayerNorm gains and biases too (fairseq's way); "
+                                                 "false: on weight matrices and embeddings only")
     clip_norm: float = setting(1.0, "clip the gradient norm to this; 0 = no clipping")
     label_smoothing: float = setting(0.1, "label smoothing of the loss, in [0, 1)")
     rdrop: float = setting(0.0, "R-Drop (Liang et al. 2021): every batch runs twice under different dropout; "

@@ -222,7 +222,7 @@ def starting_point(cfg, ckpt_dir: Path, dist: D.DistInfo) -> StartingPoint:
 FIXED_BY_CHECKPOINT = {
     "model": ("name", "d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers", "pre_norm", "tie_embeddings"),
     "data": ("vocab_size", "tokenizer_type", "joint_vocab", "character_coverage", "tokenizer_sample"),
-    "trainer": ("lr", "betas", "adam_eps", "weight_decay", "init_from"),
+    "trainer": ("lr", "betas", "adam_eps", "weight_decay", "weight_decay_norm_bias", "init_from"),
 }
 # Honoured on resume without changing the run itself: how long it goes on, how often it logs, validates
 # and saves, where and how fast it runs, how it decodes. (trainer.max_steps also ends a cosine or linear
@@ -243,8 +243,9 @@ HONOURED_ON_RESUME = {
 def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> None:
     """Compare the config of a run resumed from `state` (read from `path`) with the checkpoint's: the
     keys the checkpoint fixes take its values (so that the config saved with the run is what it runs
-    with), and one warning names them; one more names the keys that change the run from here on. Keys
-    an older checkpoint lacks pass."""
+    with), and one warning names them; one more names the keys that change the run from here on. A fixed key
+    an older checkpoint lacks counts as its default (new keys keep the old behaviour by default); other
+    keys it lacks pass."""
     saved, ignored, changed = state["config"], [], []
     for section in ("model", "data", "trainer", "decode"):
         values, old_values = getattr(cfg, section), saved.get(section, {})
@@ -253,10 +254,13 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
             key, new = spec.name, getattr(values, spec.name)
             if isinstance(new, list) and any(dataclasses.is_dataclass(x) for x in new):
                 new = [dataclasses.asdict(x) for x in new]      # the checkpoint holds plain dicts
+            fixed = key in FIXED_BY_CHECKPOINT.get(section, ())
+            if key not in old_values and fixed and spec.default is not dataclasses.MISSING:
+                old_values = {**old_values, key: spec.default}      # written before the key: its default
             if key not in old_values or old_values[key] == new:
                 continue
             old = old_values[key]
-            if key in FIXED_BY_CHECKPOINT.get(section, ()):
+            if fixed:
                 ignored.append(f"{section}.{key}={new} (keeps {old})")
                 setattr(values, key, old)
             elif key not in HONOURED_ON_RESUME.get(section, ()) or (key == "max_steps" and decays):
