@@ -255,11 +255,14 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
             if isinstance(new, list) and any(dataclasses.is_dataclass(x) for x in new):
                 new = [dataclasses.asdict(x) for x in new]      # the checkpoint holds plain dicts
             fixed = key in FIXED_BY_CHECKPOINT.get(section, ())
-            if key not in old_values and fixed and spec.default is not dataclasses.MISSING:
-                old_values = {**old_values, key: spec.default}      # written before the key: its default
-            if key not in old_values or old_values[key] == new:
+            if key in old_values:
+                old = old_values[key]
+            elif fixed and spec.default is not dataclasses.MISSING:
+                old = spec.default                      # written before the key existed: its default
+            else:
                 continue
-            old = old_values[key]
+            if old == new:
+                continue
             if fixed:
                 ignored.append(f"{section}.{key}={new} (keeps {old})")
                 setattr(values, key, old)
