@@ -18,10 +18,13 @@ from transformer.toy import generate
 ROOT = Path(__file__).resolve().parents[1]
 
 # Small enough to train in seconds; every test that trains starts from this and overrides what it needs.
+# No attention pictures (drawing them took three quarters of a small test run's validations): the tests
+# of the pictures ask for them (trainer.attention_heatmaps=mean or heads).
 FAST = [
     "model.d_model=64", "model.n_heads=4", "model.d_ff=128", "model.encoder_layers=2",
     "model.decoder_layers=2", "data.embedded_pairs=2000", "data.vocab_size=200",
     "trainer.max_tokens=1024", "trainer.log_every=10", "trainer.val_max_sentences=50",
+    "trainer.attention_heatmaps=off",
 ]
 
 

@@ -99,6 +99,11 @@ def test_a_run_validates_raw_ema_and_average_and_keeps_the_best(tmp_path, data_c
     assert last["weights"] == "raw" and "ema" in last
     if best["weights"] == "ema" and best["step"] == last["step"]:
         assert torch.equal(best["model"]["tgt_embed.weight"], last["ema"]["weights"]["tgt_embed.weight"])
+    # FAST's trainer.attention_heatmaps=off: the validations wrote their numbers and no picture
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"val/bleu", "val_ema/bleu"} <= set(events.Tags()["scalars"]) and events.Tags()["images"] == []
 
 
 def test_a_checkpoint_holding_averaged_weights_cannot_resume_a_run():

@@ -165,8 +165,8 @@ def test_docs_configuration_is_the_generated_key_table():
     assert text == configuration_markdown(), "regenerate: python -m transformer.config --markdown > docs/configuration.md"
 
 
-def test_attention_heatmaps_takes_mean_heads_or_layers():
+def test_attention_heatmaps_takes_mean_heads_layers_or_off():
     from transformer.config import ConfigError
     assert compose_config(["trainer.attention_heatmaps=layers"]).trainer.attention_heatmaps == "layers"
-    with pytest.raises(ConfigError, match="trainer.attention_heatmaps='all' must be one of mean, heads, layers"):
+    with pytest.raises(ConfigError, match="trainer.attention_heatmaps='all' must be one of mean, heads, layers, off"):
         compose_config(["trainer.attention_heatmaps=all"])

@@ -132,7 +132,8 @@ def test_a_multilingual_run_validates_each_direction_and_keeps_the_best_by_their
     corpus = _write_corpus(tmp_path / "toy", 300)
     cfg = compose_config(FAST + _overrides(corpus) + [
         "trainer.max_steps=6", "trainer.validate_every=3", "trainer.val_max_sentences=10", "decode.beam_size=1",
-        "trainer.test_at_end=false", "trainer.max_minutes=0", "trainer.ema_decay=0"], data_cache)
+        "trainer.test_at_end=false", "trainer.max_minutes=0", "trainer.ema_decay=0",
+        "trainer.attention_heatmaps=mean"], data_cache)
     metrics = train(cfg, tmp_path / "run")
     log = (tmp_path / "run" / "train.log").read_text()
     for what in ("de-en", "en-de", "mean of 2 directions"):

@@ -232,7 +232,7 @@ class DataConfig:
         return languages if len(languages) > 1 else []
 
 
-ATTENTION_HEATMAPS = ("mean", "heads", "layers")       # trainer.attention_heatmaps
+ATTENTION_HEATMAPS = ("mean", "heads", "layers", "off")       # trainer.attention_heatmaps
 SCHEDULES = ("inverse_sqrt", "cosine", "linear", "constant")
 
 
@@ -275,7 +275,8 @@ class TrainerConfig:
     test_at_end: bool = setting(True, "translate the test split with the best checkpoint at the end; print BLEU")
     attention_heatmaps: str = setting("mean", "TensorBoard's cross-attention pictures: mean (the last decoder "
                                               "layer, mean over heads) | heads (also each head of the last "
-                                              "layer) | layers (also each layer, mean over heads)")
+                                              "layer) | layers (also each layer, mean over heads) | off "
+                                              "(none: drawing takes about a second per validation on a CPU)")
     keep_last: int = setting(3, "step_N.pt files kept (0 = keep all)")
     ema_decay: float = setting(0.0, "exponential moving average of the weights after every update (e.g. "
                                     "0.999; 0 = off); validation scores it too, best.pt keeps the best set")

@@ -135,7 +135,8 @@ class Trainer:
                                                              tgt_lang=direction.split("-")[1] if direction
                                                              else cfg.data.tgt_lang),
                                  corpus, source.read_all(), self.device, self.autocast,
-                                 tc.attention_heatmaps if self.dist.is_main and i == 0 else None)
+                                 tc.attention_heatmaps if self.dist.is_main and i == 0
+                                 and tc.attention_heatmaps != "off" else None)
             for i, (direction, (corpus, source)) in enumerate(splits.items())}
 
     @property

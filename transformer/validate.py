@@ -172,7 +172,7 @@ class Validator:
     """Validation of a training run's model: the prepared validation split for the loss, its text for
     BLEU/chrF (trainer.val_max_sentences of it) decoded through `translator`, and the cross-attention of
     a few fixed sentences. `attention`: trainer.attention_heatmaps (mean, heads, layers), or None to draw
-    nothing (ranks other than 0). A multilingual model's validator per direction decodes through a
+    nothing (`off`, and ranks other than 0). A multilingual model's validator per direction decodes through a
     translator into that direction's target language (`Translator.tgt_lang`), scored by its rules."""
 
     def __init__(self, cfg, model, translator, corpus, text: tuple[list[str], list[str]], device, autocast,
