@@ -38,8 +38,8 @@ def trained_run(tmp_path_factory, data_cache):
     from transformer.train import train
 
     run_dir = tmp_path_factory.mktemp("trained-run")
-    cfg = compose_config(FAST + ["trainer.attention_heatmaps=mean", "model.d_model=96", "model.d_ff=256", "data.embedded_pairs=4000",
-                                 "trainer.max_steps=240", "trainer.validate_every=80",
+    cfg = compose_config(FAST + ["trainer.attention_heatmaps=mean", "model.d_model=96", "model.d_ff=256",
+                                 "data.embedded_pairs=4000", "trainer.max_steps=240", "trainer.validate_every=80",
                                  "trainer.warmup=60", "trainer.lr=3e-3", "trainer.max_minutes=0"],
                          cache_dir=data_cache)
     metrics = train(cfg, run_dir)

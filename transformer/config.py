@@ -232,7 +232,7 @@ class DataConfig:
         return languages if len(languages) > 1 else []
 
 
-ATTENTION_HEATMAPS = ("mean", "heads", "layers", "off")       # trainer.attention_heatmaps
+ATTENTION_HEATMAPS = ("mean", "heads", "layers", "off")      # trainer.attention_heatmaps
 SCHEDULES = ("inverse_sqrt", "cosine", "linear", "constant")
 
 

@@ -130,13 +130,13 @@ class Trainer:
         # One validator, or one per direction of a multilingual model (into its target language); the
         # attention pictures are drawn for the first.
         splits = self.data.directions or {None: (self.data.valid, self.data.sources["validation"])}
+        pictures = tc.attention_heatmaps if self.dist.is_main and tc.attention_heatmaps != "off" else None
         self.validators = {
             direction: Validator(cfg, self.model, Translator(self.model, tok, cfg, self.device, autocast=self.autocast,
                                                              tgt_lang=direction.split("-")[1] if direction
                                                              else cfg.data.tgt_lang),
                                  corpus, source.read_all(), self.device, self.autocast,
-                                 tc.attention_heatmaps if self.dist.is_main and i == 0
-                                 and tc.attention_heatmaps != "off" else None)
+                                 pictures if i == 0 else None)
             for i, (direction, (corpus, source)) in enumerate(splits.items())}
 
     @property
