@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Every CUDA path in one go, for a lent GPU machine that has PyTorch but no package index:
-#   bash scripts/gpu_check.sh STAGE...     stages: env gputests train ddp translate oom bench suite
+#   bash scripts/gpu_check.sh STAGE...     stages: env gputests precisions train ddp translate oom bench suite
+#                                           search
 # Reads Multi30k from $MULTI30K_DIR (default .gpu/multi30k), pure-Python dependencies the machine lacks
-# (hydra, omegaconf, antlr4, sacremoses) from .gpu/site, a CPU-trained checkpoint and its CPU fp32
-# hypotheses from .gpu/ (see docs/development.md, "On a GPU"). Full logs go to $OUT (or /tmp/gpu_out),
-# one summary line per finding to stdout.
+# (hydra, omegaconf, antlr4, sacremoses, py3langid) from .gpu/site, a CPU-trained checkpoint and its CPU
+# fp32 hypotheses from .gpu/ (translate and bench only; see docs/development.md, "On a GPU"). Full logs go
+# to $OUT (or /tmp/gpu_out), one summary line per finding to stdout. `search` runs the training runs listed
+# in $SEARCH (default scripts/gpu_search.txt) side by side until $SEARCH_SECONDS (default 300) have passed;
+# SEARCH_RESUME=1 continues them from their last.pt in a later call while the machine is still warm.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -61,6 +64,50 @@ train_run() {   # name, extra overrides...
     grep -E "device cuda|step (50|150|300) \||validation step|test_2016|BLEU|Error|error" "$RUNS/$name/train.log" 2>/dev/null \
         | cut -c 27-260 | tail -12
     leftovers
+}
+
+stage_precisions() {   # the same short model=base run at each precision (the preset's 2,048-token batches)
+    local p t
+    for p in fp32 bf16 fp16; do
+        t=$SECONDS
+        timeout -s TERM 90 $PY -m transformer.train $DATA model=base trainer.device=cuda trainer.precision=$p \
+            trainer.max_minutes=0.33 trainer.test_at_end=false trainer.attention_heatmaps=off \
+            hydra.run.dir=$RUNS/base-$p >"$OUT/base-$p.out" 2>&1
+        say "model=base $p, 20 s of training: rc $?, $((SECONDS - t)) s whole process"
+        grep -E "device cuda|step +[0-9]*00 \||reached|validation step" "$RUNS/base-$p/train.log" 2>/dev/null \
+            | cut -c 53-220 | tail -7 | tee -a "$LOG"
+        leftovers
+    done
+}
+
+stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core each
+    local list=${SEARCH:-scripts/gpu_search.txt} seconds=${SEARCH_SECONDS:-300} pids=() name args line
+    local common
+    common=$(grep -m1 "^common:" "$list" | cut -d: -f2-)
+    # shellcheck disable=SC2086
+    $PY -m transformer.corpus $common data.path=$M data.cache_dir=$CACHE >>"$LOG" 2>&1
+    say "search: $(grep -c "|" "$list") runs of '$common' for $seconds s"
+    while IFS='|' read -r name args; do
+        name=$(echo $name)
+        # shellcheck disable=SC2086
+        # the defaults first: the list's overrides come later and win (trainer.test_at_end=true, say)
+        OMP_NUM_THREADS=1 timeout -s TERM "$seconds" $PY -m transformer.train data.path=$M data.cache_dir=$CACHE \
+            trainer.device=cuda trainer.max_minutes=0 trainer.test_at_end=false trainer.attention_heatmaps=off \
+            trainer.num_workers=1 trainer.num_threads=1 $common $args ${SEARCH_RESUME:+trainer.resume=true} \
+            hydra.run.dir=$RUNS/search/$name >>"$OUT/search-$name.out" 2>&1 &
+        pids+=($!)
+    done < <(grep "|" "$list" | grep -v "^#")
+    wait "${pids[@]}"
+    for name in $(ls $RUNS/search); do   # step, validation BLEU raw and EMA, EMA validation loss
+        echo "--- $name: $(grep -E 'step +[0-9]+ \|' $RUNS/search/$name/train.log | tail -1 | cut -c 53-130)"
+        grep -E "test_2016|test \|" $RUNS/search/$name/train.log | cut -c 53-200 | tail -2
+        grep "validation step" $RUNS/search/$name/train.log \
+            | sed -E 's/.*validation step ([0-9]+)( \((ema) weights\))? \| loss ([0-9.]+) .*BLEU ([0-9.]+).*/\1 \3 \4 \5/' \
+            | awk '{ if ($2 == "ema") { e[$1] = $4; l[$1] = $3 } else if (NF == 3) { r[$1] = $3; s[$1] = 1 } }
+                   END { for (k in s) printf "%6d raw %6s ema %6s ema loss %s\n", k, r[k], e[k], l[k] }' | sort -n | tail -6
+    done | tee "$OUT/search.txt"
+    (cd $RUNS && tar czf "$OUT/search_logs.tgz" search/*/train.log search/*/.hydra)
+    rm -f "$OUT"/search-*.out   # at most 8 files come back from a call
 }
 
 stage_train() {
