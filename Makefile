@@ -12,9 +12,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 NPROC  ?= 2
 split  ?= test
+# pytest workers of `make test` / `make test-fast` (pytest-xdist), one thread each; 0: one process, two threads
+TEST_WORKERS ?= 2
 
 # Make's own variables and the targets are not Hydra overrides; everything else on the command line is.
-OWN_VARS    := NPROC CKPT split PYTHON TORCH ARGS
+OWN_VARS    := NPROC CKPT split PYTHON TORCH ARGS TEST_WORKERS
 TARGETS     := help install prepare train sweep train-ddp evaluate translate tensorboard test test-fast bench lint clean
 empty       :=
 space       := $(empty) $(empty)
@@ -62,11 +64,11 @@ translate: $(STAMP)  ## translate stdin to stdout with CKPT=path (beam 5)
 tensorboard: $(STAMP)  ## serve TensorBoard for runs/
 	$(VENV)/bin/tensorboard --logdir runs
 
-test: $(STAMP)  ## install everything from nothing, then run the test suite
-	$(PY) -m pytest -q tests
+test: $(STAMP)  ## install everything from nothing, then run the test suite (TEST_WORKERS=2 processes)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 test-fast: $(STAMP)  ## the tests without the end-to-end training runs
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
 
 bench: $(STAMP)  ## speed/memory benchmark: writes bench.json and prints a table
 	$(PY) scripts/bench.py $(ARGS)
