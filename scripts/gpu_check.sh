@@ -81,7 +81,7 @@ stage_precisions() {   # the same short model=base run at each precision (the pr
 }
 
 stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core each
-    local list=${SEARCH:-scripts/gpu_search.txt} seconds=${SEARCH_SECONDS:-300} pids=() name args line
+    local list=${SEARCH:-scripts/gpu_search.txt} seconds=${SEARCH_SECONDS:-300} pids=() names=() name args i
     local common
     common=$(grep -m1 "^common:" "$list" | cut -d: -f2-)
     # shellcheck disable=SC2086
@@ -89,16 +89,20 @@ stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core ea
     say "search: $(grep -c "|" "$list") runs of '$common' for $seconds s"
     while IFS='|' read -r name args; do
         name=$(echo $name)
-        # shellcheck disable=SC2086
         # the defaults first: the list's overrides come later and win (trainer.test_at_end=true, say)
+        # shellcheck disable=SC2086
         OMP_NUM_THREADS=1 timeout -s TERM "$seconds" $PY -m transformer.train data.path=$M data.cache_dir=$CACHE \
             trainer.device=cuda trainer.max_minutes=0 trainer.test_at_end=false trainer.attention_heatmaps=off \
             trainer.num_workers=1 trainer.num_threads=1 $common $args ${SEARCH_RESUME:+trainer.resume=true} \
             hydra.run.dir=$RUNS/search/$name >>"$OUT/search-$name.out" 2>&1 &
-        pids+=($!)
+        pids+=($!) names+=("$name")
     done < <(grep "|" "$list" | grep -v "^#")
-    wait "${pids[@]}"
+    for i in "${!pids[@]}"; do   # 0: finished, 124: stopped by the time limit (last.pt written); else the end of its output
+        wait "${pids[$i]}" || [ $? = 124 ] || { echo "--- ${names[$i]} failed:"; tail -6 "$OUT/search-${names[$i]}.out"; } \
+            | tee -a "$LOG"
+    done
     for name in $(ls $RUNS/search); do   # step, validation BLEU raw and EMA, EMA validation loss
+        [ -f $RUNS/search/$name/train.log ] || continue
         echo "--- $name: $(grep -E 'step +[0-9]+ \|' $RUNS/search/$name/train.log | tail -1 | cut -c 53-130)"
         grep -E "test_2016|test \|" $RUNS/search/$name/train.log | cut -c 53-200 | tail -2
         grep "validation step" $RUNS/search/$name/train.log \
