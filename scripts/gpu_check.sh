@@ -44,7 +44,8 @@ leftovers() {   # processes this script started that outlived their stage (found
                 # environment, so nothing else on the machine is touched), with their Python stacks
     local left="" pid
     for pid in $(grep -lzx "GPU_CHECK_RUN=$$" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do
-        [ "$pid" != "$$" ] && [ "$pid" != "$BASHPID" ] && left="$left $pid"
+        # still alive: the processes of the $(...) above carry the marker too, and are gone by now
+        [ "$pid" != "$$" ] && [ "$pid" != "$BASHPID" ] && [ -d /proc/$pid ] && left="$left $pid"
     done
     [ -z "$left" ] && return
     say "left running:$left"
@@ -52,32 +53,26 @@ leftovers() {   # processes this script started that outlived their stage (found
     kill -ABRT $left 2>/dev/null; sleep 2; kill -9 $left 2>/dev/null
 }
 
-train_run() {   # name, extra overrides...
+train_run() {   # name, overrides...: one model=base run on the GPU, then the key lines of its log
     local name=$1; shift
     local t0=$SECONDS
-    PYTHONFAULTHANDLER=1 timeout -s ABRT 150 $PY -m transformer.train $DATA model=base trainer.device=cuda trainer.max_tokens=8192 \
-        trainer.max_steps=300 trainer.validate_every=150 trainer.checkpoint_every=150 trainer.log_every=50 trainer.test_at_end=true \
+    PYTHONFAULTHANDLER=1 timeout -s ABRT 150 $PY -m transformer.train $DATA model=base trainer.device=cuda \
         hydra.run.dir=$RUNS/$name "$@" >"$OUT/$name.out" 2>&1
     local rc=$?
     say "train $name: rc $rc, $((SECONDS - t0)) s"
     cat "$OUT/$name.out" >>"$LOG"
-    grep -E "device cuda|step (50|150|300) \||validation step|test_2016|BLEU|Error|error" "$RUNS/$name/train.log" 2>/dev/null \
+    grep -E "device cuda|step (50|150|300) \||reached|validation step|test_2016|BLEU|Error|error" "$RUNS/$name/train.log" 2>/dev/null \
         | cut -c 27-260 | tail -12
     leftovers
 }
 
-stage_precisions() {   # the same short model=base run at each precision (the preset's 2,048-token batches)
-    local p t
+stage_precisions() {   # 20 s of training at each precision (the preset's 2,048-token batches)
+    local p
     for p in fp32 bf16 fp16; do
-        t=$SECONDS
-        timeout -s TERM 90 $PY -m transformer.train $DATA model=base trainer.device=cuda trainer.precision=$p \
-            trainer.max_minutes=0.33 trainer.test_at_end=false trainer.attention_heatmaps=off \
-            hydra.run.dir=$RUNS/base-$p >"$OUT/base-$p.out" 2>&1
-        say "model=base $p, 20 s of training: rc $?, $((SECONDS - t)) s whole process"
-        grep -E "device cuda|step +[0-9]*00 \||reached|validation step" "$RUNS/base-$p/train.log" 2>/dev/null \
-            | cut -c 53-220 | tail -7 | tee -a "$LOG"
-        leftovers
+        train_run base-$p trainer.precision=$p trainer.max_minutes=0.33 trainer.test_at_end=false \
+            trainer.attention_heatmaps=off
     done
+    rm -f "$OUT"/base-*.out
 }
 
 stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core each
@@ -114,10 +109,15 @@ stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core ea
     rm -f "$OUT"/search-*.out   # at most 8 files come back from a call
 }
 
-stage_train() {
-    train_run bf16 trainer.precision=bf16
-    train_run fp16 trainer.precision=fp16
-    TORCH_LOGS=recompiles train_run compiled trainer.precision=bf16 trainer.compile=true
+stage_train() {   # 300 steps of 8k-token batches, then the test set
+    local short="trainer.max_tokens=8192 trainer.max_steps=300 trainer.validate_every=150 trainer.checkpoint_every=150
+                 trainer.log_every=50 trainer.test_at_end=true"
+    # shellcheck disable=SC2086
+    train_run bf16 $short trainer.precision=bf16
+    # shellcheck disable=SC2086
+    train_run fp16 $short trainer.precision=fp16
+    # shellcheck disable=SC2086
+    TORCH_LOGS=recompiles train_run compiled $short trainer.precision=bf16 trainer.compile=true
     say "compiled: $(grep -c -i 'recompiling' "$OUT/compiled.out") recompiles logged; step of each:"
     grep -i -B1 "recompiling" "$OUT/compiled.out" | head -20 | tee -a "$LOG"
     tail -c 3000 "$OUT/compiled.out" >>"$LOG"
