@@ -4,10 +4,10 @@ import pickle
 import pytest
 import torch
 
+from transformer.average import main as average_main
 from transformer.checkpoint import (
     CheckpointError,
     average_checkpoints,
-    average_main,
     load_checkpoint,
     load_model_weights,
     save_checkpoint,

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.helpers import FAST, ROOT, compose_config
-from transformer.checkpoint import average_main, load_checkpoint
+from transformer.average import main as average_main
+from transformer.checkpoint import load_checkpoint
 from transformer.evaluate import main as evaluate_main
 from transformer.run_state import RunDirectoryLock, TrainingError
 from transformer.search import beam_search

@@ -16,10 +16,10 @@ import torch
 
 from tests.helpers import write_untrained_checkpoint
 from transformer import export
+from transformer.average import main as average_main
 from transformer.checkpoint import (
     CHECKPOINT_FORMAT_VERSION,
     CheckpointError,
-    average_main,
     load_checkpoint,
     model_from_checkpoint,
     non_finite_tensors,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 
@@ -158,3 +159,46 @@ def test_the_inference_side_does_not_load_the_corpus_readers(module):
 def test_data_error_has_one_home():
     from transformer import data, errors
     assert data.DataError is errors.DataError
+
+
+# Each command answers --help and refuses a bad argument before it loads torch (about 2.5 s of every start):
+# (module, arguments, exit code, words of the answer).
+ANSWERED_WITHOUT_TORCH = [
+    ("transformer.translate", ["--help"], 0, "usage: transformer-translate"),
+    ("transformer.translate", ["best.pt", "--beam", "0"], 2, "--beam 0: must be a whole number >= 1"),
+    ("transformer.translate", ["best.pt", "--device", "tpu"], 2, "--device tpu: must be auto, cpu, cuda or cuda:N"),
+    ("transformer.translate", ["best.pt", "--sampling", "top3"], 2, "--sampling top3: write topk:K"),
+    ("transformer.translate", ["best.pt", "--bogus"], 2, "unrecognized arguments: --bogus"),
+    ("transformer.evaluate", ["--help"], 0, "usage: transformer-evaluate"),
+    ("transformer.evaluate", ["best.pt", "--alpha", "nan"], 2, "--alpha nan: must be a finite number"),
+    ("transformer.evaluate", ["a.pt", "b.pt", "--weights", "1"], 2, "--weights 1: give 2 comma-separated numbers"),
+    ("transformer.export", ["--help"], 0, "usage: transformer-export"),
+    ("transformer.export", ["best.pt", "out", "--format", "safetensors", "--quantization", "int8"], 2,
+     "--quantization applies to --format ctranslate2 only"),
+    ("transformer.average", ["--help"], 0, "usage: transformer-average"),
+    ("transformer.average", ["best.pt"], 2, "the following arguments are required: --output/-o"),
+    ("transformer.corpus", ["--help"], 0, "transformer-prepare: train the tokenizer"),
+    ("transformer.corpus", ["--bogus"], 2, "transformer-prepare: unrecognized arguments: --bogus"),
+    ("transformer.train_cli", ["--help"], 0, "transformer-train: train a Transformer"),
+    ("transformer.train_cli", ["--help", "model.d_model=64"], 0, "-> 64"),
+]
+
+
+@pytest.mark.parametrize("module,arguments,exit_code,answer", ANSWERED_WITHOUT_TORCH)
+def test_a_command_answers_help_and_bad_arguments_without_loading_torch(module, arguments, exit_code, answer,
+                                                                         tmp_path):
+    probe = f"""
+import json, sys
+sys.argv = ["command", *{arguments!r}]
+from {module} import main
+try:
+    code = main()
+except SystemExit as exit:
+    code = exit.code
+print(json.dumps([code or 0, "torch" in sys.modules]))
+"""
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code, loaded_torch = json.loads(result.stdout.splitlines()[-1])
+    assert (code, loaded_torch) == (exit_code, False), result.stderr
+    assert answer in (result.stdout if exit_code == 0 else result.stderr)

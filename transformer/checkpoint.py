@@ -7,12 +7,10 @@ metrics, and format_version (written by `save_checkpoint`; a file without it pre
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import pickle
 import shutil
-import sys
 import time
 import zipfile
 from collections.abc import Callable
@@ -22,6 +20,7 @@ from pathlib import Path
 import torch
 
 from transformer.config import Config, ConfigError
+from transformer.errors import CheckpointError, os_error_in  # their home; imported from here too
 from transformer.model import Transformer, build_model
 from transformer.tokenizer import Tokenizer
 
@@ -31,10 +30,6 @@ REQUIRED_KEYS = ("model", "config", "tokenizer", "step")
 # Raised when a change to the keys or their meaning would mislead an older release reading the file: that
 # release then refuses the file (load_checkpoint) instead of misreading it.
 CHECKPOINT_FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, damaged, unsafe or does not fit; the message names the file."""
 
 
 def save_checkpoint(state: dict, path: str | Path) -> None:
@@ -79,16 +74,6 @@ def _fsync_directory(path: Path) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
-
-
-def os_error_in(error: BaseException) -> OSError | None:
-    """The first OSError with an errno in `error`'s chain: torch and CTranslate2 wrap a full disk or a
-    denied write in errors of their own."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno:
-            return error
-        error = error.__cause__ or error.__context__
-    return None
 
 
 class CheckpointDirectory:
@@ -341,49 +326,3 @@ def written_by_average(path: Path) -> bool:
         return False
     metrics = state.get("metrics")
     return "optimizer" not in state and isinstance(metrics, dict) and "averaged_from" in metrics
-
-
-def average_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="transformer-average",
-        description="Average the weights of the last N step checkpoints of a run into one checkpoint.")
-    parser.add_argument("inputs", nargs="+", help="a run directory, or checkpoint files to average")
-    parser.add_argument("--last", type=int, default=5, help="with a run directory: how many step_N.pt to use")
-    parser.add_argument("--output", "-o", required=True, help="where to write the averaged checkpoint")
-    parser.add_argument("--force", action="store_true",
-                        help="replace an existing -o file that is not an earlier output of transformer-average")
-    args = parser.parse_args(argv)
-    try:
-        if len(args.inputs) == 1 and Path(args.inputs[0]).is_dir():
-            paths = step_checkpoints(args.inputs[0])[-args.last:]
-            if not paths:
-                raise CheckpointError(f"{args.inputs[0]}: no checkpoints/step_N.pt files to average")
-        else:
-            paths = [Path(p) for p in args.inputs]
-        output = Path(args.output)
-        if any(output.resolve() == p.resolve() for p in paths):
-            raise CheckpointError(f"-o {output}: is one of the checkpoints being averaged; write the average "
-                                  "to a new file")
-        if output.is_dir():
-            raise CheckpointError(f"-o {output}: is a directory; give a file name such as {output / 'avg.pt'}")
-        if output.exists() and not args.force and not written_by_average(output):
-            raise CheckpointError(f"-o {output}: exists and is not an averaged checkpoint written by "
-                                  "transformer-average; choose a new file name, or pass --force to replace it")
-        state = average_checkpoints(paths)
-        bad = non_finite_tensors(state["model"])
-        if bad:
-            raise CheckpointError(f"the average of {', '.join(map(str, paths))} holds NaN or infinite values in "
-                                  f"{bad[0]}: one of them holds diverged weights; average checkpoints from before it")
-        save_checkpoint(state, output)
-    except CheckpointError as error:
-        print(f"transformer-average: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("transformer-average: interrupted", file=sys.stderr)
-        return 130
-    print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {args.output}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(average_main())

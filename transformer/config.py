@@ -440,6 +440,20 @@ def check_decode_options(values: dict[str, Any], where: str) -> None:
                     f"({options['beam_size'].spelled(values['beam_size'], where)})")
 
 
+# What the inference side checks before it loads anything (translator.py, and the command lines before
+# they load torch): --quantize's values, and an ensemble's weights.
+QUANTIZATIONS = ("int8",)
+
+
+def check_weights(weights, count: int) -> list[float]:
+    """An ensemble's weights: one finite number >= 0 per model, not all 0."""
+    weights = list(weights)
+    if len(weights) != count or not all(isinstance(w, numbers.Real) and not isinstance(w, bool)
+                                        and math.isfinite(w) and w >= 0 for w in weights) or not sum(weights) > 0:
+        raise ValueError(f"weights={weights!r}: give one finite weight >= 0 per model ({count}), not all 0")
+    return [float(w) for w in weights]
+
+
 @dataclass
 class Config:
     """Top level: run_dir, and the sections model, data, trainer, decode."""

@@ -41,17 +41,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm import tqdm
 
-from transformer.batching import Batch, flat_ids, make_batch
 from transformer.cache import CacheDamage, check_file, file_record, read_record, sealed, write_failure
 from transformer.config import ConfigError, DataConfig
 from transformer.data import DataError, SplitSource, open_split
 from transformer.errors import discard_stdout
 from transformer.langid import WRONG_SOURCE, WRONG_TARGET, language_flags
 from transformer.tokenizer import Tokenizer, build_tokenizer
+
+if TYPE_CHECKING:               # torch comes with it: imported where batches are made, not to prepare
+    from transformer.batching import Batch
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +120,7 @@ class EncodedCorpus:
     def collate(self, positions, key: tuple[int, int] | None = None) -> Batch:
         """The batch of kept pairs `positions`. With subword sampling enabled and a `key` (epoch, batch
         number), the pairs in that epoch's sampled segmentation."""
+        from transformer.batching import make_batch
         positions = np.asarray(positions, dtype=np.int64)
         pairs = self.pair_index[positions]
         if self.sampling is not None and key is not None:
@@ -239,6 +243,8 @@ class SubwordSampling:
         return (np.concatenate(src) if src else empty), (np.concatenate(tgt) if tgt else empty)
 
     def batch(self, corpus: EncodedCorpus, pairs: np.ndarray, epoch: int) -> Batch:
+        from transformer.batching import flat_ids, make_batch
+
         src, tgt = self.segment(corpus, pairs, epoch)
         return make_batch(*flat_ids(src), *flat_ids(tgt))
 

@@ -2,7 +2,8 @@
 sacreBLEU and chrF with their signatures (`validate.score`: hypotheses and references in Unicode NFC,
 `|norm:nfc`), and write the hypotheses and a JSON of scores beside the checkpoint (the first one of an
 ensemble). For a multilingual model, also the share of translations in another of its languages
-(off-target rate, transformer/langid.py)."""
+(off-target rate, transformer/langid.py). Like transformer-translate, it answers --help and refuses
+bad arguments before it loads torch."""
 
 from __future__ import annotations
 
@@ -12,11 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from transformer.checkpoint import CheckpointError
 from transformer.config import check_decode_options
 from transformer.data import DataError, load_split_text, read_lines
-from transformer.langid import off_target
-from transformer.runtime import tune_cpu_process
+from transformer.errors import CheckpointError
 from transformer.translate import (
     CommandLineParser,
     add_decoding_flags,
@@ -25,8 +24,6 @@ from transformer.translate import (
     given_decoding_options,
     overwritten_input,
 )
-from transformer.translator import Translator
-from transformer.validate import score, tokenized_lowercased_bleu
 
 
 def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src_file: str | None = None,
@@ -40,6 +37,10 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
     reports it, beside ours (`validate.tokenized_lowercased_bleu`). `src_lang` / `tgt_lang`: another
     direction of a multilingual model (the split's files in those languages; the translations into
     `tgt_lang`, which files given with `src_file` need)."""
+    from transformer.langid import off_target
+    from transformer.translator import Translator
+    from transformer.validate import score, tokenized_lowercased_bleu
+
     checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
     checkpoint = checkpoints[0]
     translator = Translator.from_checkpoints(checkpoints, weights, device=device, precision=precision, quantize=quantize)
@@ -129,7 +130,6 @@ def build_parser() -> CommandLineParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    tune_cpu_process()
     try:                                  # refused before the model is loaded
         check_decode_options(given_decoding_options(args), "cli")
     except ValueError as error:
@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         weights = checked_model_arguments(args)
+        from transformer.runtime import tune_cpu_process
+
+        tune_cpu_process()                # before the first tensor operation (runtime.py says why)
         result = evaluate(args.checkpoints, args.split, args.src, args.ref, args.beam, args.alpha, args.device,
                           args.precision, args.batch_tokens, args.max_len_a, args.max_len_b, weights=weights,
                           quantize=args.quantize, workers=args.workers, tokenized_lc=args.tokenized_lc,

@@ -19,6 +19,9 @@ through an owner-only temporary file).
 SentencePiece model(s) beside it. CTranslate2 (`pip install 'transformer[export]'`) is imported
 only here. CTranslate2 takes SentencePiece pieces as input: the exported model adds the source EOS
 itself, as our encoder expects.
+
+torch comes with the functions that need it (imported where they run), so that the command answers
+--help and refuses bad arguments at once.
 """
 
 from __future__ import annotations
@@ -31,17 +34,14 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformer.checkpoint import (
-    CheckpointError,
-    load_checkpoint,
-    model_from_checkpoint,
-    non_finite_tensors,
-    os_error_in,
-)
 from transformer.config import Config, ConfigError
-from transformer.model import Transformer, build_model
+from transformer.errors import CheckpointError, os_error_in
 from transformer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from transformer.model import Transformer
 
 FORMAT_NAME = "transformer-nmt"
 FORMAT_VERSION = 1
@@ -349,6 +349,8 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
     except RuntimeError as error:       # sentencepiece: not a model (e.g. a git-lfs pointer cloned without lfs)
         raise CheckpointError(f"{folder}: {', '.join(names)}: not a SentencePiece model ({str(error).splitlines()[0]}); "
                               "if the directory was cloned with git, fetch its LFS files (git lfs pull)") from None
+    from transformer.model import build_model
+
     model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint,
                         initialize=False)     # every weight is loaded next (missing ones are refused)
     weights = folder / WEIGHTS_FILE
@@ -368,6 +370,8 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
 
 
 def _refuse_non_finite(model: Transformer, where: str | Path) -> None:
+    from transformer.checkpoint import non_finite_tensors
+
     bad = non_finite_tensors(model.state_dict())
     if bad:
         raise CheckpointError(f"{where}: weight {bad[0]} holds NaN or infinite values (the run diverged); export a "
@@ -491,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--quantization applies to --format ctranslate2 only")
     try:
         check_output_directory(Path(args.output).resolve(), args.force)     # before reading the checkpoint
+        from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+
         state = load_checkpoint(args.checkpoint)
         model, tokenizer, config = model_from_checkpoint(state, args.checkpoint)
         if export_format == "safetensors":

@@ -4,7 +4,8 @@
 
 Reads raw text, one sentence per line, and writes exactly one line per input line: the detokenized
 translation, or with `--nbest N > 1`, N lines per input of the form `INDEX<TAB>SCORE<TAB>TEXT`.
-Needs nothing but the checkpoint file.
+Needs nothing but the checkpoint file. Answers --help and refuses bad arguments before it loads torch
+(about 2.5 s of every start): the modules that need it are imported where the model is loaded.
 """
 
 from __future__ import annotations
@@ -19,16 +20,21 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from transformer.config import (
+    DECODE_OPTIONS,
+    QUANTIZATIONS,
+    ConfigError,
+    DecodeOption,
+    check_decode_options,
+    check_weights,
+)
+from transformer.errors import CheckpointError, discard_stdout
 
-from transformer.checkpoint import CheckpointError
-from transformer.config import DECODE_OPTIONS, ConfigError, DecodeOption, check_decode_options
-from transformer.errors import discard_stdout
-from transformer.runtime import tune_cpu_process
-from transformer.search import Sampling
-from transformer.translator import QUANTIZATIONS, Translator, check_weights
+if TYPE_CHECKING:                         # imported where used: torch comes with them
+    from transformer.search import Sampling
+    from transformer.translator import Translator
 
 
 class CommandLineParser(argparse.ArgumentParser):
@@ -137,6 +143,8 @@ def checked_model_arguments(args: argparse.Namespace) -> list[float] | None:
 
 def load_translator(args: argparse.Namespace) -> Translator:
     """The model(s) the command line names (`add_model_arguments`): one, or an ensemble."""
+    from transformer.translator import Translator
+
     weights = checked_model_arguments(args)
     try:
         return Translator.from_checkpoints(args.checkpoints, weights, device=args.device, precision=args.precision,
@@ -149,14 +157,19 @@ def load_translator(args: argparse.Namespace) -> Translator:
 def parse_sampling(text: str, temperature: float, seed: int) -> Sampling:
     """`topk:K` or `topp:P` -> Sampling; ValueError with the fix otherwise."""
     kind, _, value = text.partition(":")
-    try:
-        if kind == "topk" and value.isdigit() and int(value) >= 1:
-            return Sampling(top_k=int(value), temperature=temperature, seed=seed)
-        if kind == "topp" and 0.0 < float(value) <= 1.0:
-            return Sampling(top_p=float(value), temperature=temperature, seed=seed)
-    except ValueError:
-        pass
-    raise ValueError(f"--sampling {text}: write topk:K (a whole number >= 1) or topp:P (0 < P <= 1)")
+    top = {}                              # checked here, before torch comes with transformer.search
+    if kind == "topk" and value.isdigit() and int(value) >= 1:
+        top = {"top_k": int(value)}
+    elif kind == "topp":
+        try:
+            top = {"top_p": float(value)} if 0.0 < float(value) <= 1.0 else {}
+        except ValueError:
+            pass
+    if not top:
+        raise ValueError(f"--sampling {text}: write topk:K (a whole number >= 1) or topp:P (0 < P <= 1)")
+    from transformer.search import Sampling
+
+    return Sampling(**top, temperature=temperature, seed=seed)
 
 
 def _text_line(raw: bytes) -> tuple[str, bool]:
@@ -251,7 +264,6 @@ def _fail(message: str) -> int:
 
 
 def _run(args) -> int:
-    tune_cpu_process()
     scoring = args.score_reference is not None
     given = {name for name in DECODING_OPTIONS if getattr(args, name) is not None}
     args.nbest = 1 if args.nbest is None else args.nbest
@@ -280,6 +292,11 @@ def _run(args) -> int:
             return _fail("--sampling draws one translation per line: leave out --beam and --nbest")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         return _fail(f"--device {args.device}: must be auto, cpu, cuda or cuda:N")
+    import torch
+
+    from transformer.runtime import tune_cpu_process
+
+    tune_cpu_process()                    # before the first tensor operation (runtime.py says why)
     if args.device.startswith("cuda"):
         index = int(args.device.partition(":")[2] or 0)
         if not torch.cuda.is_available():

@@ -5,8 +5,6 @@ options (beam_size, alpha, ...) are defined and checked once, with the config's:
 
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from pathlib import Path
 
@@ -15,7 +13,7 @@ from tqdm import tqdm
 
 from transformer.batching import batches_in_order, pad_sequences
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from transformer.config import check_decode_options
+from transformer.config import QUANTIZATIONS, check_decode_options, check_weights
 from transformer.model import eval_mode
 from transformer.runtime import DTYPES, Runtime, autocast_factory
 from transformer.search import Hypothesis, Sampling, translate_ids
@@ -242,7 +240,6 @@ class Translator:
         return [hyps[0][0] for hyps in self.translate_hypotheses(sentences, beam_size=beam_size, **options)]
 
 
-QUANTIZATIONS = ("int8",)
 # Source tokens per batch (times the beam) of an int8 model when batch_tokens is not given: its dynamic
 # int8 layers run faster on batches of this size than on the float default's (10,000 Multi30k sentences,
 # greedy, two workers: 7.6 s against 8.5 s, whole processes).
@@ -295,13 +292,3 @@ def list_of_str(sentences, name: str, example: str) -> list[str]:
     if kind is not None:
         raise TypeError(f"{name} must be a list of str (got {kind}); for one sentence write {example}")
     return items
-
-
-def check_weights(weights, count: int) -> list[float]:
-    """An ensemble's weights: one finite number >= 0 per model, not all 0."""
-    weights = list(weights)
-    if len(weights) != count or not all(isinstance(w, numbers.Real) and not isinstance(w, bool)
-                                        and math.isfinite(w) and w >= 0 for w in weights) or not sum(weights) > 0:
-        raise ValueError(f"weights={weights!r}: give one finite weight >= 0 per model ({count}), not all 0")
-    return [float(w) for w in weights]
-

@@ -1,0 +1,65 @@
+"""The `transformer-average` command line: the weights of a run's last N step checkpoints (or of the
+checkpoint files given) averaged into one checkpoint (`checkpoint.average_checkpoints`). It answers --help
+and refuses bad arguments before it loads torch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from transformer.errors import CheckpointError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="transformer-average",
+        description="Average the weights of the last N step checkpoints of a run into one checkpoint.")
+    parser.add_argument("inputs", nargs="+", help="a run directory, or checkpoint files to average")
+    parser.add_argument("--last", type=int, default=5, help="with a run directory: how many step_N.pt to use")
+    parser.add_argument("--output", "-o", required=True, help="where to write the averaged checkpoint")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing -o file that is not an earlier output of transformer-average")
+    args = parser.parse_args(argv)
+    from transformer.checkpoint import (
+        average_checkpoints,
+        non_finite_tensors,
+        save_checkpoint,
+        step_checkpoints,
+        written_by_average,
+    )
+
+    try:
+        if len(args.inputs) == 1 and Path(args.inputs[0]).is_dir():
+            paths = step_checkpoints(args.inputs[0])[-args.last:]
+            if not paths:
+                raise CheckpointError(f"{args.inputs[0]}: no checkpoints/step_N.pt files to average")
+        else:
+            paths = [Path(p) for p in args.inputs]
+        output = Path(args.output)
+        if any(output.resolve() == p.resolve() for p in paths):
+            raise CheckpointError(f"-o {output}: is one of the checkpoints being averaged; write the average "
+                                  "to a new file")
+        if output.is_dir():
+            raise CheckpointError(f"-o {output}: is a directory; give a file name such as {output / 'avg.pt'}")
+        if output.exists() and not args.force and not written_by_average(output):
+            raise CheckpointError(f"-o {output}: exists and is not an averaged checkpoint written by "
+                                  "transformer-average; choose a new file name, or pass --force to replace it")
+        state = average_checkpoints(paths)
+        bad = non_finite_tensors(state["model"])
+        if bad:
+            raise CheckpointError(f"the average of {', '.join(map(str, paths))} holds NaN or infinite values in "
+                                  f"{bad[0]}: one of them holds diverged weights; average checkpoints from before it")
+        save_checkpoint(state, output)
+    except CheckpointError as error:
+        print(f"transformer-average: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("transformer-average: interrupted", file=sys.stderr)
+        return 130
+    print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
