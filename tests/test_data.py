@@ -1,6 +1,7 @@
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -471,6 +472,15 @@ def test_subword_sampling_needs_the_kept_text_and_valid_settings(tmp_path):
         DataConfig(subword_sampling=1.0).validate()
     with pytest.raises(ConfigError, match="data.subword_nbest=0 must be -1"):
         DataConfig(subword_nbest=0).validate()
+    with pytest.raises(ConfigError, match="data.subword_nbest=4 applies to unigram sampling only"):
+        DataConfig(subword_sampling=0.1, subword_nbest=4).validate()          # BPE-dropout has no n-best
+    DataConfig(subword_sampling=0.1, subword_nbest=4, tokenizer_type="unigram", path="corpus").validate()
+
+
+@pytest.mark.parametrize("name", ["web/crawl", "a\\b", "..", ""])
+def test_a_data_name_that_cannot_name_a_directory_is_refused(name):
+    with pytest.raises(ConfigError, match=f"data.name={re.escape(repr(name))} names directories and files"):
+        DataConfig(name=name, path="corpus").validate()
 
 
 def test_sampled_epochs_are_packed_by_their_own_lengths(tmp_path):

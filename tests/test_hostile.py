@@ -95,6 +95,8 @@ CASES = [
     ("average-nothing", "average", ["{ws}/folder", "-o", "{ws}/x.pt"], r".*/folder: no checkpoints/step_N.pt files"),
     ("evaluate-src-missing", "evaluate", [BEST, "--src", "{ws}/nope.de", "--ref", "{ws}/in.de"], r".*/nope.de: no such file"),
     ("evaluate-half-pair", "evaluate", [BEST, "--src", "{ws}/in.de"], r"give both --src and --ref"),
+    ("evaluate-src-directory", "evaluate", [BEST, "--src", "{ws}/folder", "--ref", "{ws}/in.de"],
+     r"--src .*/folder: is a directory; give a file of one sentence per line"),
     ("resume-averaged", "train", ["trainer.resume={ws}/avg.pt", "hydra.run.dir={ws}/new"],
      r".*avg.pt: holds weights only .* trainer.init_from="),
     ("run-dir-is-file", "train", ["hydra.run.dir={ws}/a_file"], r"hydra.run.dir=.*/a_file: is a file, not a directory"),
@@ -183,7 +185,7 @@ def test_resume_true_passes_over_a_weights_only_checkpoint(trained_run, tmp_path
 
 
 def test_the_table_covers_every_defect_class():
-    assert len(CASES) == 42
+    assert len(CASES) == 43
     assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
 
 

@@ -271,6 +271,26 @@ def test_average_refuses_to_write_a_non_finite_average(checkpoint, tmp_path, cap
     assert not (tmp_path / "avg.pt").exists()
 
 
+def test_average_refuses_checkpoints_of_another_vocabulary_and_a_last_that_picks_nothing(checkpoint, tmp_path,
+                                                                                         capsys):
+    state = load_checkpoint(checkpoint)
+    other = tmp_path / "other.pt"                  # the same shapes, another SentencePiece model
+    save_checkpoint({**state, "tokenizer": {**state["tokenizer"], "src": state["tokenizer"]["src"] + b"x"}}, other)
+    code, _, err = _run(average_main, capsys, other, checkpoint, "-o", tmp_path / "avg.pt")
+    assert code == 2 and "other.pt: its SentencePiece vocabulary differs from that of" in _one_line(err)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for step in (1, 2, 3):
+        save_checkpoint({**state, "step": step}, run / "checkpoints" / f"step_{step}.pt")
+    for last in ("0", "-2"):
+        code, _, err = _run(average_main, capsys, run, f"--last={last}", "-o", tmp_path / "avg.pt")
+        assert code == 2 and f"--last {last}: must be a whole number >= 1" in _one_line(err)
+    code, _, err = _run(average_main, capsys, checkpoint, checkpoint, "--last", "1", "-o", tmp_path / "avg.pt")
+    assert code == 2 and "--last picks step checkpoints from a run directory" in _one_line(err)
+    assert _run(average_main, capsys, run, "--last", "2", "-o", tmp_path / "avg.pt")[1].startswith(
+        "averaged 2 checkpoints (step_2.pt, step_3.pt)")
+
+
 # ----- 3. the checkpoint format version ----------------------------------------------------------------
 
 def test_a_checkpoint_from_a_newer_release_is_refused_and_an_old_one_loads(checkpoint, tmp_path, capsys):

@@ -15,6 +15,7 @@ from transformer.batching import TokenBatchSampler, pad_sequences
 from transformer.checkpoint import load_checkpoint
 from transformer.config import ConfigError
 from transformer.corpus import prepare
+from transformer.errors import DataError
 from transformer.mixture import MixedCorpus, epoch_counts, mixture_shares
 from transformer.toy import generate
 
@@ -155,3 +156,62 @@ def test_a_two_corpus_run_resumed_mid_epoch_trains_like_an_uninterrupted_one(cor
     assert full["data_state"]["epoch"] >= 1                        # the run crossed into a second epoch
     for name, value in full["model"].items():
         assert torch.equal(value, resumed["model"][name]), name
+
+
+def test_a_small_temperature_or_a_huge_weight_sharpens_the_shares_without_overflowing():
+    shares = mixture_shares([4_500_000, 1_000_000], [1, 1], 0.02)      # (4.5M)^50 overflows a float
+    assert np.isfinite(shares).all() and shares.sum() == pytest.approx(1.0)
+    assert shares[0] == pytest.approx(1.0) and shares[1] < 1e-30
+    assert np.allclose(mixture_shares([10, 10], [1e307, 1e306], 1.0), [10 / 11, 1 / 11])
+    assert epoch_counts(shares, 1000).tolist() == [1000, 0]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.corpora=[{path: a, name: web/crawl}]", "data.corpora[0].name='web/crawl' names directories and files"),
+    ("data.corpora=[{path: a, src_lang: en, tgt_lang: fr}]",
+     "data.src_lang=de data.tgt_lang=en: the direction the test at the end scores (and the model's default) is not "
+     "one data.corpora trains (en-fr); set data.src_lang=en data.tgt_lang=fr"),
+])
+def test_a_mixture_whose_names_or_test_direction_cannot_work_is_refused(override, message):
+    with pytest.raises(ConfigError) as error:
+        compose_config([override])
+    assert message in str(error.value)
+
+
+def test_a_corpus_that_cannot_be_read_is_named_by_its_own_key(corpora, tmp_path, data_cache):
+    big, _ = corpora
+    cfg = compose_config(FAST + [f"data.path={big}", "data.name=mix", "data.embedded=false",
+                                 f"data.corpora=[{{path: {big}}}, {{path: {tmp_path / 'nope'}}}]"], data_cache)
+    with pytest.raises(DataError) as error:
+        prepare(cfg.data)
+    assert str(error.value) == f"data.corpora[1].path={tmp_path / 'nope'}: no such file or directory"
+
+
+def test_a_direction_validates_on_data_path_when_its_first_corpus_has_no_validation_split(corpora, tmp_path,
+                                                                                          data_cache):
+    big, _ = corpora
+    train_only = tmp_path / "train_only"                  # en->de training text, no validation files
+    train_only.mkdir()
+    for language in ("de", "en"):
+        (train_only / f"train.{language}").write_text((big / f"train.{language}").read_text())
+    cfg = compose_config(FAST + [f"data.path={big}", "data.name=both", "data.embedded=false",
+                                 f"data.corpora=[{{path: {big}, src_lang: de, tgt_lang: en}}, "
+                                 f"{{path: {train_only}, src_lang: en, tgt_lang: de}}]"], data_cache)
+    data = prepare(cfg.data)
+    validation_lines = len((big / "validation.de").read_text().splitlines())
+    assert {direction: len(corpus) for direction, (corpus, _) in data.directions.items()} == \
+        {"de-en": validation_lines, "en-de": validation_lines}
+
+
+def test_one_tsv_file_listed_for_two_directions_is_refused(tmp_path, data_cache):
+    corpus = tmp_path / "tsv"
+    corpus.mkdir()
+    (corpus / "train.tsv").write_text("".join(f"Satz {i} .\tSentence {i} .\n" for i in range(50)))
+    cfg = compose_config(FAST + [f"data.path={corpus}", "data.name=tsv", "data.embedded=false",
+                                 f"data.corpora=[{{path: {corpus}, src_lang: de, tgt_lang: en}}, "
+                                 f"{{path: {corpus}, src_lang: en, tgt_lang: de}}]"], data_cache)
+    with pytest.raises(DataError) as error:
+        prepare(cfg.data)
+    assert str(error.value) == (f"data.corpora[1] reads {corpus / 'train.tsv'} as en-de, and data.corpora[0] as "
+                                "de-en: a TSV file holds one direction (source TAB target, whatever the languages "
+                                "named); for the other, write a file with the columns swapped")

@@ -4,6 +4,7 @@ model needs a target language, refused in one line when missing or unknown."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -196,6 +197,10 @@ def test_exports_keep_the_tag_a_safetensors_card_says_how_and_ctranslate2_scores
     card = (directory / "README.md").read_text()
     assert 'language:\n- "de"\n- "en"\n' in card and "multilingual translation (de → en, en → de)" in card
     assert 'translator.translate(["..."], tgt_lang="en")' in card and "--tgt-lang en" in card
+    corpus = config.data.corpora[0].path
+    assert (f"2 corpora mixed in each epoch by (weight × pairs)^(1/1) (data preset `both`): `toy_de_en`: `{corpus}`, "
+            f"de → en, weight 1; `toy_en_de`: `{corpus}`, en → de, weight 0.5. Validation and test: local files in "
+            f"`{corpus}`.") in card
     loaded = Translator.from_pretrained(directory, device="cpu", precision="fp32")
     original = Translator.from_checkpoint(path, device="cpu", precision="fp32")
     sources = ["Der Hund .", "Ein Mann ."]
@@ -210,3 +215,45 @@ def test_exports_keep_the_tag_a_safetensors_card_says_how_and_ctranslate2_scores
         theirs = ctranslate2.Translator(str(out), device="cpu").score_batch(pieces, targets)
         ours = original.score(sources, references, tgt_lang=language)
         assert [sum(r.log_probs) for r in theirs] == pytest.approx(ours, abs=1e-3)
+
+
+def test_a_bilingual_models_tokenizer_cannot_continue_into_a_multilingual_mixture(tmp_path, untrained_checkpoint):
+    from transformer.checkpoint import load_checkpoint
+    from transformer.errors import DataError
+    from transformer.tokenizer import Tokenizer
+    bilingual = Tokenizer.from_state_dict(load_checkpoint(untrained_checkpoint)["tokenizer"])
+    assert bilingual.target_languages == []
+    cfg = compose_config(FAST + _overrides(_write_corpus(tmp_path / "toy", 100)), tmp_path / "cache")
+    with pytest.raises(DataError, match="data.corpora translate into de, en, but the tokenizer this run continues "
+                                        "with .* is a bilingual model's, without target-language tags"):
+        prepare(cfg.data, tokenizer=bilingual)       # what trainer.init_from or a resume hands over
+
+
+def test_evaluate_refuses_a_source_the_model_never_saw_or_a_target_equal_to_the_source(multilingual,
+                                                                                       untrained_checkpoint):
+    from transformer.errors import DataError
+    from transformer.evaluate import evaluate
+    _, path = multilingual
+    with pytest.raises(DataError, match="--src-lang en into --tgt-lang en \\(the checkpoint's data.tgt_lang\\): "
+                                        "source and target are the same language"):
+        evaluate(path, src_lang="en", beam_size=1, device="cpu")
+    with pytest.raises(DataError, match="--src-lang fr: the model was trained on de, en only; give one of those"):
+        evaluate(path, src_lang="fr", tgt_lang="de", beam_size=1, device="cpu")
+    with pytest.raises(DataError, match="--src-lang fr: the model was trained on de, en only; it translates "
+                                        "de -> en; leave --src-lang out"):
+        evaluate(untrained_checkpoint, src_lang="fr", beam_size=1, device="cpu")
+
+
+def test_evaluating_one_source_file_into_each_target_keeps_each_result(multilingual, tmp_path):
+    from transformer.evaluate import evaluate
+    _, path = multilingual
+    model = tmp_path / "best.pt"
+    model.write_bytes(path.read_bytes())
+    source, reference = tmp_path / "in.txt", tmp_path / "ref.txt"
+    source.write_text("Der Hund .\nDie Katze .\n")
+    reference.write_text("The dog .\nThe cat .\n")
+    results = {lang: evaluate(model, src_file=str(source), ref_file=str(reference), tgt_lang=lang, beam_size=1,
+                              device="cpu", max_len_b=5) for lang in ("de", "en")}
+    for lang, result in results.items():
+        assert Path(result["hypotheses_file"]).name == f"best.in.txt.to-{lang}.beam1.hyp"
+        assert json.loads(Path(result["scores_file"]).read_text())["tgt_lang"] == lang

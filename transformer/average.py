@@ -16,11 +16,15 @@ def main(argv: list[str] | None = None) -> int:
         prog="transformer-average",
         description="Average the weights of the last N step checkpoints of a run into one checkpoint.")
     parser.add_argument("inputs", nargs="+", help="a run directory, or checkpoint files to average")
-    parser.add_argument("--last", type=int, default=5, help="with a run directory: how many step_N.pt to use")
+    parser.add_argument("--last", type=int, help="with a run directory: how many step_N.pt to use "
+                        "(default 5)")
     parser.add_argument("--output", "-o", required=True, help="where to write the averaged checkpoint")
     parser.add_argument("--force", action="store_true",
                         help="replace an existing -o file that is not an earlier output of transformer-average")
     args = parser.parse_args(argv)
+    if args.last is not None and args.last < 1:
+        print(f"transformer-average: error: --last {args.last}: must be a whole number >= 1", file=sys.stderr)
+        return 2
     from transformer.checkpoint import (
         average_checkpoints,
         non_finite_tensors,
@@ -31,10 +35,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if len(args.inputs) == 1 and Path(args.inputs[0]).is_dir():
-            paths = step_checkpoints(args.inputs[0])[-args.last:]
+            paths = step_checkpoints(args.inputs[0])[-(args.last or 5):]
             if not paths:
                 raise CheckpointError(f"{args.inputs[0]}: no checkpoints/step_N.pt files to average")
         else:
+            if args.last is not None:
+                raise CheckpointError("--last picks step checkpoints from a run directory; with checkpoint files "
+                                      "every file given is averaged: leave --last out")
             paths = [Path(p) for p in args.inputs]
         output = Path(args.output)
         if any(output.resolve() == p.resolve() for p in paths):

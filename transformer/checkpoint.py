@@ -297,6 +297,9 @@ def average_checkpoints(paths: list[str | Path]) -> dict:
         if set(state["model"]) != set(reference) or any(state["model"][k].shape != v.shape
                                                         for k, v in reference.items()):
             raise CheckpointError(f"{path}: model differs in shape from {paths[-1]}; cannot average")
+        if state["tokenizer"] != states[-1]["tokenizer"]:     # same shapes, other pieces: the average is noise
+            raise CheckpointError(f"{path}: its SentencePiece vocabulary differs from that of {paths[-1]}; "
+                                  "average checkpoints of one run (or of runs that share a tokenizer)")
     averaged = {}
     for key, value in reference.items():
         if value.is_floating_point():

@@ -75,6 +75,13 @@ class ModelConfig:
             raise ConfigError(f"model.attention={self.attention!r} must be one of {', '.join(ATTENTION_BACKENDS)}")
 
 
+def _file_name(key: str, name: str) -> None:
+    """A name that becomes part of directory and file names (the cache entries, runs/NAME/)."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise ConfigError(f"{key}={name!r} names directories and files: give a name without '/' or '\\' "
+                          "(e.g. web_crawl)")
+
+
 @dataclass
 class CorpusConfig:
     """One training corpus of a mixture (`data.corpora`): where its text is, how much of each epoch it
@@ -167,8 +174,14 @@ class DataConfig:
         if self.max_len_ratio < 0 or 0 < self.max_len_ratio < 1:
             raise ConfigError(f"data.max_len_ratio={self.max_len_ratio} must be 0 (off) or at least 1")
         _positive("data.vocab_size", self.vocab_size)
+        _file_name("data.name", self.name)
         if self.tokenizer_type not in ("bpe", "unigram"):
             raise ConfigError(f"data.tokenizer_type={self.tokenizer_type!r} must be 'bpe' or 'unigram'")
+        if self.subword_nbest != -1 and self.tokenizer_type != "unigram":    # BPE-dropout ignores it
+            raise ConfigError(f"data.subword_nbest={self.subword_nbest} applies to unigram sampling only "
+                              f"(data.tokenizer_type=unigram); BPE-dropout (data.tokenizer_type="
+                              f"{self.tokenizer_type}) drops merges with probability data.subword_sampling: leave "
+                              "data.subword_nbest out")
         if self.embedded and (self.path or self.hub_id):
             given = f"data.path={self.path}" if self.path else f"data.hub_id={self.hub_id}"
             raise ConfigError(
@@ -195,6 +208,8 @@ class DataConfig:
                 raise ConfigError(f"{key} names no source: give it a path (local files) or a hub_id")
             if not (math.isfinite(corpus.weight) and corpus.weight > 0):
                 raise ConfigError(f"{key}.weight={corpus.weight} must be a positive number")
+            if corpus.name is not None:
+                _file_name(f"{key}.name", corpus.name)
             src, tgt = corpus.src_lang or self.src_lang, corpus.tgt_lang or self.tgt_lang
             if src == tgt:
                 raise ConfigError(f"{key}: src_lang and tgt_lang are both {src!r}")
@@ -206,6 +221,12 @@ class DataConfig:
         if repeated:
             raise ConfigError(f"data.corpora: two corpora are named {repeated[0]!r}; give each a name "
                               f"(data.corpora='[{{path: ..., name: {repeated[0]}_a}}, ...]')")
+        trained = self.directions()
+        if self.corpora and (self.src_lang, self.tgt_lang) not in trained:
+            listed = ", ".join(f"{src}-{tgt}" for src, tgt in trained)
+            raise ConfigError(f"data.src_lang={self.src_lang} data.tgt_lang={self.tgt_lang}: the direction the test "
+                              f"at the end scores (and the model's default) is not one data.corpora trains ({listed}); "
+                              f"set data.src_lang={trained[0][0]} data.tgt_lang={trained[0][1]} or another of them")
         if len(self.target_languages()) > 1 and not self.joint_vocab:
             raise ConfigError(f"data.corpora translate into {', '.join(self.target_languages())}: a multilingual "
                               "model needs one vocabulary for all languages; set data.joint_vocab=true")

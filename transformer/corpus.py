@@ -173,7 +173,7 @@ class EncodedCorpus:
         total = sum(self.dropped.values())
         if total:
             unusable = any(self.dropped[k] for k in ("empty", "NUL byte", "too long"))
-            rules = f"data.max_len={self.max_len}" + (f", {self.cleaning}" if self.cleaning else "")
+            rules = f"max_len={self.max_len}" + (f", {self.cleaning}" if self.cleaning else "")
             log.log(logging.WARNING if unusable else logging.INFO, "%s: dropped %d of %d pairs (%s; %s)", self.name,
                     total, self.total_pairs, ", ".join(f"{k}: {v}" for k, v in self.dropped.items() if v), rules)
         if not len(self):
@@ -280,8 +280,9 @@ class Cleaning:
         return masks
 
     def __str__(self) -> str:
-        return (f"data.drop_duplicates={self.duplicates}, data.drop_copies={self.copies}, "
-                f"data.max_len_ratio={self.max_len_ratio:g}" + (", data.langid=true" if self.langid else ""))
+        # the corpus's own rules: data.KEY, or its data.corpora entry's KEY where it sets one
+        return (f"drop_duplicates={self.duplicates}, drop_copies={self.copies}, "
+                f"max_len_ratio={self.max_len_ratio:g}" + (", langid=true" if self.langid else ""))
 
 
 # ---------------------------------------------------------------------------------------------------

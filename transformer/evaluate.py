@@ -45,28 +45,37 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
     checkpoint = checkpoints[0]
     translator = Translator.from_checkpoints(checkpoints, weights, device=device, precision=precision, quantize=quantize)
     data = translator.config.data
+    known = data.languages()
+    if src_lang and src_lang not in known:      # its text would be tagged and translated all the same
+        raise DataError(f"--src-lang {src_lang}: the model was trained on {', '.join(known)} only; "
+                        + ("give one of those" if data.target_languages() else
+                           f"it translates {data.src_lang} -> {data.tgt_lang}; leave --src-lang out"))
     if src_lang or tgt_lang:
         data = dataclasses.replace(data, src_lang=src_lang or data.src_lang, tgt_lang=tgt_lang or data.tgt_lang,
                                    corpora=[])
+        if data.src_lang == data.tgt_lang and (src_lang or not src_file):     # a --src file's language: unknown
+            raise DataError(f"--src-lang {data.src_lang} into --tgt-lang {data.tgt_lang}"
+                            + ("" if tgt_lang else " (the checkpoint's data.tgt_lang)")
+                            + ": source and target are the same language; give another --tgt-lang")
     translator.tgt_lang = translator.target_language(tgt_lang or (None if src_file else data.tgt_lang),
                                                      knob="--tgt-lang ")
     if src_file or ref_file:
         if not (src_file and ref_file):
             raise DataError("give both --src and --ref")
-        for file in (src_file, ref_file):
-            if not Path(file).is_file():
-                raise DataError(f"{file}: no such file")
+        for flag, file in (("--src", src_file), ("--ref", ref_file)):
+            _check_file(flag, file)
         sources, references = read_lines(Path(src_file)), read_lines(Path(ref_file))
         if len(sources) != len(references):
             raise DataError(f"line counts differ: {src_file} has {len(sources)}, {ref_file} has {len(references)}")
         name = Path(src_file).name
+        if translator.config.data.target_languages():     # one file, several target languages: one result each
+            name += f".to-{data.tgt_lang}"
     else:
         sources, references = load_split_text(data, split)
         name = f"{split}.{data.src_lang}-{data.tgt_lang}" if src_lang or tgt_lang else split
     tokenized_references = None
     if tokenized_lc:
-        if not Path(tokenized_lc).is_file():
-            raise DataError(f"--tokenized-lc {tokenized_lc}: no such file")
+        _check_file("--tokenized-lc", tokenized_lc)
         tokenized_references = read_lines(Path(tokenized_lc))
         if len(tokenized_references) != len(sources):
             raise DataError(f"--tokenized-lc {tokenized_lc}: {len(tokenized_references)} lines for {len(sources)} "
@@ -89,7 +98,8 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
                                       max_len_a=max_len_a, max_len_b=max_len_b, progress=sys.stderr.isatty(),
                                       workers=workers)
     seconds = time.perf_counter() - started
-    result = {"checkpoint": str(checkpoint), "split": name, "sentences": len(sources), "beam_size": beam,
+    result = {"checkpoint": str(checkpoint), "split": name, "tgt_lang": data.tgt_lang, "sentences": len(sources),
+              "beam_size": beam,
               **({"ensemble": [str(each) for each in checkpoints], "weights": weights} if len(checkpoints) > 1 else {}),
               **({"quantize": quantize} if quantize else {}),
               "seconds": round(seconds, 2), **score(hypotheses, references, data.tgt_lang)}
@@ -102,6 +112,14 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     result["hypotheses_file"], result["scores_file"] = str(hyp_path), str(json_path)
     return result
+
+
+def _check_file(flag: str, file: str) -> None:
+    """DataError naming the flag unless `file` is a file one can read lines from."""
+    if Path(file).is_dir():
+        raise DataError(f"{flag} {file}: is a directory; give a file of one sentence per line")
+    if not Path(file).is_file():
+        raise DataError(f"{flag} {file}: no such file")
 
 
 def output_paths(checkpoint: str | Path, name: str, beam: int) -> tuple[Path, Path]:

@@ -201,7 +201,7 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
     data, shape = config.data, config.model
     src, tgt = data.src_lang, data.tgt_lang
     directions, targets = data.directions(), tokenizer.target_languages
-    languages = data.languages() if targets else [src, tgt]
+    languages = data.languages() if targets or data.corpora else [src, tgt]
     front = ["---", f"library_name: {FORMAT_NAME}", "language:", *(f"- {json.dumps(x)}" for x in languages),
              "tags:", "- translation", "pipeline_tag: translation", "license: other"]
     title = f"multilingual translation ({', '.join(f'{a} → {b}' for a, b in directions)})" if targets \
@@ -229,9 +229,7 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
              "",
              "## Training data",
              "",
-             f"{_data_source(data)} (data preset `{data.name}`); splits: train `{data.split_name(data.train_split)}`, "
-             f"validation `{data.split_name(data.valid_split)}`, test `{data.split_name(data.test_split)}`. "
-             f"Training pairs longer than {data.max_len} tokens on either side were left out.",
+             _training_data(data),
              "",
              "## Model",
              "",
@@ -268,6 +266,21 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
              "The terms of the training data apply to the model; set `license` above before publishing it.",
              ""]
     return "\n".join(lines)
+
+
+def _training_data(data) -> str:
+    """The card's training data: the corpus and its splits, or the corpora of a mixture."""
+    if not data.corpora:
+        return (f"{_data_source(data)} (data preset `{data.name}`); splits: train `{data.split_name(data.train_split)}`, "
+                f"validation `{data.split_name(data.valid_split)}`, test `{data.split_name(data.test_split)}`. "
+                f"Training pairs longer than {data.max_len} tokens on either side were left out.")
+    corpora = "; ".join(
+        f"`{corpus.label(data)}`: {'`' + corpus.path + '`' if corpus.path else 'hub `' + str(corpus.hub_id) + '`'}, "
+        f"{corpus.src_lang or data.src_lang} → {corpus.tgt_lang or data.tgt_lang}, weight {corpus.weight:g}"
+        for corpus in data.corpora)
+    return (f"{len(data.corpora)} corpora mixed in each epoch by (weight × pairs)^(1/{data.temperature:g}) (data "
+            f"preset `{data.name}`): {corpora}. Validation and test: {_data_source(data)[0].lower()}"
+            f"{_data_source(data)[1:]}. Training pairs longer than {data.max_len} tokens on either side were left out.")
 
 
 def _data_source(data) -> str:

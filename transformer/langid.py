@@ -96,9 +96,10 @@ def language_flags(chunks: Iterable[tuple[list[str], list[str]]], src_lang: str,
     lines is never all in memory. `progress(n)` is called with each batch's pairs."""
     missing = unknown([src_lang, tgt_lang])
     if missing:
-        raise DataError(f"data.langid: py3langid does not know the language code(s) {', '.join(missing)} "
-                        f"(data.src_lang / data.tgt_lang); it knows {', '.join(sorted(known_languages()))}. "
-                        "Use one of those codes, or set data.langid=false")
+        raise DataError(f"langid: py3langid does not know the language code(s) {', '.join(missing)} (the "
+                        "corpus's src_lang / tgt_lang: data.src_lang / data.tgt_lang, or its data.corpora entry's); "
+                        f"it knows {', '.join(sorted(known_languages()))}. Use one of those codes, or turn the rule "
+                        "off for that corpus (data.langid=false, or langid: false in its data.corpora entry)")
     batches = ((src[i:i + BATCH_LINES], tgt[i:i + BATCH_LINES], code(src_lang), code(tgt_lang))
                for src, tgt in chunks for i in range(0, len(src), BATCH_LINES))
     results = []

@@ -21,13 +21,15 @@ import dataclasses
 import hashlib
 import json
 import logging
+from pathlib import Path
 
 import numpy as np
 
 from transformer.batching import Batch, make_batch
 from transformer.config import CorpusConfig, DataConfig
 from transformer.corpus import EncodedCorpus, PreparedData, encoded_split, preparation_lock, train_tokenizer
-from transformer.data import Concatenated, SplitSource, open_split
+from transformer.data import Concatenated, SplitSource, TsvFile, open_split
+from transformer.errors import DataError
 from transformer.tokenizer import Tokenizer
 
 log = logging.getLogger("transformer.corpus")
@@ -45,9 +47,40 @@ def corpus_config(cfg: DataConfig, corpus: CorpusConfig) -> DataConfig:
                                tgt_lang=corpus.tgt_lang or cfg.tgt_lang, corpora=[], **own_rules)
 
 
+def corpus_split(part_cfg: DataConfig, index: int, split: str) -> SplitSource:
+    """`open_split` of corpus `index` of data.corpora (its `corpus_config`), its errors naming that corpus's
+    keys (data.corpora[1].path=...), not the run's data.path."""
+    try:
+        return open_split(part_cfg, split)
+    except DataError as error:
+        message = str(error)
+        for key in ("path", "hub_id"):
+            message = message.replace(f"data.{key}=", f"data.corpora[{index}].{key}=")
+        raise DataError(message) from None
+
+
+def _check_tsv_directions(part_cfgs: list[DataConfig], part_sources: list[SplitSource]) -> None:
+    """A TSV file is source TAB target whatever languages a corpus names: listing one file for two
+    directions would train both on its one direction, the second under the wrong tag."""
+    seen: dict[Path, tuple[int, str]] = {}
+    for i, (part_cfg, source) in enumerate(zip(part_cfgs, part_sources)):
+        if not isinstance(source, TsvFile):
+            continue
+        direction = f"{part_cfg.src_lang}-{part_cfg.tgt_lang}"
+        first = seen.setdefault(Path(source.path).resolve(), (i, direction))
+        if first[1] != direction:
+            raise DataError(f"data.corpora[{i}] reads {source.path} as {direction}, and data.corpora[{first[0]}] "
+                            f"as {first[1]}: a TSV file holds one direction (source TAB target, whatever the "
+                            "languages named); for the other, write a file with the columns swapped")
+
+
 def mixture_shares(sizes, weights, temperature: float) -> np.ndarray:
-    """Each corpus's share of an epoch: (weight x pairs)^(1/T), normalised."""
-    scaled = (np.asarray(weights, dtype=np.float64) * np.asarray(sizes, dtype=np.float64)) ** (1.0 / temperature)
+    """Each corpus's share of an epoch: (weight x pairs)^(1/T), normalised; computed in logarithms, so
+    that a small T (or a huge weight) sharpens the shares instead of overflowing."""
+    with np.errstate(divide="ignore"):                  # an empty corpus: log 0 = -inf, share 0
+        logs = (np.log(np.asarray(weights, dtype=np.float64)) + np.log(np.asarray(sizes, dtype=np.float64))) \
+            / temperature
+    scaled = np.exp(logs - logs.max())
     return scaled / scaled.sum()
 
 
@@ -190,15 +223,17 @@ def tokenizer_input(cfg: DataConfig, part_cfgs: list[DataConfig], part_sources: 
 
 def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, sources: dict | None) -> PreparedData:
     """`corpus.prepare` for data.corpora: one tokenizer for all corpora (unless given), each corpus's
-    training split prepared under its own lock; validation (and test) from data.path / data.hub_id, or,
-    for a multilingual model, a validation split per direction, from the first corpus of each."""
+    training split prepared under its own lock; validation (and test) from data.path / data.hub_id, and
+    for a multilingual model a validation split per direction: data.path's files in those languages, else
+    the first corpus's of that direction."""
     multilingual = bool(cfg.target_languages())
     others: dict[str, SplitSource] = dict(sources or {split: open_split(cfg, split) for split in splits
                                                       if split != "train" and not (multilingual and
                                                                                    split == "validation")})
     others.pop("train", None)
     part_cfgs = [corpus_config(cfg, corpus) for corpus in cfg.corpora]
-    part_sources = [open_split(part_cfg, "train") for part_cfg in part_cfgs]
+    part_sources = [corpus_split(part_cfg, i, "train") for i, part_cfg in enumerate(part_cfgs)]
+    _check_tsv_directions(part_cfgs, part_sources)
     joined = Concatenated(part_sources)
     if tokenizer is None:
         text = tokenizer_input(cfg, part_cfgs, part_sources)
@@ -206,14 +241,29 @@ def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, source
         if tokenizer is None:
             with preparation_lock(cfg):
                 tokenizer = train_tokenizer(cfg, text)
+    if multilingual and not tokenizer.target_languages:     # a bilingual model's, given by init_from or resume
+        raise DataError(f"data.corpora translate into {', '.join(cfg.target_languages())}, but the tokenizer this "
+                        "run continues with (trainer.init_from, or the checkpoint it resumes) is a bilingual "
+                        "model's, without target-language tags: train the multilingual model from the start, or "
+                        "fine-tune on corpora into one target language")
     parts = [_encoded(part_cfg, source, tokenizer, "train") for part_cfg, source in zip(part_cfgs, part_sources)]
     directions = {}
     if multilingual and ("validation" in splits or "validation" in others):
         others.pop("validation", None)
         for src_lang, tgt_lang in cfg.directions():
-            first = next(p for p in part_cfgs if (p.src_lang, p.tgt_lang) == (src_lang, tgt_lang))
-            source = open_split(first, "validation")
-            directions[f"{src_lang}-{tgt_lang}"] = (_encoded(first, source, tokenizer, "validation"), source)
+            i, first = next((i, p) for i, p in enumerate(part_cfgs) if (p.src_lang, p.tgt_lang) == (src_lang, tgt_lang))
+            # named as its corpus (the cache entry), read from data.path / data.hub_id where they have it
+            own = dataclasses.replace(first, path=cfg.path, hub_id=cfg.hub_id, hub_config=cfg.hub_config,
+                                      local_splits=cfg.local_splits)
+            try:
+                where, source = own, open_split(own, "validation")
+            except DataError as error:
+                try:
+                    where, source = first, corpus_split(first, i, "validation")
+                except DataError:
+                    raise DataError(f"no validation split for {src_lang}-{tgt_lang}: {error}; nor in "
+                                    f"data.corpora[{i}] ({first.path or first.hub_id})") from None
+            directions[f"{src_lang}-{tgt_lang}"] = (_encoded(where, source, tokenizer, "validation"), source)
         main = directions.get(f"{cfg.src_lang}-{cfg.tgt_lang}") or next(iter(directions.values()))
         others["validation"] = main[1]
     encoded = {split: _encoded(cfg, source, tokenizer, split) for split, source in others.items()
