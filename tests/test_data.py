@@ -473,8 +473,8 @@ def test_subword_sampling_needs_the_kept_text_and_valid_settings(tmp_path):
     with pytest.raises(ConfigError, match="data.subword_nbest=0 must be -1"):
         DataConfig(subword_nbest=0).validate()
     with pytest.raises(ConfigError, match="data.subword_nbest=4 applies to unigram sampling only"):
-        DataConfig(subword_sampling=0.1, subword_nbest=4).validate()          # BPE-dropout has no n-best
-    DataConfig(subword_sampling=0.1, subword_nbest=4, tokenizer_type="unigram", path="corpus").validate()
+        DataConfig(subword_sampling=0.1, subword_nbest=4).validate_for_training()   # BPE-dropout has no n-best
+    DataConfig(subword_sampling=0.1, subword_nbest=4, tokenizer_type="unigram").validate_for_training()
 
 
 @pytest.mark.parametrize("name", ["web/crawl", "a\\b", "..", ""])

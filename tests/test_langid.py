@@ -60,7 +60,7 @@ def test_language_flags_mark_each_side_and_the_process_pool_agrees(monkeypatch):
     monkeypatch.setattr(langid, "BATCH_LINES", 4)
     assert langid.language_flags(chunks, "de", "en", len(src), done.append).tolist() == expected
     assert done == [4, 1, 4, 2] and sum(done) == len(src)
-    with pytest.raises(DataError, match="langid: py3langid does not know the language code\\(s\\) xx "):
+    with pytest.raises(DataError, match="^langid: py3langid does not know the language code\\(s\\) xx \\(the corpus's src_lang"):
         langid.language_flags(chunks, "xx", "en", len(src))
 
 
@@ -78,7 +78,7 @@ def test_data_langid_drops_pairs_in_another_language_counts_them_and_identifies_
         corpus.report()
     assert "identified the languages of 6 pairs" in caplog.text and "1 sources not de, 1 targets not en" in caplog.text
     assert "dropped 2 of 6 pairs (language: 2; max_len=256, " in caplog.text
-    assert "langid=true)" in caplog.text
+    assert "max_len_ratio=9, langid=true)" in caplog.text and "data.langid=true" not in caplog.text
     kept = tokenizer.decode_tgt([corpus.ids(i)[1] for i in range(len(corpus))])
     assert kept == ENGLISH + [ENGLISH[0]]
     np.testing.assert_array_equal(np.load(corpus.directory / "langid.de-en.npy"), [0, 0, 0, 1, 2, 0])

@@ -25,6 +25,7 @@ from transformer.checkpoint import (
     non_finite_tensors,
     save_checkpoint,
 )
+from transformer.config import ConfigError
 from transformer.evaluate import main as evaluate_main
 from transformer.translate import main as translate_main
 
@@ -394,3 +395,17 @@ def test_a_damaged_config_or_model_entry_is_one_line(checkpoint, tmp_path):
         path = _damaged(checkpoint, tmp_path, **changes)
         with pytest.raises(CheckpointError, match=problem):
             model_from_checkpoint(load_checkpoint(path), path)
+
+
+def test_a_checkpoint_whose_config_a_new_run_would_refuse_still_loads(checkpoint, tmp_path):
+    """Checks added for new runs (subword_nbest with BPE, a test direction no corpus trains) do not lock
+    out checkpoints saved before them."""
+    state = load_checkpoint(checkpoint)
+    data = {**state["config"]["data"], "subword_nbest": 4, "tokenizer_type": "bpe",
+            "corpora": [{"path": "/somewhere", "src_lang": "fr", "tgt_lang": "en"}]}
+    older = tmp_path / "older.pt"
+    save_checkpoint({**state, "config": {**state["config"], "data": data}}, older)
+    _, _, config = model_from_checkpoint(load_checkpoint(older), older)
+    assert config.data.subword_nbest == 4
+    with pytest.raises(ConfigError, match="data.subword_nbest=4 applies to unigram sampling only"):
+        config.data.validate_for_training()

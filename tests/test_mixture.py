@@ -162,7 +162,7 @@ def test_a_small_temperature_or_a_huge_weight_sharpens_the_shares_without_overfl
     shares = mixture_shares([4_500_000, 1_000_000], [1, 1], 0.02)      # (4.5M)^50 overflows a float
     assert np.isfinite(shares).all() and shares.sum() == pytest.approx(1.0)
     assert shares[0] == pytest.approx(1.0) and shares[1] < 1e-30
-    assert np.allclose(mixture_shares([10, 10], [1e307, 1e306], 1.0), [10 / 11, 1 / 11])
+    assert np.allclose(mixture_shares([10, 10], [1e308, 1e307], 1.0), [10 / 11, 1 / 11])   # 1e309: inf
     assert epoch_counts(shares, 1000).tolist() == [1000, 0]
 
 
@@ -213,5 +213,20 @@ def test_one_tsv_file_listed_for_two_directions_is_refused(tmp_path, data_cache)
     with pytest.raises(DataError) as error:
         prepare(cfg.data)
     assert str(error.value) == (f"data.corpora[1] reads {corpus / 'train.tsv'} as en-de, and data.corpora[0] as "
-                                "de-en: a TSV file holds one direction (source TAB target, whatever the languages "
-                                "named); for the other, write a file with the columns swapped")
+                                "de-en: a file whose columns do not name their languages holds one direction (source, "
+                                "then target); for the other, write a file with the columns swapped")
+
+
+def test_a_direction_validates_on_its_corpus_when_data_path_does_not_name_languages(corpora, tmp_path, data_cache):
+    big, _ = corpora
+    tsv = tmp_path / "tsv"                           # de TAB en: no language in the file names
+    tsv.mkdir()
+    for split in ("train", "validation"):
+        de, en = (big / f"{split}.de").read_text().splitlines(), (big / f"{split}.en").read_text().splitlines()
+        (tsv / f"{split}.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in zip(de, en)))
+    cfg = compose_config(FAST + [f"data.path={tsv}", "data.name=both", "data.embedded=false",
+                                 f"data.corpora=[{{path: {tsv}, src_lang: de, tgt_lang: en}}, "
+                                 f"{{path: {big}, src_lang: en, tgt_lang: de}}]"], data_cache)
+    directions = prepare(cfg.data).directions
+    assert directions["de-en"][1].where == str(tsv / "validation.tsv")
+    assert directions["en-de"][1].where == f"{big / 'validation.en'} + validation.de"     # not the TSV read backwards

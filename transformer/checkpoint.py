@@ -218,7 +218,7 @@ def model_from_checkpoint(state: dict, path: str | Path = "checkpoint") -> tuple
     """Rebuild the model, tokenizer and config stored in a checkpoint; CheckpointError names the file and
     what is wrong (an invalid config, a damaged tokenizer, weights that do not fit or are not finite)."""
     try:
-        config = Config.from_dict(state["config"])
+        config = Config.from_dict(state["config"], saved=True)
     except ConfigError as error:
         raise CheckpointError(f"{path}: its stored config is invalid: {error}") from None
     except (AttributeError, TypeError):

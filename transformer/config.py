@@ -78,8 +78,8 @@ class ModelConfig:
 def _file_name(key: str, name: str) -> None:
     """A name that becomes part of directory and file names (the cache entries, runs/NAME/)."""
     if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
-        raise ConfigError(f"{key}={name!r} names directories and files: give a name without '/' or '\\' "
-                          "(e.g. web_crawl)")
+        raise ConfigError(f"{key}={name!r} names directories and files: give a name that is not empty, . or .., "
+                          "without '/' or '\\' (e.g. web_crawl)")
 
 
 @dataclass
@@ -177,11 +177,6 @@ class DataConfig:
         _file_name("data.name", self.name)
         if self.tokenizer_type not in ("bpe", "unigram"):
             raise ConfigError(f"data.tokenizer_type={self.tokenizer_type!r} must be 'bpe' or 'unigram'")
-        if self.subword_nbest != -1 and self.tokenizer_type != "unigram":    # BPE-dropout ignores it
-            raise ConfigError(f"data.subword_nbest={self.subword_nbest} applies to unigram sampling only "
-                              f"(data.tokenizer_type=unigram); BPE-dropout (data.tokenizer_type="
-                              f"{self.tokenizer_type}) drops merges with probability data.subword_sampling: leave "
-                              "data.subword_nbest out")
         if self.embedded and (self.path or self.hub_id):
             given = f"data.path={self.path}" if self.path else f"data.hub_id={self.hub_id}"
             raise ConfigError(
@@ -221,18 +216,27 @@ class DataConfig:
         if repeated:
             raise ConfigError(f"data.corpora: two corpora are named {repeated[0]!r}; give each a name "
                               f"(data.corpora='[{{path: ..., name: {repeated[0]}_a}}, ...]')")
-        trained = self.directions()
-        if self.corpora and (self.src_lang, self.tgt_lang) not in trained:
-            listed = ", ".join(f"{src}-{tgt}" for src, tgt in trained)
-            raise ConfigError(f"data.src_lang={self.src_lang} data.tgt_lang={self.tgt_lang}: the direction the test "
-                              f"at the end scores (and the model's default) is not one data.corpora trains ({listed}); "
-                              f"set data.src_lang={trained[0][0]} data.tgt_lang={trained[0][1]} or another of them")
         if len(self.target_languages()) > 1 and not self.joint_vocab:
             raise ConfigError(f"data.corpora translate into {', '.join(self.target_languages())}: a multilingual "
                               "model needs one vocabulary for all languages; set data.joint_vocab=true")
         if self.corpora and self.subword_sampling:
             raise ConfigError("data.subword_sampling does not work with data.corpora yet; train a mixture with "
                               "data.subword_sampling=0")
+
+    def validate_for_training(self) -> None:
+        """What a new run (or a resumed one) is refused and a saved config is not: an older checkpoint
+        whose config has these still loads to translate."""
+        if self.subword_nbest != -1 and self.tokenizer_type != "unigram":    # BPE-dropout ignores it
+            raise ConfigError(f"data.subword_nbest={self.subword_nbest} applies to unigram sampling only "
+                              f"(data.tokenizer_type=unigram); BPE-dropout (data.tokenizer_type="
+                              f"{self.tokenizer_type}) drops merges with probability data.subword_sampling: leave "
+                              "data.subword_nbest out")
+        trained = self.directions()
+        if self.corpora and (self.src_lang, self.tgt_lang) not in trained:
+            listed = ", ".join(f"{src}-{tgt}" for src, tgt in trained)
+            raise ConfigError(f"data.src_lang={self.src_lang} data.tgt_lang={self.tgt_lang}: the direction the test "
+                              f"at the end scores (and the model's default) is not one data.corpora trains ({listed}); "
+                              f"set data.src_lang={trained[0][0]} data.tgt_lang={trained[0][1]} or another of them")
 
     def split_name(self, split: str) -> str:
         return self.local_splits.get(split, split)
@@ -486,10 +490,11 @@ class Config:
                                         "(runs/DATA/MODEL/DATE_TIME)")
 
     @classmethod
-    def from_dict(cls, raw: dict) -> Config:
+    def from_dict(cls, raw: dict, saved: bool = False) -> Config:
         """Build and validate from a plain dict (`OmegaConf.to_container(cfg, resolve=True)`, a checkpoint's
         saved config): the schema checks keys and types (keys missing from an older checkpoint take their
-        defaults), `validate` the values."""
+        defaults), `validate` the values; a config to train with (not `saved`) also
+        `DataConfig.validate_for_training`."""
         from omegaconf import OmegaConf
         from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -507,6 +512,8 @@ class Config:
         except OmegaConfBaseException as error:
             raise ConfigError(composition_error_line(error)) from None
         config.validate()
+        if not saved:
+            config.data.validate_for_training()
         return config
 
     def validate(self) -> None:

@@ -54,9 +54,10 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
         data = dataclasses.replace(data, src_lang=src_lang or data.src_lang, tgt_lang=tgt_lang or data.tgt_lang,
                                    corpora=[])
         if data.src_lang == data.tgt_lang and (src_lang or not src_file):     # a --src file's language: unknown
-            raise DataError(f"--src-lang {data.src_lang} into --tgt-lang {data.tgt_lang}"
-                            + ("" if tgt_lang else " (the checkpoint's data.tgt_lang)")
-                            + ": source and target are the same language; give another --tgt-lang")
+            source = f"--src-lang {src_lang}" if src_lang else f"the checkpoint's data.src_lang {data.src_lang}"
+            target = f"--tgt-lang {tgt_lang}" if tgt_lang else f"the checkpoint's data.tgt_lang {data.tgt_lang}"
+            raise DataError(f"{source} into {target}: source and target are the same language; give another "
+                            + ("--tgt-lang" if src_lang else "--src-lang"))
     translator.tgt_lang = translator.target_language(tgt_lang or (None if src_file else data.tgt_lang),
                                                      knob="--tgt-lang ")
     if src_file or ref_file:

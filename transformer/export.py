@@ -346,7 +346,7 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
         raise CheckpointError(f"{config_path}: format version {meta['format_version']} is newer than this "
                               f"package reads ({FORMAT_VERSION}); upgrade this package")
     try:
-        config = Config.from_dict(meta["config"])
+        config = Config.from_dict(meta["config"], saved=True)
     except (ConfigError, KeyError, TypeError) as error:
         raise CheckpointError(f"{config_path}: its config is invalid: {error}") from None
     names = meta.get("tokenizer") or []

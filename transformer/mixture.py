@@ -21,14 +21,13 @@ import dataclasses
 import hashlib
 import json
 import logging
-from pathlib import Path
 
 import numpy as np
 
 from transformer.batching import Batch, make_batch
 from transformer.config import CorpusConfig, DataConfig
 from transformer.corpus import EncodedCorpus, PreparedData, encoded_split, preparation_lock, train_tokenizer
-from transformer.data import Concatenated, SplitSource, TsvFile, open_split
+from transformer.data import ArrowTable, Concatenated, ParallelFiles, SplitSource, open_split
 from transformer.errors import DataError
 from transformer.tokenizer import Tokenizer
 
@@ -59,19 +58,50 @@ def corpus_split(part_cfg: DataConfig, index: int, split: str) -> SplitSource:
         raise DataError(message) from None
 
 
-def _check_tsv_directions(part_cfgs: list[DataConfig], part_sources: list[SplitSource]) -> None:
-    """A TSV file is source TAB target whatever languages a corpus names: listing one file for two
-    directions would train both on its one direction, the second under the wrong tag."""
-    seen: dict[Path, tuple[int, str]] = {}
+def _check_one_direction_per_file(part_cfgs: list[DataConfig], part_sources: list[SplitSource]) -> None:
+    """A file whose columns do not name their languages (TSV, or src/tgt columns) holds source then target,
+    whatever languages a corpus names: listing it for two directions would train both on its one
+    direction, the second under the wrong tag."""
+    seen: dict[str, tuple[int, str]] = {}
     for i, (part_cfg, source) in enumerate(zip(part_cfgs, part_sources)):
-        if not isinstance(source, TsvFile):
+        if _keyed_by_language(source, part_cfg.src_lang, part_cfg.tgt_lang):
             continue
         direction = f"{part_cfg.src_lang}-{part_cfg.tgt_lang}"
-        first = seen.setdefault(Path(source.path).resolve(), (i, direction))
+        first = seen.setdefault(source.where, (i, direction))
         if first[1] != direction:
-            raise DataError(f"data.corpora[{i}] reads {source.path} as {direction}, and data.corpora[{first[0]}] "
-                            f"as {first[1]}: a TSV file holds one direction (source TAB target, whatever the "
-                            "languages named); for the other, write a file with the columns swapped")
+            raise DataError(f"data.corpora[{i}] reads {source.where} as {direction}, and data.corpora[{first[0]}] "
+                            f"as {first[1]}: a file whose columns do not name their languages holds one direction "
+                            "(source, then target); for the other, write a file with the columns swapped")
+
+
+def _keyed_by_language(source: SplitSource, src_lang: str, tgt_lang: str) -> bool:
+    """Whether `source` holds text picked by its languages (files `val.fr`, a `translation` column, columns
+    named fr and en), rather than whatever pair a TSV or src/tgt columns hold."""
+    if isinstance(source, ParallelFiles):
+        return True
+    return isinstance(source, ArrowTable) and source.columns in (None, (src_lang, tgt_lang))
+
+
+def _direction_validation(cfg: DataConfig, first: DataConfig, index: int) -> tuple[DataConfig, SplitSource]:
+    """A multilingual run's validation split of one direction, and the config it is encoded under (named
+    as the direction's first corpus, `first`, data.corpora[index]): data.path's / data.hub_id's text in
+    those languages where it has some, else that corpus's validation split."""
+    problem = "data.path and data.hub_id are not set"
+    if cfg.path or cfg.hub_id:
+        own = dataclasses.replace(first, path=cfg.path, hub_id=cfg.hub_id, hub_config=cfg.hub_config,
+                                  local_splits=cfg.local_splits)
+        try:
+            source = open_split(own, "validation")
+            if _keyed_by_language(source, first.src_lang, first.tgt_lang):
+                return own, source
+            problem = f"{source.where} does not name its languages"
+        except DataError as error:
+            problem = str(error)
+    try:
+        return first, corpus_split(first, index, "validation")
+    except DataError as error:
+        raise DataError(f"no validation split for {first.src_lang}-{first.tgt_lang}: {error}; nor from "
+                        f"data.path / data.hub_id ({problem})") from None
 
 
 def mixture_shares(sizes, weights, temperature: float) -> np.ndarray:
@@ -233,7 +263,7 @@ def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, source
     others.pop("train", None)
     part_cfgs = [corpus_config(cfg, corpus) for corpus in cfg.corpora]
     part_sources = [corpus_split(part_cfg, i, "train") for i, part_cfg in enumerate(part_cfgs)]
-    _check_tsv_directions(part_cfgs, part_sources)
+    _check_one_direction_per_file(part_cfgs, part_sources)
     joined = Concatenated(part_sources)
     if tokenizer is None:
         text = tokenizer_input(cfg, part_cfgs, part_sources)
@@ -252,17 +282,7 @@ def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, source
         others.pop("validation", None)
         for src_lang, tgt_lang in cfg.directions():
             i, first = next((i, p) for i, p in enumerate(part_cfgs) if (p.src_lang, p.tgt_lang) == (src_lang, tgt_lang))
-            # named as its corpus (the cache entry), read from data.path / data.hub_id where they have it
-            own = dataclasses.replace(first, path=cfg.path, hub_id=cfg.hub_id, hub_config=cfg.hub_config,
-                                      local_splits=cfg.local_splits)
-            try:
-                where, source = own, open_split(own, "validation")
-            except DataError as error:
-                try:
-                    where, source = first, corpus_split(first, i, "validation")
-                except DataError:
-                    raise DataError(f"no validation split for {src_lang}-{tgt_lang}: {error}; nor in "
-                                    f"data.corpora[{i}] ({first.path or first.hub_id})") from None
+            where, source = _direction_validation(cfg, first, i)
             directions[f"{src_lang}-{tgt_lang}"] = (_encoded(where, source, tokenizer, "validation"), source)
         main = directions.get(f"{cfg.src_lang}-{cfg.tgt_lang}") or next(iter(directions.values()))
         others["validation"] = main[1]

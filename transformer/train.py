@@ -475,6 +475,8 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
         from omegaconf import OmegaConf
         raw = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
         cfg = Config.from_dict(raw)
+    else:
+        cfg.data.validate_for_training()
     run_dir = Path(run_dir or cfg.run_dir or "runs/default")
     cfg.run_dir = str(run_dir)
     is_main = int(os.environ.get("RANK", "0")) == 0

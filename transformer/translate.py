@@ -158,7 +158,7 @@ def parse_sampling(text: str, temperature: float, seed: int) -> Sampling:
     """`topk:K` or `topp:P` -> Sampling; ValueError with the fix otherwise."""
     kind, _, value = text.partition(":")
     top = {}                              # checked here, before torch comes with transformer.search
-    if kind == "topk" and value.isdigit() and int(value) >= 1:
+    if kind == "topk" and value.isdecimal() and int(value) >= 1:
         top = {"top_k": int(value)}
     elif kind == "topp":
         try:
