@@ -170,3 +170,11 @@ def test_attention_heatmaps_takes_mean_heads_layers_or_off():
     assert compose_config(["trainer.attention_heatmaps=layers"]).trainer.attention_heatmaps == "layers"
     with pytest.raises(ConfigError, match="trainer.attention_heatmaps='all' must be one of mean, heads, layers, off"):
         compose_config(["trainer.attention_heatmaps=all"])
+
+
+def test_a_bare_word_is_refused_but_flag_values_and_overrides_are_not():
+    from transformer.config import bare_word
+    assert bare_word(["-cd", "my_conf", "--cfg", "job", "model=small", "~trainer.seed", "+x=1", "--resolve"], "p") is None
+    assert bare_word(["--multirun", "trainer.lr=1e-3,5e-4", "hydra/sweeper=basic"], "p") is None
+    assert bare_word(["model=small", "trainer.lr", "1e-3"], "p") == (
+        "p: 'trainer.lr' is not an override: write KEY=VALUE or GROUP=OPTION (e.g. trainer.lr=VALUE); p --help lists them")

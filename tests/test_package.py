@@ -181,6 +181,9 @@ ANSWERED_WITHOUT_TORCH = [
     ("transformer.corpus", ["--bogus"], 2, "transformer-prepare: unrecognized arguments: --bogus"),
     ("transformer.train_cli", ["--help"], 0, "transformer-train: train a Transformer"),
     ("transformer.train_cli", ["--help", "model.d_model=64"], 0, "-> 64"),
+    ("transformer.train_cli", ["model", "small"], 2, "error: transformer-train: 'model' is not an override: write "
+                                                     "KEY=VALUE or GROUP=OPTION (e.g. model=NAME)"),
+    ("transformer.corpus", ["data=toy", "trainer.lr"], 2, "'trainer.lr' is not an override"),
 ]
 
 

@@ -620,6 +620,9 @@ def command_line_config(argv: list[str], program: str) -> Config | None:
     parser.add_argument("--config-dir", "-cd")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
+    bare = bare_word(args.overrides, program)
+    if bare:
+        raise ConfigError(bare)
     if args.help:
         print(help_text(program, args.overrides, args.config_dir))
         return None
@@ -627,6 +630,24 @@ def command_line_config(argv: list[str], program: str) -> Config | None:
         print(OmegaConf.to_yaml(compose_tree(args.overrides, config_dir=args.config_dir), resolve=args.resolve))
         return None
     return compose(args.overrides, config_dir=args.config_dir)
+
+
+# Hydra's flags that take the next word as their value (that word is not an override).
+HYDRA_VALUE_FLAGS = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "-c", "--cfg", "-p",
+                     "--package", "-i", "--info", "--experimental-rerun", "-sc", "--shell-completion")
+
+
+def bare_word(argv: list[str], program: str) -> str | None:
+    """The one-line error for a word that is neither a flag nor an override (`make train model small`:
+    Hydra answers with five lines about its grammar), or None."""
+    for previous, word in zip(["", *argv], argv):
+        if "=" in word or word.startswith(("-", "~")) or previous in HYDRA_VALUE_FLAGS:
+            continue
+        hint = (f"{word}=VALUE" if "." in word else f"{word}=NAME" if word in ("model", "data", "decode", "recipe")
+                else "model=small, trainer.lr=1e-3")
+        return (f"{program}: {word!r} is not an override: write KEY=VALUE or GROUP=OPTION (e.g. {hint}); "
+                f"{program} --help lists them")
+    return None
 
 
 # --- The help: every key of the schema with its type, default and meaning --------------------------

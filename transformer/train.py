@@ -529,6 +529,10 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from transformer.train_cli import refuse_bare_words
+
+    refuse_bare_words(sys.argv[1:])
+
     # Before Hydra writes .hydra/ and train.log into an explicitly named run directory, make sure no
     # other run is using it (a timestamped default directory is taken again inside `train`).
     run_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("hydra.run.dir=")]

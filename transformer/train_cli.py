@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import sys
 
-from transformer.config import ConfigError, command_line_config
+from transformer.config import ConfigError, bare_word, command_line_config
 from transformer.errors import discard_stdout
+
+
+def refuse_bare_words(argv: list[str]) -> None:
+    """Exit 2 with one line for a word that is neither a flag nor an override (`config.bare_word`),
+    before Hydra answers it in five lines (also for python -m transformer.train and torchrun)."""
+    bare = bare_word(argv, "transformer-train")
+    if bare:
+        print(f"error: {bare}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main() -> None:
     argv = sys.argv[1:]
+    refuse_bare_words(argv)
     if {"--help", "-h"} & set(argv):
         try:
             if command_line_config(argv, "transformer-train") is None:      # it printed the help
