@@ -4,15 +4,15 @@ and refuses bad arguments before it loads torch."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from transformer.errors import CheckpointError
+from transformer.translate import CommandLineParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandLineParser(                # errors in one line, as transformer-translate's
         prog="transformer-average",
         description="Average the weights of the last N step checkpoints of a run into one checkpoint.")
     parser.add_argument("inputs", nargs="+", help="a run directory, or checkpoint files to average")

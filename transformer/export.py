@@ -26,7 +26,6 @@ torch comes with the functions that need it (imported where they run), so that t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -489,7 +488,9 @@ def export_ctranslate2(model: Transformer, tokenizer: Tokenizer, out: str | Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    from transformer.translate import CommandLineParser  # errors in one line, as transformer-translate's
+
+    parser = CommandLineParser(
         prog="transformer-export",
         description="Write a checkpoint as a CTranslate2 model or as a shareable safetensors directory.")
     parser.add_argument("checkpoint", help="a .pt checkpoint written by training (best.pt, avg.pt, ...)")
