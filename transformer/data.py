@@ -326,13 +326,14 @@ class Concatenated(SplitSource):
             yield from source.chunks(size)
 
 
-def open_split(cfg: DataConfig, split: str) -> SplitSource:
-    """The source of one split ("train", "validation" or "test" in config terms)."""
+def open_split(cfg: DataConfig, split: str, key: str = "data") -> SplitSource:
+    """The source of one split ("train", "validation" or "test" in config terms). `key`: what errors call
+    the config's section (`data.path=...`; a corpus of a mixture: `data.corpora[1].path=...`)."""
     split_key = {"train": cfg.train_split, "validation": cfg.valid_split, "test": cfg.test_split}.get(split, split)
     if cfg.path:
-        return _open_local(cfg, split_key)
+        return _open_local(cfg, split_key, key)
     if cfg.hub_id:
-        return _open_hub(cfg, split_key)
+        return _open_hub(cfg, split_key, key)
     pairs = toy.generate(cfg.embedded_pairs)
     canonical = {cfg.train_split: "train", cfg.valid_split: "validation", cfg.test_split: "test"}
     if canonical.get(split_key) not in pairs:
@@ -345,14 +346,14 @@ def load_split_text(cfg: DataConfig, split: str) -> Chunk:
     return open_split(cfg, split).read_all()
 
 
-def _open_local(cfg: DataConfig, split: str) -> SplitSource:
+def _open_local(cfg: DataConfig, split: str, key: str) -> SplitSource:
     root = Path(cfg.path).expanduser()
     if not root.exists():
-        raise DataError(f"data.path={cfg.path}: no such file or directory")
+        raise DataError(f"{key}.path={cfg.path}: no such file or directory")
     name = cfg.split_name(split)
     kind = _not_regular(root)
     if kind not in (None, "a directory"):
-        raise DataError(f"data.path={cfg.path}: is not a regular file or a directory (it is {kind}); "
+        raise DataError(f"{key}.path={cfg.path}: is not a regular file or a directory (it is {kind}); "
                         "point it at the directory of your corpus files")
     if root.is_file():
         candidates = [root]
@@ -375,19 +376,19 @@ def _open_local(cfg: DataConfig, split: str) -> SplitSource:
             raise DataError(f"{file}: cannot be read as {builder}: {error}") from None
         return ArrowTable(table, cfg, str(file))
     raise DataError(
-        f"data.path={cfg.path}: no files for split {split!r}; expected {name}.{cfg.src_lang} + "
+        f"{key}.path={cfg.path}: no files for split {split!r}; expected {name}.{cfg.src_lang} + "
         f"{name}.{cfg.tgt_lang}, or {name}.tsv / {name}.jsonl / {name}.parquet"
     )
 
 
-def _open_hub(cfg: DataConfig, split: str) -> SplitSource:
-    datasets = _datasets(f"data.hub_id={cfg.hub_id}")
+def _open_hub(cfg: DataConfig, split: str, key: str) -> SplitSource:
+    datasets = _datasets(f"{key}.hub_id={cfg.hub_id}")
     try:
         table = datasets.load_dataset(cfg.hub_id, cfg.hub_config, split=split)
     except Exception as error:  # offline, unknown id, unknown split: all surface as different types
         raise DataError(
-            f"data.hub_id={cfg.hub_id}: cannot load split {split!r} from the HuggingFace hub "
+            f"{key}.hub_id={cfg.hub_id}: cannot load split {split!r} from the HuggingFace hub "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
-            "Without network access use local files: data.path=DIR"
+            f"Without network access use local files: {key}.path=DIR"
         ) from None
     return ArrowTable(table, cfg, f"hub dataset {cfg.hub_id} ({split})")

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from transformer.config import Config, ConfigError
 from transformer.errors import CheckpointError, os_error_in
 from transformer.tokenizer import Tokenizer
+from transformer.translate import CommandLineParser
 
 if TYPE_CHECKING:
     from transformer.model import Transformer
@@ -277,9 +278,10 @@ def _training_data(data) -> str:
         f"`{corpus.label(data)}`: {'`' + corpus.path + '`' if corpus.path else 'hub `' + str(corpus.hub_id) + '`'}, "
         f"{corpus.src_lang or data.src_lang} → {corpus.tgt_lang or data.tgt_lang}, weight {corpus.weight:g}"
         for corpus in data.corpora)
+    source = _data_source(data)
     return (f"{len(data.corpora)} corpora mixed in each epoch by (weight × pairs)^(1/{data.temperature:g}) (data "
-            f"preset `{data.name}`): {corpora}. Validation and test: {_data_source(data)[0].lower()}"
-            f"{_data_source(data)[1:]}. Training pairs longer than {data.max_len} tokens on either side were left out.")
+            f"preset `{data.name}`): {corpora}. Validation and test: {source[0].lower()}{source[1:]}. Training "
+            f"pairs longer than {data.max_len} tokens on either side were left out.")
 
 
 def _data_source(data) -> str:
@@ -488,9 +490,7 @@ def export_ctranslate2(model: Transformer, tokenizer: Tokenizer, out: str | Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformer.translate import CommandLineParser  # errors in one line, as transformer-translate's
-
-    parser = CommandLineParser(
+    parser = CommandLineParser(               # errors in one line, as transformer-translate's
         prog="transformer-export",
         description="Write a checkpoint as a CTranslate2 model or as a shareable safetensors directory.")
     parser.add_argument("checkpoint", help="a .pt checkpoint written by training (best.pt, avg.pt, ...)")

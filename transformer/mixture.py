@@ -46,18 +46,6 @@ def corpus_config(cfg: DataConfig, corpus: CorpusConfig) -> DataConfig:
                                tgt_lang=corpus.tgt_lang or cfg.tgt_lang, corpora=[], **own_rules)
 
 
-def corpus_split(part_cfg: DataConfig, index: int, split: str) -> SplitSource:
-    """`open_split` of corpus `index` of data.corpora (its `corpus_config`), its errors naming that corpus's
-    keys (data.corpora[1].path=...), not the run's data.path."""
-    try:
-        return open_split(part_cfg, split)
-    except DataError as error:
-        message = str(error)
-        for key in ("path", "hub_id"):
-            message = message.replace(f"data.{key}=", f"data.corpora[{index}].{key}=")
-        raise DataError(message) from None
-
-
 def _check_one_direction_per_file(part_cfgs: list[DataConfig], part_sources: list[SplitSource]) -> None:
     """A file whose columns do not name their languages (TSV, or src/tgt columns) holds source then target,
     whatever languages a corpus names: listing it for two directions would train both on its one
@@ -98,7 +86,7 @@ def _direction_validation(cfg: DataConfig, first: DataConfig, index: int) -> tup
         except DataError as error:
             problem = str(error)
     try:
-        return first, corpus_split(first, index, "validation")
+        return first, open_split(first, "validation", key=f"data.corpora[{index}]")
     except DataError as error:
         raise DataError(f"no validation split for {first.src_lang}-{first.tgt_lang}: {error}; nor from "
                         f"data.path / data.hub_id ({problem})") from None
@@ -262,7 +250,7 @@ def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, source
                                                                                    split == "validation")})
     others.pop("train", None)
     part_cfgs = [corpus_config(cfg, corpus) for corpus in cfg.corpora]
-    part_sources = [corpus_split(part_cfg, i, "train") for i, part_cfg in enumerate(part_cfgs)]
+    part_sources = [open_split(part_cfg, "train", key=f"data.corpora[{i}]") for i, part_cfg in enumerate(part_cfgs)]
     _check_one_direction_per_file(part_cfgs, part_sources)
     joined = Concatenated(part_sources)
     if tokenizer is None:
