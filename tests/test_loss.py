@@ -51,6 +51,57 @@ def test_fused_loss_under_bf16_autocast_is_close():
     assert loss.dtype == torch.float32 and loss.item() == pytest.approx(ref.item(), rel=2e-2)
 
 
+def test_bf16_gradients_taken_in_the_forward_pass_match_the_reference():
+    # bf16 takes G W and Gᵀ H chunk by chunk in the forward pass and sums the weight's over the chunks in
+    # float32; 2100 tokens span several chunks. Nothing of N x V is kept for the backward pass.
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2100, 32), torch.randn(300, 32) * 0.3
+    target = torch.randint(0, 300, (2100,))
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _, _ = output_cross_entropy(h1, w1, target, 0.1)
+    kept = loss.grad_fn.gradient
+    assert kept.mode == "eager" and not hasattr(kept, "logits")
+    assert all(t.numel() < 2100 * 300 for t in vars(kept).values() if isinstance(t, torch.Tensor))
+    loss.backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    output_cross_entropy_reference(h2, w2, target, 0.1)[0].backward()
+    for ours, reference in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
+        assert ours.dtype == torch.float32
+        assert (ours - reference).norm() / reference.norm() < 2e-2
+
+
+def test_without_autograd_the_loss_is_the_same_and_keeps_no_gradient():
+    # Validation runs under no_grad: the same loss, NLL and count, and no gradient products computed.
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(600, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
+    target = torch.randint(0, 40, (600,))
+    with_grad = output_cross_entropy(hidden, weight, target, 0.1)
+    with torch.no_grad():
+        without = output_cross_entropy(hidden, weight, target, 0.1)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(with_grad, without))
+    from transformer.loss import _FusedOutputCrossEntropy
+    loss, _, _ = _FusedOutputCrossEntropy.apply(hidden, weight, target, 0.1, 0.0, torch.float32, False)
+    assert loss.grad_fn.gradient.mode == "none"
+    with pytest.raises(RuntimeError, match="gradient_wanted=False"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_a_target_whose_probability_underflows_float32_keeps_its_exact_loss(smoothing):
+    # The NLL comes from the softmax at the largest logit, not at the target: a target 150 nats below
+    # the best (p_y = e^-150, zero in float32) must still cost 150 nats and give finite gradients.
+    hidden = torch.tensor([[150.0, 0.0, 0.0], [0.0, 2.0, 1.0]], requires_grad=True)
+    target = torch.tensor([1, 1])
+    loss, nll, correct = output_cross_entropy(hidden, torch.eye(3), target, smoothing)
+    ref_loss, ref_nll, _ = output_cross_entropy_reference(hidden.detach(), torch.eye(3), target, smoothing)
+    assert math.isfinite(nll.item()) and nll.item() == pytest.approx(ref_nll.item(), rel=1e-6)
+    assert nll.item() > 150.0 and loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert correct.item() == 1                                       # the second row's target is its argmax
+    loss.backward()
+    assert torch.isfinite(hidden.grad).all()
+
+
 def test_loss_by_hand():
     # one token, identity projection: logits = log([0.5, 0.25, 0.25])
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
@@ -189,7 +240,7 @@ def test_fp16_keeps_the_gradients_of_improbable_tokens():
     probabilities = torch.softmax(hidden.double() @ weight.double().t(), 1)[:, 250:]
     assert probabilities.max() < 3e-8 and probabilities.min() > 1e-10
     w32 = weight.clone().requires_grad_()             # parameters stay fp32 under autocast; compute is fp16
-    loss, _, _ = _FusedOutputCrossEntropy.apply(hidden, w32, target, 0.0, 0.0, torch.float16)
+    loss, _, _ = _FusedOutputCrossEntropy.apply(hidden, w32, target, 0.0, 0.0, torch.float16, True)
     (loss * 2.0**16).backward()
     w64 = weight.double().requires_grad_()
     reference, _, _ = output_cross_entropy_reference(hidden.double(), w64, target, 0.0)

@@ -76,7 +76,8 @@ def test_cpu_dropout_rate_scale_and_gradient():
     dropped = out == 0
     assert abs(dropped.float().mean().item() - 0.25) < 0.005
     # Each 64-bit draw serves four neighbouring elements: every one of the four must get its own
-    # uniform 16 bits (plain random_() leaves the fourth's top bit 0, which would never drop it).
+    # uniform 15 bits (random_() leaves the fourth lane's top bit 0 and gives the other three a sign bit:
+    # unmasked, lanes 1-3 would drop 0.625 of their elements, lane 4 0.25).
     per_lane = dropped.view(-1, 4).float().mean(0)
     assert torch.allclose(per_lane, torch.full((4,), 0.25), atol=0.01), per_lane
     assert torch.allclose(out[~dropped], torch.tensor(1 / 0.75))

@@ -359,9 +359,15 @@ def test_rdrop_without_dropout_makes_the_plain_update_and_with_dropout_a_differe
         try:
             trainer.updates.start(0, 0)
             micro, _ = next(iter(trainer.loader))
+            gradients, optimizer_step = {}, trainer.optimizer.step
+
+            def step_recording_the_gradients(*args, **kwargs):
+                gradients.update({k: p.grad.clone() for k, p in trainer.model.named_parameters()})
+                return optimizer_step(*args, **kwargs)
+            trainer.optimizer.step = step_recording_the_gradients
             torch.manual_seed(3)
             stats = trainer.train_step(micro)
-            return {k: v.clone() for k, v in trainer.model.state_dict().items()}, stats
+            return gradients, stats
         finally:
             trainer.leave_process_group(clean=True)
             trainer.monitor.close()
@@ -372,7 +378,10 @@ def test_rdrop_without_dropout_makes_the_plain_update_and_with_dropout_a_differe
     assert rdrop_stats["tokens"] == 2 * plain_stats["tokens"]
     assert torch.allclose(rdrop_stats["sums"] / 2, plain_stats["sums"], rtol=1e-5)
     assert torch.allclose(rdrop_stats["grad_norm"], plain_stats["grad_norm"], rtol=1e-5)   # the gradient's scale
-    assert all(torch.allclose(rdrop[k], plain[k], atol=1e-6) for k in plain)
+    # Every parameter's gradient, not the update: Adam's first step blows the rounding noise of the
+    # exactly-zero gradient of the key biases up to a step of the learning rate's size.
+    assert plain.keys() == rdrop.keys() and len(plain) > 10
+    assert all(torch.allclose(rdrop[k], plain[k], rtol=1e-4, atol=1e-7) for k in plain)
     # With dropout and no label smoothing the summed loss minus the summed NLL is the KL term alone.
     _, dropped = one_step("dropped", "model.dropout=0.3", "trainer.label_smoothing=0")
     _, dropped_rdrop = one_step("dropped-rdrop", "model.dropout=0.3", "trainer.label_smoothing=0", "trainer.rdrop=5")
