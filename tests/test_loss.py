@@ -60,10 +60,11 @@ def test_bf16_gradients_taken_in_the_forward_pass_match_the_reference():
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, _, _ = output_cross_entropy(h1, w1, target, 0.1)
-    kept = loss.grad_fn.gradient
-    assert kept.mode == "eager" and not hasattr(kept, "logits")
-    assert all(t.numel() < 2100 * 300 for t in vars(kept).values() if isinstance(t, torch.Tensor))
+    assert loss.grad_fn.mode == "eager"
+    assert loss.grad_fn.saved_tensors and all(t.numel() < 2100 * 300 for t in loss.grad_fn.saved_tensors)
     loss.backward()
+    with pytest.raises(RuntimeError, match="freed"):   # saved for backward, so freed by it: nothing held after
+        _ = loss.grad_fn.saved_tensors
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     output_cross_entropy_reference(h2, w2, target, 0.1)[0].backward()
     for ours, reference in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
@@ -71,18 +72,27 @@ def test_bf16_gradients_taken_in_the_forward_pass_match_the_reference():
         assert (ours - reference).norm() / reference.norm() < 2e-2
 
 
-def test_without_autograd_the_loss_is_the_same_and_keeps_no_gradient():
+def test_without_autograd_the_loss_is_the_same_and_keeps_no_gradient(monkeypatch):
     # Validation runs under no_grad: the same loss, NLL and count, and no gradient products computed.
+    import transformer.loss as loss_module
+    modes = []
+
+    class Recorded(loss_module._LogitGradient):
+        def __init__(self, *args):
+            super().__init__(*args)
+            modes.append(self.mode)
+    monkeypatch.setattr(loss_module, "_LogitGradient", Recorded)
     torch.manual_seed(0)
     hidden, weight = torch.randn(600, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
     target = torch.randint(0, 40, (600,))
     with_grad = output_cross_entropy(hidden, weight, target, 0.1)
     with torch.no_grad():
         without = output_cross_entropy(hidden, weight, target, 0.1)
+    with torch.inference_mode():
+        output_cross_entropy(hidden, weight, target, 0.1, rdrop=1.0)
+    assert modes == ["eager", "none", "none"]
     assert all(torch.equal(a.detach(), b) for a, b in zip(with_grad, without))
-    from transformer.loss import _FusedOutputCrossEntropy
-    loss, _, _ = _FusedOutputCrossEntropy.apply(hidden, weight, target, 0.1, 0.0, torch.float32, False)
-    assert loss.grad_fn.gradient.mode == "none"
+    loss, _, _ = loss_module._FusedOutputCrossEntropy.apply(hidden, weight, target, 0.1, 0.0, torch.float32, False)
     with pytest.raises(RuntimeError, match="gradient_wanted=False"):
         loss.backward()
 
@@ -248,6 +258,27 @@ def test_fp16_keeps_the_gradients_of_improbable_tokens():
     improbable, ours = w64.grad[250:], w32.grad[250:].double()
     assert (ours != 0).all()
     assert (ours - improbable).norm() / improbable.norm() < 2e-2
+
+
+@pytest.mark.parametrize("smoothing, rdrop", [(0.1, 0.0), (0.1, 5.0), (0.0, 5.0)])
+def test_fp16_stored_gradient_with_smoothing_and_rdrop_matches_the_reference(smoothing, rdrop):
+    # fp16 keeps G (float32) for the backward pass instead of taking its products in the forward one.
+    from transformer.loss import _FusedOutputCrossEntropy
+    torch.manual_seed(0)
+    first = torch.randn(300, 16)
+    hidden, weight = torch.cat([first, first + 0.3 * torch.randn(300, 16)]), torch.randn(70, 16) * 0.5
+    target = torch.randint(0, 70, (300,)).repeat(2)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, _, _ = _FusedOutputCrossEntropy.apply(h1, w1, target, smoothing, rdrop, torch.float16, True)
+    assert loss.grad_fn.mode == "stored"
+    (loss * 2.0**10).backward()
+    h2, w2 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    reference = rdrop_cross_entropy_reference(h2, w2, target, smoothing, rdrop) if rdrop else \
+        output_cross_entropy_reference(h2, w2, target, smoothing)
+    (reference[0] * 2.0**10).backward()
+    assert loss.item() == pytest.approx(reference[0].item(), rel=5e-3)
+    for ours, exact in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
+        assert (ours.double() - exact).norm() / exact.norm() < 1e-2
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])

@@ -37,7 +37,7 @@ class _CpuDropout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, p: float, residual=None):
-        threshold = round(p * DROP_RESOLUTION)
+        threshold = min(round(p * DROP_RESOLUTION), DROP_RESOLUTION - 1)    # p < 1: never all dropped
         keep = _keep_mask(x.shape, threshold, x.device)
         ctx.scale = 1.0 / (1.0 - threshold / DROP_RESOLUTION)
         ctx.x_dtype, ctx.has_residual = x.dtype, residual is not None

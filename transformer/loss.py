@@ -39,9 +39,9 @@ class _LogitGradient:
     the two products the backward pass needs of it: G W (N, D), the hidden states' gradient, and Gᵀ H
     (V, D), the output weight's.
 
-    In float32 and bfloat16 both products are taken at once, chunk by chunk, while the chunk is still in
-    the cache, and the (N, V) tensor never exists (on the 2-core Xeon, 4,096 tokens x 10k pieces, the
-    loss's forward and backward take 0.78x the time of storing G; and N x V fewer floats in memory).
+    Outside fp16 (float32, bfloat16) both products are taken at once, chunk by chunk, while the chunk is
+    still in the cache, and the (N, V) tensor never exists (on the 2-core Xeon, 4,096 tokens x 10k pieces,
+    the loss's forward and backward take 0.78x the time of storing G; and N x V fewer floats in memory).
     fp16 stores G in float32 instead: its range would flush the small probabilities of a large
     vocabulary to zero, so the backward pass scales G by the loss scale (only known then) before the
     fp16 matmuls. Without autograd (validation) nothing is kept.
@@ -65,17 +65,26 @@ class _LogitGradient:
         elif self.mode == "eager" and self.h.dtype == torch.float32:
             torch.mm(grad, self.w, out=self.hidden[rows])
             self.weight.addmm_(grad.t(), self.h[rows])
-        elif self.mode == "eager":            # bfloat16 products, summed over the chunks in float32
+        elif self.mode == "eager":            # bfloat16 (or float64) products, summed over the chunks in float32
             grad = grad.to(self.h.dtype)
             self.hidden[rows] = grad @ self.w
             self.weight += (grad.t() @ self.h[rows]).float()
 
-    def products(self, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale G W, scale Gᵀ H) in float32."""
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What the backward pass needs, for `ctx.save_for_backward` (which frees it after that pass)."""
         if self.mode == "stored":
-            scaled = (self.logits * scale).to(self.h.dtype)                 # fp16: scaled into its range
-            return (scaled @ self.w).float(), (scaled.t() @ self.h).float()
-        return self.hidden * scale, self.weight * scale
+            return self.logits, self.h, self.w
+        return (self.hidden, self.weight) if self.mode == "eager" else ()
+
+    @staticmethod
+    def products(mode: str, tensors: tuple[torch.Tensor, ...], scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale G W, scale Gᵀ H) in float32, from the `tensors()` of a `mode` gradient."""
+        if mode == "stored":
+            logits, h, w = tensors
+            scaled = (logits * scale).to(h.dtype)                           # fp16: scaled into its range
+            return (scaled @ w).float(), (scaled.t() @ h).float()
+        hidden, weight = tensors
+        return hidden * scale, weight * scale
 
 
 class _FusedOutputCrossEntropy(torch.autograd.Function):
@@ -121,11 +130,12 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def _keep_for_backward(ctx, gradient, weight_sum, hidden, weight, smoothing, loss_sum, nll_sum, correct):
-        ctx.gradient = gradient
+        # Saved, not kept on ctx: autograd frees saved tensors after the backward pass.
+        ctx.mode = gradient.mode
         ctx.dtypes = (hidden.dtype, weight.dtype)
-        ctx.uniform = smoothing / weight.size(0)
-        if smoothing and gradient.mode != "none":     # the -ε/V at every logit: Σ_v w_v and Σ_n h_n
-            ctx.weight_sum, ctx.hidden_sum = weight_sum, gradient.h.float().sum(0)
+        ctx.uniform = smoothing / weight.size(0) if gradient.mode != "none" else 0.0
+        sums = (weight_sum, gradient.h.float().sum(0)) if ctx.uniform else ()   # the -ε/V at every logit:
+        ctx.save_for_backward(*gradient.tensors(), *sums)                        # Σ_v w_v and Σ_n h_n (D,)
         ctx.mark_non_differentiable(correct)
         return loss_sum, nll_sum, correct
 
@@ -184,14 +194,17 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_nll, grad_correct):
-        if ctx.gradient.mode == "none":
+        if ctx.mode == "none":
             raise RuntimeError("the output loss was computed with gradient_wanted=False: no backward pass")
         hidden_dtype, weight_dtype = ctx.dtypes
         scale = grad_loss.float()
-        grad_hidden, grad_weight = ctx.gradient.products(scale)                # (N, D), (V, D) float32
+        saved = ctx.saved_tensors
         if ctx.uniform:                               # the -ε/V at every logit, through each matmul
-            grad_hidden -= (scale * ctx.uniform) * ctx.weight_sum
-            grad_weight -= (scale * ctx.uniform) * ctx.hidden_sum
+            *saved, weight_sum, hidden_sum = saved
+        grad_hidden, grad_weight = _LogitGradient.products(ctx.mode, tuple(saved), scale)   # (N, D), (V, D)
+        if ctx.uniform:
+            grad_hidden -= (scale * ctx.uniform) * weight_sum
+            grad_weight -= (scale * ctx.uniform) * hidden_sum
         return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None, None, None, None
 
 
