@@ -4,6 +4,7 @@ mixture prepares, the config's refusals, and an exact resume of a two-corpus run
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -116,10 +117,21 @@ def test_each_corpus_is_prepared_once_and_shared_by_runs_that_list_it(corpora, t
     ("data.corpora=[{path: a, weight: nan}]", "data.corpora[0].weight"),
     ("data.corpora=[{path: x/a}, {path: y/a}]", "two corpora are named 'a'; give each a name"),
     ("data.temperature=0", "data.temperature=0.0 must be a positive number"),
+    ("data.temperature=2", "data.temperature=2.0 flattens the shares of the corpora listed in data.corpora, and "
+                           "there is no data.corpora (one corpus: data.path): nothing to mix"),
 ])
 def test_a_bad_mixture_is_refused_naming_the_key(override, message):
-    with pytest.raises(ConfigError, match=message.replace("[", "\\[").replace("]", "\\]")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         compose_config([override])
+
+
+def test_a_temperature_needs_two_corpora_to_mix(corpora):
+    big = corpora[0]
+    one = [f"data.path={big}", "data.name=mix", "data.embedded=false", f"data.corpora=[{{path: {big}}}]"]
+    with pytest.raises(ConfigError, match="there is one corpus in data.corpora: nothing to mix"):
+        compose_config(one + ["data.temperature=3"])
+    assert compose_config(one).data.temperature == 1.0
+    assert compose_config(_mixture_overrides(corpora, temperature=3.0)).data.temperature == 3.0
 
 
 def test_an_unknown_corpus_key_lists_the_keys_a_corpus_takes():

@@ -231,6 +231,10 @@ class DataConfig:
                               f"(data.tokenizer_type=unigram); BPE-dropout (data.tokenizer_type="
                               f"{self.tokenizer_type}) drops merges with probability data.subword_sampling: leave "
                               "data.subword_nbest out")
+        if self.temperature != 1.0 and len(self.corpora) < 2:                  # one share: nothing to flatten
+            have = "one corpus in data.corpora" if self.corpora else "no data.corpora (one corpus: data.path)"
+            raise ConfigError(f"data.temperature={self.temperature} flattens the shares of the corpora listed in "
+                              f"data.corpora, and there is {have}: nothing to mix; leave data.temperature out")
         trained = self.directions()
         if self.corpora and (self.src_lang, self.tgt_lang) not in trained:
             listed = ", ".join(f"{src}-{tgt}" for src, tgt in trained)
