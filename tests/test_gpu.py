@@ -38,12 +38,13 @@ def test_sdpa_matches_the_reference_formula(dtype, tol, causal):
     assert torch.allclose(out.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("n_tokens", [300, 9000])       # 9000: three chunks, the weight's gradient summed over them
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_loss_under_autocast_on_cuda(dtype):
+def test_fused_loss_under_autocast_on_cuda(dtype, n_tokens):
     torch.manual_seed(0)
-    hidden = torch.randn(300, 64, device="cuda", requires_grad=True)
+    hidden = torch.randn(n_tokens, 64, device="cuda", requires_grad=True)
     weight = (torch.randn(500, 64, device="cuda") * 0.2).requires_grad_()
-    target = torch.randint(0, 500, (300,), device="cuda")
+    target = torch.randint(0, 500, (n_tokens,), device="cuda")
     with torch.autocast("cuda", dtype=dtype):
         loss, _, _ = output_cross_entropy(hidden, weight, target, 0.1)
     loss.backward()
@@ -52,7 +53,8 @@ def test_fused_loss_under_autocast_on_cuda(dtype):
     ref, _, _ = output_cross_entropy_reference(hidden, weight, target, 0.1)
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=2e-2)
-    assert torch.allclose(grads[0], hidden.grad, atol=5e-2) and torch.allclose(grads[1], weight.grad, atol=5e-2)
+    for ours, reference in zip(grads, (hidden.grad, weight.grad)):
+        assert (ours - reference).norm() / reference.norm() < 2e-2
 
 
 def test_cached_decoding_equals_recomputation_on_cuda():
