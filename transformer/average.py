@@ -10,6 +10,8 @@ from pathlib import Path
 from transformer.errors import CheckpointError
 from transformer.translate import CommandLineParser
 
+DEFAULT_LAST = 5        # step checkpoints averaged from a run directory without --last
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = CommandLineParser(                # errors in one line, as transformer-translate's
@@ -17,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Average the weights of the last N step checkpoints of a run into one checkpoint.")
     parser.add_argument("inputs", nargs="+", help="a run directory, or checkpoint files to average")
     parser.add_argument("--last", type=int, help="with a run directory: how many step_N.pt to use "
-                        "(default 5)")
+                        f"(default {DEFAULT_LAST})")
     parser.add_argument("--output", "-o", required=True, help="where to write the averaged checkpoint")
     parser.add_argument("--force", action="store_true",
                         help="replace an existing -o file that is not an earlier output of transformer-average")
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if len(args.inputs) == 1 and Path(args.inputs[0]).is_dir():
-            paths = step_checkpoints(args.inputs[0])[-(args.last or 5):]
+            paths = step_checkpoints(args.inputs[0])[-(args.last or DEFAULT_LAST):]
             if not paths:
                 raise CheckpointError(f"{args.inputs[0]}: no checkpoints/step_N.pt files to average")
         else:
