@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every CUDA path in one go, for a lent GPU machine that has PyTorch but no package index:
 #   bash scripts/gpu_check.sh STAGE...     stages: env gputests precisions train ddp translate oom bench suite
-#                                           search
+#                                           search evaluate
 # Reads Multi30k from $MULTI30K_DIR (default .gpu/multi30k), pure-Python dependencies the machine lacks
 # (hydra, omegaconf, antlr4, sacremoses, py3langid) from .gpu/site, a CPU-trained checkpoint and its CPU
 # fp32 hypotheses from .gpu/ (translate and bench only; see docs/development.md, "On a GPU"). Full logs go
@@ -69,7 +69,7 @@ train_run() {   # name, overrides...: one model=base run on the GPU, then the ke
 stage_precisions() {   # 20 s of training at each precision (the preset's 2,048-token batches)
     local p
     for p in fp32 bf16 fp16; do
-        train_run base-$p trainer.precision=$p trainer.max_minutes=0.33 trainer.test_at_end=false \
+        train_run base-$p trainer.precision=$p trainer.max_minutes=${PRECISION_MINUTES:-0.33} trainer.test_at_end=false \
             trainer.attention_heatmaps=off
     done
     rm -f "$OUT"/base-*.out
@@ -79,8 +79,10 @@ stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core ea
     local list=${SEARCH:-scripts/gpu_search.txt} seconds=${SEARCH_SECONDS:-300} pids=() names=() name args i
     local common
     common=$(grep -m1 "^common:" "$list" | cut -d: -f2-)
-    # shellcheck disable=SC2086
-    $PY -m transformer.corpus $common data.path=$M data.cache_dir=$CACHE >>"$LOG" 2>&1
+    for data in $(grep -v "^#" "$list" | grep -o "data=[a-z0-9_]*" | sort -u); do   # each corpus once, before the runs
+        # shellcheck disable=SC2086
+        $PY -m transformer.corpus $common $data data.path=$M data.cache_dir=$CACHE >>"$LOG" 2>&1
+    done
     say "search: $(grep -c "|" "$list") runs of '$common' for $seconds s"
     while IFS='|' read -r name args; do
         name=$(echo $name)
@@ -107,6 +109,23 @@ stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core ea
     done | tee "$OUT/search.txt"
     (cd $RUNS && tar czf "$OUT/search_logs.tgz" search/*/train.log search/*/.hydra)
     rm -f "$OUT"/search-*.out   # at most 8 files come back from a call
+}
+
+stage_evaluate() {   # the search runs' best.pt on test_2016_flickr, beam 5, side by side: cased detokenized and
+                    # tokenized lowercased BLEU (the references in $M/tok, named by the run's data preset)
+    local list=${SEARCH:-scripts/gpu_search.txt} name args tgt pids=()
+    while IFS='|' read -r name args; do
+        name=$(echo $name)
+        tgt=$(echo "$(grep -m1 "^common:" "$list") $args" | grep -o "data=multi30k_[a-z]*_[a-z]*" | tail -1 | cut -c 18-)
+        [ -f $RUNS/search/$name/checkpoints/best.pt ] || { echo "--- $name: no best.pt"; continue; }
+        OMP_NUM_THREADS=1 $PY -m transformer.evaluate $RUNS/search/$name/checkpoints/best.pt --device ${EVAL_DEVICE:-cuda} --beam 5 \
+            --tokenized-lc "$M/tok/test_2016_flickr.lc.norm.tok.$tgt" >"$OUT/eval-$name.out" 2>&1 &
+        pids+=($!)
+    done < <(grep "|" "$list" | grep -v "^#")
+    wait "${pids[@]}"
+    for f in "$OUT"/eval-*.out; do echo "--- $(basename "$f" .out): $(grep -E "^test|tokenized|error" "$f" | cut -c 1-200 | tr '\n' ' ')"; done \
+        | tee -a "$LOG" "$OUT/evaluate.txt"
+    rm -f "$OUT"/eval-*.out
 }
 
 stage_train() {   # 300 steps of 8k-token batches, then the test set

@@ -36,12 +36,15 @@ def test_the_presets_only_override_the_schema_defaults():
                     assert getattr(defaults[section], key) != value, f"{path.name}: {section}.{key}={value} is the default"
 
 
-@pytest.mark.parametrize("recipe_name, base", [("multi30k_long", ["data=multi30k_de_en", "model=small"]),
-                                                ("multi30k_multi", ["data=multi30k_multi"])])
-def test_a_recipe_changes_every_key_it_sets_and_the_command_line_still_wins(recipe_name, base):
+# multi30k_long's dropout equals the Multi30k data presets' today, but belongs to the recipe (chosen with its R-Drop),
+# not to the 20-minute presets that set theirs: it is said on purpose, so a change there leaves the recipe alone
+@pytest.mark.parametrize("recipe_name, base, restated", [
+    ("multi30k_long", ["data=multi30k_de_en", "model=small"], {"model.dropout"}),
+    ("multi30k_multi", ["data=multi30k_multi"], set())])
+def test_a_recipe_changes_every_key_it_sets_and_the_command_line_still_wins(recipe_name, base, restated):
     """A recipe comes after the data preset: each key it sets changes the composed config (none restates
-    what its data preset and model already give; the recipe replaces the model), and key=value
-    overrides it."""
+    what its data preset and model already give, except the keys listed as restated on purpose; the recipe
+    replaces the model), and key=value overrides it."""
     import yaml
     plain = compose_config(base + ["data.path=/corpus"])
     recipe = compose_config(base + ["data.path=/corpus", f"recipe={recipe_name}"])
@@ -49,7 +52,8 @@ def test_a_recipe_changes_every_key_it_sets_and_the_command_line_still_wins(reci
     for section, keys in values.items():
         for key, value in keys.items():
             assert getattr(getattr(recipe, section), key) == value
-            assert getattr(getattr(plain, section), key) != value, f"recipe {section}.{key}={value} changes nothing"
+            if f"{section}.{key}" not in restated:
+                assert getattr(getattr(plain, section), key) != value, f"recipe {section}.{key}={value} changes nothing"
     for section in ("data", "decode"):          # what a recipe does not set stays the data preset's
         if section not in values:
             assert getattr(recipe, section) == getattr(plain, section), section
