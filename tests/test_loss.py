@@ -51,25 +51,31 @@ def test_fused_loss_under_bf16_autocast_is_close():
     assert loss.dtype == torch.float32 and loss.item() == pytest.approx(ref.item(), rel=2e-2)
 
 
-def test_bf16_gradients_taken_in_the_forward_pass_match_the_reference():
+@pytest.mark.parametrize("rdrop", [0.0, 2.0])
+def test_bf16_gradients_taken_in_the_forward_pass_match_the_reference(rdrop):
     # bf16 takes G W and Gᵀ H chunk by chunk in the forward pass and sums the weight's over the chunks in
-    # float32; 2100 tokens span several chunks. Nothing of N x V is kept for the backward pass.
+    # float32; 2100 tokens span several chunks. Nothing of N x V is kept for the backward pass. R-Drop:
+    # two passes of 1050 tokens that disagree a little, its KL term's gradient scaled on the products.
     torch.manual_seed(0)
-    hidden, weight = torch.randn(2100, 32), torch.randn(300, 32) * 0.3
-    target = torch.randint(0, 300, (2100,))
+    first = torch.randn(1050, 32)
+    hidden, weight = torch.cat([first, first + 0.3 * torch.randn(1050, 32)]), torch.randn(300, 32) * 0.3
+    target = torch.randint(0, 300, (1050,)).repeat(2)
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, _, _ = output_cross_entropy(h1, w1, target, 0.1)
+        loss, _, _ = output_cross_entropy(h1, w1, target, 0.1, rdrop)
     assert loss.grad_fn.mode == "eager"
     assert loss.grad_fn.saved_tensors and all(t.numel() < 2100 * 300 for t in loss.grad_fn.saved_tensors)
     loss.backward()
     with pytest.raises(RuntimeError, match="freed"):   # saved for backward, so freed by it: nothing held after
         _ = loss.grad_fn.saved_tensors
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    output_cross_entropy_reference(h2, w2, target, 0.1)[0].backward()
-    for ours, reference in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
+    reference = rdrop_cross_entropy_reference(h2, w2, target, 0.1, rdrop) if rdrop else \
+        output_cross_entropy_reference(h2, w2, target, 0.1)
+    reference[0].backward()
+    assert loss.item() == pytest.approx(reference[0].item(), rel=1e-2)
+    for ours, exact in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
         assert ours.dtype == torch.float32
-        assert (ours - reference).norm() / reference.norm() < 2e-2
+        assert (ours - exact).norm() / exact.norm() < 2e-2
 
 
 def test_without_autograd_the_loss_is_the_same_and_keeps_no_gradient(monkeypatch):
@@ -110,6 +116,22 @@ def test_a_target_whose_probability_underflows_float32_keeps_its_exact_loss(smoo
     assert correct.item() == 1                                       # the second row's target is its argmax
     loss.backward()
     assert torch.isfinite(hidden.grad).all()
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_rdrop_with_a_target_whose_probability_underflows_float32_matches_the_reference(smoothing):
+    # R-Drop's log-ratio comes from the logits (z - lse), not from probabilities that underflow: the
+    # second pass puts the target 150 nats below the best, the first 140; loss and gradients stay exact.
+    hidden = torch.tensor([[140.0, 0.0, 0.0], [0.0, 2.0, 1.0], [150.0, 0.0, 0.5], [0.0, 1.0, 2.0]])
+    target = torch.tensor([1, 1, 1, 1])
+    h1, h2 = hidden.clone().requires_grad_(), hidden.double().requires_grad_()
+    loss, nll, _ = output_cross_entropy(h1, torch.eye(3), target, smoothing, rdrop=2.0)
+    reference, ref_nll, _ = rdrop_cross_entropy_reference(h2, torch.eye(3).double(), target, smoothing, 2.0)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-5) and nll.item() > 290
+    assert nll.item() == pytest.approx(ref_nll.item(), rel=1e-6)
+    loss.backward()
+    reference.backward()
+    assert torch.allclose(h1.grad.double(), h2.grad, atol=1e-5)
 
 
 def test_loss_by_hand():

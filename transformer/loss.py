@@ -58,17 +58,20 @@ class _LogitGradient:
             self.hidden = torch.empty(n_tokens, dim, dtype=torch.float32, device=h.device)     # (N, D) G W
             self.weight = torch.zeros(vocab, dim, dtype=torch.float32, device=h.device)        # (V, D) Gᵀ H
 
-    def add(self, rows: slice, grad: torch.Tensor) -> None:
-        """Rows `rows` of G: `grad` (n, V), float32."""
+    def add(self, rows: slice, grad: torch.Tensor, scale: float = 1.0) -> None:
+        """Rows `rows` of G: `scale` x `grad` (n, V), float32 (the scale goes on the products, not on the
+        (n, V) chunk)."""
         if self.mode == "stored":
-            self.logits[rows] = grad
+            torch.mul(grad, scale, out=self.logits[rows])
         elif self.mode == "eager" and self.h.dtype == torch.float32:
             torch.mm(grad, self.w, out=self.hidden[rows])
-            self.weight.addmm_(grad.t(), self.h[rows])
+            if scale != 1.0:
+                self.hidden[rows] *= scale
+            self.weight.addmm_(grad.t(), self.h[rows], alpha=scale)
         elif self.mode == "eager":            # bfloat16 (or float64) products, summed over the chunks in float32
             grad = grad.to(self.h.dtype)
-            self.hidden[rows] = grad @ self.w
-            self.weight += (grad.t() @ self.h[rows]).float()
+            self.hidden[rows] = (grad @ self.w).float() * scale
+            self.weight += (grad.t() @ self.h[rows]).float() * scale
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """What the backward pass needs, for `ctx.save_for_backward` (which frees it after that pass)."""
@@ -147,48 +150,59 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
         rdrop / 2 x (KL(p || q) + KL(q || p)): the paper's CE₁ + CE₂ + α/2 (KL(p||q) + KL(q||p)) halved, so
         that divided by the N target tokens it is per token what the plain loss is.
 
-        Per pair the symmetric KL is Σ_v (p_v - q_v)(log p_v - log q_v); its gradient at the first pass's
-        logits is p ⊙ (log p - log q - KL(p || q)) + p - q, and the mirror image at the second's. Both go
-        to the logits' gradient (`_LogitGradient`); the chunk works in float32.
+        Per pair the symmetric KL is Σ_v p_v r_v - Σ_v q_v r_v with r = log p - log q; with a = rdrop / 2
+        its gradient at the first pass's logits is a (p ⊙ (r - KL(p || q)) + p - q), at the second's the
+        mirror image, and with the cross-entropy's p - (1 - ε) onehot the first pass's whole gradient is
+        a (p ⊙ (r + (1 + a) / a - KL(p || q)) - q) - (1 - ε) onehot: three passes over the (n, V) chunk,
+        the factor a applied to the two products (`_LogitGradient.add`). The logs come from the softmax
+        as in the plain loss (lse = z_max - log p_max), and the smoothing's mean log-probability from
+        h · Σ_v w_v: no log-softmax. The chunk works in float32.
         """
-        n_tokens = hidden.size(0)
+        n_tokens, vocab = hidden.size(0), weight.size(0)
         if n_tokens % 2:
             raise ValueError(f"R-Drop needs the two passes' rows: an even number of tokens, not {n_tokens}")
         pairs = n_tokens // 2
         chunk = CHUNK_ROWS.get(hidden.device.type, 1024) // 2
-        half = rdrop / 2                                                           # the KL sum's weight
+        half = rdrop / 2                                                           # a, the KL sum's weight
         with autocast_off(hidden.device.type):
             h = hidden.to(compute_dtype)
             w = weight.to(compute_dtype)
+            weight_sum = w.float().sum(0)                                          # (D,) Σ_v w_v
             gradient = _LogitGradient(h, w, gradient_wanted)
             nll_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
             mean_logp_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
             kl_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
             correct = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, pairs, chunk):
-                logps = []
+                passes = []
                 for rows in (slice(start, min(start + chunk, pairs)),
                              slice(pairs + start, pairs + min(start + chunk, pairs))):
                     tgt = target[rows][:, None]
-                    logp = F.log_softmax((h[rows] @ w.t()).float(), dim=1)      # (n, V)
-                    logp_of_target = logp.gather(1, tgt).squeeze(1)               # (n,)
-                    nll_sum += -logp_of_target.sum()
-                    mean_logp_sum += logp.mean(dim=1).sum()
-                    correct += (logp_of_target >= logp.amax(dim=1)).sum()
-                    logps.append((rows, tgt, logp))
-                (rows_p, tgt_p, logp_p), (rows_q, tgt_q, logp_q) = logps
-                p, q = logp_p.exp(), logp_q.exp()                                  # (n, V) each
-                log_ratio = logp_p - logp_q                                        # (n, V) log p - log q
-                kl_pq = (p * log_ratio).sum(1, keepdim=True)                       # (n, 1) KL(p || q)
-                kl_qp = -(q * log_ratio).sum(1, keepdim=True)                      # (n, 1) KL(q || p)
+                    logits = (h[rows] @ w.t()).float()                             # (n, V)
+                    top_logit = logits.amax(dim=1)                                  # (n,)
+                    logit_of_target = logits.gather(1, tgt).squeeze(1)              # (n,)
+                    probs = torch.softmax(logits, dim=1)                            # (n, V)
+                    lse = top_logit - probs.amax(dim=1).log()                       # (n,) log Σ_v exp z_v
+                    nll_sum += (lse - logit_of_target).sum()
+                    mean_logp_sum += ((h[rows].float() @ weight_sum) / vocab - lse).sum()
+                    correct += (logit_of_target >= top_logit).sum()
+                    passes.append((rows, tgt, logits, probs, lse))
+                (rows_p, tgt_p, log_ratio, p, lse_p), (rows_q, tgt_q, buffer, q, lse_q) = passes
+                log_ratio.sub_(buffer).sub_((lse_p - lse_q)[:, None])              # (n, V) r = log p - log q
+                kl_pq = torch.linalg.vecdot(p, log_ratio)                           # (n,) KL(p || q)
+                kl_qp = -torch.linalg.vecdot(q, log_ratio)                          # (n,) KL(q || p)
                 kl_sum += (kl_pq + kl_qp).sum()
-                for rows, tgt, own, other, own_log_ratio, own_kl in (
-                        (rows_p, tgt_p, p, q, log_ratio, kl_pq), (rows_q, tgt_q, q, p, -log_ratio, kl_qp)):
-                    grad = own + half * (own * (own_log_ratio - own_kl) + own - other)   # (n, V) float32
-                    grad[torch.arange(grad.size(0), device=grad.device), tgt[:, 0]] -= 1.0 - smoothing
-                    gradient.add(rows, grad)
+                rows_of = torch.arange(p.size(0), device=p.device)
+                # first pass: a (p ⊙ (r + c_p) - q) with c_p = (1 + a) / a - KL(p || q), in the buffer
+                grad = torch.add(log_ratio, ((1 + half) / half - kl_pq)[:, None], out=buffer).mul_(p).sub_(q)
+                grad[rows_of, tgt_p[:, 0]] -= (1.0 - smoothing) / half
+                gradient.add(rows_p, grad, half)
+                # second pass: a (q ⊙ (-r + c_q) - p) = -a (q ⊙ (r - c_q) + p), c_q = (1 + a) / a - KL(q || p)
+                grad = torch.sub(log_ratio, ((1 + half) / half - kl_qp)[:, None], out=buffer).mul_(q).add_(p)
+                grad[rows_of, tgt_q[:, 0]] += (1.0 - smoothing) / half
+                gradient.add(rows_q, grad, -half)
             loss_sum = (1.0 - smoothing) * nll_sum - smoothing * mean_logp_sum + half * kl_sum
-            weight_sum = w.float().sum(0) if smoothing else None                    # (D,) for backward
+            weight_sum = weight_sum if smoothing else None                          # for backward
         return _FusedOutputCrossEntropy._keep_for_backward(ctx, gradient, weight_sum, hidden, weight, smoothing,
                                                            loss_sum, nll_sum, correct)
 
