@@ -102,7 +102,9 @@ stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core ea
         [ -f $RUNS/search/$name/train.log ] || continue
         echo "--- $name: $(grep -E 'step +[0-9]+ \|' $RUNS/search/$name/train.log | tail -1 | cut -c 53-130)"
         grep -E "test_2016|test \|" $RUNS/search/$name/train.log | cut -c 53-200 | tail -2
-        grep "validation step" $RUNS/search/$name/train.log \
+        # a multilingual run: the mean of its directions
+        grep "validation step" $RUNS/search/$name/train.log | grep -v -E "validation step [0-9]+ [a-z]+-[a-z]+ " \
+            | sed -E 's/ mean of [0-9]+ directions//' \
             | sed -E 's/.*validation step ([0-9]+)( \((ema) weights\))? \| loss ([0-9.]+) .*BLEU ([0-9.]+).*/\1 \3 \4 \5/' \
             | awk '{ if ($2 == "ema") { e[$1] = $4; l[$1] = $3 } else if (NF == 3) { r[$1] = $3; s[$1] = 1 } }
                    END { for (k in s) printf "%6d raw %6s ema %6s ema loss %s\n", k, r[k], e[k], l[k] }' | sort -n | tail -6
@@ -112,19 +114,30 @@ stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core ea
 }
 
 stage_evaluate() {   # the search runs' best.pt on test_2016_flickr, beam 5, side by side: cased detokenized and
-                    # tokenized lowercased BLEU (the references in $M/tok, named by the run's data preset)
-    local list=${SEARCH:-scripts/gpu_search.txt} name args tgt pids=()
+                    # tokenized lowercased BLEU (the references in $M/tok), for the direction named by the run's data
+                    # preset (multi30k_de_en: de-en), or each of the six of data=multi30k_multi, one after another
+    local list=${SEARCH:-scripts/gpu_search.txt} name args data directions pids=()
     while IFS='|' read -r name args; do
         name=$(echo $name)
-        tgt=$(echo "$(grep -m1 "^common:" "$list") $args" | grep -o "data=multi30k_[a-z]*_[a-z]*" | tail -1 | cut -c 18-)
+        data=$(echo "$(grep -m1 "^common:" "$list") $args" | grep -o "data=multi30k_[a-z_]*" | tail -1 | cut -c 15-)
+        case $data in
+            multi) directions="de-en fr-en cs-en en-de en-fr en-cs" ;;
+            *) directions=${data/_/-} ;;
+        esac
         [ -f $RUNS/search/$name/checkpoints/best.pt ] || { echo "--- $name: no best.pt"; continue; }
-        OMP_NUM_THREADS=1 $PY -m transformer.evaluate $RUNS/search/$name/checkpoints/best.pt --device ${EVAL_DEVICE:-cuda} --beam 5 \
-            --tokenized-lc "$M/tok/test_2016_flickr.lc.norm.tok.$tgt" >"$OUT/eval-$name.out" 2>&1 &
+        (for direction in $directions; do
+            local langs=()
+            [ "$data" = multi ] && langs=(--src-lang "${direction%-*}" --tgt-lang "${direction#*-}")
+            OMP_NUM_THREADS=1 $PY -m transformer.evaluate $RUNS/search/$name/checkpoints/best.pt --device ${EVAL_DEVICE:-cuda} \
+                --beam 5 "${langs[@]}" --tokenized-lc "$M/tok/test_2016_flickr.lc.norm.tok.${direction#*-}" 2>&1
+        done) >"$OUT/eval-$name.out" &
         pids+=($!)
     done < <(grep "|" "$list" | grep -v "^#")
     wait "${pids[@]}"
-    for f in "$OUT"/eval-*.out; do echo "--- $(basename "$f" .out): $(grep -E "^test|tokenized|error" "$f" | cut -c 1-200 | tr '\n' ' ')"; done \
-        | tee -a "$LOG" "$OUT/evaluate.txt"
+    for f in "$OUT"/eval-*.out; do
+        echo "--- $(basename "$f" .out)"
+        grep -E "^test|tokenized|error" "$f" | sed -E 's/ *nrefs.*//; s/\(not comparable with the above\)//' | cut -c 1-160
+    done | tee -a "$LOG" "$OUT/evaluate.txt"
     rm -f "$OUT"/eval-*.out
 }
 
