@@ -77,7 +77,7 @@ stage_precisions() {   # 20 s of training at each precision (the preset's 2,048-
 
 stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core each
     local list=${SEARCH:-scripts/gpu_search.txt} seconds=${SEARCH_SECONDS:-300} pids=() names=() name args i
-    local common
+    local common data
     common=$(grep -m1 "^common:" "$list" | cut -d: -f2-)
     for data in $(grep -v "^#" "$list" | grep -o "data=[a-z0-9_]*" | sort -u); do   # each corpus once, before the runs
         # shellcheck disable=SC2086
@@ -122,7 +122,8 @@ stage_evaluate() {   # the search runs' best.pt on test_2016_flickr, beam 5, sid
         data=$(echo "$(grep -m1 "^common:" "$list") $args" | grep -o "data=multi30k_[a-z_]*" | tail -1 | cut -c 15-)
         case $data in
             multi) directions="de-en fr-en cs-en en-de en-fr en-cs" ;;
-            *) directions=${data/_/-} ;;
+            ?*) directions=${data/_/-} ;;
+            *) echo "--- $name: no data=multi30k_... preset in its line or common:, nothing to score"; continue ;;
         esac
         [ -f $RUNS/search/$name/checkpoints/best.pt ] || { echo "--- $name: no best.pt"; continue; }
         (for direction in $directions; do
@@ -134,9 +135,10 @@ stage_evaluate() {   # the search runs' best.pt on test_2016_flickr, beam 5, sid
         pids+=($!)
     done < <(grep "|" "$list" | grep -v "^#")
     wait "${pids[@]}"
+    rm -f "$OUT/evaluate.txt"
     for f in "$OUT"/eval-*.out; do
         echo "--- $(basename "$f" .out)"
-        grep -E "^test|tokenized|error" "$f" | sed -E 's/ *nrefs.*//; s/\(not comparable with the above\)//' | cut -c 1-160
+        grep -E "^test|tokenized|off-target|error" "$f" | sed -E 's/ *nrefs.*//; s/\(not comparable with the above\)//' | cut -c 1-160
     done | tee -a "$LOG" "$OUT/evaluate.txt"
     rm -f "$OUT"/eval-*.out
 }

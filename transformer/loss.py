@@ -192,6 +192,8 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
                 kl_pq = torch.linalg.vecdot(p, log_ratio)                           # (n,) KL(p || q)
                 kl_qp = -torch.linalg.vecdot(q, log_ratio)                          # (n,) KL(q || p)
                 kl_sum += (kl_pq + kl_qp).sum()
+                if gradient.mode == "none":                                         # no autograd: the loss only
+                    continue
                 rows_of = torch.arange(p.size(0), device=p.device)
                 # first pass: a (p ⊙ (r + c_p) - q) with c_p = (1 + a) / a - KL(p || q), in the buffer
                 grad = torch.add(log_ratio, ((1 + half) / half - kl_pq)[:, None], out=buffer).mul_(p).sub_(q)
