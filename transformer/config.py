@@ -291,7 +291,7 @@ class TrainerConfig:
     rdrop: float = setting(0.0, "R-Drop (Liang et al. 2021): every batch runs twice under different dropout; "
                                 "the loss is the paper's CE1 + CE2 + rdrop x (KL(p||q) + KL(q||p)) / 2 per "
                                 "token pair (rdrop = its alpha, 5 in its translation runs), divided by 2. "
-                                "Twice the compute per step; 0 = off")
+                                "Twice the compute per step; recipe=multi30k_long uses 2 with dropout 0.2; 0 = off")
     max_steps: int = setting(100000, "stop after this many optimizer steps (0 = no limit)")
     max_epochs: int = setting(0, "stop after this many epochs (0 = no limit)")
     max_minutes: float = setting(0.0, "stop after this much wall-clock time, validation included (0 = no "
