@@ -75,15 +75,23 @@ stage_precisions() {   # 20 s of training at each precision (the preset's 2,048-
     rm -f "$OUT"/base-*.out
 }
 
+list_runs() {   # the run lines of a search list (`name | overrides`), comments left out
+    grep -v "^#" "$1" | grep "|"
+}
+
+list_common() {   # the overrides of its `common:` line
+    grep -m1 "^common:" "$1" | cut -d: -f2-
+}
+
 stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core each
     local list=${SEARCH:-scripts/gpu_search.txt} seconds=${SEARCH_SECONDS:-300} pids=() names=() name args i
     local common data
-    common=$(grep -m1 "^common:" "$list" | cut -d: -f2-)
+    common=$(list_common "$list")
     for data in $(grep -v "^#" "$list" | grep -o "data=[a-z0-9_]*" | sort -u); do   # each corpus once, before the runs
         # shellcheck disable=SC2086
         $PY -m transformer.corpus $common $data data.path=$M data.cache_dir=$CACHE >>"$LOG" 2>&1
     done
-    say "search: $(grep -c "|" "$list") runs of '$common' for $seconds s"
+    say "search: $(list_runs "$list" | wc -l) runs of '$common' for $seconds s"
     while IFS='|' read -r name args; do
         name=$(echo $name)
         # the defaults first: the list's overrides come later and win (trainer.test_at_end=true, say)
@@ -93,7 +101,7 @@ stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core ea
             trainer.num_workers=1 trainer.num_threads=1 $common $args ${SEARCH_RESUME:+trainer.resume=true} \
             hydra.run.dir=$RUNS/search/$name >>"$OUT/search-$name.out" 2>&1 &
         pids+=($!) names+=("$name")
-    done < <(grep "|" "$list" | grep -v "^#")
+    done < <(list_runs "$list")
     for i in "${!pids[@]}"; do   # 0: finished, 124: stopped by the time limit (last.pt written); else the end of its output
         wait "${pids[$i]}" || [ $? = 124 ] || { echo "--- ${names[$i]} failed:"; tail -6 "$OUT/search-${names[$i]}.out"; } \
             | tee -a "$LOG"
@@ -119,7 +127,7 @@ stage_evaluate() {   # the search runs' best.pt on test_2016_flickr, beam 5, sid
     local list=${SEARCH:-scripts/gpu_search.txt} name args data directions pids=()
     while IFS='|' read -r name args; do
         name=$(echo $name)
-        data=$(echo "$(grep -m1 "^common:" "$list") $args" | grep -o "data=multi30k_[a-z_]*" | tail -1 | cut -c 15-)
+        data=$(echo "$(list_common "$list") $args" | grep -o "data=multi30k_[a-z_]*" | tail -1 | cut -c 15-)
         case $data in
             multi) directions="de-en fr-en cs-en en-de en-fr en-cs" ;;
             ?*) directions=${data/_/-} ;;
@@ -133,7 +141,7 @@ stage_evaluate() {   # the search runs' best.pt on test_2016_flickr, beam 5, sid
                 --beam 5 "${langs[@]}" --tokenized-lc "$M/tok/test_2016_flickr.lc.norm.tok.${direction#*-}" 2>&1
         done) >"$OUT/eval-$name.out" &
         pids+=($!)
-    done < <(grep "|" "$list" | grep -v "^#")
+    done < <(list_runs "$list")
     wait "${pids[@]}"
     rm -f "$OUT/evaluate.txt"
     for f in "$OUT"/eval-*.out; do

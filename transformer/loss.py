@@ -90,6 +90,19 @@ class _LogitGradient:
         return hidden * scale, weight * scale
 
 
+def _softmax_chunk(h_rows: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor):
+    """One chunk of rows: h_rows (n, D), w (V, D), tgt (n, 1) -> logits (n, V) and their softmax (n, V) in
+    float32, the largest logit, the target's logit and the log-sum-exp (n,) each.
+
+    One exp per logit: lse = z_max - log p_max, since p_max >= 1/V cannot underflow as a tiny p_y would,
+    so log p_y = z_y - lse is exact without a log-softmax (a second exp per logit)."""
+    logits = (h_rows @ w.t()).float()                                           # (n, V)
+    top_logit = logits.amax(dim=1)                                              # (n,)
+    logit_of_target = logits.gather(1, tgt).squeeze(1)                          # (n,)
+    probs = torch.softmax(logits, dim=1)                                        # (n, V)
+    return logits, probs, top_logit, logit_of_target, top_logit - probs.amax(dim=1).log()
+
+
 class _FusedOutputCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, smoothing: float, rdrop: float, compute_dtype: torch.dtype,
@@ -111,13 +124,8 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
             for start in range(0, n_tokens, chunk):
                 rows = slice(start, start + chunk)
                 tgt = target[rows][:, None]
-                logits = (h[rows] @ w.t()).float()                             # (n, V)
-                top_logit = logits.amax(dim=1)                                  # (n,)
-                logit_of_target[rows] = logits.gather(1, tgt).squeeze(1)        # (n,)
-                probs = torch.softmax(logits, dim=1)                            # (n, V) one exp per logit
-                # log p_y = z_y - lse, and lse = z_max - log p_max: p_max >= 1/V cannot underflow as a
-                # tiny p_y would, so log p_y is exact without a log-softmax (a second exp per logit).
-                nll[rows] = top_logit - logit_of_target[rows] - probs.amax(dim=1).log()
+                _, probs, top_logit, logit_of_target[rows], lse = _softmax_chunk(h[rows], w, tgt)
+                nll[rows] = lse - logit_of_target[rows]
                 correct += (logit_of_target[rows] >= top_logit).sum()
                 probs[torch.arange(probs.size(0), device=probs.device), tgt[:, 0]] -= 1.0 - smoothing
                 gradient.add(rows, probs)                                       # G = softmax - (1 - ε) onehot
@@ -178,11 +186,7 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
                 for rows in (slice(start, min(start + chunk, pairs)),
                              slice(pairs + start, pairs + min(start + chunk, pairs))):
                     tgt = target[rows][:, None]
-                    logits = (h[rows] @ w.t()).float()                             # (n, V)
-                    top_logit = logits.amax(dim=1)                                  # (n,)
-                    logit_of_target = logits.gather(1, tgt).squeeze(1)              # (n,)
-                    probs = torch.softmax(logits, dim=1)                            # (n, V)
-                    lse = top_logit - probs.amax(dim=1).log()                       # (n,) log Σ_v exp z_v
+                    logits, probs, top_logit, logit_of_target, lse = _softmax_chunk(h[rows], w, tgt)
                     nll_sum += (lse - logit_of_target).sum()
                     mean_logp_sum += ((h[rows].float() @ weight_sum) / vocab - lse).sum()
                     correct += (logit_of_target >= top_logit).sum()
