@@ -207,8 +207,41 @@ def test_resume_says_which_changed_settings_make_it_inexact(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "trainer.resume: model.dropout 0.1 -> 0.3, data.max_len 64 -> 32, trainer.update_freq 1 -> 2, "
         "trainer.label_smoothing 0.1 -> 0.0, trainer.seed 1 -> 5 differ from the checkpoint: they apply from its "
-        "step 40 on, so the run does not continue as the interrupted one would have (not an exact resume)"]
+        "step 40 on, so the run does not continue as the interrupted one would have (not an exact resume); to "
+        "continue it as it was, add model.dropout=0.1 data.max_len=64 trainer.update_freq=1 "
+        "trainer.label_smoothing=0.1 trainer.seed=1"]
     assert cfg.model.dropout == 0.3 and cfg.trainer.seed == 5
+
+
+def test_a_run_of_the_previous_recipe_resumed_under_the_new_one_is_told_how_to_continue_as_it_was(caplog):
+    """recipe=multi30k_long gained R-Drop and dropout 0.2: a run started before resumes with them unless
+    the overrides the warning prints are added, and with those added it resumes as it was (no warning)."""
+    previous = ["data=multi30k_en_de", "recipe=multi30k_long", "trainer.rdrop=0", "model.dropout=0.3",
+                "decode.alpha=1.5"]
+    saved = _saved(compose_config(previous))
+    with caplog.at_level(logging.WARNING):
+        adopt_resumed_config(compose_config(previous[:2]), saved, Path("last.pt"))
+    message = caplog.records[-1].getMessage()
+    assert message.startswith("trainer.resume: model.dropout 0.3 -> 0.2, trainer.rdrop 0.0 -> 2.0 differ")
+    restoring = message.split("to continue it as it was, add ")[1].split()
+    assert restoring == ["model.dropout=0.3", "trainer.rdrop=0.0"]      # decode.alpha changes no training
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        adopt_resumed_config(compose_config(previous[:2] + restoring), saved, Path("last.pt"))
+    assert caplog.records == []
+
+
+def test_a_changed_corpus_list_is_named_not_spelled_out(caplog):
+    multi = ["data=multi30k_multi", "data.path=/corpora/multi30k"]
+    saved = _saved(compose_config(multi))
+    saved["config"]["data"]["corpora"] = saved["config"]["data"]["corpora"][:2]
+    with caplog.at_level(logging.WARNING):
+        adopt_resumed_config(compose_config(multi + ["model.dropout=0.2"]), saved, Path("last.pt"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainer.resume: model.dropout 0.1 -> 0.2, data.corpora (not the checkpoint's) differ from the checkpoint: "
+        "they apply from its step 40 on, so the run does not continue as the interrupted one would have (not an "
+        "exact resume); to continue it as it was, add model.dropout=0.1 and data.corpora as in the checkpoint's "
+        "config"]
 
 
 def test_resume_with_a_decaying_schedule_says_a_new_max_steps_moves_the_decay(caplog):

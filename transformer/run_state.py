@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shlex
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,7 @@ from transformer.checkpoint import (
     load_model_weights,
     non_finite_tensors,
 )
-from transformer.config import Config, DecodeConfig, TrainerConfig
+from transformer.config import Config, DecodeConfig, TrainerConfig, override_text
 from transformer.progress import Progress, restore_rng_state, rng_state
 from transformer.run_dir import RunDirectoryLock, TrainingError
 
@@ -246,7 +247,7 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
     with), and one warning names them; one more names the keys that change the run from here on. A fixed key
     an older checkpoint lacks counts as its default (new keys keep the old behaviour by default); other
     keys it lacks pass."""
-    saved, ignored, changed = state["config"], [], []
+    saved, ignored, changed, restore = state["config"], [], [], []
     for section in ("model", "data", "trainer", "decode"):
         values, old_values = getattr(cfg, section), saved.get(section, {})
         decays = section == "trainer" and values.schedule in ("cosine", "linear")
@@ -267,7 +268,12 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
                 ignored.append(f"{section}.{key}={new} (keeps {old})")
                 setattr(values, key, old)
             elif key not in HONOURED_ON_RESUME.get(section, ()) or (key == "max_steps" and decays):
-                changed.append(f"{section}.{key} {old} -> {new}")
+                if isinstance(old, list | dict):        # data.corpora: named, not spelled out
+                    changed.append(f"{section}.{key} (not the checkpoint's)")
+                    restore.append(f"{section}.{key}")
+                else:
+                    changed.append(f"{section}.{key} {old} -> {new}")
+                    restore.append(shlex.quote(f"{section}.{key}={override_text(old)}"))
     if ignored:
         cfg.validate()
     if not warn:
@@ -278,8 +284,18 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
                     ", ".join(ignored), path)
     if changed:
         log.warning("trainer.resume: %s differ from the checkpoint: they apply from its step %s on, so the run "
-                    "does not continue as the interrupted one would have (not an exact resume)",
-                    ", ".join(changed), state["step"])
+                    "does not continue as the interrupted one would have (not an exact resume); to continue it as "
+                    "it was, add %s", ", ".join(changed), state["step"], _restoring(restore))
+
+
+def _restoring(overrides: list[str]) -> str:
+    """The overrides that give changed keys their checkpoint values again, for a shell, then the names of
+    the changed lists and mappings (written as `key=value` / `key`)."""
+    named = [key for key in overrides if "=" not in key]
+    text = " ".join(key for key in overrides if "=" in key)
+    if named:
+        text += (" and " if text else "") + ", ".join(named) + " as in the checkpoint's config"
+    return text
 
 
 def find_resume_state(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> dict | None:
