@@ -54,7 +54,8 @@ class ModelConfig:
                                          "joint)")
     max_positions: int = setting(1024, "longest sequence the sinusoidal table covers; longer sources are "
                                        "truncated")
-    attention: str = setting("auto", "auto (matmuls on a CPU; SDPA's flash/efficient/math kernels on a GPU) | "
+    attention: str = setting("auto", "auto (on a CPU SDPA's fused kernel in float32, matmuls in bf16/fp16; SDPA's "
+                                     "flash/efficient/math kernels on a GPU) | "
                                      "sdpa (PyTorch's pick, cuDNN included) | matmul | math (the reference "
                                      "formula); see transformer/attention.py")
 
