@@ -143,6 +143,36 @@ def test_the_cli_refuses_before_hydra_writes_into_the_run_directory(tmp_path):
         RunDirectoryLock.acquire(tmp_path).release()           # the lock this process holds
 
 
+def test_a_resume_that_leaves_out_the_runs_corpus_or_model_is_refused_with_what_to_repeat(tmp_path):
+    """`make train trainer.resume=true hydra.run.dir=DIR` alone would compose the defaults (the embedded toy
+    corpus, model=tiny) around the checkpoint: the run's own overrides (Hydra's record of its launch)
+    must be named again; limits, decoding and the run directory may be dropped, values may change."""
+    from transformer.run_state import RunDirectoryLock, check_run_directory
+    _checkpoint(tmp_path / "checkpoints" / "last.pt", 40)
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(
+        "- data=multi30k_de_en\n- data.path=/corpora/multi30k\n- model=small\n- trainer.max_steps=500\n"
+        "- decode.beam_size=2\n- hydra.run.dir=runs/my-run\n- +trainer.rdrop=2\n")
+    run_dir = f"hydra.run.dir={tmp_path}"
+    try:
+        with pytest.raises(TrainingError) as refused:
+            check_run_directory(tmp_path, ["trainer.resume=true", run_dir])
+        assert str(refused.value) == (
+            f"trainer.resume=true: {tmp_path} was started with data=multi30k_de_en data.path=/corpora/multi30k "
+            "model=small +trainer.rdrop=2, which this command leaves out (each would take its default: another "
+            "corpus, model or setting); repeat them (new values are allowed), as in the command its log's last "
+            "line prints")
+        with pytest.raises(TrainingError, match=r"started with model=small, which"):
+            check_run_directory(tmp_path, ["data=multi30k_de_en", "data.path=/elsewhere", "trainer.rdrop=1",
+                                           "trainer.resume=true", run_dir])
+        check_run_directory(tmp_path, ["data=multi30k_de_en", "data.path=/elsewhere", "model=small",
+                                       "trainer.rdrop=1", "trainer.max_steps=900", "trainer.resume=true", run_dir])
+        (tmp_path / ".hydra" / "overrides.yaml").write_text("{unclosed: [")       # a damaged record: no check
+        check_run_directory(tmp_path, ["trainer.resume=true", run_dir])
+    finally:
+        RunDirectoryLock.acquire(tmp_path).release()
+
+
 # --- non-finite weights are never saved ---------------------------------------------------------------
 
 def test_non_finite_tensors_names_each_float_tensor_with_a_nan_or_an_infinity():

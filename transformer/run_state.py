@@ -411,8 +411,38 @@ def check_run_directory(run_dir: Path, overrides: list[str]) -> None:
         newest, unusable = _newest_resumable([p for p in existing if p.name != "best.pt"])
         if newest is None:
             raise nothing_to_resume_error(ckpt_dir, existing, unusable)
+        left_out = _left_out_of_resume(run_dir, overrides)
+        if left_out:
+            raise TrainingError(
+                f"trainer.resume=true: {run_dir} was started with {' '.join(left_out)}, which this command leaves "
+                "out (each would take its default: another corpus, model or setting); repeat them (new values "
+                "are allowed), as in the command its log's last line prints")
     elif not _switched_on(resume) or ("${" not in resume and Path(resume).resolve().parent != ckpt_dir.resolve()):
         raise foreign_run_error(ckpt_dir)
+
+
+def _left_out_of_resume(run_dir: Path, overrides: list[str]) -> list[str]:
+    """The overrides the run in `run_dir` was last launched with (Hydra's `.hydra/overrides.yaml`, not yet
+    rewritten by this launch) whose keys `overrides` does not name, except those a resume may drop:
+    where the run goes and how long, how it decodes, Hydra's own keys (`HONOURED_ON_RESUME`)."""
+    from omegaconf import ListConfig, OmegaConf
+
+    record = run_dir / ".hydra" / "overrides.yaml"
+    try:
+        previous = OmegaConf.load(record) if record.is_file() else []
+    except Exception:           # a damaged record must not stop a resume: nothing to compare with
+        return []
+    if not isinstance(previous, ListConfig | list):
+        return []               # no record (hydra.output_subdir=null, a library run): nothing to compare
+    droppable = {f"{section}.{key}" for section, keys in HONOURED_ON_RESUME.items() for key in keys}
+    droppable |= {"decode", "run_dir", "trainer.overwrite"}
+
+    def key(override) -> str:
+        return str(override).lstrip("+~").split("=", 1)[0]
+
+    named = {key(o) for o in overrides}
+    return [str(o) for o in previous if key(o) not in named and key(o) not in droppable
+            and not key(o).startswith(("hydra.", "hydra/", "decode."))]
 
 
 def _switched_on(value: str) -> bool:
