@@ -8,6 +8,7 @@
 
 import logging
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -152,13 +153,13 @@ def test_a_resume_that_leaves_out_the_runs_corpus_or_model_is_refused_with_what_
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "overrides.yaml").write_text(
         "- data=multi30k_de_en\n- data.path=/corpora/multi30k\n- model=small\n- trainer.max_steps=500\n"
-        "- decode.beam_size=2\n- hydra.run.dir=runs/my-run\n- +trainer.rdrop=2\n")
+        "- decode.beam_size=2\n- hydra.run.dir=runs/my-run\n- +trainer.rdrop=2\n- trainer.lr=1e-3\n")
     run_dir = f"hydra.run.dir={tmp_path}"
     try:
         with pytest.raises(TrainingError) as refused:
             check_run_directory(tmp_path, ["trainer.resume=true", run_dir])
         assert str(refused.value) == (
-            f"trainer.resume=true: {tmp_path} was started with data=multi30k_de_en data.path=/corpora/multi30k "
+            f"trainer.resume: {tmp_path} was started with data=multi30k_de_en data.path=/corpora/multi30k "
             "model=small +trainer.rdrop=2, which this command leaves out (each would take its default: another "
             "corpus, model or setting); repeat them (new values are allowed), as in the command its log's last "
             "line prints")
@@ -167,10 +168,39 @@ def test_a_resume_that_leaves_out_the_runs_corpus_or_model_is_refused_with_what_
                                            "trainer.resume=true", run_dir])
         check_run_directory(tmp_path, ["data=multi30k_de_en", "data.path=/elsewhere", "model=small",
                                        "trainer.rdrop=1", "trainer.max_steps=900", "trainer.resume=true", run_dir])
+        with pytest.raises(TrainingError, match=r"started with data=multi30k_de_en"):    # from a named checkpoint
+            check_run_directory(tmp_path, [f"trainer.resume={tmp_path}/checkpoints/last.pt", run_dir])
+        # read unresolved: an interpolation whose variable is unset now neither fails nor escapes the check
+        (tmp_path / ".hydra" / "overrides.yaml").write_text("- data.path=${oc.env:UNSET_CORPUS_DIR}/m30k\n")
+        with pytest.raises(TrainingError, match=re.escape("started with data.path=${oc.env:UNSET_CORPUS_DIR}/m30k,")):
+            check_run_directory(tmp_path, ["trainer.resume=true", run_dir])
         (tmp_path / ".hydra" / "overrides.yaml").write_text("{unclosed: [")       # a damaged record: no check
         check_run_directory(tmp_path, ["trainer.resume=true", run_dir])
     finally:
         RunDirectoryLock.acquire(tmp_path).release()
+
+
+@pytest.mark.parametrize("old", ["/corpora/a b", "/a,b", "~/m30k", "/data/Übersetzung", "true", "123", 'say "hi"',
+                                 "C:\\", None, False, 1e-05])
+def test_the_overrides_that_restore_a_checkpoints_value_parse_back_to_it(old, caplog):
+    """What the warning prints is pasted into a shell and read by Hydra: both must give back the value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    saved = _saved(compose_config())
+    saved["config"]["data"]["max_len_ratio"] = old          # any key a resume may change; the value is the test
+    with caplog.at_level(logging.WARNING):
+        adopt_resumed_config(compose_config(), saved, Path("last.pt"))
+    printed = caplog.records[-1].getMessage().split("to continue it as it was, add ")[1]
+    (override,) = shlex.split(printed)
+    assert OverridesParser.create().parse_override(override).value() == old
+
+
+def test_a_longer_decay_is_not_undone_by_the_restoring_overrides(caplog):
+    schedule = ["trainer.schedule=cosine", "trainer.warmup=10"]
+    saved = _saved(compose_config(schedule + ["trainer.max_steps=100", "model.dropout=0.2"]))
+    with caplog.at_level(logging.WARNING):
+        adopt_resumed_config(compose_config(schedule + ["trainer.max_steps=300"]), saved, Path("last.pt"))
+    assert "trainer.max_steps 100 -> 300" in caplog.text
+    assert caplog.text.rstrip().endswith("to continue it as it was, add model.dropout=0.2")
 
 
 # --- non-finite weights are never saved ---------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import shlex
 import shutil
 from collections.abc import Callable
@@ -273,7 +274,8 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
                     restore.append(f"{section}.{key}")
                 else:
                     changed.append(f"{section}.{key} {old} -> {new}")
-                    restore.append(shlex.quote(f"{section}.{key}={override_text(old)}"))
+                    if key != "max_steps":          # a longer decay is what the new value is for
+                        restore.append(shlex.quote(f"{section}.{key}={_hydra_value(old)}"))
     if ignored:
         cfg.validate()
     if not warn:
@@ -286,6 +288,16 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
         log.warning("trainer.resume: %s differ from the checkpoint: they apply from its step %s on, so the run "
                     "does not continue as the interrupted one would have (not an exact resume); to continue it as "
                     "it was, add %s", ", ".join(changed), state["step"], _restoring(restore))
+
+
+def _hydra_value(value) -> str:
+    """`value` as the right-hand side of a Hydra override: a string that Hydra would read as another
+    type or that its unquoted grammar refuses (spaces, commas, `~`, non-ASCII) in double quotes."""
+    if not isinstance(value, str) or (re.fullmatch(r"[A-Za-z_/.][A-Za-z0-9_./:-]*", value)
+                                      and value.lower() not in ("true", "false", "null", "nan", "inf")):
+        return override_text(value)
+    escaped = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value)
+    return f'"{escaped}"'
 
 
 def _restoring(overrides: list[str]) -> str:
@@ -411,37 +423,39 @@ def check_run_directory(run_dir: Path, overrides: list[str]) -> None:
         newest, unusable = _newest_resumable([p for p in existing if p.name != "best.pt"])
         if newest is None:
             raise nothing_to_resume_error(ckpt_dir, existing, unusable)
-        left_out = _left_out_of_resume(run_dir, overrides)
-        if left_out:
-            raise TrainingError(
-                f"trainer.resume=true: {run_dir} was started with {' '.join(left_out)}, which this command leaves "
-                "out (each would take its default: another corpus, model or setting); repeat them (new values "
-                "are allowed), as in the command its log's last line prints")
     elif not _switched_on(resume) or ("${" not in resume and Path(resume).resolve().parent != ckpt_dir.resolve()):
         raise foreign_run_error(ckpt_dir)
+    left_out = _left_out_of_resume(run_dir, overrides)            # resuming this run, from whichever checkpoint
+    if left_out:
+        raise TrainingError(
+            f"trainer.resume: {run_dir} was started with {' '.join(left_out)}, which this command leaves out (each "
+            "would take its default: another corpus, model or setting); repeat them (new values are allowed), as "
+            "in the command its log's last line prints")
 
 
 def _left_out_of_resume(run_dir: Path, overrides: list[str]) -> list[str]:
     """The overrides the run in `run_dir` was last launched with (Hydra's `.hydra/overrides.yaml`, not yet
-    rewritten by this launch) whose keys `overrides` does not name, except those a resume may drop:
-    where the run goes and how long, how it decodes, Hydra's own keys (`HONOURED_ON_RESUME`)."""
-    from omegaconf import ListConfig, OmegaConf
+    rewritten by this launch: train.main keeps ranks other than 0 from writing it) whose keys `overrides`
+    does not name, except those a resume may drop: where the run goes and how long, how it decodes
+    (`HONOURED_ON_RESUME`), what the checkpoint fixes anyway (`FIXED_BY_CHECKPOINT`), Hydra's own keys."""
+    from omegaconf import OmegaConf
 
     record = run_dir / ".hydra" / "overrides.yaml"
-    try:
-        previous = OmegaConf.load(record) if record.is_file() else []
+    try:            # unresolved: an ${oc.env:...} in the record must not need its variable now
+        previous = OmegaConf.to_container(OmegaConf.load(record), resolve=False) if record.is_file() else []
     except Exception:           # a damaged record must not stop a resume: nothing to compare with
         return []
-    if not isinstance(previous, ListConfig | list):
+    if not isinstance(previous, list):
         return []               # no record (hydra.output_subdir=null, a library run): nothing to compare
-    droppable = {f"{section}.{key}" for section, keys in HONOURED_ON_RESUME.items() for key in keys}
+    droppable = {f"{section}.{key}" for table in (HONOURED_ON_RESUME, FIXED_BY_CHECKPOINT)
+                 for section, keys in table.items() for key in keys}
     droppable |= {"decode", "run_dir", "trainer.overwrite"}
 
     def key(override) -> str:
         return str(override).lstrip("+~").split("=", 1)[0]
 
     named = {key(o) for o in overrides}
-    return [str(o) for o in previous if key(o) not in named and key(o) not in droppable
+    return [o for o in previous if isinstance(o, str) and key(o) not in named and key(o) not in droppable
             and not key(o).startswith(("hydra.", "hydra/", "decode."))]
 
 

@@ -543,6 +543,9 @@ def main() -> None:
         except TrainingError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
+    if int(os.environ.get("RANK", "0")) != 0:
+        # Rank 0 alone writes .hydra/: its record of the launch is what the next resume is checked against.
+        sys.argv.append("hydra.output_subdir=null")
 
     # An absolute path: Hydra then finds conf/ however this module was started (-m, torchrun, -c).
     tune_cpu_process()       # before the first tensor operation (runtime.py says why)
