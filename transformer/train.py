@@ -543,7 +543,7 @@ def main() -> None:
         except TrainingError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if int(os.environ.get("RANK", "0")) != 0 and not any(a.startswith("hydra.output_subdir=") for a in sys.argv):
         # Rank 0 alone writes .hydra/: its record of the launch is what the next resume is checked against.
         sys.argv.append("hydra.output_subdir=null")
 
