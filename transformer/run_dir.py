@@ -84,6 +84,11 @@ HYDRA_VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-na
 RESUME_REPLACES = ("trainer.resume", "trainer.overwrite", "hydra.run.dir", "run_dir")
 
 
+def override_key(override: str) -> str:
+    """The key (or group) a Hydra override sets: `+trainer.rdrop=2` -> `trainer.rdrop`, `~model` -> `model`."""
+    return override.lstrip("+~").split("=", 1)[0]
+
+
 @dataclasses.dataclass
 class Launch:
     """How the run was started, so that the command continuing it takes the same form: `program`
@@ -117,7 +122,7 @@ class Launch:
     def resume_command(self, run_dir: Path) -> str:
         """The command continuing the run in `run_dir`: the same overrides, trainer.resume=true and the
         directory (other values of trainer.resume, trainer.overwrite and the run directory dropped)."""
-        kept = [o for o in self.overrides if o.lstrip("+~").split("=", 1)[0] not in RESUME_REPLACES]
+        kept = [o for o in self.overrides if override_key(o) not in RESUME_REPLACES]
         args = kept + ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
         if self.program[0] == "make":
             flags = [f"ARGS={shlex.join(self.flags)}"] if self.flags else []

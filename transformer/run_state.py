@@ -29,7 +29,7 @@ from transformer.checkpoint import (
 )
 from transformer.config import Config, DecodeConfig, TrainerConfig, override_text
 from transformer.progress import Progress, restore_rng_state, rng_state
-from transformer.run_dir import RunDirectoryLock, TrainingError
+from transformer.run_dir import RESUME_REPLACES, RunDirectoryLock, TrainingError, override_key
 
 if TYPE_CHECKING:
     from transformer.tokenizer import Tokenizer
@@ -248,7 +248,8 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
     with), and one warning names them; one more names the keys that change the run from here on. A fixed key
     an older checkpoint lacks counts as its default (new keys keep the old behaviour by default); other
     keys it lacks pass."""
-    saved, ignored, changed, restore = state["config"], [], [], []
+    saved, ignored, changed = state["config"], [], []
+    restoring, restoring_named = [], []         # the overrides giving changed keys their old values; lists named
     for section in ("model", "data", "trainer", "decode"):
         values, old_values = getattr(cfg, section), saved.get(section, {})
         decays = section == "trainer" and values.schedule in ("cosine", "linear")
@@ -271,11 +272,11 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
             elif key not in HONOURED_ON_RESUME.get(section, ()) or (key == "max_steps" and decays):
                 if isinstance(old, list | dict):        # data.corpora: named, not spelled out
                     changed.append(f"{section}.{key} (not the checkpoint's)")
-                    restore.append(f"{section}.{key}")
+                    restoring_named.append(f"{section}.{key}")
                 else:
                     changed.append(f"{section}.{key} {old} -> {new}")
                     if key != "max_steps":          # a longer decay is what the new value is for
-                        restore.append(shlex.quote(f"{section}.{key}={_hydra_value(old)}"))
+                        restoring.append(shlex.quote(f"{section}.{key}={_hydra_value(old)}"))
     if ignored:
         cfg.validate()
     if not warn:
@@ -285,9 +286,12 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
                     "its checkpoint; to change them start a new run from its weights with trainer.init_from=%s",
                     ", ".join(ignored), path)
     if changed:
+        restore = " ".join(restoring)
+        if restoring_named:
+            restore += (" and " if restore else "") + ", ".join(restoring_named) + " as in the checkpoint's config"
         log.warning("trainer.resume: %s differ from the checkpoint: they apply from its step %s on, so the run "
                     "does not continue as the interrupted one would have (not an exact resume); to continue it as "
-                    "it was, add %s", ", ".join(changed), state["step"], _restoring(restore))
+                    "it was, add %s", ", ".join(changed), state["step"], restore)
 
 
 def _hydra_value(value) -> str:
@@ -298,16 +302,6 @@ def _hydra_value(value) -> str:
         return override_text(value)
     escaped = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value)
     return f'"{escaped}"'
-
-
-def _restoring(overrides: list[str]) -> str:
-    """The overrides that give changed keys their checkpoint values again, for a shell, then the names of
-    the changed lists and mappings (written as `key=value` / `key`)."""
-    named = [key for key in overrides if "=" not in key]
-    text = " ".join(key for key in overrides if "=" in key)
-    if named:
-        text += (" and " if text else "") + ", ".join(named) + " as in the checkpoint's config"
-    return text
 
 
 def find_resume_state(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> dict | None:
@@ -448,15 +442,10 @@ def _left_out_of_resume(run_dir: Path, overrides: list[str]) -> list[str]:
     if not isinstance(previous, list):
         return []               # no record (hydra.output_subdir=null, a library run): nothing to compare
     droppable = {f"{section}.{key}" for table in (HONOURED_ON_RESUME, FIXED_BY_CHECKPOINT)
-                 for section, keys in table.items() for key in keys}
-    droppable |= {"decode", "run_dir", "trainer.overwrite"}
-
-    def key(override) -> str:
-        return str(override).lstrip("+~").split("=", 1)[0]
-
-    named = {key(o) for o in overrides}
-    return [o for o in previous if isinstance(o, str) and key(o) not in named and key(o) not in droppable
-            and not key(o).startswith(("hydra.", "hydra/", "decode."))]
+                 for section, keys in table.items() for key in keys} | {"decode", *RESUME_REPLACES}
+    named = {override_key(o) for o in overrides}
+    return [o for o in previous if isinstance(o, str) and override_key(o) not in named | droppable
+            and not override_key(o).startswith(("hydra.", "hydra/"))]
 
 
 def _switched_on(value: str) -> bool:

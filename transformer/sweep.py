@@ -21,6 +21,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from transformer.run_dir import override_key
+
 log = logging.getLogger(__name__)
 
 COLUMNS = ("job", "overrides", "status", "best_val_bleu", "run_dir", "error")
@@ -46,7 +48,7 @@ def swept_keys(overrides: list[str]) -> set[str]:
 def job_name(number: int, overrides) -> str:
     """A sweep job's directory: its number, then its values of the swept keys (of all its overrides when
     those are unknown: another launcher's process), `/` made `_`, cut to MAX_JOB_NAME characters."""
-    settings = [o for o in overrides if _swept_keys is None or o.split("=", 1)[0].lstrip("+~") in _swept_keys]
+    settings = [o for o in overrides if _swept_keys is None or override_key(o) in _swept_keys]
     name = "_".join([str(number)] + ([",".join(settings)] if settings else [])).replace("/", "_")
     return name[:MAX_JOB_NAME]
 

@@ -537,13 +537,14 @@ def main() -> None:
     # other run is using it (a timestamped default directory is taken again inside `train`).
     run_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("hydra.run.dir=")]
     literal = run_dirs and "${" not in run_dirs[-1] and run_dirs[-1][:1] not in ("'", '"')
-    if literal and int(os.environ.get("RANK", "0")) == 0 and not {"-m", "--multirun"} & set(sys.argv):
+    rank = int(os.environ.get("RANK", "0"))
+    if literal and rank == 0 and not {"-m", "--multirun"} & set(sys.argv):
         try:
             check_run_directory(Path(run_dirs[-1]), sys.argv[1:])
         except TrainingError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
-    if int(os.environ.get("RANK", "0")) != 0 and not any(a.startswith("hydra.output_subdir=") for a in sys.argv):
+    if rank != 0 and not any(a.startswith("hydra.output_subdir=") for a in sys.argv):
         # Rank 0 alone writes .hydra/: its record of the launch is what the next resume is checked against.
         sys.argv.append("hydra.output_subdir=null")
 
