@@ -180,6 +180,38 @@ def test_a_resume_that_leaves_out_the_runs_corpus_or_model_is_refused_with_what_
         RunDirectoryLock.acquire(tmp_path).release()
 
 
+def test_a_resume_that_leaves_out_the_runs_config_name_or_config_dir_is_refused(tmp_path):
+    """A run started with `--config-name my_exp --config-dir DIR` and resumed without them would compose
+    conf/config.yaml around the checkpoint: Hydra's record of the launch (.hydra/hydra.yaml) names them."""
+    from transformer.run_state import RunDirectoryLock, check_run_directory
+    _checkpoint(tmp_path / "checkpoints" / "last.pt", 40)
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "hydra.yaml").write_text(
+        "hydra:\n  run:\n    dir: ${now:%H}\n  job:\n    config_name: my_exp\n  runtime:\n    config_sources:\n"
+        "    - {path: hydra.conf, schema: pkg, provider: hydra}\n"
+        "    - {path: /exp/my conf, schema: file, provider: command-line}\n")
+    run_dir = f"hydra.run.dir={tmp_path}"
+    try:
+        with pytest.raises(TrainingError) as refused:
+            check_run_directory(tmp_path, ["trainer.resume=true", run_dir])
+        assert str(refused.value).startswith(
+            f"trainer.resume: {tmp_path} was started with --config-name my_exp --config-dir '/exp/my conf', which "
+            "this command leaves out")
+        with pytest.raises(TrainingError, match=r"started with --config-dir '/exp/my conf', which"):
+            check_run_directory(tmp_path, ["--config-name=my_exp", "trainer.resume=true", run_dir])
+        with pytest.raises(TrainingError, match=r"started with --config-name my_exp, which"):
+            check_run_directory(tmp_path, ["-cd", "/exp/other", "trainer.resume=true", run_dir])
+        check_run_directory(tmp_path, ["-cn", "other", "--config-dir=/exp/my conf", "trainer.resume=true", run_dir])
+        # the default config and no --config-dir: nothing to repeat
+        (tmp_path / ".hydra" / "hydra.yaml").write_text(
+            "hydra:\n  job: {config_name: config}\n  runtime:\n    config_sources: [{path: x, provider: main}]\n")
+        check_run_directory(tmp_path, ["trainer.resume=true", run_dir])
+        (tmp_path / ".hydra" / "hydra.yaml").write_text("hydra: [unclosed")           # damaged: no check
+        check_run_directory(tmp_path, ["trainer.resume=true", run_dir])
+    finally:
+        RunDirectoryLock.acquire(tmp_path).release()
+
+
 @pytest.mark.parametrize("old", ["/corpora/a b", "/a,b", "~/m30k", "/data/Übersetzung", "true", "123", 'say "hi"',
                                  "C:\\", None, False, 1e-05])
 def test_the_overrides_that_restore_a_checkpoints_value_parse_back_to_it(old, caplog):

@@ -419,7 +419,8 @@ def check_run_directory(run_dir: Path, overrides: list[str]) -> None:
             raise nothing_to_resume_error(ckpt_dir, existing, unusable)
     elif not _switched_on(resume) or ("${" not in resume and Path(resume).resolve().parent != ckpt_dir.resolve()):
         raise foreign_run_error(ckpt_dir)
-    left_out = _left_out_of_resume(run_dir, overrides)            # resuming this run, from whichever checkpoint
+    # resuming this run, from whichever checkpoint
+    left_out = _config_flags_left_out(run_dir, overrides) + _left_out_of_resume(run_dir, overrides)
     if left_out:
         raise TrainingError(
             f"trainer.resume: {run_dir} was started with {' '.join(left_out)}, which this command leaves out (each "
@@ -446,6 +447,29 @@ def _left_out_of_resume(run_dir: Path, overrides: list[str]) -> list[str]:
     named = {override_key(o) for o in overrides}
     return [o for o in previous if isinstance(o, str) and override_key(o) not in named | droppable
             and not override_key(o).startswith(("hydra.", "hydra/"))]
+
+
+def _config_flags_left_out(run_dir: Path, argv: list[str]) -> list[str]:
+    """Hydra's `--config-name NAME` and `--config-dir DIR` of the run's launch (its `.hydra/hydra.yaml`)
+    that `argv` leaves out: without them the command composes `conf/config.yaml` around the checkpoint,
+    as a left-out `data=` would. A command naming another config or directory is taken at its word."""
+    from omegaconf import OmegaConf
+
+    record = run_dir / ".hydra" / "hydra.yaml"
+    try:            # unresolved, as the overrides are; a damaged or missing record skips the check
+        hydra = OmegaConf.to_container(OmegaConf.load(record), resolve=False)["hydra"] if record.is_file() else {}
+        name = hydra.get("job", {}).get("config_name")
+        sources = hydra.get("runtime", {}).get("config_sources") or []
+        dirs = [s["path"] for s in sources if isinstance(s, dict) and s.get("provider") == "command-line"]
+    except Exception:
+        return []
+    given = {arg.split("=", 1)[0] for arg in argv}
+    left_out = []
+    if isinstance(name, str) and name != "config" and not given & {"--config-name", "-cn"}:
+        left_out.append(shlex.join(["--config-name", name]))
+    if not given & {"--config-dir", "-cd"}:
+        left_out += [shlex.join(["--config-dir", str(path)]) for path in dirs]
+    return left_out
 
 
 def _switched_on(value: str) -> bool:
