@@ -315,7 +315,8 @@ class TrainerConfig:
     patience: int = setting(0, "stop after this many validations without a BLEU improvement (0 = never)")
     max_bad_steps: int = setting(20, "stop after this many consecutive non-finite steps (x10 under fp16)")
     compile: bool = setting(False, "torch.compile each encoder and decoder layer (regional compilation; the first "
-                                   "steps of each batch shape class wait for the compiler)")
+                                   "steps of each batch shape class wait for the compiler; for GPUs: on a 2-core CPU it "
+                                   "trained 45% slower than eager)")
     seed: int = setting(1, "seeds parameters, dropout and the batch order")
     resume: Any = setting(False, "true = newest checkpoint in the run dir; or a checkpoint path",
                           shown_type="bool | str")
