@@ -127,6 +127,26 @@ def test_cli_resume_true_with_only_best_exits_2_with_one_line_and_best_byte_iden
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "checkpoints"]     # nor .hydra/ nor train.log
 
 
+def test_a_quoted_run_directory_is_checked_before_hydra_writes_into_it(tmp_path):
+    """`hydra.run.dir='runs/my run'` (quoted for Hydra) is read as Hydra reads it, so the pre-check runs
+    for it too: a refused resume leaves the directory as it was."""
+    from transformer.run_dir import named_run_directory
+    run_dir = tmp_path / "my run"
+    best = _checkpoint(run_dir / "checkpoints" / "best.pt", 40)
+    proc = subprocess.run([sys.executable, "-m", "transformer.train", *FAST, "trainer.max_steps=3",
+                           "trainer.resume=true", f"hydra.run.dir='{run_dir}'"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "finds no checkpoint to resume from" in lines[0], proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "checkpoints"]      # nor .hydra/ nor train.log
+    assert sorted(p.name for p in best.parent.iterdir()) == ["best.pt"]
+    assert named_run_directory(["hydra.run.dir=runs/a\\ b", "x=1"]) == Path("runs/a b")     # Hydra's escape
+    assert named_run_directory(['hydra.run.dir="runs/x,y"']) == Path("runs/x,y")
+    assert named_run_directory(["hydra.run.dir=runs/a", "hydra.run.dir=runs/b"]) == Path("runs/b")
+    for unresolved in (["hydra.run.dir=runs/${now:%H}"], ["hydra.run.dir=a,b"], ["hydra.run.dir='open"], ["x=1"]):
+        assert named_run_directory(unresolved) is None, unresolved
+
+
 def test_the_cli_refuses_before_hydra_writes_into_the_run_directory(tmp_path):
     from transformer.run_state import RunDirectoryLock, check_run_directory
     best = _checkpoint(tmp_path / "checkpoints" / "best.pt", 40)

@@ -89,6 +89,22 @@ def override_key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
 
+def named_run_directory(argv: list[str]) -> Path | None:
+    """The directory `hydra.run.dir=...` names in `argv`, as Hydra reads it (quotes and escapes removed:
+    `'runs/a b'`, `runs/a\\ b`), or None: none named, an interpolation only Hydra resolves (`${now:...}`),
+    a list of them, or an override Hydra will refuse itself."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    named = [arg for arg in argv if arg.split("=", 1)[0] == "hydra.run.dir"]
+    if not named:
+        return None
+    try:
+        value = OverridesParser.create().parse_override(named[-1]).value()
+    except Exception:
+        return None
+    return Path(value) if isinstance(value, str) and value and "${" not in value else None
+
+
 @dataclasses.dataclass
 class Launch:
     """How the run was started, so that the command continuing it takes the same form: `program`

@@ -47,6 +47,7 @@ from transformer.run_dir import (
     TrainingError,
     attach_log_file,
     install_signal_handlers,
+    named_run_directory,
     resume_hint,
 )
 from transformer.run_state import TrainingState, check_run_directory, starting_point
@@ -535,12 +536,11 @@ def main() -> None:
 
     # Before Hydra writes .hydra/ and train.log into an explicitly named run directory, make sure no
     # other run is using it (a timestamped default directory is taken again inside `train`).
-    run_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("hydra.run.dir=")]
-    literal = run_dirs and "${" not in run_dirs[-1] and run_dirs[-1][:1] not in ("'", '"')
+    run_dir = named_run_directory(sys.argv[1:])
     rank = int(os.environ.get("RANK", "0"))
-    if literal and rank == 0 and not {"-m", "--multirun"} & set(sys.argv):
+    if run_dir is not None and rank == 0 and not {"-m", "--multirun"} & set(sys.argv):
         try:
-            check_run_directory(Path(run_dirs[-1]), sys.argv[1:])
+            check_run_directory(run_dir, sys.argv[1:])
         except TrainingError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
