@@ -16,6 +16,7 @@ import subprocess
 import sys
 import termios
 import time
+from pathlib import Path
 
 import pytest
 from tqdm import tqdm
@@ -81,6 +82,17 @@ def test_the_resume_command_of_python_dash_m_names_this_interpreter(monkeypatch,
     command = shlex.split(launch.resume_command(RUN))
     assert command[1:] == ["-m", "transformer.train", "trainer.resume=true", f"hydra.run.dir={RUN}"]
     assert command[0] == "python" or os.path.samefile(command[0], sys.executable)
+
+
+@pytest.mark.parametrize("run_dir", ["runs/a,b", "runs/my run", "runs/Übersetzung", "runs/x=y", "runs/true"])
+def test_the_resume_command_names_a_run_directory_hydra_reads_back(run_dir, monkeypatch, tmp_path):
+    """A directory Hydra's unquoted grammar would misread (a comma makes a sweep, non-ASCII and `=` do not
+    parse) is quoted for Hydra inside the shell's quoting: the printed command names the same directory."""
+    from transformer.run_dir import named_run_directory
+    monkeypatch.chdir(tmp_path)
+    launch = Launch.detect(["/venv/bin/transformer-train", "model=small"], {}, ["model=small"])
+    command = shlex.split(launch.resume_command(Path(run_dir)))
+    assert named_run_directory(command[1:]) == Path(run_dir), command
 
 
 # -- SentencePiece --------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -15,6 +16,8 @@ import socket
 import sys
 import time
 from pathlib import Path
+
+from transformer.config import override_text
 
 log = logging.getLogger("transformer.train")
 
@@ -89,6 +92,16 @@ def override_key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
 
+def hydra_value(value) -> str:
+    """`value` as the right-hand side of a Hydra override: a string that Hydra would read as another
+    type or that its unquoted grammar refuses (spaces, commas, `~`, non-ASCII) in double quotes."""
+    if not isinstance(value, str) or (re.fullmatch(r"[A-Za-z_/.][A-Za-z0-9_./:-]*", value)
+                                      and value.lower() not in ("true", "false", "null", "nan", "inf")):
+        return override_text(value)
+    escaped = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value)
+    return f'"{escaped}"'
+
+
 def named_run_directory(argv: list[str]) -> Path | None:
     """The directory `hydra.run.dir=...` names in `argv`, as Hydra reads it (quotes and escapes removed:
     `'runs/a b'`, `runs/a\\ b`), or None: none named, an interpolation only Hydra resolves (`${now:...}`),
@@ -139,7 +152,7 @@ class Launch:
         """The command continuing the run in `run_dir`: the same overrides, trainer.resume=true and the
         directory (other values of trainer.resume, trainer.overwrite and the run directory dropped)."""
         kept = [o for o in self.overrides if override_key(o) not in RESUME_REPLACES]
-        args = kept + ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
+        args = kept + ["trainer.resume=true", f"hydra.run.dir={hydra_value(str(run_dir))}"]
         if self.program[0] == "make":
             flags = [f"ARGS={shlex.join(self.flags)}"] if self.flags else []
             return shlex.join(self.program + args + flags)

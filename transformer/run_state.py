@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import shlex
 import shutil
 from collections.abc import Callable
@@ -27,9 +26,9 @@ from transformer.checkpoint import (
     load_model_weights,
     non_finite_tensors,
 )
-from transformer.config import Config, DecodeConfig, TrainerConfig, override_text
+from transformer.config import Config, DecodeConfig, TrainerConfig
 from transformer.progress import Progress, restore_rng_state, rng_state
-from transformer.run_dir import RESUME_REPLACES, RunDirectoryLock, TrainingError, override_key
+from transformer.run_dir import RESUME_REPLACES, RunDirectoryLock, TrainingError, hydra_value, override_key
 
 if TYPE_CHECKING:
     from transformer.tokenizer import Tokenizer
@@ -276,7 +275,7 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
                 else:
                     changed.append(f"{section}.{key} {old} -> {new}")
                     if key != "max_steps":          # a longer decay is what the new value is for
-                        restoring.append(shlex.quote(f"{section}.{key}={_hydra_value(old)}"))
+                        restoring.append(shlex.quote(f"{section}.{key}={hydra_value(old)}"))
     if ignored:
         cfg.validate()
     if not warn:
@@ -292,16 +291,6 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
         log.warning("trainer.resume: %s differ from the checkpoint: they apply from its step %s on, so the run "
                     "does not continue as the interrupted one would have (not an exact resume); to continue it as "
                     "it was, add %s", ", ".join(changed), state["step"], restore)
-
-
-def _hydra_value(value) -> str:
-    """`value` as the right-hand side of a Hydra override: a string that Hydra would read as another
-    type or that its unquoted grammar refuses (spaces, commas, `~`, non-ASCII) in double quotes."""
-    if not isinstance(value, str) or (re.fullmatch(r"[A-Za-z_/.][A-Za-z0-9_./:-]*", value)
-                                      and value.lower() not in ("true", "false", "null", "nan", "inf")):
-        return override_text(value)
-    escaped = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value)
-    return f'"{escaped}"'
 
 
 def find_resume_state(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> dict | None:
