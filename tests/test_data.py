@@ -243,6 +243,33 @@ def test_arrow_sources_stream_in_chunks(tmp_path):
         open_split(DataConfig(path=str(tmp_path)), "test")
 
 
+def test_a_jsonl_or_parquet_value_that_is_not_text_is_refused_and_utf8_bytes_are_decoded(tmp_path):
+    """One non-string JSONL value makes `datasets` type the whole column as JSON: read with str(), every
+    target would be trained with its quotes ('"house"') and every umlaut escaped; refused instead, naming
+    the record. A Parquet binary column is UTF-8 text, decoded (str() gave "b'Zwei wei\\xc3\\x9fe'")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"de": "weiße Häuser", "en": "white houses"}, {"de": "eine Maus", "en": 1999}]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(DataError, match=r"train.jsonl: column 'en' must hold text in every record \(record 2 holds 1999\)"):
+        open_split(DataConfig(path=str(tmp_path)), "train")
+    nested = [{"translation": {"de": "Haus", "en": "house"}}, {"translation": {"de": ["Maus"], "en": "mouse"}}]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in nested) + "\n")
+    with pytest.raises(DataError, match=r"column 'translation.de' must hold text .*record 2 holds \['Maus'\]"):
+        open_split(DataConfig(path=str(tmp_path)), "train")
+    nulls = [{"de": "weiße Häuser", "en": None}, {"de": None, "en": "a mouse"}]        # null: an empty side
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in nulls) + "\n")
+    assert open_split(DataConfig(path=str(tmp_path)), "train").read_all() == (["weiße Häuser", ""], ["", "a mouse"])
+    (tmp_path / "train.jsonl").unlink()
+    table = pa.table({"de": pa.array(["weiße Häuser".encode(), None], pa.binary()), "en": ["white houses", "x"]})
+    pq.write_table(table, tmp_path / "train.parquet")
+    assert open_split(DataConfig(path=str(tmp_path)), "train").read_all() == (["weiße Häuser", ""], ["white houses", "x"])
+    bad = pa.table({"de": pa.array([b"gut", b"wei\xdfe"], pa.binary()), "en": ["good", "white"]})
+    pq.write_table(bad, tmp_path / "train.parquet")
+    with pytest.raises(DataError, match=r"column 'de', record 2: bytes that are not UTF-8"):
+        open_split(DataConfig(path=str(tmp_path)), "train").read_all()
+
+
 def test_embedded_corpus_is_a_real_translation_task():
     splits = toy.generate(3000, 200, 200)
     train_src, train_tgt = splits["train"]

@@ -260,13 +260,58 @@ class ArrowTable(SplitSource):
                 found = f"keys {sorted(keys)}" if keys is not None else f"type {arrow_type}"
                 raise DataError(f"{where}: the 'translation' column must map {cfg.src_lang!r} and {cfg.tgt_lang!r} "
                                 f"to text (found {found}); check data.src_lang and data.tgt_lang")
+            self.binary = {lang: self._text_type(arrow_type.field(lang).type, f"translation.{lang}")
+                           for lang in (cfg.src_lang, cfg.tgt_lang)}
             return
         for src_col, tgt_col in ((cfg.src_lang, cfg.tgt_lang), ("src", "tgt"), ("source", "target")):
             if src_col in names and tgt_col in names:
                 self.columns = (src_col, tgt_col)
+                self.binary = {col: self._text_type(table.data.schema.field(col).type, col) for col in self.columns}
                 return
         raise DataError(f"{where}: no 'translation' column and no {cfg.src_lang!r}/{cfg.tgt_lang!r} columns "
                         f"(found {names})")
+
+    def _text_type(self, arrow_type, column: str) -> bool:
+        """Whether `column` holds UTF-8 bytes (True) or strings (False); anything else (numbers, lists, or
+        `datasets`' JSON type, which a JSONL file gets where one row holds a non-string) is refused with
+        the first record that is not text: str() of it would train on quoted or escaped text."""
+        types = pa_types()
+        if types.is_string(arrow_type) or types.is_large_string(arrow_type) or types.is_null(arrow_type):
+            return False
+        if types.is_binary(arrow_type) or types.is_large_binary(arrow_type):
+            return True
+        record, value = self._first_non_text(column)
+        where = f"record {record + 1} holds {value!r}" if record is not None else f"its type is {arrow_type}"
+        raise DataError(f"{self.where}: column {column!r} must hold text in every record ({where}); make every "
+                        "value a JSON string (or null), or fix the file's column types")
+
+    def _first_non_text(self, column: str) -> tuple[int | None, object]:
+        import json
+        first = 0
+        for batch in self.table.data.to_batches():
+            name, _, field = column.partition(".")
+            values = batch.column(batch.schema.get_field_index(name))
+            values = values.field(field) if field else values
+            for i, value in enumerate(values.to_pylist()):
+                if str(values.type) == "extension<arrow.json>" and isinstance(value, str):
+                    try:
+                        value = json.loads(value)
+                    except ValueError:
+                        pass
+                if value is not None and not isinstance(value, str):
+                    return first + i, value
+            first += len(batch)
+        return None, None
+
+    def _text(self, values: list, column: str, first: int) -> list[str]:
+        if not self.binary[column]:
+            return ["" if v is None else v for v in values]
+        try:
+            return ["" if v is None else v.decode("utf-8") for v in values]
+        except UnicodeDecodeError:
+            bad = next(i for i, v in enumerate(values) if v is not None and not _is_utf8(v))
+            raise DataError(f"{self.where}: column {column!r}, record {first + bad + 1}: bytes that are not "
+                            "UTF-8; re-encode the corpus as UTF-8") from None
 
     def _key_error(self) -> DataError:
         return DataError(f"{self.where}: 'translation' entries lack {self.src_lang!r}/{self.tgt_lang!r} keys; "
@@ -276,6 +321,7 @@ class ArrowTable(SplitSource):
         return hashlib.sha256(f"{self.table._fingerprint}/{self.src_lang}/{self.tgt_lang}".encode()).hexdigest()[:16]
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
+        first = 0
         for batch in self.table.data.to_batches(max_chunksize=size):
             if self.columns is None:
                 pairs = batch.column(batch.schema.get_field_index("translation"))
@@ -284,10 +330,21 @@ class ArrowTable(SplitSource):
                     tgt = pairs.field(self.tgt_lang).to_pylist()
                 except KeyError:
                     raise self._key_error() from None
+                src_col, tgt_col = self.src_lang, self.tgt_lang
             else:
-                src = batch.column(batch.schema.get_field_index(self.columns[0])).to_pylist()
-                tgt = batch.column(batch.schema.get_field_index(self.columns[1])).to_pylist()
-            yield ["" if s is None else str(s) for s in src], ["" if t is None else str(t) for t in tgt]
+                src_col, tgt_col = self.columns
+                src = batch.column(batch.schema.get_field_index(src_col)).to_pylist()
+                tgt = batch.column(batch.schema.get_field_index(tgt_col)).to_pylist()
+            yield self._text(src, src_col, first), self._text(tgt, tgt_col, first)
+            first += len(batch)
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 class InMemory(SplitSource):
