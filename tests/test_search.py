@@ -465,6 +465,47 @@ def test_parallel_workers_stop_when_asked_and_pass_errors_on(model_and_sources, 
         translate_ids(model, sources * 6, beam_size=1, batch_tokens=30, workers=2)
 
 
+def test_parallel_workers_stop_while_waiting_for_batches_already_handed_out(model_and_sources, monkeypatch):
+    """Ctrl-C or SIGTERM during a validation whose batches are all with the workers: asked while waiting,
+    not only before handing out the next batch (a hung worker used to hold the run for good)."""
+    import threading
+    import time
+
+    import transformer.search as search
+    model, sources = model_and_sources
+    slow_greedy = search.greedy_search
+
+    def slow(*args, **kwargs):
+        time.sleep(5)
+        return slow_greedy(*args, **kwargs)
+
+    monkeypatch.setattr(search, "greedy_search", slow)
+    asked_to_stop = threading.Event()
+    threading.Timer(0.5, asked_to_stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(search.Interrupted):
+        translate_ids(model, sources * 6, beam_size=1, batch_tokens=30, workers=2, stop=asked_to_stop.is_set)
+    assert time.monotonic() - started < 3
+
+
+def test_decoding_processes_run_compiled_layers_eager(model_and_sources):
+    """trainer.compile=true compiles the layers in place; a forked decoding process must not compile (the
+    compiler's worker pool does not survive fork: a compiled CPU run's validation hung there)."""
+    import copy
+
+    model, sources = model_and_sources
+    compiled = copy.deepcopy(model)
+
+    def refusing_backend(graph, example_inputs):
+        raise RuntimeError("a decoding process compiled a graph")
+
+    for layer in (*compiled.encoder_layers, *compiled.decoder_layers):
+        layer.compile(backend=refusing_backend, dynamic=True)
+    eager = translate_ids(model, sources * 2, beam_size=1, batch_tokens=30)
+    two = translate_ids(compiled, sources * 2, beam_size=1, batch_tokens=30, workers=2)
+    assert [h[0].tokens for h in two] == [h[0].tokens for h in eager]
+
+
 def test_a_decoding_process_that_dies_is_reported_not_waited_for(model_and_sources, monkeypatch):
     import os
 

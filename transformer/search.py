@@ -511,7 +511,7 @@ def in_processes(batches: list[list[int]], attempt, done, workers: int, stop=Non
     set to 1 in each, as DataLoader workers do), which share the parent's weights copy-on-write; `done(batch,
     results)` in the parent as each batch comes back. Processes rather than threads: a decoding step is
     many small operations, and threads take turns on the interpreter lock to launch them. At most two
-    batches per process are handed out ahead, `stop()` asked before each (True: `Interrupted`); the first
+    batches per process are handed out ahead, `stop()` asked before each and while waiting (True: `Interrupted`); the first
     error of a process is raised here, and any error or Ctrl-C ends every process at once."""
     context = multiprocessing.get_context("fork")
     tasks, answers = context.SimpleQueue(), context.Queue()
@@ -519,7 +519,9 @@ def in_processes(batches: list[list[int]], attempt, done, workers: int, stop=Non
     def serve() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the parent's to handle
         torch.set_num_threads(1)
-        with torch.inference_mode():
+        # Layers that trainer.compile compiled run eager here: the compiler's worker pool does not survive
+        # fork(), so a graph compiled in this process waited forever (validation of a compiled CPU run hung).
+        with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
             while (number := tasks.get()) is not None:
                 try:
                     answers.put((number, attempt(batches[number]), None))
@@ -543,6 +545,8 @@ def in_processes(batches: list[list[int]], attempt, done, workers: int, stop=Non
             try:
                 number, batch_results, error = answers.get(timeout=0.2)   # a short wait keeps Ctrl-C deliverable
             except queue.Empty:
+                if stop is not None and stop():     # every batch handed out: asked while waiting for them too
+                    raise Interrupted from None
                 dead = [p for p in processes if p.exitcode not in (None, 0)]
                 if dead:
                     raise DecodingProcessDied(f"a decoding process ended with exit code {dead[0].exitcode} "
