@@ -98,6 +98,17 @@ def test_tsv_and_jsonl_sources(tmp_path):
     assert load_split_text(DataConfig(path=str(tmp_path)), "validation") == (["Haus", "Maus"], ["house", "mouse"])
 
 
+def test_a_single_file_is_a_training_split_only(tmp_path):
+    """data.path=FILE once served every split: validation (and best.pt) and test ran on the training data."""
+    _write(tmp_path / "train.tsv", b"Hallo\tHello\nJa\tYes\n")
+    cfg = DataConfig(path=str(tmp_path / "train.tsv"))
+    assert load_split_text(cfg, "train") == (["Hallo", "Ja"], ["Hello", "Yes"])
+    for split in ("validation", "test"):
+        with pytest.raises(DataError, match=rf"data.path=.*train.tsv: one file is a training split only \(the {split} "
+                                            r"split would be the training data itself"):
+            load_split_text(cfg, split)
+
+
 def _corpus(tmp_path, src, tgt, max_len=20, vocab=60):
     tokenizer = build_tokenizer(InMemory(src * 5, tgt * 5, "unit"), vocab_size=vocab, cache_dir=tmp_path)
     cfg = DataConfig(name="unit", embedded=True, cache_dir=str(tmp_path), max_len=max_len)

@@ -147,6 +147,20 @@ def test_a_quoted_run_directory_is_checked_before_hydra_writes_into_it(tmp_path)
         assert named_run_directory(unresolved) is None, unresolved
 
 
+@pytest.mark.parametrize("empty", ["hydra.run.dir=", "hydra.run.dir=''"])
+def test_an_empty_run_directory_is_refused_before_anything_is_written(tmp_path, empty):
+    """`hydra.run.dir=$RUN` with RUN unset wrote checkpoints, tb/ and train.log into the working directory."""
+    import os
+    proc = subprocess.run([sys.executable, "-m", "transformer.train", *FAST, "trainer.max_steps=3", empty],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and lines == [
+        "error: hydra.run.dir is empty (an unset shell variable?); name the run's directory, or leave hydra.run.dir "
+        "out for runs/<data>/<model>/<time>"], proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_cli_refuses_before_hydra_writes_into_the_run_directory(tmp_path):
     from transformer.run_state import RunDirectoryLock, check_run_directory
     best = _checkpoint(tmp_path / "checkpoints" / "best.pt", 40)

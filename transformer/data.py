@@ -388,6 +388,10 @@ def open_split(cfg: DataConfig, split: str, key: str = "data") -> SplitSource:
     the config's section (`data.path=...`; a corpus of a mixture: `data.corpora[1].path=...`)."""
     split_key = {"train": cfg.train_split, "validation": cfg.valid_split, "test": cfg.test_split}.get(split, split)
     if cfg.path:
+        if split != "train" and Path(cfg.path).expanduser().is_file():
+            raise DataError(f"{key}.path={cfg.path}: one file is a training split only (the {split} split would be "
+                            f"the training data itself, and best.pt chosen on it); point {key}.path at a directory "
+                            f"holding train.* and {split_key}.* files (data.local_splits names other stems)")
         return _open_local(cfg, split_key, key)
     if cfg.hub_id:
         return _open_hub(cfg, split_key, key)

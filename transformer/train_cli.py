@@ -12,10 +12,16 @@ from transformer.errors import discard_stdout
 
 def refuse_bare_words(argv: list[str]) -> None:
     """Exit 2 with one line for a word that is neither a flag nor an override (`config.bare_word`),
-    before Hydra answers it in five lines (also for python -m transformer.train and torchrun)."""
+    before Hydra answers it in five lines (also for python -m transformer.train and torchrun), or for an
+    empty run directory."""
     bare = bare_word(argv, "transformer-train")
     if bare:
         print(f"error: {bare}", file=sys.stderr)
+        sys.exit(2)
+    # `hydra.run.dir=$RUN` with RUN unset: Hydra would write the run into the working directory
+    if any(arg.split("=", 1)[0] == "hydra.run.dir" and not arg.split("=", 1)[1].strip(" '\"") for arg in argv):
+        print("error: hydra.run.dir is empty (an unset shell variable?); name the run's directory, or leave "
+              "hydra.run.dir out for runs/<data>/<model>/<time>", file=sys.stderr)
         sys.exit(2)
 
 
