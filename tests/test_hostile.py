@@ -3,6 +3,7 @@ fix), no traceback, and nothing on disk changed that should not be. Then the cas
 process: a run directory held by another run, SIGTERM during validation, a full disk while saving."""
 
 import errno
+import logging
 import math
 import os
 import re
@@ -312,3 +313,24 @@ def test_disk_full_while_saving_names_the_file_and_the_last_good_checkpoint(tmp_
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["last.pt", "step_2.pt"]              # no temporary file left behind
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 2
+
+
+@pytest.mark.slow
+def test_a_test_split_the_end_could_not_read_is_said_before_training(tmp_path, data_cache, caplog):
+    """A corpus without a test split (or a broken one) was found out only after the whole run."""
+    from transformer.train import train
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for split, count in (("train", 300), ("validation", 20)):
+        (corpus / f"{split}.tsv").write_text("".join(f"Satz {i} über Haus {i % 17} .\tSentence {i} about house "
+                                                     f"{i % 17} .\n" for i in range(count)), encoding="utf-8")
+    (corpus / "test.de").write_text("eins\nzwei\n", encoding="utf-8")
+    (corpus / "test.en").write_text("one\n", encoding="utf-8")
+    cfg = compose_config(FAST + ["data=custom", f"data.path={corpus}", "data.vocab_size=100", "trainer.max_steps=2",
+                                 "trainer.validate_every=100", "trainer.test_at_end=true"], data_cache)
+    with caplog.at_level(logging.INFO, logger="transformer"):
+        train(cfg, tmp_path / "run")
+    messages = [r.getMessage() for r in caplog.records]
+    early = next(i for i, m in enumerate(messages) if m.startswith("no test split to score at the end of this run"))
+    assert re.search(r"line counts differ: .*test\.de has 2 lines, .*test\.en has 1", messages[early]), messages[early]
+    assert early < next(i for i, m in enumerate(messages) if m.startswith("step ") or m.startswith("reached"))

@@ -503,6 +503,8 @@ def _launch_of_this_process() -> Launch | None:
 def _train_in(cfg: Config, run_dir: Path, launch: Launch | None) -> dict:
     """`train` once the run directory is locked and logged to."""
     trainer = Trainer(cfg, run_dir, launch)
+    if cfg.trainer.test_at_end and cfg.data.path and trainer.dist.is_main:
+        _check_test_split(cfg)
     handlers = install_signal_handlers(trainer)
     try:
         metrics = trainer.fit()
@@ -523,6 +525,15 @@ def _train_in(cfg: Config, run_dir: Path, launch: Launch | None) -> dict:
         trainer.state.checkpoints.close()            # lets a write in flight finish
         trainer.monitor.close()
         trainer.leave_process_group(clean=False)     # after an error: no barrier
+
+
+def _check_test_split(cfg: Config) -> None:
+    """A test split the end of training could not read is said now, not after hours of training."""
+    try:
+        load_split_text(cfg.data, "test")
+    except DataError as error:
+        log.warning("no test split to score at the end of this run (trainer.test_at_end): %s; it trains and "
+                    "validates all the same (trainer.test_at_end=false silences this)", error)
 
 
 def main() -> None:
