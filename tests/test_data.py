@@ -152,6 +152,19 @@ def test_cleaning_rules_are_counted_and_change_nothing_prepared(tmp_path, caplog
         DataConfig(max_len_ratio=0.5).validate()
 
 
+@pytest.mark.parametrize("setting, message", [
+    ({"character_coverage": 0.9}, r"data.character_coverage=0.9 must be in \[0.98, 1\]"),
+    ({"character_coverage": 1.5}, r"data.character_coverage=1.5 must be in \[0.98, 1\]"),
+    ({"tokenizer_sample": 50}, r"data.tokenizer_sample=50 must be above 100 sentences .*or 0 for every sentence"),
+    ({"tokenizer_sample": -1}, r"data.tokenizer_sample=-1 must be above 100"),
+])
+def test_sentencepiece_settings_outside_its_bounds_are_refused_before_reading_the_corpus(setting, message):
+    """SentencePiece checks them only after the whole corpus is read, with its own INTERNAL error."""
+    with pytest.raises(ConfigError, match=message):
+        DataConfig(path="/corpus", **setting).validate()
+    DataConfig(path="/corpus", character_coverage=0.9995, tokenizer_sample=0).validate()      # both valid
+
+
 def test_a_split_with_no_usable_pair_names_its_source(tmp_path):
     corpus, _ = _corpus(tmp_path, ["ein Hund", "", "x"], ["a dog", "y", ""], max_len=1)
     with pytest.raises(DataError, match=r"unit.* no usable sentence pairs left"):

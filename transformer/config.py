@@ -161,7 +161,7 @@ class DataConfig:
     joint_vocab: bool = setting(True, "one vocabulary for both languages (lets the model tie all embeddings)")
     character_coverage: float = setting(1.0, "SentencePiece: share of characters covered by the vocabulary")
     tokenizer_sample: int = setting(1_000_000, "SentencePiece trains on a random sample of at most this many "
-                                               "sentences")
+                                               "sentences (0 = all of them)")
     cache_dir: str = setting("data", "SentencePiece models (spm/) and encoded corpora (cache/, corpus/) go here")
 
     def validate(self) -> None:
@@ -175,6 +175,12 @@ class DataConfig:
         if self.max_len_ratio < 0 or 0 < self.max_len_ratio < 1:
             raise ConfigError(f"data.max_len_ratio={self.max_len_ratio} must be 0 (off) or at least 1")
         _positive("data.vocab_size", self.vocab_size)
+        if not 0.98 <= self.character_coverage <= 1.0:          # SentencePiece's own bounds
+            raise ConfigError(f"data.character_coverage={self.character_coverage} must be in [0.98, 1] (SentencePiece's "
+                              "range: 1 for alphabets, 0.9995 for Chinese or Japanese)")
+        if 0 < self.tokenizer_sample <= 100 or self.tokenizer_sample < 0:
+            raise ConfigError(f"data.tokenizer_sample={self.tokenizer_sample} must be above 100 sentences "
+                              "(SentencePiece's minimum), or 0 for every sentence")
         _file_name("data.name", self.name)
         if self.tokenizer_type not in ("bpe", "unigram"):
             raise ConfigError(f"data.tokenizer_type={self.tokenizer_type!r} must be 'bpe' or 'unigram'")

@@ -127,8 +127,8 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
                     if line.strip():
                         usable[0] += 1
                     yield line
-            log.info("SentencePiece: read %d lines of %s (a sample of at most %d trains it); training",
-                     read[0], where, sample)
+            log.info("SentencePiece: read %d lines of %s (%s trains it); training", read[0], where,
+                     f"a sample of at most {sample}" if sample > 0 else "every line")
         except (DataError, KeyboardInterrupt) as error:   # SentencePiece would wrap it in "INTERNAL: ..."
             failure.append(error)
             raise
