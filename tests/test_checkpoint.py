@@ -74,6 +74,10 @@ def test_truncated_missing_and_foreign_files(tmp_path):
         load_checkpoint(tmp_path / "cut.pt")
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         load_checkpoint(tmp_path / "missing.pt")
+    for name, content, kind in (("train.de", "Zwei Männer .\n", "text or another format"), ("empty.pt", "", "an empty file")):
+        (tmp_path / name).write_text(content)          # trainer.init_from=DIR/train.de: not "unsafe content"
+        with pytest.raises(CheckpointError, match=rf"{name}: not a checkpoint \({kind}, not a file torch.save wrote\)"):
+            load_checkpoint(tmp_path / name)
     torch.save({"weights": torch.zeros(1)}, tmp_path / "other.pt")
     with pytest.raises(CheckpointError, match="not a transformer checkpoint"):
         load_checkpoint(tmp_path / "other.pt")

@@ -56,7 +56,7 @@ def test_cli_bad_checkpoints_give_one_clear_line(tmp_path, untrained_checkpoint)
     text = tmp_path / "notes.pt"
     text.write_text("hello")
     for path, message in ((tmp_path / "missing.pt", "no such checkpoint"), (truncated, "not a readable checkpoint"),
-                          (text, "not a readable checkpoint")):
+                          (text, "not a checkpoint (text or another format")):
         code, out, err = _cli(path, stdin=b"Hallo\n")
         assert code == 2 and message in err and "Traceback" not in err and out == ""
         assert len(err.strip().splitlines()) == 1

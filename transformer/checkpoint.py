@@ -189,8 +189,17 @@ def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False) ->
         raise CheckpointError(f"{path}: is a directory, not a checkpoint file (e.g. {path / 'checkpoints' / 'best.pt'})")
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    if mmap and not zipfile.is_zipfile(path):
+    is_zip = zipfile.is_zipfile(path)
+    if mmap and not is_zip:
         mmap = False        # only torch's zip format can be memory-mapped; let the plain load explain
+    if not is_zip:
+        with open(path, "rb") as handle:
+            head = handle.read(2)
+        if head[:1] != b"\x80" and head != b"PK":   # neither torch's zip format (a truncated one is no zip
+            #                                         any more: torch says so below) nor its legacy pickle
+            kind = "an empty file" if not head else "text or another format"
+            raise CheckpointError(f"{path}: not a checkpoint ({kind}, not a file torch.save wrote); a checkpoint "
+                                  "is a run's checkpoints/*.pt")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
