@@ -92,7 +92,9 @@ def test_multi30k_reads_local_files_with_data_path():
     ("decode.nbest=9", "decode.nbest=9: must be between 1 and the beam size (decode.beam_size=5)"),
     ("+trainer.max_stepz=5", "unknown config key trainer.max_stepz; known keys: adam_eps, attention_heatmaps, average_last, betas"),
     # type and key errors come from Hydra's own schema check, turned into one line
-    ("trainer.max_stepz=5", "Could not override 'trainer.max_stepz'"),
+    ("trainer.max_stepz=5", "Could not override 'trainer.max_stepz'.: trainer.max_stepz: Key 'max_stepz' not in "
+                            "'TrainerConfig'; did you mean trainer.max_steps?"),
+    ("decode.xyzzy=5", "Key 'xyzzy' not in 'DecodeConfig'; `transformer-train --help` lists the decode keys"),
     ("trainer.max_steps=abc", "trainer.max_steps: Value 'abc' of type 'str' could not be converted to Integer"),
     ("model.dropout=high", "model.dropout: Value 'high' of type 'str' could not be converted to Float"),
     ("data.path=/corpus", "data.path=/corpus is set but data=toy is the embedded corpus, which ignores it; "

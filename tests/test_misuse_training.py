@@ -161,6 +161,23 @@ def test_an_empty_run_directory_is_refused_before_anything_is_written(tmp_path, 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("override, message", [
+    ("model=smal", "error: In 'config': Could not find 'model/smal'; available options in 'model': base, big, small, tiny"),
+    ("trainer.max_step=5", "error: Could not override 'trainer.max_step'.: trainer.max_step: Key 'max_step' not in "
+                           "'TrainerConfig'; did you mean trainer.max_steps?"),
+])
+def test_training_refuses_a_config_hydra_cannot_compose_in_one_line_and_writes_nothing(tmp_path, override, message):
+    """Hydra's own answer: several lines ending in HYDRA_FULL_ERROR, exit 1, and for a misspelt key the
+    advice to write +trainer.max_step=5 (which fails next)."""
+    import os
+    proc = subprocess.run([sys.executable, "-m", "transformer.train", override, f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_cli_refuses_before_hydra_writes_into_the_run_directory(tmp_path):
     from transformer.run_state import RunDirectoryLock, check_run_directory
     best = _checkpoint(tmp_path / "checkpoints" / "best.pt", 40)

@@ -9,6 +9,7 @@ result (or a checkpoint's saved config) and rejects impossible values with an er
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
 import re
@@ -802,6 +803,14 @@ def composition_error_line(error: BaseException) -> str:
                 "--config-dir DIR, with DIR/GROUP/NAME.yaml)"
     if "not in 'CorpusConfig'" in line:
         line += f"; a corpus of data.corpora takes {', '.join(f.name for f in dataclasses.fields(CorpusConfig))}"
+    unknown = re.search(r"Key '([^']+)' not in '(ModelConfig|DataConfig|TrainerConfig|DecodeConfig)'", line)
+    if unknown:                 # a misspelt key: the nearest one of its section (Hydra suggests '+KEY', which fails)
+        section = {"ModelConfig": ("model", ModelConfig), "DataConfig": ("data", DataConfig),
+                   "TrainerConfig": ("trainer", TrainerConfig), "DecodeConfig": ("decode", DecodeConfig)}[unknown[2]]
+        names = [f.name for f in dataclasses.fields(section[1])]
+        near = difflib.get_close_matches(unknown[1], names, n=1, cutoff=0.6)
+        line += f"; did you mean {section[0]}.{near[0]}?" if near else \
+            f"; `transformer-train --help` lists the {section[0]} keys"
     return line
 
 

@@ -541,9 +541,10 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from transformer.train_cli import refuse_bare_words
+    from transformer.train_cli import refuse_bare_words, refuse_uncomposable
 
     refuse_bare_words(sys.argv[1:])
+    refuse_uncomposable(sys.argv[1:])
 
     # Before Hydra writes .hydra/ and train.log into an explicitly named run directory, make sure no
     # other run is using it (a timestamped default directory is taken again inside `train`).

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from transformer.config import ConfigError, bare_word, command_line_config
+from transformer.config import ConfigError, bare_word, command_line_config, compose_tree
 from transformer.errors import discard_stdout
 
 
@@ -22,6 +22,33 @@ def refuse_bare_words(argv: list[str]) -> None:
     if any(arg.split("=", 1)[0] == "hydra.run.dir" and not arg.split("=", 1)[1].strip(" '\"") for arg in argv):
         print("error: hydra.run.dir is empty (an unset shell variable?); name the run's directory, or leave "
               "hydra.run.dir out for runs/<data>/<model>/<time>", file=sys.stderr)
+        sys.exit(2)
+
+
+# Hydra's flags that change what is composed, as compose_tree's arguments.
+COMPOSE_FLAGS = {"--config-name": "config_name", "-cn": "config_name", "--config-dir": "config_dir", "-cd": "config_dir"}
+
+
+def refuse_uncomposable(argv: list[str]) -> None:
+    """Exit 2 with one line (a misspelt preset with the group's options, a misspelt key with the nearest
+    one, a value of the wrong type) where Hydra's own answer is several lines and exit 1. Composes the
+    config once more before hydra.main (a fraction of a second); sweeps, --help, --cfg, --info and the
+    flags it does not follow are left to Hydra."""
+    flags, overrides, words = {}, [], iter(argv)
+    for word in words:
+        name = word.split("=", 1)[0]
+        if name in COMPOSE_FLAGS:
+            flags[COMPOSE_FLAGS[name]] = word.split("=", 1)[1] if "=" in word else next(words, "")
+        elif word.startswith("-"):
+            return                              # --multirun, --help, --cfg, --info, --config-path, ...
+        elif not name.startswith(("hydra.", "+hydra.", "hydra/")):
+            overrides.append(word)
+    if any("," in o.split("=", 1)[-1] for o in overrides) or "config_name" in flags:
+        return      # a comma may be a sweep's values (Hydra says which); compose() finds a primary config in conf/ only
+    try:
+        compose_tree(overrides, **flags)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
 
 
