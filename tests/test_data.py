@@ -43,7 +43,11 @@ def test_line_count_mismatch_names_both_files_and_counts(tmp_path):
 def test_invalid_utf8_names_file_and_line(tmp_path):
     _write(tmp_path / "train.de", b"eins\nzwei\n" + b"dr\xe9i\n")
     _write(tmp_path / "train.en", b"one\ntwo\nthree\n")
-    with pytest.raises(DataError, match=r"train\.de:3: invalid UTF-8 \(byte 0xe9 at column 3\)"):
+    with pytest.raises(DataError, match=r"train\.de:3: invalid UTF-8 \(byte 0xe9 at column 3\); .*`iconv -f latin1 "):
+        load_split_text(DataConfig(path=str(tmp_path)), "train")
+    _write(tmp_path / "train.de", "eins\nzwei\ndrei\n".encode("utf-16"))       # with its byte-order mark
+    with pytest.raises(DataError, match=r"train\.de:1: invalid UTF-8 \(byte 0xff at column 1; the file is UTF-16\); "
+                                        r"re-encode the file as UTF-8, e.g. `iconv -f utf-16 -t utf-8`"):
         load_split_text(DataConfig(path=str(tmp_path)), "train")
 
 
@@ -103,6 +107,10 @@ def test_a_single_file_is_a_training_split_only(tmp_path):
     _write(tmp_path / "train.tsv", b"Hallo\tHello\nJa\tYes\n")
     cfg = DataConfig(path=str(tmp_path / "train.tsv"))
     assert load_split_text(cfg, "train") == (["Hallo", "Ja"], ["Hello", "Yes"])
+    _write(tmp_path / "train.de", b"Hallo\n")
+    with pytest.raises(DataError, match=r"data.path=.*train.de: one file must be .tsv, .jsonl or .parquet, holding "
+                                        r"both sides; plain text comes as two files \(train.de \+ train.en\)"):
+        load_split_text(DataConfig(path=str(tmp_path / "train.de")), "train")
     for split in ("validation", "test"):
         with pytest.raises(DataError, match=rf"data.path=.*train.tsv: one file is a training split only \(the {split} "
                                             r"split would be the training data itself"):

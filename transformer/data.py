@@ -54,9 +54,12 @@ def _decode(block: bytes, path: Path, first_line: int) -> list[str]:
     except UnicodeDecodeError as error:
         line_no = first_line + block.count(b"\n", 0, error.start)
         column = error.start - (block.rfind(b"\n", 0, error.start) + 1) + 1
+        utf16 = first_line == 1 and block[:2] in (b"\xff\xfe", b"\xfe\xff")     # its byte-order mark
+        source = "utf-16" if utf16 else "latin1"
         raise DataError(
-            f"{path}:{line_no}: invalid UTF-8 (byte 0x{block[error.start]:02x} at column {column}); "
-            "re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8`"
+            f"{path}:{line_no}: invalid UTF-8 (byte 0x{block[error.start]:02x} at column {column}"
+            f"{'; the file is UTF-16' if utf16 else ''}); re-encode the file as UTF-8, e.g. "
+            f"`iconv -f {source} -t utf-8`"
         ) from None
     lines = text.split("\n")
     if "\r" in text:
@@ -417,6 +420,10 @@ def _open_local(cfg: DataConfig, split: str, key: str) -> SplitSource:
         raise DataError(f"{key}.path={cfg.path}: is not a regular file or a directory (it is {kind}); "
                         "point it at the directory of your corpus files")
     if root.is_file():
+        if root.suffix not in (".tsv", ".jsonl", ".json", ".parquet"):
+            raise DataError(f"{key}.path={cfg.path}: one file must be .tsv, .jsonl or .parquet, holding both sides; "
+                            f"plain text comes as two files ({name}.{cfg.src_lang} + {name}.{cfg.tgt_lang}): point "
+                            f"{key}.path at their directory")
         candidates = [root]
     else:
         src_file, tgt_file = root / f"{name}.{cfg.src_lang}", root / f"{name}.{cfg.tgt_lang}"
