@@ -302,6 +302,23 @@ def test_a_jsonl_or_parquet_value_that_is_not_text_is_refused_and_utf8_bytes_are
         open_split(DataConfig(path=str(tmp_path)), "train").read_all()
 
 
+def test_a_jsonl_file_rewritten_with_its_old_modification_time_is_read_again(tmp_path):
+    """datasets keys its Arrow copy by path and modification time: `cp -p`, `rsync -a` or `touch -r` of
+    a new version brought the old rows back, and the prepared corpus (keyed on datasets' fingerprint) too."""
+    import os
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"de": f"Haus {i}", "en": f"house {i}"}) + "\n" for i in range(20)))
+    old = os.stat(path)
+    first = open_split(DataConfig(path=str(tmp_path)), "train")
+    assert len(first.read_all()[0]) == 20
+    path.write_text("".join(json.dumps({"de": f"Maus {i}", "en": f"mouse {i}"}) + "\n" for i in range(10)))
+    os.utime(path, ns=(old.st_atime_ns, old.st_mtime_ns))
+    again = open_split(DataConfig(path=str(tmp_path)), "train")
+    assert again.read_all() == ([f"Maus {i}" for i in range(10)], [f"mouse {i}" for i in range(10)])
+    assert again.fingerprint() != first.fingerprint()
+    assert open_split(DataConfig(path=str(tmp_path)), "train").fingerprint() == again.fingerprint()    # stable
+
+
 def test_embedded_corpus_is_a_real_translation_task():
     splits = toy.generate(3000, 200, 200)
     train_src, train_tgt = splits["train"]

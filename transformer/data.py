@@ -250,8 +250,8 @@ class ArrowTable(SplitSource):
     Columns: `translation: {src_lang: .., tgt_lang: ..}`, or two text columns (the language codes,
     src/tgt or source/target)."""
 
-    def __init__(self, table, cfg: DataConfig, where: str):
-        self.table, self.where = table, where
+    def __init__(self, table, cfg: DataConfig, where: str, content: str | None = None):
+        self.table, self.where, self.content = table, where, content      # content: a local file's hash
         self.src_lang, self.tgt_lang = cfg.src_lang, cfg.tgt_lang
         names = table.column_names
         if "translation" in names:
@@ -321,7 +321,8 @@ class ArrowTable(SplitSource):
                          "check data.src_lang and data.tgt_lang")
 
     def _compute_fingerprint(self) -> str:
-        return hashlib.sha256(f"{self.table._fingerprint}/{self.src_lang}/{self.tgt_lang}".encode()).hexdigest()[:16]
+        identity = self.content or self.table._fingerprint
+        return hashlib.sha256(f"{identity}/{self.src_lang}/{self.tgt_lang}".encode()).hexdigest()[:16]
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
         first = 0
@@ -438,11 +439,15 @@ def _open_local(cfg: DataConfig, split: str, key: str) -> SplitSource:
             return TsvFile(file)
         builder = "parquet" if file.suffix == ".parquet" else "json"
         datasets = _datasets(str(file))
+        # datasets keys its Arrow copy of a local file by path and modification time: a file rewritten
+        # with its old time (cp -p, rsync -a, touch -r) came back as the old rows. Keyed by content here.
+        content = _hash_files(file)
         try:
-            table = datasets.load_dataset(builder, data_files=str(file), split="train")
+            table = datasets.load_dataset(builder, data_files=str(file), split="train",
+                                          cache_dir=str(Path(datasets.config.HF_DATASETS_CACHE) / "by-content" / content))
         except Exception as error:  # datasets raises many types for malformed files
             raise DataError(f"{file}: cannot be read as {builder}: {error}") from None
-        return ArrowTable(table, cfg, str(file))
+        return ArrowTable(table, cfg, str(file), content=content)
     raise DataError(
         f"{key}.path={cfg.path}: no files for split {split!r}; expected {name}.{cfg.src_lang} + "
         f"{name}.{cfg.tgt_lang}, or {name}.tsv / {name}.jsonl / {name}.parquet"
