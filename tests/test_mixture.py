@@ -116,6 +116,8 @@ def test_each_corpus_is_prepared_once_and_shared_by_runs_that_list_it(corpora, t
     ("data.corpora=[{path: a, weight: 0}]", "data.corpora[0].weight=0.0 must be a positive number"),
     ("data.corpora=[{path: a, weight: nan}]", "data.corpora[0].weight"),
     ("data.corpora=[{path: x/a}, {path: y/a}]", "two corpora are named 'a'; give each a name"),
+    ("data.corpora=[{path: x/a}, {path: x/./a/, name: again}]", "data.corpora[1] reads the same text as "
+     "data.corpora[0] (x/./a/, de-en): every pair would count twice; to weigh a corpus more, give it a weight"),
     ("data.temperature=0", "data.temperature=0.0 must be a positive number"),
     ("data.temperature=2", "data.temperature=2.0 flattens the shares of the corpora listed in data.corpora, and "
                            "there is no data.corpora (one corpus: data.path): nothing to mix"),

@@ -204,7 +204,7 @@ class DataConfig:
     def _validate_corpora(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ConfigError(f"data.temperature={self.temperature} must be a positive number (1 = mix by size)")
-        names = []
+        names, sources = [], {}
         for i, corpus in enumerate(self.corpora):
             key = f"data.corpora[{i}]"
             if not (corpus.path or corpus.hub_id):
@@ -220,6 +220,13 @@ class DataConfig:
             if ratio is not None and not (math.isfinite(ratio) and (ratio == 0 or ratio >= 1)):
                 raise ConfigError(f"{key}.max_len_ratio={ratio} must be 0 (off) or at least 1")
             names.append(corpus.label(self))
+            where = str(Path(corpus.path).expanduser().resolve()) if corpus.path else f"{corpus.hub_id}/{corpus.hub_config}"
+            text = (where, src, tgt, corpus.local_splits.get(corpus.train_split, corpus.train_split))
+            if text in sources:
+                raise ConfigError(f"{key} reads the same text as data.corpora[{sources[text]}] ({corpus.path or corpus.hub_id}, "
+                                  f"{src}-{tgt}): every pair would count twice; to weigh a corpus more, give it a "
+                                  "weight (weight: 2) instead")
+            sources[text] = i
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise ConfigError(f"data.corpora: two corpora are named {repeated[0]!r}; give each a name "
