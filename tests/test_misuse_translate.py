@@ -15,6 +15,7 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import INTERRUPTIBLE, ROOT
 from transformer.evaluate import main as evaluate_main
@@ -307,3 +308,40 @@ def test_the_bench_takes_each_commands_own_start_up_out_once(tmp_path, monkeypat
     assert calls == [(["translate", "MODEL", "--quantize", "int8"], "")]      # once, on empty input, no --beam
     assert row["startup_seconds"] == again["startup_seconds"] == 0.5
     assert row["translating_seconds"] == 2.5 and again["translating_seconds"] == 1.5
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda:7" if torch.cuda.is_available() else "cuda", "--device cuda"), ("meta", "--device meta: must be auto, cpu"),
+    ("CPU", "--device CPU: must be auto, cpu, cuda or cuda:N"), ("mps", "--device mps: must be")])
+def test_evaluate_refuses_a_device_it_cannot_use_in_one_line(untrained_checkpoint, source, device, message, capsys):
+    """It gave 30-40-line tracebacks (an AssertionError from torch, a meta tensor that cannot be copied)."""
+    code, out, err = _run(evaluate_main, capsys, untrained_checkpoint, "--src", source, "--ref", source,
+                          "--device", device)
+    assert code == 2 and out == "" and _one_line(err).startswith(f"transformer-evaluate: error: {message}")
+
+
+def test_evaluate_refuses_empty_files_and_keeps_the_results_of_another_file_of_the_same_name(
+        untrained_checkpoint, tmp_path, capsys):
+    import json
+    checkpoint = tmp_path / "best.pt"
+    checkpoint.symlink_to(untrained_checkpoint)
+    (tmp_path / "empty.de").write_text("")
+    code, out, err = _run(evaluate_main, capsys, checkpoint, "--src", tmp_path / "empty.de", "--ref",
+                          tmp_path / "empty.de")
+    assert code == 2 and _one_line(err) == f"transformer-evaluate: error: {tmp_path / 'empty.de'}: no sentences to " \
+                                           "translate and score"
+    files = {}
+    for folder, text in (("a", "Der Hund.\n"), ("b", "Die Katze.\nDer Mann.\n")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "test.de").write_text(text)
+        code, out, err = _run(evaluate_main, capsys, checkpoint, "--src", tmp_path / folder / "test.de", "--ref",
+                              tmp_path / folder / "test.de", "--beam", "1", "--max-len-b", "3")
+        assert code == 0, err
+        files[folder] = Path(re.search(r"scores: (.*)", out)[1])
+    assert files["a"] == tmp_path / "best.test.de.beam1.json" and files["b"] != files["a"]     # not overwritten
+    for folder, count in (("a", 1), ("b", 2)):
+        scores = json.loads(files[folder].read_text())
+        assert scores["src"] == str(tmp_path / folder / "test.de") and scores["sentences"] == count
+    code, out, err = _run(evaluate_main, capsys, checkpoint, "--src", tmp_path / "a" / "test.de", "--ref",
+                          tmp_path / "a" / "test.de", "--beam", "1", "--max-len-b", "3")
+    assert Path(re.search(r"scores: (.*)", out)[1]) == files["a"]                  # the same file again: its name

@@ -8,6 +8,7 @@ bad arguments before it loads torch."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import sys
 import time
@@ -21,6 +22,7 @@ from transformer.translate import (
     add_decoding_flags,
     add_model_arguments,
     checked_model_arguments,
+    device_error,
     given_decoding_options,
     overwritten_input,
 )
@@ -74,6 +76,8 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
     else:
         sources, references = load_split_text(data, split)
         name = f"{split}.{data.src_lang}-{data.tgt_lang}" if src_lang or tgt_lang else split
+    if not sources:
+        raise DataError(f"{src_file or f'the {split} split'}: no sentences to translate and score")
     tokenized_references = None
     if tokenized_lc:
         _check_file("--tokenized-lc", tokenized_lc)
@@ -85,8 +89,12 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
             raise DataError("--tokenized-lc tokenizes for the target language, and the checkpoint's data.tgt_lang "
                             "is not set")
     beam = translator.config.decode.beam_size if beam_size is None else beam_size
-    hyp_path, json_path = output_paths(checkpoint, name + (f".ensemble{len(checkpoints)}" if len(checkpoints) > 1
-                                                           else "") + (f".{quantize}" if quantize else ""), beam)
+    name += (f".ensemble{len(checkpoints)}" if len(checkpoints) > 1 else "") + (f".{quantize}" if quantize else "")
+    hyp_path, json_path = output_paths(checkpoint, name, beam)
+    source = str(Path(src_file).resolve()) if src_file else None
+    if _results_of_another_source(json_path, source):   # test.de of two directories, or a --src file named test
+        name += "." + hashlib.sha256(str(source or split).encode()).hexdigest()[:6]
+        hyp_path, json_path = output_paths(checkpoint, name, beam)
     inputs = {f"the --src file {src_file}": src_file, f"the --ref file {ref_file}": ref_file,
               **{f"the checkpoint {each}": each for each in checkpoints}}
     for path in (hyp_path, json_path):
@@ -99,7 +107,8 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
                                       max_len_a=max_len_a, max_len_b=max_len_b, progress=sys.stderr.isatty(),
                                       workers=workers)
     seconds = time.perf_counter() - started
-    result = {"checkpoint": str(checkpoint), "split": name, "tgt_lang": data.tgt_lang, "sentences": len(sources),
+    result = {"checkpoint": str(checkpoint), "split": name, "src": source, "ref": str(Path(ref_file).resolve())
+              if ref_file else None, "tgt_lang": data.tgt_lang, "sentences": len(sources),
               "beam_size": beam,
               **({"ensemble": [str(each) for each in checkpoints], "weights": weights} if len(checkpoints) > 1 else {}),
               **({"quantize": quantize} if quantize else {}),
@@ -115,11 +124,22 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
     return result
 
 
+def _results_of_another_source(json_path: Path, source: str | None) -> bool:
+    """Whether `json_path` holds the scores of another source file (`source`: this one's resolved path,
+    None for a split), which writing these results would overwrite; results of releases that did not
+    record the source are overwritten as before."""
+    try:
+        recorded = json.loads(json_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and "src" in recorded and recorded["src"] != source
+
+
 def _check_file(flag: str, file: str) -> None:
     """DataError naming the flag unless `file` is a file one can read lines from."""
     if Path(file).is_dir():
         raise DataError(f"{flag} {file}: is a directory; give a file of one sentence per line")
-    if not Path(file).is_file():
+    if not Path(file).exists():
         raise DataError(f"{flag} {file}: no such file")
 
 
@@ -156,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         weights = checked_model_arguments(args)
-        from transformer.runtime import tune_cpu_process
-
-        tune_cpu_process()                # before the first tensor operation (runtime.py says why)
+        bad_device = device_error(args.device)
+        if bad_device:
+            raise ValueError(bad_device)
         result = evaluate(args.checkpoints, args.split, args.src, args.ref, args.beam, args.alpha, args.device,
                           args.precision, args.batch_tokens, args.max_len_a, args.max_len_b, weights=weights,
                           quantize=args.quantize, workers=args.workers, tokenized_lc=args.tokenized_lc,

@@ -141,6 +141,26 @@ def checked_model_arguments(args: argparse.Namespace) -> list[float] | None:
     return weights
 
 
+def device_error(device: str) -> str | None:
+    """Why `--device` cannot be used here (one line), or None. Imports torch (and tunes this process for
+    it) when the name is one it could take."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        return f"--device {device}: must be auto, cpu, cuda or cuda:N"
+    import torch
+
+    from transformer.runtime import tune_cpu_process
+
+    tune_cpu_process()                    # before the first tensor operation (runtime.py says why)
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        if not torch.cuda.is_available():
+            return f"--device {device}: CUDA is not available"
+        if index >= torch.cuda.device_count():
+            return (f"--device {device}: there are {torch.cuda.device_count()} CUDA device(s) (0 to "
+                    f"{torch.cuda.device_count() - 1})")
+    return None
+
+
 def load_translator(args: argparse.Namespace) -> Translator:
     """The model(s) the command line names (`add_model_arguments`): one, or an ensemble."""
     from transformer.translator import Translator
@@ -290,20 +310,9 @@ def _run(args) -> int:
             sampling = None
         elif args.nbest != 1 or (args.beam or 1) != 1:
             return _fail("--sampling draws one translation per line: leave out --beam and --nbest")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
-        return _fail(f"--device {args.device}: must be auto, cpu, cuda or cuda:N")
-    import torch
-
-    from transformer.runtime import tune_cpu_process
-
-    tune_cpu_process()                    # before the first tensor operation (runtime.py says why)
-    if args.device.startswith("cuda"):
-        index = int(args.device.partition(":")[2] or 0)
-        if not torch.cuda.is_available():
-            return _fail(f"--device {args.device}: CUDA is not available")
-        if index >= torch.cuda.device_count():
-            return _fail(f"--device {args.device}: there are {torch.cuda.device_count()} CUDA device(s) (0 to "
-                         f"{torch.cuda.device_count() - 1})")
+    bad_device = device_error(args.device)
+    if bad_device:
+        return _fail(bad_device)
     try:
         translator = load_translator(args)
     except (CheckpointError, ConfigError, ValueError) as error:
