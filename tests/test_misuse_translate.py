@@ -345,3 +345,15 @@ def test_evaluate_refuses_empty_files_and_keeps_the_results_of_another_file_of_t
     code, out, err = _run(evaluate_main, capsys, checkpoint, "--src", tmp_path / "a" / "test.de", "--ref",
                           tmp_path / "a" / "test.de", "--beam", "1", "--max-len-b", "3")
     assert Path(re.search(r"scores: (.*)", out)[1]) == files["a"]                  # the same file again: its name
+
+
+@pytest.mark.parametrize("closed, args, message", [
+    (0, [], "stdin is closed; give --input FILE"),
+    (1, ["--input", "{source}"], "stdout is closed; give --output FILE"),
+])
+def test_a_closed_stdin_or_stdout_is_said_in_one_line(untrained_checkpoint, source, closed, args, message):
+    """`transformer-translate CK <&-` and `>&-` ended in an AttributeError traceback (after translating)."""
+    proc = subprocess.run([sys.executable, "-m", "transformer.translate", str(untrained_checkpoint),
+                           *[a.format(source=source) for a in args]], cwd=ROOT, stderr=subprocess.PIPE,
+                          preexec_fn=lambda: os.close(closed), timeout=300)
+    assert proc.returncode == 2 and _one_line(proc.stderr.decode()) == f"transformer-translate: error: {message}"

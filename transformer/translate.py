@@ -11,7 +11,6 @@ Needs nothing but the checkpoint file. Answers --help and refuses bad arguments 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import queue
 import re
@@ -293,10 +292,27 @@ def _run(args) -> int:
         check_decode_options(given_decoding_options(args), "cli")
     except ValueError as error:
         return _fail(str(error))
-    if not (args.temperature > 0 and math.isfinite(args.temperature)):
-        return _fail(f"--temperature {args.temperature}: must be a finite number > 0")
+    if not 1e-6 <= args.temperature <= 1e6:         # beyond, the scaled scores overflow or vanish
+        return _fail(f"--temperature {args.temperature}: must be between 1e-6 and 1e6 (1 = the model's own "
+                     "distribution)")
+    if not 0 <= args.seed < 2 ** 63:
+        return _fail(f"--seed {args.seed}: must be a whole number from 0 to 2**63 - 1")
+    for flag, path in (("--input", args.input), ("--output", args.output), ("--score-reference", args.score_reference),
+                       ("--prefix", args.prefix)):
+        if path is not None and not path.strip():
+            return _fail(f"{flag} is empty (an unset shell variable?); give a file name")
     if args.output and Path(args.output).is_dir():
         return _fail(f"--output {args.output}: is a directory; give a file name")
+    if args.output:             # found now, not after the whole file is translated
+        parent = Path(args.output).expanduser().parent
+        if not parent.is_dir():
+            return _fail(f"--output {args.output}: no directory {parent}; create it first")
+        if not os.access(args.output if Path(args.output).exists() else parent, os.W_OK):
+            return _fail(f"--output {args.output}: cannot be written (permission denied)")
+    elif sys.stdout is None:
+        return _fail("stdout is closed; give --output FILE")
+    if not args.input and sys.stdin is None:
+        return _fail("stdin is closed; give --input FILE")
     overwritten = _overwritten_input(args)
     if overwritten:
         return _fail(overwritten)
@@ -326,6 +342,10 @@ def _run(args) -> int:
             args.beam = 1 if sampling is not None else translator.config.decode.beam_size
             if args.nbest > args.beam:
                 return _fail(f"--nbest {args.nbest}: the checkpoint's beam size is {args.beam}; add --beam {args.nbest}")
+        vocabulary = translator.tokenizer.tgt_vocab_size
+        if args.beam > vocabulary:      # more hypotheses than pieces to extend them with: time and memory for nothing
+            return _fail(f"--beam {args.beam}: the model's target vocabulary has {vocabulary} pieces; give at most "
+                         f"that (5 is usual)")
     ignored = _ignored_options(given, scoring, args.beam)
     if ignored:
         print(f"transformer-translate: warning: {ignored}", file=sys.stderr)
