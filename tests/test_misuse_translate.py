@@ -357,3 +357,16 @@ def test_a_closed_stdin_or_stdout_is_said_in_one_line(untrained_checkpoint, sour
                            *[a.format(source=source) for a in args]], cwd=ROOT, stderr=subprocess.PIPE,
                           preexec_fn=lambda: os.close(closed), timeout=300)
     assert proc.returncode == 2 and _one_line(proc.stderr.decode()) == f"transformer-translate: error: {message}"
+
+
+def test_scoring_a_reference_longer_than_the_model_says_it_was_cut(untrained_checkpoint, tmp_path):
+    """Two long references after the same source scored the same, silently (their cut beginnings)."""
+    source, reference = tmp_path / "in.de", tmp_path / "ref.en"
+    source.write_text("der Hund .\nder Hund .\nder Hund .\n")
+    reference.write_text("the dog .\n" + "dog " * 3000 + "\n" + "dog " * 6000 + "\n")
+    proc = subprocess.run([sys.executable, "-m", "transformer.translate", str(untrained_checkpoint), "--input",
+                           str(source), "--score-reference", str(reference)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 3
+    assert re.fullmatch(r"transformer-translate: warning: 2 reference\(s\) longer than \d+ tokens were cut to the "
+                        r"model's maximum length: their scores cover only their beginning", _one_line(proc.stderr))

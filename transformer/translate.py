@@ -371,7 +371,11 @@ def _run(args) -> int:
         if len(references) != len(lines):
             return _fail(f"--score-reference {args.score_reference}: {len(references)} lines for "
                          f"{len(lines)} input lines; give one translation per input line")
-        scores = translator.score(lines, references, batch_tokens=args.batch_tokens)
+        with warnings.catch_warnings(record=True) as caught:      # a cut sentence: one line, our form
+            warnings.simplefilter("always")
+            scores = translator.score(lines, references, batch_tokens=args.batch_tokens)
+        for warning in caught:
+            print(f"transformer-translate: warning: {warning.message}", file=sys.stderr)
         return _write("".join(f"{value:.4f}\n" for value in scores), args.output)
     prefixes = None
     if args.prefix is not None:

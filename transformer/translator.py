@@ -218,7 +218,12 @@ class Translator:
         if batch_tokens is not None:
             check_decode_options({"batch_tokens": batch_tokens}, "api")
         sources = self.encode_sources(sentences, tgt_lang)
-        targets = [ids[:self.max_length] for ids in self.tokenizer.encode_tgt([r.strip() for r in references])]
+        targets = self.tokenizer.encode_tgt([r.strip() for r in references])
+        cut = sum(len(ids) > self.max_length for ids in targets)
+        if cut:
+            warnings.warn(f"{cut} reference(s) longer than {self.max_length} tokens were cut to the model's maximum "
+                          "length: their scores cover only their beginning", stacklevel=2)
+        targets = [ids[:self.max_length] for ids in targets]
         widths = [max(len(a), len(b)) for a, b in zip(sources, targets)]
         scores = [0.0] * len(sources)
         # The (B, T, V) float32 log-probabilities bound the batch: 2048 tokens x 32k pieces = 256 MB.
