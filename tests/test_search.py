@@ -2,11 +2,14 @@
 model (beam 1 == greedy, batch == one at a time, cache == recomputation)."""
 
 import math
+import os
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import ROOT
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.search import (
     ModelDecoder,
@@ -504,6 +507,57 @@ def test_decoding_processes_run_compiled_layers_eager(model_and_sources):
     eager = translate_ids(model, sources * 2, beam_size=1, batch_tokens=30)
     two = translate_ids(compiled, sources * 2, beam_size=1, batch_tokens=30, workers=2)
     assert [h[0].tokens for h in two] == [h[0].tokens for h in eager]
+
+
+def test_decoding_processes_end_with_a_parent_killed_outright(untrained_checkpoint, tmp_path):
+    """A parent killed by SIGKILL (or dying mid-cleanup) left its decoding processes waiting on their task
+    queue for good, each holding the model's memory."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = f"""
+import multiprocessing, threading, time
+import transformer.search as search
+from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+model, tokenizer, _ = model_from_checkpoint(load_checkpoint({str(untrained_checkpoint)!r}))
+slow = search.greedy_search
+def slower(*args, **kwargs):
+    time.sleep(60)
+    return slow(*args, **kwargs)
+search.greedy_search = slower
+def report():
+    time.sleep(2)
+    open({str(tmp_path / "children")!r}, "w").write(" ".join(str(p.pid) for p in multiprocessing.active_children()))
+threading.Thread(target=report, daemon=True).start()
+search.translate_ids(model, tokenizer.encode_src(["Der Hund sieht die Katze."] * 30), beam_size=1, batch_tokens=30,
+                     workers=2)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    try:
+        for _ in range(600):
+            if (tmp_path / "children").exists() and (tmp_path / "children").read_text():
+                break
+            time.sleep(0.1)
+        children = [int(pid) for pid in (tmp_path / "children").read_text().split()]
+        assert len(children) == 2
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] not in ("Z", "X")
+        except (FileNotFoundError, IndexError):
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in children if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
 
 
 def test_a_decoding_process_that_dies_is_reported_not_waited_for(model_and_sources, monkeypatch):

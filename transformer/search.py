@@ -14,9 +14,11 @@ Shapes: n open sentences, K beam size, t tokens so far (BOS included), V vocabul
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import math
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
@@ -502,6 +504,18 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
 PARALLEL_MIN_BATCH_TOKENS = 256
 
 
+def _end_with(parent: int) -> None:
+    """Linux: this process is killed when `parent` dies, even by SIGKILL (a decoding process would
+    otherwise wait on its task queue forever, holding the model's memory)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)                    # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):                    # not Linux: the daemon flag covers a normal exit
+        return
+    if os.getppid() != parent:                           # it died before the line above
+        os._exit(1)
+
+
 class DecodingProcessDied(RuntimeError):
     """A decoding process ended without a result (killed, out of memory)."""
 
@@ -516,8 +530,11 @@ def in_processes(batches: list[list[int]], attempt, done, workers: int, stop=Non
     context = multiprocessing.get_context("fork")
     tasks, answers = context.SimpleQueue(), context.Queue()
 
+    parent = os.getpid()
+
     def serve() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the parent's to handle
+        _end_with(parent)
         torch.set_num_threads(1)
         # Layers that trainer.compile compiled run eager here: the compiler's worker pool does not survive
         # fork(), so a graph compiled in this process waited forever (validation of a compiled CPU run hung).
