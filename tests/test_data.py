@@ -111,6 +111,9 @@ def test_a_single_file_is_a_training_split_only(tmp_path):
     with pytest.raises(DataError, match=r"data.path=.*train.de: one file must be .tsv, .jsonl or .parquet, holding "
                                         r"both sides; plain text comes as two files \(train.de \+ train.en\)"):
         load_split_text(DataConfig(path=str(tmp_path / "train.de")), "train")
+    with pytest.raises(ConfigError, match=r"data.path=.*train.tsv: one file can be a training split only, and a run "
+                                          r"needs a validation split too"):      # refused before a run starts
+        DataConfig(path=str(tmp_path / "train.tsv")).validate_for_training()
     for split in ("validation", "test"):
         with pytest.raises(DataError, match=rf"data.path=.*train.tsv: one file is a training split only \(the {split} "
                                             r"split would be the training data itself"):
@@ -169,8 +172,9 @@ def test_cleaning_rules_are_counted_and_change_nothing_prepared(tmp_path, caplog
 def test_sentencepiece_settings_outside_its_bounds_are_refused_before_reading_the_corpus(setting, message):
     """SentencePiece checks them only after the whole corpus is read, with its own INTERNAL error."""
     with pytest.raises(ConfigError, match=message):
-        DataConfig(path="/corpus", **setting).validate()
-    DataConfig(path="/corpus", character_coverage=0.9995, tokenizer_sample=0).validate()      # both valid
+        DataConfig(path="/corpus", **setting).validate_for_training()
+    DataConfig(path="/corpus", **setting).validate()        # a saved config (an older checkpoint's) still loads
+    DataConfig(path="/corpus", character_coverage=0.9995, tokenizer_sample=0).validate_for_training()   # both valid
 
 
 def test_a_split_with_no_usable_pair_names_its_source(tmp_path):

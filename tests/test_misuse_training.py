@@ -178,6 +178,21 @@ def test_training_refuses_a_config_hydra_cannot_compose_in_one_line_and_writes_n
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_composition_check_lets_through_what_hydra_takes(tmp_path):
+    """A search path given as hydra.searchpath, and sweeps Hydra runs from hydra.mode=MULTIRUN or a sweep
+    function, are Hydra's to take: the one-line check must not refuse them."""
+    from transformer.train_cli import refuse_uncomposable
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mine.yaml").write_text("defaults:\n  - custom\n  - _self_\npath: /corpus\nname: mine\n")
+    refuse_uncomposable([f"hydra.searchpath=[file://{tmp_path}]", "data=mine"])
+    refuse_uncomposable(["hydra.mode=MULTIRUN", "trainer.seed=range(3)"])
+    refuse_uncomposable(["model=glob(*)"])
+    refuse_uncomposable(["trainer.seed=1,2"])
+    with pytest.raises(SystemExit) as refused:
+        refuse_uncomposable(["data=mine"])                      # without the search path: no such preset
+    assert refused.value.code == 2
+
+
 def test_the_cli_refuses_before_hydra_writes_into_the_run_directory(tmp_path):
     from transformer.run_state import RunDirectoryLock, check_run_directory
     best = _checkpoint(tmp_path / "checkpoints" / "best.pt", 40)

@@ -127,6 +127,17 @@ def test_a_bad_mixture_is_refused_naming_the_key(override, message):
         compose_config([override])
 
 
+def test_a_checkpoint_whose_corpora_list_one_text_twice_still_loads():
+    """The refusal is for training: a config saved before it (in a checkpoint) must load to translate."""
+    from transformer.config import Config
+    raw = compose_config(["data.corpora=[{path: x/a}, {path: x/b}]"]).to_dict()
+    raw["data"]["corpora"][1]["path"] = "x/a"
+    raw["data"]["corpora"][1]["name"] = "again"
+    assert len(Config.from_dict(raw, saved=True).data.corpora) == 2
+    with pytest.raises(ConfigError, match=r"data.corpora\[1\] reads the same text as data.corpora\[0\]"):
+        Config.from_dict(raw)
+
+
 def test_a_temperature_needs_two_corpora_to_mix(corpora):
     big = corpora[0]
     one = [f"data.path={big}", "data.name=mix", "data.embedded=false", f"data.corpora=[{{path: {big}}}]"]

@@ -182,6 +182,10 @@ def test_the_joint_tokenizer_reads_each_language_once_and_at_most_its_share(tmp_
     german = (corpus / "train.de").read_text().splitlines()
     english = (corpus / "train.en").read_text().splitlines()
     assert lines == german[:200] + english[:200]        # de-en and en-de share their files: each side once
+    every = compose_config(FAST + _overrides(corpus) + ["data.tokenizer_sample=0"]).data       # 0: every line
+    parts = [corpus_config(every, c) for c in every.corpora]
+    assert list(tokenizer_input(every, parts, [open_split(p, "train") for p in parts]).lines("src", "tgt")) == \
+        german + english
     bilingual = compose_config(FAST + [f"data.path={corpus}", "data.embedded=false",
                                        f"data.corpora=[{{path: {corpus}}}]"]).data
     part = corpus_config(bilingual, bilingual.corpora[0])

@@ -176,12 +176,6 @@ class DataConfig:
         if self.max_len_ratio < 0 or 0 < self.max_len_ratio < 1:
             raise ConfigError(f"data.max_len_ratio={self.max_len_ratio} must be 0 (off) or at least 1")
         _positive("data.vocab_size", self.vocab_size)
-        if not 0.98 <= self.character_coverage <= 1.0:          # SentencePiece's own bounds
-            raise ConfigError(f"data.character_coverage={self.character_coverage} must be in [0.98, 1] (SentencePiece's "
-                              "range: 1 for alphabets, 0.9995 for Chinese or Japanese)")
-        if 0 < self.tokenizer_sample <= 100 or self.tokenizer_sample < 0:
-            raise ConfigError(f"data.tokenizer_sample={self.tokenizer_sample} must be above 100 sentences "
-                              "(SentencePiece's minimum), or 0 for every sentence")
         _file_name("data.name", self.name)
         if self.tokenizer_type not in ("bpe", "unigram"):
             raise ConfigError(f"data.tokenizer_type={self.tokenizer_type!r} must be 'bpe' or 'unigram'")
@@ -204,7 +198,7 @@ class DataConfig:
     def _validate_corpora(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ConfigError(f"data.temperature={self.temperature} must be a positive number (1 = mix by size)")
-        names, sources = [], {}
+        names = []
         for i, corpus in enumerate(self.corpora):
             key = f"data.corpora[{i}]"
             if not (corpus.path or corpus.hub_id):
@@ -220,13 +214,6 @@ class DataConfig:
             if ratio is not None and not (math.isfinite(ratio) and (ratio == 0 or ratio >= 1)):
                 raise ConfigError(f"{key}.max_len_ratio={ratio} must be 0 (off) or at least 1")
             names.append(corpus.label(self))
-            where = str(Path(corpus.path).expanduser().resolve()) if corpus.path else f"{corpus.hub_id}/{corpus.hub_config}"
-            text = (where, src, tgt, corpus.local_splits.get(corpus.train_split, corpus.train_split))
-            if text in sources:
-                raise ConfigError(f"{key} reads the same text as data.corpora[{sources[text]}] ({corpus.path or corpus.hub_id}, "
-                                  f"{src}-{tgt}): every pair would count twice; to weigh a corpus more, give it a "
-                                  "weight (weight: 2) instead")
-            sources[text] = i
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise ConfigError(f"data.corpora: two corpora are named {repeated[0]!r}; give each a name "
@@ -241,6 +228,26 @@ class DataConfig:
     def validate_for_training(self) -> None:
         """What a new run (or a resumed one) is refused and a saved config is not: an older checkpoint
         whose config has these still loads to translate."""
+        if not 0.98 <= self.character_coverage <= 1.0:          # SentencePiece's own bounds
+            raise ConfigError(f"data.character_coverage={self.character_coverage} must be in [0.98, 1] (SentencePiece's "
+                              "range: 1 for alphabets, 0.9995 for Chinese or Japanese)")
+        if 0 < self.tokenizer_sample <= 100 or self.tokenizer_sample < 0:
+            raise ConfigError(f"data.tokenizer_sample={self.tokenizer_sample} must be above 100 sentences "
+                              "(SentencePiece's minimum), or 0 for every sentence")
+        if self.path and not self.corpora and Path(self.path).expanduser().is_file():
+            raise ConfigError(f"data.path={self.path}: one file can be a training split only, and a run needs a "
+                              "validation split too (best.pt is chosen on it); point data.path at a directory holding "
+                              "train.* and validation.* files (data.local_splits names other stems)")
+        sources = {}
+        for i, corpus in enumerate(self.corpora):
+            src, tgt = corpus.src_lang or self.src_lang, corpus.tgt_lang or self.tgt_lang
+            where = str(Path(corpus.path).expanduser().resolve()) if corpus.path else f"{corpus.hub_id}/{corpus.hub_config}"
+            text = (where, src, tgt, corpus.local_splits.get(corpus.train_split, corpus.train_split))
+            if text in sources:
+                raise ConfigError(f"data.corpora[{i}] reads the same text as data.corpora[{sources[text]}] "
+                                  f"({corpus.path or corpus.hub_id}, {src}-{tgt}): every pair would count twice; to "
+                                  "weigh a corpus more, give it a weight (weight: 2) instead")
+            sources[text] = i
         if self.subword_nbest != -1 and self.tokenizer_type != "unigram":    # BPE-dropout ignores it
             raise ConfigError(f"data.subword_nbest={self.subword_nbest} applies to unigram sampling only "
                               f"(data.tokenizer_type=unigram); BPE-dropout (data.tokenizer_type="

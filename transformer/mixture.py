@@ -235,7 +235,8 @@ def tokenizer_input(cfg: DataConfig, part_cfgs: list[DataConfig], part_sources: 
         where = (part_cfg.path, part_cfg.hub_id, part_cfg.hub_config, part_cfg.train_split)
         for index, language in enumerate((part_cfg.src_lang, part_cfg.tgt_lang)):
             sides.setdefault(language, {}).setdefault(where, (source, index))
-    per_language = -(-cfg.tokenizer_sample // len(sides))
+    # 0 = every line: the whole corpus of each language (SentencePiece keeps every sentence too)
+    per_language = -(-cfg.tokenizer_sample // len(sides)) if cfg.tokenizer_sample > 0 else 2 ** 62
     return LanguageSample({language: list(entries.values()) for language, entries in sides.items()}, per_language)
 
 

@@ -504,14 +504,21 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
 PARALLEL_MIN_BATCH_TOKENS = 256
 
 
-def _end_with(parent: int) -> None:
-    """Linux: this process is killed when `parent` dies, even by SIGKILL (a decoding process would
-    otherwise wait on its task queue forever, holding the model's memory)."""
+def _prctl():
+    """libc's prctl (Linux), or None."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)                    # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):                    # not Linux: the daemon flag covers a normal exit
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _end_with(parent: int, prctl) -> None:
+    """Linux: this process is killed when `parent` dies, even by SIGKILL (a decoding process would
+    otherwise wait on its task queue forever, holding the model's memory). Elsewhere the daemon flag
+    covers a normal exit."""
+    if prctl is None:
         return
+    prctl(1, signal.SIGKILL)                             # PR_SET_PDEATHSIG
     if os.getppid() != parent:                           # it died before the line above
         os._exit(1)
 
@@ -530,11 +537,11 @@ def in_processes(batches: list[list[int]], attempt, done, workers: int, stop=Non
     context = multiprocessing.get_context("fork")
     tasks, answers = context.SimpleQueue(), context.Queue()
 
-    parent = os.getpid()
+    parent, prctl = os.getpid(), _prctl()               # looked up here: no dlopen() in a forked child
 
     def serve() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the parent's to handle
-        _end_with(parent)
+        _end_with(parent, prctl)
         torch.set_num_threads(1)
         # Layers that trainer.compile compiled run eager here: the compiler's worker pool does not survive
         # fork(), so a graph compiled in this process waited forever (validation of a compiled CPU run hung).

@@ -4,6 +4,7 @@ training (`transformer.train.main`), whose --help prints the same text."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 from transformer.config import ConfigError, bare_word, command_line_config, compose_tree
@@ -39,12 +40,13 @@ def refuse_uncomposable(argv: list[str]) -> None:
         name = word.split("=", 1)[0]
         if name in COMPOSE_FLAGS:
             flags[COMPOSE_FLAGS[name]] = word.split("=", 1)[1] if "=" in word else next(words, "")
-        elif word.startswith("-"):
-            return                              # --multirun, --help, --cfg, --info, --config-path, ...
-        elif not name.startswith(("hydra.", "+hydra.", "hydra/")):
+        elif word.startswith("-") or name.lstrip("+") == "hydra.mode":
+            return                              # --multirun, --help, --cfg, --info, --config-path, hydra.mode=MULTIRUN
+        elif name.lstrip("+") == "hydra.searchpath" or not name.startswith(("hydra.", "+hydra.", "hydra/")):
             overrides.append(word)
-    if any("," in o.split("=", 1)[-1] for o in overrides) or "config_name" in flags:
-        return      # a comma may be a sweep's values (Hydra says which); compose() finds a primary config in conf/ only
+    sweep = re.compile(r"[^=]*=\s*(.*,.*|(range|glob|choice|interval|shuffle|sort|tag)\(.*)")
+    if any(sweep.fullmatch(o) for o in overrides) or "config_name" in flags:
+        return      # a sweep's values (Hydra says which); compose() finds a primary config in conf/ only
     try:
         compose_tree(overrides, **flags)
     except ConfigError as error:

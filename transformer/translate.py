@@ -11,6 +11,7 @@ Needs nothing but the checkpoint file. Answers --help and refuses bad arguments 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import queue
 import re
@@ -292,10 +293,11 @@ def _run(args) -> int:
         check_decode_options(given_decoding_options(args), "cli")
     except ValueError as error:
         return _fail(str(error))
-    if not 1e-6 <= args.temperature <= 1e6:         # beyond, the scaled scores overflow or vanish
+    sampled = args.sampling is not None                 # beyond these, the scaled scores overflow or vanish
+    if not math.isfinite(args.temperature) or (sampled and not 1e-6 <= args.temperature <= 1e6):
         return _fail(f"--temperature {args.temperature}: must be between 1e-6 and 1e6 (1 = the model's own "
                      "distribution)")
-    if not 0 <= args.seed < 2 ** 63:
+    if sampled and not 0 <= args.seed < 2 ** 63:
         return _fail(f"--seed {args.seed}: must be a whole number from 0 to 2**63 - 1")
     for flag, path in (("--input", args.input), ("--output", args.output), ("--score-reference", args.score_reference),
                        ("--prefix", args.prefix)):
@@ -304,7 +306,7 @@ def _run(args) -> int:
     if args.output and Path(args.output).is_dir():
         return _fail(f"--output {args.output}: is a directory; give a file name")
     if args.output:             # found now, not after the whole file is translated
-        parent = Path(args.output).expanduser().parent
+        parent = Path(args.output).parent             # as open() will take it: no ~ expansion
         if not parent.is_dir():
             return _fail(f"--output {args.output}: no directory {parent}; create it first")
         if not os.access(args.output if Path(args.output).exists() else parent, os.W_OK):
