@@ -22,6 +22,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -545,7 +546,9 @@ def in_processes(batches: list[list[int]], attempt, done, workers: int, stop=Non
         torch.set_num_threads(1)
         # Layers that trainer.compile compiled run eager here: the compiler's worker pool does not survive
         # fork(), so a graph compiled in this process waited forever (validation of a compiled CPU run hung).
-        with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
+        # Only where the parent loaded the compiler: importing it costs ~2 s in each process.
+        eager = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules else contextlib.nullcontext()
+        with torch.inference_mode(), eager:
             while (number := tasks.get()) is not None:
                 try:
                     answers.put((number, attempt(batches[number]), None))
