@@ -263,7 +263,7 @@ class ArrowTable(SplitSource):
                 found = f"keys {sorted(keys)}" if keys is not None else f"type {arrow_type}"
                 raise DataError(f"{where}: the 'translation' column must map {cfg.src_lang!r} and {cfg.tgt_lang!r} "
                                 f"to text (found {found}); check data.src_lang and data.tgt_lang")
-            self.binary = {lang: self._text_type(arrow_type.field(lang).type, f"translation.{lang}")
+            self.binary = {f"translation.{lang}": self._text_type(arrow_type.field(lang).type, f"translation.{lang}")
                            for lang in (cfg.src_lang, cfg.tgt_lang)}
             return
         for src_col, tgt_col in ((cfg.src_lang, cfg.tgt_lang), ("src", "tgt"), ("source", "target")):
@@ -292,9 +292,7 @@ class ArrowTable(SplitSource):
         import json
         first = 0
         for batch in self.table.data.to_batches():
-            name, _, field = column.partition(".")
-            values = batch.column(batch.schema.get_field_index(name))
-            values = values.field(field) if field else values
+            values = self._column(batch, column)
             for i, value in enumerate(values.to_pylist()):
                 if str(values.type) == "extension<arrow.json>" and isinstance(value, str):
                     try:
@@ -326,21 +324,22 @@ class ArrowTable(SplitSource):
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
         first = 0
+        src_col, tgt_col = self.columns or (f"translation.{self.src_lang}", f"translation.{self.tgt_lang}")
         for batch in self.table.data.to_batches(max_chunksize=size):
-            if self.columns is None:
-                pairs = batch.column(batch.schema.get_field_index("translation"))
-                try:
-                    src = pairs.field(self.src_lang).to_pylist()
-                    tgt = pairs.field(self.tgt_lang).to_pylist()
-                except KeyError:
-                    raise self._key_error() from None
-                src_col, tgt_col = self.src_lang, self.tgt_lang
-            else:
-                src_col, tgt_col = self.columns
-                src = batch.column(batch.schema.get_field_index(src_col)).to_pylist()
-                tgt = batch.column(batch.schema.get_field_index(tgt_col)).to_pylist()
+            try:
+                src = self._column(batch, src_col).to_pylist()
+                tgt = self._column(batch, tgt_col).to_pylist()
+            except KeyError:
+                raise self._key_error() from None
             yield self._text(src, src_col, first), self._text(tgt, tgt_col, first)
             first += len(batch)
+
+    @staticmethod
+    def _column(batch, column: str):
+        """A column of a record batch: `de`, or a field of a struct column, `translation.de`."""
+        name, _, field = column.partition(".")
+        values = batch.column(batch.schema.get_field_index(name))
+        return values.field(field) if field else values
 
 
 def _is_utf8(value: bytes) -> bool:

@@ -11,6 +11,7 @@ Needs nothing but the checkpoint file. Answers --help and refuses bad arguments 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import queue
@@ -373,11 +374,8 @@ def _run(args) -> int:
         if len(references) != len(lines):
             return _fail(f"--score-reference {args.score_reference}: {len(references)} lines for "
                          f"{len(lines)} input lines; give one translation per input line")
-        with warnings.catch_warnings(record=True) as caught:      # a cut sentence: one line, our form
-            warnings.simplefilter("always")
+        with _warnings_as_lines():
             scores = translator.score(lines, references, batch_tokens=args.batch_tokens)
-        for warning in caught:
-            print(f"transformer-translate: warning: {warning.message}", file=sys.stderr)
         return _write("".join(f"{value:.4f}\n" for value in scores), args.output)
     prefixes = None
     if args.prefix is not None:
@@ -476,15 +474,24 @@ def _streams(stdin) -> bool:
 
 def _translate_lines(translator: Translator, lines: list[str], args, sampling, progress: bool = False,
                      prefixes: list[str] | None = None):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        results = translator.translate_hypotheses(
+    with _warnings_as_lines():
+        return translator.translate_hypotheses(
             lines, beam_size=args.beam, alpha=args.alpha, nbest=args.nbest, max_len_a=args.max_len_a,
             max_len_b=args.max_len_b, batch_tokens=args.batch_tokens, progress=progress, sampling=sampling,
             prefixes=prefixes, workers=args.workers)
-    for warning in caught:
-        print(f"transformer-translate: warning: {warning.message}", file=sys.stderr)
-    return results
+
+
+@contextlib.contextmanager
+def _warnings_as_lines():
+    """The library's warnings inside (a sentence cut to the model's length) as the CLI's one-line
+    warnings on stderr, each time, not Python's two-line form with a source location."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for warning in caught:
+                print(f"transformer-translate: warning: {warning.message}", file=sys.stderr)
 
 
 def _format(results, nbest: int, first_index: int) -> str:
