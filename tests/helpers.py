@@ -1,10 +1,13 @@
 """Plain helpers for the tests (conftest.py keeps the fixtures and hooks): the repository root, the
-tiny training configuration, composing the real config, an untrained checkpoint, and the counter of tensor
+tiny training configuration, composing the real config, an untrained checkpoint, a bit flipped in a checkpoint, and the counter of tensor
 values read back to the host."""
 
 from __future__ import annotations
 
 import signal
+import struct
+import zipfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -124,3 +127,17 @@ class HostReads:
 
 def _nested_list(shape: tuple, value) -> list:
     return value if not shape else [_nested_list(shape[1:], value) for _ in range(shape[0])]
+
+
+def flip_a_byte_of(path: Path, tensor: torch.Tensor) -> None:
+    """Change one bit in the middle of the zip record that holds `tensor`'s storage in `path` (found by
+    its CRC-32), as a disk or a copy would."""
+    as_bytes = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy()
+    with zipfile.ZipFile(path) as archive:
+        record = next(info for info in archive.infolist() if info.CRC == zlib.crc32(as_bytes)
+                      and info.file_size == as_bytes.size)
+    data = bytearray(path.read_bytes())
+    header = record.header_offset                       # local header: 30 bytes, then the name and the extra field
+    name_length, extra_length = struct.unpack("<HH", data[header + 26:header + 30])
+    data[header + 30 + name_length + extra_length + record.file_size // 2] ^= 0x04
+    path.write_bytes(data)

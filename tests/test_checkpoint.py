@@ -1,9 +1,11 @@
 import os
 import pickle
+import shutil
 
 import pytest
 import torch
 
+from tests.helpers import flip_a_byte_of
 from transformer.average import main as average_main
 from transformer.checkpoint import (
     CheckpointError,
@@ -14,6 +16,7 @@ from transformer.checkpoint import (
 )
 from transformer.config import ModelConfig
 from transformer.model import build_model
+from transformer.translate import main as translate_main
 
 
 def _state(value: float) -> dict:
@@ -184,3 +187,44 @@ def test_a_failed_background_write_is_raised_at_the_next_save_and_close_only_log
     checkpoints.close()
     assert "best.pt: cannot write the checkpoint: disk full" in caplog.text
     assert sorted(os.listdir(tmp_path)) == ["last.pt"]
+
+
+def test_a_byte_changed_on_disk_is_refused_where_it_is_read(tmp_path):
+    """torch.load never checks the CRC-32s torch.save writes: a flipped bit in a weight loaded as a wrong
+    weight. Translating checks the weights, resuming every record; the step can still be read."""
+    state = {**_state(1.0), "model": {"embed": torch.randn(30, 8), "out": torch.randn(7)},
+             "optimizer": {"exp_avg": torch.randn(11, 3)}}
+    path = tmp_path / "last.pt"
+    save_checkpoint(state, path)
+    for mmap in (False, True):
+        assert torch.equal(load_checkpoint(path, mmap=mmap, verify="all")["model"]["embed"], state["model"]["embed"])
+
+    flip_a_byte_of(path, state["optimizer"]["exp_avg"])
+    assert torch.equal(load_checkpoint(path, mmap=True)["model"]["out"], state["model"]["out"])   # weights intact
+    with pytest.raises(CheckpointError, match=r"last.pt: damaged on disk: the bytes of a tensor \(record "
+                                              r"[^)]*data/\d+\) no longer match the checksum"):
+        load_checkpoint(path, verify="all")
+
+    save_checkpoint(state, path)
+    flip_a_byte_of(path, state["model"]["embed"])
+    for mmap in (False, True):
+        with pytest.raises(CheckpointError, match="last.pt: damaged on disk: the bytes of weight embed no longer "
+                                                  r"match .* use another checkpoint of the run"):
+            load_checkpoint(path, mmap=mmap)
+    assert load_checkpoint(path, verify="none")["step"] == 1
+
+
+def test_translating_with_a_damaged_weight_is_one_line_and_the_intact_file_translates(untrained_checkpoint,
+                                                                                          tmp_path, capsys):
+    damaged = tmp_path / "best.pt"
+    shutil.copy(untrained_checkpoint, damaged)
+    weights = load_checkpoint(untrained_checkpoint)["model"]
+    name = max(weights, key=lambda key: weights[key].numel())
+    flip_a_byte_of(damaged, weights[name])
+    source = tmp_path / "in.de"
+    source.write_text("Ein Hund.\n")
+    assert translate_main([str(untrained_checkpoint), "--input", str(source), "--max-len-b", "3"]) == 0
+    capsys.readouterr()
+    assert translate_main([str(damaged), "--input", str(source)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"transformer-translate: error: {damaged}: damaged on disk: the bytes of weight ") and "\n" not in err

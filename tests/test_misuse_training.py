@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import FAST, ROOT, compose_config
-from transformer.checkpoint import load_checkpoint, non_finite_tensors
+from tests.helpers import FAST, ROOT, compose_config, flip_a_byte_of
+from transformer.checkpoint import CheckpointError, load_checkpoint, non_finite_tensors
 from transformer.config import ConfigError, TrainerConfig
 from transformer.distributed import DistInfo
 from transformer.run_state import (
@@ -512,3 +512,22 @@ def test_ctrl_c_before_the_training_loop_is_one_line_and_exit_130(tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip() == (f"interrupted: stopped at once; checkpoints written before now stay in "
                                    f"{tmp_path}/checkpoints")
+
+
+def test_resume_true_skips_a_checkpoint_damaged_on_disk_for_the_step_before_it(tmp_path, caplog):
+    """A bit flipped in last.pt's optimizer state (bytes torch.load never checks) would resume the run
+    with a wrong moment estimate: the run resumes from the newest intact step instead, saying so."""
+    ckpt_dir = tmp_path / "checkpoints"
+    older = _checkpoint(ckpt_dir / "step_3.pt", 3)
+    last = ckpt_dir / "last.pt"
+    exp_avg = torch.randn(5, 7)
+    torch.save({"model": {"w": torch.ones(2)}, "config": {}, "tokenizer": {}, "step": 4, "weights": "raw",
+                **TRAINING_STATE, "optimizer": {"exp_avg": exp_avg}}, last)
+    assert _resume(ckpt_dir)["step"] == 4
+    flip_a_byte_of(last, exp_avg)
+    with caplog.at_level("WARNING"):
+        assert _resume(ckpt_dir)["step"] == 3
+    assert f"skipping {last}: damaged on disk: the bytes of a tensor" in caplog.text
+    with pytest.raises(CheckpointError, match="damaged on disk"):
+        find_resume_state(TrainerConfig(resume=str(last), max_steps=1), ckpt_dir, DistInfo())
+    assert older.exists() and last.exists()

@@ -13,6 +13,7 @@ import pickle
 import shutil
 import time
 import zipfile
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -181,9 +182,14 @@ def _link_or_copy(source: Path, target: Path) -> None:
     _fsync_directory(target.parent)
 
 
-def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False) -> dict:
+def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False, verify: str = "model") -> dict:
     """Load with `weights_only=True`. `mmap=True` reads tensors lazily: translating a training
-    checkpoint then never reads its optimizer state from disk."""
+    checkpoint then never reads its optimizer state from disk.
+
+    `verify` checks the bytes against the CRC-32 checksums torch.save wrote into the file (torch.load
+    itself never does, so a flipped byte would load as a slightly wrong weight): "model" the model's
+    weights (what translating reads), "all" every record (resuming reads the optimizer state too),
+    "none" nothing (reading a step number)."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"{path}: is a directory, not a checkpoint file (e.g. {path / 'checkpoints' / 'best.pt'})")
@@ -220,7 +226,49 @@ def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False) ->
     if version > CHECKPOINT_FORMAT_VERSION:
         raise CheckpointError(f"{path}: written by a newer version of this package (checkpoint format {version}; "
                               f"this one reads up to {CHECKPOINT_FORMAT_VERSION}); upgrade: pip install -U transformer")
+    if is_zip and verify != "none":
+        damaged = _damaged_record(path) if verify == "all" else _damaged_weight(path, state["model"])
+        if damaged:
+            raise CheckpointError(f"{path}: damaged on disk: the bytes of {damaged} no longer match the checksum "
+                                  "written with them (a disk, copy or transfer error); copy the file again or use "
+                                  "another checkpoint of the run (checkpoints/step_*.pt)")
     return state
+
+
+def _damaged_record(path: Path) -> str | None:
+    """What holds the first record of the checkpoint's zip file whose CRC-32 does not match its bytes."""
+    with zipfile.ZipFile(path) as archive:
+        bad = archive.testzip()
+    if bad is None:
+        return None
+    return "its settings and structure (data.pkl)" if bad.endswith("data.pkl") else f"a tensor (record {bad})"
+
+
+def _damaged_weight(path: Path, weights) -> str | None:
+    """The first model weight whose bytes match no CRC-32 of the file, as "weight NAME"; None if all match.
+
+    torch.save writes each tensor storage as one record of its zip file, with the record's CRC-32: a
+    storage whose (size, CRC-32) pair is not among the records' was changed after the save. Reads only
+    the weights' bytes (the optimizer state of a memory-mapped training checkpoint stays on disk)."""
+    if not isinstance(weights, dict):
+        return None     # model_from_checkpoint says what is wrong with it
+    with zipfile.ZipFile(path) as archive:
+        records = {(info.file_size, info.CRC) for info in archive.infolist()
+                   if Path(info.filename).parent.name == "data"}
+    if not any(crc for _, crc in records):
+        return None     # written without checksums (torch.serialization.set_crc32_options(False))
+    checked = set()
+    for name, tensor in weights.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in checked:
+            continue    # tied weights share one storage
+        checked.add(storage.data_ptr())
+        as_bytes = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()    # (nbytes,), no copy
+        if (storage.nbytes(), zlib.crc32(as_bytes)) not in records:
+            return f"weight {name}"
+    return None
 
 
 def model_from_checkpoint(state: dict, path: str | Path = "checkpoint") -> tuple[Transformer, Tokenizer, Config]:

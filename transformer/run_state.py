@@ -306,7 +306,7 @@ def _resume_checkpoint(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> t
     existing = sorted(ckpt_dir.glob("*.pt")) if ckpt_dir.exists() else []
     if isinstance(tc.resume, str) and tc.resume not in ("", "true", "false"):
         path = Path(tc.resume)
-        state = _resumable(load_checkpoint(path), path)
+        state = _resumable(load_checkpoint(path, verify="all"), path)
         if path.resolve().parent != ckpt_dir.resolve():      # continued in a directory of its own
             _clear_for_a_new_run(tc, existing, ckpt_dir, dist)
         return state, path
@@ -315,14 +315,20 @@ def _resume_checkpoint(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> t
             stale.unlink(missing_ok=True)
     if tc.resume in (True, "true"):
         # best.pt may hold averaged weights (trainer.ema_decay, average_last), never newer than last.pt.
-        newest, unusable = _newest_resumable([p for p in existing if p.name != "best.pt"])
+        newest_first, unusable = _resumable_newest_first([p for p in existing if p.name != "best.pt"])
         for error in unusable.values():
             log.warning("skipping %s", error)
-        if newest is not None:
+        for newest in newest_first:
+            try:
+                state = load_checkpoint(newest, verify="all")
+            except CheckpointError as error:     # damaged on disk: the step before it resumes the run
+                unusable[newest] = error
+                log.warning("skipping %s", error)
+                continue
             if tc.overwrite:
                 log.warning("trainer.overwrite=true is ignored: trainer.resume=true continues the run in %s",
                             ckpt_dir)
-            return load_checkpoint(newest), newest
+            return state, newest
         if not existing:
             log.warning("trainer.resume=true but %s holds no checkpoint: starting a new run", ckpt_dir)
             return None
@@ -332,19 +338,16 @@ def _resume_checkpoint(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> t
     return None
 
 
-def _newest_resumable(paths: list[Path]) -> tuple[Path | None, dict[Path, Exception]]:
-    """Of `paths`, the checkpoint with the highest step that can resume a run, and why each of the
-    others cannot."""
-    newest, newest_step, unusable = None, -1, {}
+def _resumable_newest_first(paths: list[Path]) -> tuple[list[Path], dict[Path, Exception]]:
+    """Of `paths`, the checkpoints that can resume a run, highest step first, and why each of the others
+    cannot. Their bytes are not checked yet: only the one resumed from is read in full."""
+    steps, unusable = {}, {}
     for path in paths:
         try:   # memory-mapped: reading the step does not read the tensors of every file
-            step = _resumable(load_checkpoint(path, mmap=True), path)["step"]
+            steps[path] = _resumable(load_checkpoint(path, mmap=True, verify="none"), path)["step"]
         except (CheckpointError, TrainingError) as error:
             unusable[path] = error
-            continue
-        if step > newest_step:
-            newest, newest_step = path, step
-    return newest, unusable
+    return sorted(steps, key=steps.get, reverse=True), unusable
 
 
 def nothing_to_resume_error(ckpt_dir: Path, existing: list[Path], unusable: dict[Path, Exception]) -> TrainingError:
@@ -403,8 +406,8 @@ def check_run_directory(run_dir: Path, overrides: list[str]) -> None:
         return
     resume = given.get("trainer.resume", "false")
     if resume.lower() == "true":
-        newest, unusable = _newest_resumable([p for p in existing if p.name != "best.pt"])
-        if newest is None:
+        newest_first, unusable = _resumable_newest_first([p for p in existing if p.name != "best.pt"])
+        if not newest_first:
             raise nothing_to_resume_error(ckpt_dir, existing, unusable)
     elif not _switched_on(resume) or ("${" not in resume and Path(resume).resolve().parent != ckpt_dir.resolve()):
         raise foreign_run_error(ckpt_dir)
