@@ -81,6 +81,14 @@ def test_from_pretrained_refuses_what_it_cannot_read(untrained_checkpoint, tmp_p
         load_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match="owner/name"):
         load_pretrained(tmp_path / "nowhere")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"add_source_bos": False, "unk_token": "<unk>"}))
+    with pytest.raises(CheckpointError, match=r'not a transformer-nmt model \(no "format" key; another tool'):
+        load_pretrained(other)
+    (other / "model.bin").write_bytes(b"\0" * 16)         # what transformer-export --format ctranslate2 writes
+    with pytest.raises(CheckpointError, match=r"other: a CTranslate2 model .*\(ctranslate2.Translator\)"):
+        load_pretrained(other)
     model, tokenizer, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
     out = save_pretrained(model, tokenizer, config, tmp_path / "m")
     meta = json.loads((out / "config.json").read_text())

@@ -338,9 +338,15 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
                               f"an exported model (transformer-export --format safetensors){hint}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{config_path}: not valid JSON ({error})") from None
+    if (folder / "model.bin").is_file() and not (folder / WEIGHTS_FILE).exists():
+        raise CheckpointError(f"{folder}: a CTranslate2 model (transformer-export --format ctranslate2), which "
+                              "CTranslate2 translates (ctranslate2.Translator); transformer-translate takes the .pt "
+                              "checkpoint it was exported from or a --format safetensors directory")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{config_path}: not a {FORMAT_NAME} model (format {meta.get('format')!r})"
-                              if isinstance(meta, dict) else f"{config_path}: not a {FORMAT_NAME} model")
+        found = f"format {meta['format']!r}" if isinstance(meta, dict) and "format" in meta else "no \"format\" key"
+        raise CheckpointError(f"{config_path}: not a {FORMAT_NAME} model ({found}; another tool's model?); "
+                              "transformer-translate takes a .pt checkpoint or a transformer-export --format "
+                              "safetensors directory")
     if not isinstance(meta.get("format_version", 0), int):
         raise CheckpointError(f"{config_path}: format_version {meta['format_version']!r} is not a whole number")
     if meta.get("format_version", 0) > FORMAT_VERSION:
