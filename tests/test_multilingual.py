@@ -243,9 +243,10 @@ def test_evaluate_refuses_a_source_the_model_never_saw_or_a_target_equal_to_the_
         evaluate(path, src_lang="en", beam_size=1, device="cpu")
     with pytest.raises(DataError, match="--src-lang fr: the model was trained on de, en only; give one of those"):
         evaluate(path, src_lang="fr", tgt_lang="de", beam_size=1, device="cpu")
-    with pytest.raises(DataError, match="--src-lang fr: the model was trained on de, en only; it translates "
-                                        "de -> en; leave --src-lang out"):
-        evaluate(untrained_checkpoint, src_lang="fr", beam_size=1, device="cpu")
+    for source in ("fr", "en"):      # a bilingual de -> en model: en is its target, never a source
+        with pytest.raises(DataError, match=f"--src-lang {source}: this model translates de -> en only; leave "
+                                            "--src-lang out"):
+            evaluate(untrained_checkpoint, src_lang=source, beam_size=1, device="cpu")
 
 
 def test_evaluating_one_source_file_into_each_target_keeps_each_result(multilingual, tmp_path):

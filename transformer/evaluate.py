@@ -48,10 +48,11 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
     translator = Translator.from_checkpoints(checkpoints, weights, device=device, precision=precision, quantize=quantize)
     data = translator.config.data
     known = data.languages()
+    if src_lang and not data.target_languages() and src_lang != data.src_lang:
+        raise DataError(f"--src-lang {src_lang}: this model translates {data.src_lang} -> {data.tgt_lang} only; "
+                        "leave --src-lang out")
     if src_lang and src_lang not in known:      # its text would be tagged and translated all the same
-        raise DataError(f"--src-lang {src_lang}: the model was trained on {', '.join(known)} only; "
-                        + ("give one of those" if data.target_languages() else
-                           f"it translates {data.src_lang} -> {data.tgt_lang}; leave --src-lang out"))
+        raise DataError(f"--src-lang {src_lang}: the model was trained on {', '.join(known)} only; give one of those")
     if src_lang or tgt_lang:
         data = dataclasses.replace(data, src_lang=src_lang or data.src_lang, tgt_lang=tgt_lang or data.tgt_lang,
                                    corpora=[])
