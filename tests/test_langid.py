@@ -107,3 +107,17 @@ def test_a_corpus_of_a_mixture_may_set_its_own_cleaning_rules():
     with pytest.raises(ConfigError, match="data.corpora\\[1\\].max_len_ratio=0.5 must be 0 \\(off\\) or at least 1"):
         compose_config(["data=custom", "data.path=/clean",
                         "data.corpora=[{path: /clean}, {path: /crawled, max_len_ratio: 0.5}]"])
+
+
+def test_a_language_code_py3langid_does_not_know_is_refused_before_any_corpus_is_read():
+    """Found only when the cleaning rule first ran (after the corpus was read and SentencePiece trained):
+    now when the run's config is checked, for one corpus and for a data.corpora entry with its own rule."""
+    for data in (DataConfig(name="unit", src_lang="xx", tgt_lang="en", langid=True),
+                 DataConfig(name="unit", src_lang="de", tgt_lang="en", corpora=[
+                     CorpusConfig(path="/nowhere", src_lang="de", tgt_lang="en"),
+                     CorpusConfig(path="/elsewhere", src_lang="yy", tgt_lang="en", langid=True)])):
+        with pytest.raises(ConfigError, match=r"^langid: py3langid does not know the language code\(s\) "
+                                              rf"{data.directions()[-1][0]} .* it knows .*\bde\b"):
+            data.validate_for_training()
+    DataConfig(name="unit", src_lang="xx", tgt_lang="en").validate_for_training()     # the rule off: any code
+    DataConfig(name="unit", src_lang="de", tgt_lang="en", langid=True).validate_for_training()

@@ -257,6 +257,15 @@ class DataConfig:
             have = "one corpus in data.corpora" if self.corpora else "no data.corpora (one corpus: data.path)"
             raise ConfigError(f"data.temperature={self.temperature} flattens the shares of the corpora listed in "
                               f"data.corpora, and there is {have}: nothing to mix; leave data.temperature out")
+        identified = [(c.src_lang or self.src_lang, c.tgt_lang or self.tgt_lang) for c in self.corpora
+                      if (self.langid if c.langid is None else c.langid)]
+        if identified or (self.langid and not self.corpora):     # known before any corpus is read
+            from transformer.errors import DataError
+            from transformer.langid import check_known
+            try:
+                check_known(lang for pair in identified or [(self.src_lang, self.tgt_lang)] for lang in pair)
+            except DataError as error:
+                raise ConfigError(str(error)) from None
         trained = self.directions()
         if self.corpora and (self.src_lang, self.tgt_lang) not in trained:
             listed = ", ".join(f"{src}-{tgt}" for src, tgt in trained)

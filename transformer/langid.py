@@ -55,6 +55,16 @@ def unknown(languages: Iterable[str]) -> list[str]:
     return [lang for lang in languages if code(lang) not in labels]
 
 
+def check_known(languages: Iterable[str]) -> None:
+    """DataError naming the `languages` py3langid cannot identify (and the codes it knows), if any."""
+    missing = list(dict.fromkeys(unknown(languages)))
+    if missing:
+        raise DataError(f"langid: py3langid does not know the language code(s) {', '.join(missing)} (the "
+                        "corpus's src_lang / tgt_lang: data.src_lang / data.tgt_lang, or its data.corpora entry's); "
+                        f"it knows {', '.join(sorted(known_languages()))}. Use one of those codes, or turn the rule "
+                        "off for that corpus (data.langid=false, or langid: false in its data.corpora entry)")
+
+
 def identify(texts: list[str], languages: Iterable[str] | None = None) -> list[str]:
     """The language of each text (py3langid codes), among `languages` or all py3langid knows; '' for a
     blank text."""
@@ -94,12 +104,7 @@ def language_flags(chunks: Iterable[tuple[list[str], list[str]]], src_lang: str,
     flagged. From PARALLEL_FROM pairs on, one process per core (spawned: a fork of a process running
     PyTorch's threads can hang), at most two batches per process in flight, so a corpus of millions of
     lines is never all in memory. `progress(n)` is called with each batch's pairs."""
-    missing = unknown([src_lang, tgt_lang])
-    if missing:
-        raise DataError(f"langid: py3langid does not know the language code(s) {', '.join(missing)} (the "
-                        "corpus's src_lang / tgt_lang: data.src_lang / data.tgt_lang, or its data.corpora entry's); "
-                        f"it knows {', '.join(sorted(known_languages()))}. Use one of those codes, or turn the rule "
-                        "off for that corpus (data.langid=false, or langid: false in its data.corpora entry)")
+    check_known([src_lang, tgt_lang])
     batches = ((src[i:i + BATCH_LINES], tgt[i:i + BATCH_LINES], code(src_lang), code(tgt_lang))
                for src, tgt in chunks for i in range(0, len(src), BATCH_LINES))
     results = []
