@@ -102,6 +102,35 @@ def test_tsv_and_jsonl_sources(tmp_path):
     assert load_split_text(DataConfig(path=str(tmp_path)), "validation") == (["Haus", "Maus"], ["house", "mouse"])
 
 
+def test_a_tsv_header_is_skipped_and_csv_quoting_is_said_not_guessed(tmp_path, caplog):
+    """pandas' df.to_csv(sep="\\t") writes the column names first and quotes a field holding a quote: the
+    header is no pair; quoted fields are kept as they are (a sentence may be in quotes) with one warning."""
+    for header in (b"de\ten\n", b"Source\tTarget\n", b"src\ttgt\n"):
+        _write(tmp_path / "train.tsv", header + b"Hallo\tHello\n")
+        with caplog.at_level(logging.INFO, logger="transformer.data"):
+            assert load_split_text(DataConfig(path=str(tmp_path)), "train") == (["Hallo"], ["Hello"])
+        assert "line 1 (" in caplog.text and "is a header, not a pair: skipped" in caplog.text
+    _write(tmp_path / "train.tsv", b"Hallo\tHello\nde\ten\n")          # not on line 1: a pair like any other
+    assert load_split_text(DataConfig(path=str(tmp_path)), "train") == (["Hallo", "de"], ["Hello", "en"])
+    caplog.clear()
+    _write(tmp_path / "train.tsv", b'"Er sagte ""ja"""\t"He said ""yes"""\n"Hallo"\tHello\n')
+    with caplog.at_level(logging.WARNING, logger="transformer.data"):
+        for _ in range(2):
+            assert load_split_text(DataConfig(path=str(tmp_path)), "train") == (
+                ['"Er sagte ""ja"""', '"Hallo"'], ['"He said ""yes"""', "Hello"])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "train.tsv:1: a field in CSV quotes" in warnings[0] and "QUOTE_NONE" in warnings[0]
+    caplog.clear()
+    _write(tmp_path / "validation.tsv", b'"Hallo"\tHello\n"Ja" und "Nein"\tYes and no\n')   # quotes in text
+    with caplog.at_level(logging.WARNING, logger="transformer.data"):
+        load_split_text(DataConfig(path=str(tmp_path)), "validation")
+    assert not caplog.records
+    _write(tmp_path / "test.tsv", b'"Ein\tTab"\tA tab\n')
+    with pytest.raises(DataError, match=r"test.tsv:1: expected 2 tab-separated fields .*found 3; a field in CSV "
+                                        r"quotes holding a TAB"):
+        load_split_text(DataConfig(path=str(tmp_path)), "test")
+
+
 def test_a_single_file_is_a_training_split_only(tmp_path):
     """data.path=FILE once served every split: validation (and best.pt) and test ran on the training data."""
     _write(tmp_path / "train.tsv", b"Hallo\tHello\nJa\tYes\n")

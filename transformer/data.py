@@ -11,6 +11,7 @@ stops with the file and line.
 from __future__ import annotations
 
 import hashlib
+import logging
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,8 @@ from pathlib import Path
 from transformer import toy
 from transformer.config import DataConfig
 from transformer.errors import DataError  # noqa: F401 - its home is errors.py; imported from here too
+
+log = logging.getLogger(__name__)
 
 CHUNK_LINES = 100_000
 _BLOCK_BYTES = 8 << 20
@@ -222,27 +225,52 @@ class ParallelFiles(SplitSource):
 
 
 class TsvFile(SplitSource):
-    """`{split}.tsv`: source TAB target per line."""
+    """`{split}.tsv`: source TAB target per line. A first line naming the columns as JSONL and Parquet
+    files name them (the two language codes, src/tgt or source/target: what pandas' to_csv writes first)
+    is a header, not a pair. Fields are plain text: CSV quoting is not undone (a warning says so)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, src_lang: str = "", tgt_lang: str = ""):
         self.path, self.where = path, str(path)
+        self.header = {(src_lang, tgt_lang), ("src", "tgt"), ("source", "target")}
 
     def _compute_fingerprint(self) -> str:
-        return _hash_files(self.path)
+        return "tsv-with-header-" + _hash_files(self.path)     # a header line was read as a pair before
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
-        line_no = 0
+        line_no, quoted = 0, None
         for lines in _rechunk(iter_line_blocks(self.path), size):
             src, tgt = [], []
             for line in lines:
                 line_no += 1
                 fields = line.split("\t")
                 if len(fields) != 2:
+                    hint = ("; a field in CSV quotes holding a TAB or a line break? Write the file without quoting "
+                            "(csv.QUOTE_NONE) or as JSONL") if line.lstrip().startswith('"') else ""
                     raise DataError(f"{self.path}:{line_no}: expected 2 tab-separated fields (source, target), "
-                                    f"found {len(fields)}")
+                                    f"found {len(fields)}{hint}")
+                if line_no == 1 and (fields[0].strip().lower(), fields[1].strip().lower()) in self.header:
+                    log.info("%s: line 1 (%s, %s) is a header, not a pair: skipped", self.path, *fields)
+                    continue
+                if quoted is None and (_csv_quoted(fields[0]) or _csv_quoted(fields[1])):
+                    quoted = line_no
                 src.append(fields[0])
                 tgt.append(fields[1])
             yield src, tgt
+        if quoted is not None and self.path not in _WARNED_QUOTED:
+            _WARNED_QUOTED.add(self.path)
+            log.warning("%s:%d: a field in CSV quotes (\"...\"\"...\", as pandas' to_csv writes a field holding a "
+                        "quote): TSV fields are read as plain text, quotes kept; write the file with "
+                        "quoting=csv.QUOTE_NONE, or as JSONL", self.path, quoted)
+
+
+_WARNED_QUOTED: set[Path] = set()       # each file is read several times (tokenizer sample, encoding, test)
+
+
+def _csv_quoted(field: str) -> bool:
+    """Whether `field` looks written by a CSV writer: inside enclosing quotes, every quote doubled."""
+    if len(field) < 4 or field[0] != '"' or field[-1] != '"' or '""' not in field[1:-1]:
+        return False
+    return '"' not in field[1:-1].replace('""', "")
 
 
 class ArrowTable(SplitSource):
@@ -435,7 +463,7 @@ def _open_local(cfg: DataConfig, split: str, key: str) -> SplitSource:
             continue
         _refuse_irregular(file)
         if file.suffix == ".tsv":
-            return TsvFile(file)
+            return TsvFile(file, cfg.src_lang, cfg.tgt_lang)
         builder = "parquet" if file.suffix == ".parquet" else "json"
         datasets = _datasets(str(file))
         # datasets keys its Arrow copy of a local file by path and modification time: a file rewritten
