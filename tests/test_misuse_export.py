@@ -260,6 +260,9 @@ def test_average_replaces_an_earlier_average_and_with_force_anything(checkpoint,
     assert load_checkpoint(notes)["metrics"]["averaged_from"] == [str(checkpoint)]
     code, _, err = _run(average_main, capsys, checkpoint, "-o", checkpoint, "--force")   # never an input
     assert code == 2 and "is one of the checkpoints being averaged" in _one_line(err)
+    code, _, err = _run(average_main, capsys, checkpoint, "-o", tmp_path / "typo" / "avg.pt")
+    assert code == 2 and "the directory " in _one_line(err) and "typo does not exist; create it first" in err
+    assert not (tmp_path / "typo").exists()
 
 
 def test_average_refuses_to_write_a_non_finite_average(checkpoint, tmp_path, capsys):

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "to a new file")
         if output.is_dir():
             raise CheckpointError(f"-o {output}: is a directory; give a file name such as {output / 'avg.pt'}")
+        if not output.parent.is_dir():         # a mistyped directory would be created, the average lost in it
+            raise CheckpointError(f"-o {output}: the directory {output.parent} does not exist; create it first "
+                                  f"(mkdir -p {output.parent}) or write the average elsewhere")
         if output.exists() and not args.force and not written_by_average(output):
             raise CheckpointError(f"-o {output}: exists and is not an averaged checkpoint written by "
                                   "transformer-average; choose a new file name, or pass --force to replace it")
