@@ -45,13 +45,13 @@ prepare: $(STAMP)  ## SentencePiece + memory-mapped encoded corpus for the data 
 	$(PY) -m transformer.corpus $(HYDRA_ARGS)
 
 train: $(STAMP)  ## train; key=value args are Hydra overrides (default: tiny model on the embedded corpus)
-	$(PY) -m transformer.train $(HYDRA_ARGS)
+	$(PY) -m transformer.train_cli $(HYDRA_ARGS)
 
 sweep: $(STAMP)  ## one training job per combination: make sweep trainer.lr=1e-3,5e-4 (summary in runs/sweeps/)
-	$(PY) -m transformer.train --multirun $(HYDRA_ARGS)
+	$(PY) -m transformer.train_cli --multirun $(HYDRA_ARGS)
 
 train-ddp: $(STAMP)  ## train with torchrun on NPROC processes (NPROC=2 by default)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m transformer.train $(HYDRA_ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m transformer.train_cli $(HYDRA_ARGS)
 
 evaluate: $(STAMP)  ## BLEU/chrF of CKPT=path on split=test (writes hypotheses and scores beside CKPT)
 	@test -n "$(CKPT)" || { echo "usage: make evaluate CKPT=runs/.../checkpoints/best.pt [split=test]"; exit 2; }

@@ -343,3 +343,50 @@ def test_a_test_split_the_end_could_not_read_is_said_before_training(tmp_path, d
     early = next(i for i, m in enumerate(messages) if m.startswith("no test split to score at the end of this run"))
     assert re.search(r"line counts differ: .*test\.de has 2 lines, .*test\.en has 1", messages[early]), messages[early]
     assert early < next(i for i, m in enumerate(messages) if m.startswith("step ") or m.startswith("reached"))
+
+
+def _python(code: str, *, path: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (path, ROOT) if p)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_a_ctrl_c_while_torch_loads_is_delivered_after_the_import_not_lost(tmp_path):
+    """A SIGINT that arrives while torch's C library loads (a tenth of a second of `import torch`, here)
+    was lost: the command ran on. A stand-in torch that loses one the same way: held back, it arrives
+    as the import returns."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "import os, signal, time\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(0.2)\n"
+        "except KeyboardInterrupt:\n"
+        "    pass       # lost, as in the C library's load\n"
+        "LOADED = True\n")
+    held = ("import sys\nfrom transformer.errors import import_torch_holding_interrupts\n"
+            "try:\n    import_torch_holding_interrupts()\n"
+            "except KeyboardInterrupt:\n    print('interrupted after the import:', sys.modules['torch'].LOADED)\n"
+            "else:\n    print('ran on')\n")
+    assert _python(held, path=tmp_path).stdout == "interrupted after the import: True\n"
+    assert _python(held.replace("import_torch_holding_interrupts()", "import torch"), path=tmp_path).stdout == \
+        "ran on\n"                                                               # what happened before
+
+
+def test_after_the_interrupted_message_a_second_ctrl_c_ends_the_process_quietly():
+    proc = _python("import os, signal, time\nfrom transformer.errors import next_interrupt_ends_at_once\n"
+                   "next_interrupt_ends_at_once()\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(10)\n"
+                   "print('still running')\n")
+    assert proc.returncode == -signal.SIGINT and proc.stdout == "" and proc.stderr == ""
+
+
+def test_ctrl_c_while_training_starts_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C in the first seconds of `make train` (imports, Hydra, the run directory's checks) printed a
+    traceback of whatever was loading."""
+    proc = subprocess.Popen([sys.executable, "-m", "transformer.train_cli", *FAST, "trainer.max_steps=3",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in err, err

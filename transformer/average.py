@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from transformer.errors import CheckpointError
+from transformer.errors import CheckpointError, import_torch_holding_interrupts, next_interrupt_ends_at_once
 from transformer.translate import CommandLineParser
 
 DEFAULT_LAST = 5        # step checkpoints averaged from a run directory without --last
@@ -27,15 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.last is not None and args.last < 1:
         print(f"transformer-average: error: --last {args.last}: must be a whole number >= 1", file=sys.stderr)
         return 2
-    from transformer.checkpoint import (
-        average_checkpoints,
-        non_finite_tensors,
-        save_checkpoint,
-        step_checkpoints,
-        written_by_average,
-    )
-
     try:
+        import_torch_holding_interrupts()
+        from transformer.checkpoint import (
+            average_checkpoints,
+            non_finite_tensors,
+            save_checkpoint,
+            step_checkpoints,
+            written_by_average,
+        )
+
         if len(args.inputs) == 1 and Path(args.inputs[0]).is_dir():
             paths = step_checkpoints(args.inputs[0])[-(args.last or DEFAULT_LAST):]
             if not paths:
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformer-average: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        next_interrupt_ends_at_once()
         print("transformer-average: interrupted", file=sys.stderr)
         return 130
     print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {args.output}")

@@ -1,10 +1,13 @@
 """What the commands share when something goes wrong, in a leaf module: DataError (what only raises it,
 batching, the caches, the tokenizer, imports it from here, so that translating does not load the corpus
 readers of `transformer.data`, which re-exports it), CheckpointError (so that a command line can name it
-before it loads torch with `transformer.checkpoint`, which re-exports it), and stdout's reader going away."""
+before it loads torch with `transformer.checkpoint`, which re-exports it), stdout's reader going away,
+and Ctrl-C at a command's start and end."""
 
 import os
+import signal
 import sys
+import threading
 
 
 class DataError(ValueError):
@@ -32,3 +35,23 @@ def os_error_in(error: BaseException) -> OSError | None:
             return error
         error = error.__cause__ or error.__context__
     return None
+
+
+def import_torch_holding_interrupts() -> None:
+    """`import torch` with Ctrl-C (SIGINT) held back until it is done, then delivered: one that arrives
+    while torch's C library loads is otherwise lost, and the command runs on as if never interrupted.
+    The commands call it before their first module that needs torch."""
+    if "torch" in sys.modules or threading.current_thread() is not threading.main_thread():
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def next_interrupt_ends_at_once() -> None:
+    """After a command has said it was interrupted: a further Ctrl-C ends the process at once and
+    quietly (Python would print a traceback from wherever the exit waits: a worker being joined)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from transformer.config import check_decode_options
 from transformer.data import DataError, load_split_text, read_lines
-from transformer.errors import CheckpointError
+from transformer.errors import CheckpointError, next_interrupt_ends_at_once
 from transformer.translate import (
     CommandLineParser,
     add_decoding_flags,
@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                           quantize=args.quantize, workers=args.workers, tokenized_lc=args.tokenized_lc,
                           src_lang=args.src_lang, tgt_lang=args.tgt_lang)
     except KeyboardInterrupt:
+        next_interrupt_ends_at_once()
         print("transformer-evaluate: interrupted", file=sys.stderr)
         return 130
     except (CheckpointError, DataError, ValueError) as error:

@@ -36,7 +36,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from transformer.config import Config, ConfigError
-from transformer.errors import CheckpointError, os_error_in
+from transformer.errors import (
+    CheckpointError,
+    import_torch_holding_interrupts,
+    next_interrupt_ends_at_once,
+    os_error_in,
+)
 from transformer.tokenizer import Tokenizer
 from transformer.translate import CommandLineParser
 
@@ -515,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--quantization applies to --format ctranslate2 only")
     try:
         check_output_directory(Path(args.output).resolve(), args.force)     # before reading the checkpoint
+        import_torch_holding_interrupts()
         from transformer.checkpoint import load_checkpoint, model_from_checkpoint
 
         state = load_checkpoint(args.checkpoint)
@@ -531,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformer-export: error: {error.filename or args.output}: {_failure_reason(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:         # the staging directory is removed, a previous export kept
+        next_interrupt_ends_at_once()
         print("transformer-export: interrupted; nothing was exported", file=sys.stderr)
         return 130
     if requested != export_format:

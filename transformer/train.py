@@ -34,7 +34,7 @@ from transformer.checkpoint import (
 from transformer.config import CONF_DIR, Config, ConfigError, register_schema
 from transformer.corpus import prepare
 from transformer.data import DataError, load_split_text
-from transformer.errors import discard_stdout
+from transformer.errors import discard_stdout, next_interrupt_ends_at_once
 from transformer.loss import batch_loss
 from transformer.mixture import MixedCorpus
 from transformer.model import build_model, compile_layers
@@ -579,6 +579,7 @@ def main() -> None:
                 sys.exit(2)
             reason = str(error)
         except KeyboardInterrupt:     # while preparing data (before the loop's own handler), or a second Ctrl-C
+            next_interrupt_ends_at_once()
             print(f"interrupted: stopped at once; checkpoints written before now stay in {run_dir}/checkpoints",
                   file=sys.stderr)
             sys.exit(130)

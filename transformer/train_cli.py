@@ -8,7 +8,7 @@ import re
 import sys
 
 from transformer.config import ConfigError, bare_word, command_line_config, compose_tree
-from transformer.errors import discard_stdout
+from transformer.errors import discard_stdout, import_torch_holding_interrupts, next_interrupt_ends_at_once
 
 
 def refuse_bare_words(argv: list[str]) -> None:
@@ -66,9 +66,15 @@ def main() -> None:
         except BrokenPipeError:  # `transformer-train --help | head`
             discard_stdout()
             return
-    from transformer.train import main as train_main
+    try:
+        import_torch_holding_interrupts()
+        from transformer.train import main as train_main
 
-    train_main()
+        train_main()         # a Ctrl-C once the run has started is its own: it saves, says so and exits
+    except KeyboardInterrupt:
+        next_interrupt_ends_at_once()
+        print("transformer-train: interrupted before training started", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

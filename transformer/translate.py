@@ -31,7 +31,12 @@ from transformer.config import (
     check_decode_options,
     check_weights,
 )
-from transformer.errors import CheckpointError, discard_stdout
+from transformer.errors import (
+    CheckpointError,
+    discard_stdout,
+    import_torch_holding_interrupts,
+    next_interrupt_ends_at_once,
+)
 
 if TYPE_CHECKING:                         # imported where used: torch comes with them
     from transformer.search import Sampling
@@ -147,6 +152,7 @@ def device_error(device: str) -> str | None:
     it) when the name is one it could take."""
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         return f"--device {device}: must be auto, cpu, cuda or cuda:N"
+    import_torch_holding_interrupts()
     import torch
 
     from transformer.runtime import tune_cpu_process
@@ -164,6 +170,7 @@ def device_error(device: str) -> str | None:
 
 def load_translator(args: argparse.Namespace) -> Translator:
     """The model(s) the command line names (`add_model_arguments`): one, or an ensemble."""
+    import_torch_holding_interrupts()
     from transformer.translator import Translator
 
     weights = checked_model_arguments(args)
@@ -188,6 +195,7 @@ def parse_sampling(text: str, temperature: float, seed: int) -> Sampling:
             pass
     if not top:
         raise ValueError(f"--sampling {text}: write topk:K (a whole number >= 1) or topp:P (0 < P <= 1)")
+    import_torch_holding_interrupts()
     from transformer.search import Sampling
 
     return Sampling(**top, temperature=temperature, seed=seed)
@@ -275,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except KeyboardInterrupt:              # Ctrl-C; while streaming, what was translated has been written
+        next_interrupt_ends_at_once()
         print("transformer-translate: interrupted", file=sys.stderr)
         return 130
 
