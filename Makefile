@@ -23,8 +23,12 @@ space       := $(empty) $(empty)
 # MAKEOVERRIDES escapes a space inside a value as "\ " and doubles "$": keep each override one word
 # while make's own variables are filtered out, then hand the shell "\ " and "\$" so that both reach
 # Hydra unchanged (hydra.run.dir='runs/${now:%H}' stays a Hydra interpolation).
+# MAKEOVERRIDES lists the command line's variables last first: reversed, Hydra gets them in the order typed
+# (it applies them in order; .hydra/overrides.yaml and the resume command show them so). Words without
+# '=' (~key) are make goals: they follow the key=value ones.
+reverse      = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
 HYDRA_ARGS  := $(subst \$(space),@SPACE@,$(MAKEOVERRIDES))
-HYDRA_ARGS  := $(filter-out $(foreach v,$(OWN_VARS),$(v)=%),$(HYDRA_ARGS)) \
+HYDRA_ARGS  := $(strip $(call reverse,$(filter-out $(foreach v,$(OWN_VARS),$(v)=%),$(HYDRA_ARGS)))) \
                $(filter-out $(TARGETS),$(MAKECMDGOALS))
 HYDRA_ARGS  := $(subst @SPACE@,\$(space),$(subst $$$$,\$$,$(HYDRA_ARGS))) $(subst $$,\$$,$(value ARGS))
 

@@ -47,3 +47,14 @@ def test_make_passes_dollar_signs_and_spaces_through_to_hydra():
     assert proc.returncode == 0, proc.stderr
     assert "run_dir: runs/x-20" in proc.stdout                   # Hydra's ${now:...}, not the shell's $$
     assert "local_splits:\n    validation: dev" in proc.stdout    # one override, space and all
+
+
+def test_make_hands_hydra_the_overrides_in_the_order_typed():
+    """make lists command-line variables last first; Hydra applies overrides in order and records them
+    (.hydra/overrides.yaml, the resume command)."""
+    typed = ["model=small", "+trainer.foo=1", "hydra.run.dir=a b", "trainer.max_steps=5", "~trainer.bar"]
+    proc = subprocess.run(["make", "--no-print-directory", "-n", "train", *typed, "NPROC=3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    command = next(line for line in proc.stdout.splitlines() if "transformer.train_cli" in line)
+    assert command.split("transformer.train_cli ", 1)[1].split() == \
+        ["model=small", "+trainer.foo=1", "hydra.run.dir=a\\", "b", "trainer.max_steps=5", "~trainer.bar"], command
