@@ -54,10 +54,10 @@ def test_the_bar_total_follows_max_minutes_when_it_binds_first():
 # -- the command that continues a run -------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv0, environ, expected", [
-    ("/repo/transformer/train.py", {"MAKELEVEL": "1"},
+    ("/repo/transformer/train_cli.py", {"MAKELEVEL": "1"},
      "make train model=small 'data.path=my data' trainer.resume=true hydra.run.dir=runs/toy/tiny/x "
      "'ARGS=--config-dir presets'"),
-    ("/repo/transformer/train.py", {"MAKELEVEL": "1", "LOCAL_WORLD_SIZE": "2"},
+    ("/repo/transformer/train_cli.py", {"MAKELEVEL": "1", "LOCAL_WORLD_SIZE": "2"},
      "make train-ddp NPROC=2 model=small 'data.path=my data' trainer.resume=true hydra.run.dir=runs/toy/tiny/x "
      "'ARGS=--config-dir presets'"),
     ("/venv/bin/transformer-train", {},

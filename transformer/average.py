@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "to a new file")
         if output.is_dir():
             raise CheckpointError(f"-o {output}: is a directory; give a file name such as {output / 'avg.pt'}")
-        if not output.parent.is_dir():         # a mistyped directory would be created, the average lost in it
+        nearest = next(p for p in (output.parent, *output.parent.parents) if p.exists())
+        if nearest != output.parent and nearest.is_dir():     # a mistyped directory would be made, the average lost in it
             raise CheckpointError(f"-o {output}: the directory {output.parent} does not exist; create it first "
                                   f"(mkdir -p {output.parent}) or write the average elsewhere")
         if output.exists() and not args.force and not written_by_average(output):

@@ -130,7 +130,7 @@ class Launch:
     @classmethod
     def detect(cls, argv: list[str], environ, overrides: list[str]) -> Launch:
         """From this process: make exports MAKELEVEL to the commands of its recipes (the Makefile runs
-        `python -m transformer.train`, or torchrun for train-ddp, from the directory holding it), torchrun
+        `python -m transformer.train_cli`, or torchrun for train-ddp, from the directory holding it), torchrun
         sets LOCAL_WORLD_SIZE, the console script is argv[0]. A Makefile target cannot be told apart
         from the same command typed under some other make: both read as `make train`."""
         flags, args = [], iter(argv[1:])
@@ -138,7 +138,7 @@ class Launch:
             if arg.split("=", 1)[0] in HYDRA_VALUE_FLAGS:
                 flags += [arg] if "=" in arg else [arg, next(args, "")]
         nproc = environ.get("LOCAL_WORLD_SIZE")
-        if "MAKELEVEL" in environ and Path(argv[0]).name == "train.py" and Path("Makefile").is_file():
+        if "MAKELEVEL" in environ and Path(argv[0]).name in ("train_cli.py", "train.py") and Path("Makefile").is_file():
             program = ["make", "train-ddp", f"NPROC={nproc}"] if nproc else ["make", "train"]
         elif nproc:
             program = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m", "transformer.train"]
