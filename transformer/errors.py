@@ -41,7 +41,9 @@ def import_torch_holding_interrupts() -> None:
     """`import torch` with Ctrl-C (SIGINT) held back until it is done, then delivered: one that arrives
     while torch's C library loads is otherwise lost, and the command runs on as if never interrupted.
     The commands call it before their first module that needs torch."""
-    if "torch" in sys.modules or threading.current_thread() is not threading.main_thread():
+    if "torch" in sys.modules or threading.current_thread() is not threading.main_thread() \
+            or not hasattr(signal, "pthread_sigmask"):       # Windows: no signal masks
+        import torch  # noqa: F401
         return
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
