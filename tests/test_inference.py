@@ -38,6 +38,27 @@ def test_an_ensemble_of_a_checkpoint_with_itself_translates_as_the_checkpoint(un
                                                                                          max_len_b=6)
 
 
+def test_an_ensembles_reference_score_is_the_weighted_mean_of_its_models(untrained_checkpoint, tmp_path):
+    """score() of an ensemble used its first model alone (translate() followed the weights): the
+    ensemble's search scores a token by the weighted mean of the models' log-probabilities, so a
+    reference's score is the weighted mean of their scores."""
+    state = load_checkpoint(untrained_checkpoint)
+    generator = torch.Generator().manual_seed(3)
+    state["model"] = {name: value + 0.05 * torch.randn(value.shape, generator=generator)
+                      if value.is_floating_point() else value for name, value in state["model"].items()}
+    other = tmp_path / "other.pt"
+    save_checkpoint(state, other)
+    references = ["The dog sees the cat.", "The cow.", "The child often calls the bird."]
+    alone = [Translator.from_checkpoint(path, device="cpu", precision="fp32").score(SENTENCES, references)
+             for path in (untrained_checkpoint, other)]
+    assert all(abs(a - b) > 1e-3 for a, b in zip(*alone))
+    pair = Translator.from_checkpoints([untrained_checkpoint, other], weights=[1, 3], device="cpu", precision="fp32")
+    assert pair.score(SENTENCES, references) == pytest.approx([0.25 * a + 0.75 * b for a, b in zip(*alone)],
+                                                              rel=1e-5)
+    pair.weights = [0, 1]
+    assert pair.score(SENTENCES, references) == pytest.approx(alone[1], rel=1e-6)
+
+
 def test_an_ensemble_refuses_models_with_different_vocabularies(untrained_checkpoint, other_vocabulary_checkpoint):
     with pytest.raises(CheckpointError, match="vocabulary differs") as error:
         Translator.from_checkpoints([untrained_checkpoint, other_vocabulary_checkpoint], device="cpu")

@@ -208,8 +208,8 @@ class Translator:
               tgt_lang: str | None = None) -> list[float]:
         """Log-probability of each reference translation given its source under the model (forced
         decoding): the sum over its tokens and the final EOS, as sentence scores for filtering corpora.
-        Sources and references longer than the model's positions are truncated. `tgt_lang`: as for
-        `hypotheses`."""
+        An ensemble's is the weighted mean of its models' (as its search scores each token). Sources and
+        references longer than the model's positions are truncated. `tgt_lang`: as for `hypotheses`."""
         sentences = list_of_str(sentences, "sentences", "score([source], [reference])")
         references = list_of_str(references, "references", "score([source], [reference])")
         if len(sentences) != len(references):
@@ -226,16 +226,20 @@ class Translator:
         targets = [ids[:self.max_length] for ids in targets]
         widths = [max(len(a), len(b)) for a, b in zip(sources, targets)]
         scores = [0.0] * len(sources)
+        weights = self.weights or [1.0] * len(self.models)
+        shares = [w / sum(weights) for w in weights]
         # The (B, T, V) float32 log-probabilities bound the batch: 2048 tokens x 32k pieces = 256 MB.
         for indices in batches_in_order(widths, batch_tokens or SCORE_BATCH_TOKENS):
             src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(self.device)      # (B, S)
             tgt = [targets[i] for i in indices]
             tgt_in = pad_sequences(tgt, prefix=[BOS_ID]).to(self.device)                           # (B, T)
             tgt_out = pad_sequences(tgt, suffix=[EOS_ID]).to(self.device)                          # (B, T)
-            with self.autocast(), eval_mode(self.model):
-                logits = self.model(src, tgt_in)                                                   # (B, T, V)
-            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(2, tgt_out[:, :, None]).squeeze(2)
-            sums = logprobs.masked_fill(tgt_out == PAD_ID, 0.0).sum(dim=1)                         # (B,)
+            sums = 0.0
+            for model, share in zip(self.models, shares):
+                with self.autocast(), eval_mode(model):
+                    logits = model(src, tgt_in)                                                    # (B, T, V)
+                logprobs = torch.log_softmax(logits.float(), dim=-1).gather(2, tgt_out[:, :, None]).squeeze(2)
+                sums = sums + share * logprobs.masked_fill(tgt_out == PAD_ID, 0.0).sum(dim=1)      # (B,)
             for index, value in zip(indices, sums.tolist()):
                 scores[index] = value
         return scores
