@@ -201,3 +201,22 @@ def test_evaluate_takes_an_ensemble(untrained_checkpoint, source_file, tmp_path,
     scores = json.loads((tmp_path / "a.in.de.ensemble2.beam1.json").read_text())
     assert scores["ensemble"] == [str(first), str(untrained_checkpoint)]
     assert (tmp_path / "a.in.de.ensemble2.beam1.hyp").read_text().count("\n") == 3
+
+
+def test_sampling_refuses_search_options_and_alpha_without_a_beam_is_warned(untrained_checkpoint):
+    """Through the API, sampling silently dropped beam_size and alpha, and nbest gave one hypothesis per
+    sentence but nbest placeholders per empty one."""
+    from transformer.search import Sampling
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
+    for options, named in (({"beam_size": 4}, "beam_size=4"), ({"nbest": 3}, "nbest=3"),
+                           ({"beam_size": 2, "nbest": 2}, "beam_size=2 and nbest=2")):
+        with pytest.raises(ValueError, match=f"^sampling draws one translation per sentence: leave out {named}$"):
+            translator.hypotheses(SENTENCES + [""], sampling=Sampling(top_k=5), max_len_b=4, **options)
+    hyps = translator.hypotheses(SENTENCES + [""], sampling=Sampling(top_k=5), beam_size=1, nbest=1, max_len_b=4)
+    assert [len(h) for h in hyps] == [1, 1, 1, 1]
+    for options in ({"sampling": Sampling(top_k=5)}, {"beam_size": 1}):
+        with pytest.warns(UserWarning, match="alpha=2.0 is ignored by greedy search and sampling"):
+            translator.translate(SENTENCES, alpha=2.0, max_len_b=4, **options)
+    s = Sampling(top_k=50, seed=3)        # a new Sampling of the same seed repeats the call
+    first = translator.translate(SENTENCES, sampling=s, max_len_b=6)
+    assert translator.translate(SENTENCES, sampling=Sampling(top_k=50, seed=3), max_len_b=6) == first

@@ -213,8 +213,10 @@ def _prefix_logprob(logprobs: torch.Tensor, wanted: torch.Tensor) -> tuple[torch
 class Sampling:
     """Random sampling instead of search (back-translation, Edunov et al. 2018): each token is drawn from
     the `top_k` most probable ones (0: all), or from the smallest set whose probability reaches `top_p`
-    (nucleus sampling; 1.0: all), after dividing the log-probabilities by `temperature`. A seeded
-    generator makes the same input give the same samples. Hypothesis scores stay the model's own
+    (nucleus sampling; 1.0: all), after dividing the log-probabilities by `temperature`. The object
+    keeps a generator seeded with `seed`: a new Sampling of the same seed gives the same input the same
+    samples, and one object used again continues its random stream (the chunks of a long input are not
+    sampled alike; for a repeatable call, pass a new Sampling). Hypothesis scores stay the model's own
     log-probabilities of the drawn tokens (untempered)."""
     top_k: int = 0
     top_p: float = 1.0

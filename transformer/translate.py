@@ -485,7 +485,8 @@ def _translate_lines(translator: Translator, lines: list[str], args, sampling, p
                      prefixes: list[str] | None = None):
     with _warnings_as_lines():
         return translator.translate_hypotheses(
-            lines, beam_size=args.beam, alpha=args.alpha, nbest=args.nbest, max_len_a=args.max_len_a,
+            lines, beam_size=args.beam, nbest=args.nbest, max_len_a=args.max_len_a,
+            alpha=None if sampling is not None or args.beam == 1 else args.alpha,      # its warning is said
             max_len_b=args.max_len_b, batch_tokens=args.batch_tokens, progress=progress, sampling=sampling,
             prefixes=prefixes, workers=args.workers)
 

@@ -164,10 +164,18 @@ class Translator:
         `tgt_lang`: the target language of a multilingual model (`target_languages`), which needs one."""
         sentences = list_of_str(sentences, "sentences", "translate([text])")
         self.target_language(tgt_lang)              # refused before anything else is done
+        if sampling is not None:
+            searched = [f"{name}={value}" for name, value in (("beam_size", beam_size), ("nbest", nbest))
+                        if value not in (None, 1)]
+            if searched:
+                raise ValueError(f"sampling draws one translation per sentence: leave out {' and '.join(searched)}")
         prefix_ids = self.encode_prefixes(prefixes, len(sentences))
         batch_tokens_given = batch_tokens is not None
         decode = self.config.decode.for_translation(beam_size=beam_size, alpha=alpha, nbest=nbest, max_len_a=max_len_a,
                                                     max_len_b=max_len_b, batch_tokens=batch_tokens)
+        if alpha is not None and (sampling is not None or decode.beam_size == 1):
+            warnings.warn(f"alpha={alpha} is ignored by greedy search and sampling (the length penalty ranks the "
+                          "hypotheses of a beam of 2 or more)", stacklevel=3)
         beam_size, alpha, nbest = decode.beam_size, decode.alpha, decode.nbest
         max_len_a, max_len_b, batch_tokens = decode.max_len_a, decode.max_len_b, decode.batch_tokens
         if self.quantized and not batch_tokens_given:    # int8 runs fastest on batches of a few thousand
