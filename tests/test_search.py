@@ -82,6 +82,16 @@ def test_max_length_forces_eos():
     assert greedy.tokens == [A] and greedy.hit_max_len
 
 
+def test_a_length_limit_beyond_int64_is_the_models_limit_not_one_token():
+    """max_len_a=1e30 ("no limit") went past int64 and wrapped to the minimum: every output was empty."""
+    from transformer.search import max_lengths
+    src = torch.tensor([[5, 6, 7, EOS_ID], [5, EOS_ID, PAD_ID, PAD_ID]])                   # 3 and 1 tokens
+    assert max_lengths(src, 1.2, 10, 1000).tolist() == [13, 11]
+    assert max_lengths(src, 0.0, 0, 1000).tolist() == [1, 1]
+    for a, b in ((1e30, 0), (0.0, 2**63 - 1), (0.0, 10**30), (1e300, 10**30)):
+        assert max_lengths(src, a, b, 127).tolist() == [127, 127], (a, b)
+
+
 def test_sentences_in_one_batch_do_not_interact():
     hyps = beam_search(TableDecoder(), torch.tensor([10, 2, 10]), beam_size=2, alpha=0.0, nbest=1)
     assert [h[0].tokens for h in hyps] == [[B], [B], [B]]

@@ -92,8 +92,9 @@ def length_penalty(length: int, alpha: float) -> float:
 def max_lengths(src: torch.Tensor, max_len_a: float, max_len_b: int, limit: int) -> torch.Tensor:
     """Per sentence: at most a * source_length + b output tokens (EOS included), capped by `limit`."""
     src_lens = (src != PAD_ID).sum(dim=1) - 1                          # without the source EOS
-    lengths = torch.floor(src_lens.float() * max_len_a + max_len_b).long()
-    return lengths.clamp(min=1, max=limit)
+    # Capped while still float: a limit beyond int64 (max_len_a=1e30: "no limit") wrapped to 1 token.
+    lengths = torch.floor(src_lens.double() * float(max_len_a) + float(max_len_b))
+    return lengths.clamp(min=1, max=limit).long()
 
 
 class ModelDecoder:
