@@ -81,11 +81,11 @@ def test_the_command_lines_refuse_a_non_finite_option_naming_its_flag(key, value
     source.write_text("Der Hund.\n")
     inputs = ["--input", source] if program == "transformer-translate" else ["--src", source, "--ref", source]
     line = _cli_error(COMMAND_LINES[program], capsys, untrained_checkpoint, *inputs, f"{flag}={value}")
-    assert line == f"{program}: error: {flag} {value}: must be a finite number >= 0", line
+    assert line == f"{program}: error: {flag} {value}: {OPTIONS[key].rule}", line
     # `--alpha -inf`: argparse takes -inf for an option; still one line that names the flag and the fix.
     line = _cli_error(COMMAND_LINES[program], capsys, untrained_checkpoint, *inputs, flag, value)
     assert line.startswith(f"{program}: error: ") and flag in line, line
-    assert f"{flag} {value}: must be a finite number >= 0" in line or f"is written {flag}=VALUE" in line, line
+    assert f"{flag} {value}: {OPTIONS[key].rule}" in line or f"is written {flag}=VALUE" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.de"]
 
 
@@ -93,13 +93,13 @@ def test_the_command_lines_refuse_a_non_finite_option_naming_its_flag(key, value
 @pytest.mark.parametrize("key", [option.key for option in FLOAT_OPTIONS])
 def test_the_api_refuses_a_non_finite_option_naming_its_keyword(key, value, translator):
     message = _api_error(translator, **{key: float(value)})
-    assert message == f"{key}={float(value)!r}: must be a finite number >= 0", message
+    assert message == f"{key}={float(value)!r}: {OPTIONS[key].rule}", message
 
 
 # One bad value per option (below its smallest) and nbest above the beam: the three refuse it with the same
 # words after the option's name.
 BAD = [{option.key: option.low - (1 if option.whole else 0.5)} for option in DECODE_OPTIONS] + \
-      [{"beam_size": 2, "nbest": 3}]
+      [{"alpha": 1e300}, {"beam_size": 2, "nbest": 3}]     # alpha 1e300: the length penalty overflowed
 
 
 @pytest.mark.parametrize("values", BAD, ids=lambda values: ",".join(f"{k}={v}" for k, v in values.items()))

@@ -220,3 +220,28 @@ def test_sampling_refuses_search_options_and_alpha_without_a_beam_is_warned(untr
     s = Sampling(top_k=50, seed=3)        # a new Sampling of the same seed repeats the call
     first = translator.translate(SENTENCES, sampling=s, max_len_b=6)
     assert translator.translate(SENTENCES, sampling=Sampling(top_k=50, seed=3), max_len_b=6) == first
+
+
+def test_the_api_refuses_what_the_command_lines_refuse_in_its_own_words(untrained_checkpoint):
+    """The command lines checked devices and beams before the Python API did: there, torch's errors
+    ("Expected one of cpu, cuda, ipu, xpu, ...", "Torch not compiled with CUDA enabled") or a search of
+    10**9 hypotheses per sentence that ran for good."""
+    for device, problem in (("gpu", "must be auto, cpu, cuda or cuda:N"), ("CPU", "must be auto, cpu, cuda or cuda:N"),
+                            (None, "must be auto, cpu, cuda or cuda:N"), (0, "must be auto, cpu, cuda or cuda:N"),
+                            ("meta", "must be auto, cpu, cuda or cuda:N")) + \
+            ((("cuda", "CUDA is not available"),) if not torch.cuda.is_available() else ()):
+        with pytest.raises(ValueError, match=f"^device={device!r}: {problem}$"):
+            Translator.from_checkpoint(untrained_checkpoint, device=device)
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu")
+    vocabulary = translator.tokenizer.tgt_vocab_size
+    with pytest.raises(ValueError, match=f"^beam_size={10**9}: the model's target vocabulary has {vocabulary} pieces"):
+        translator.translate(SENTENCES, beam_size=10**9)
+    assert len(translator.translate(SENTENCES, beam_size=vocabulary, max_len_b=2)) == 3
+    one = Translator.from_checkpoints(str(untrained_checkpoint), device="cpu")       # a path, not its characters
+    assert len(one.models) == 1 and one.translate(SENTENCES, max_len_b=4) == translator.translate(SENTENCES, max_len_b=4)
+    with pytest.raises(ValueError, match=r"^weights='1,2': give a list of numbers, one per model"):
+        Translator.from_checkpoints([untrained_checkpoint] * 2, weights="1,2", device="cpu")
+    direct = Translator(translator.model, translator.tokenizer, translator.config, "cpu")      # a device name
+    assert direct.translate(SENTENCES, max_len_b=4) == translator.translate(SENTENCES, max_len_b=4)
+    with pytest.raises(ValueError, match="precision='fp64' must be one of"):
+        Translator(translator.model, translator.tokenizer, translator.config, "cpu", precision="fp64")

@@ -414,14 +414,14 @@ class TrainerConfig:
 DEFAULT_BATCH_TOKENS = 16384
 
 
-def decode_setting(default: int | float, meaning: str, *, low: int, flag: str | None = None,
-                   saved: bool = True) -> Any:
+def decode_setting(default: int | float, meaning: str, *, low: int, high: float = math.inf,
+                   flag: str | None = None, saved: bool = True) -> Any:
     """A decoding option: a DecodeConfig key (decode.KEY), the keyword KEY of `Translator.translate` and a
     flag of transformer-translate and transformer-evaluate (`flag`, else --KEY with dashes), all three from
-    this one definition (`DECODE_OPTIONS`). `low`: the smallest value allowed. `saved`: a translation that
+    this one definition (`DECODE_OPTIONS`). `low`, `high`: the values allowed. `saved`: a translation that
     leaves it out takes the checkpoint's decode.KEY (True) or this default (False: a property of the
     request or the machine, not the model)."""
-    return setting(default, meaning, low=low, flag=flag, saved=saved)
+    return setting(default, meaning, low=low, high=high, flag=flag, saved=saved)
 
 
 @dataclass
@@ -431,7 +431,7 @@ class DecodeConfig:
     name: str = setting("beam", "the preset's name")
     beam_size: int = decode_setting(5, "hypotheses kept per sentence (1 = greedy)", low=1, flag="--beam")
     alpha: float = decode_setting(0.6, "GNMT length penalty ((5 + len) / 6) ** alpha; 0 = raw log-probability",
-                                  low=0)
+                                  low=0, high=100)     # beyond, the penalty of a long hypothesis overflows
     max_len_a: float = decode_setting(1.2, "output length limit: max_len_a * source_len + max_len_b tokens", low=0)
     max_len_b: int = decode_setting(10, "the constant term of the output length limit (see max_len_a)", low=0)
     batch_tokens: int = decode_setting(DEFAULT_BATCH_TOKENS, "source tokens x beam per decoding batch; smaller "
@@ -460,18 +460,20 @@ class DecodeOption(NamedTuple):
     whole: bool              # a whole number (int), or a finite number (float)
     default: int | float
     low: int                 # the smallest value allowed
+    high: float              # the largest
     saved: bool              # left out of a translation: the checkpoint's decode.KEY, else `default`
     meaning: str
 
     @property
     def rule(self) -> str:
-        return f"must be a {'whole' if self.whole else 'finite'} number >= {self.low}"
+        upper = f" and <= {self.high:g}" if math.isfinite(self.high) else ""
+        return f"must be a {'whole' if self.whole else 'finite'} number >= {self.low}{upper}"
 
     def accepts(self, value: Any) -> bool:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral if self.whole else numbers.Real):
             return False
         finite = isinstance(value, numbers.Integral) or math.isfinite(value)      # a huge int has no float
-        return finite and value >= self.low
+        return finite and self.low <= value <= self.high
 
     def spelled(self, value: Any, where: str) -> str:
         """The option and its value as `where` writes them: decode.alpha=nan ("config"), alpha=nan ("api"),
@@ -482,7 +484,8 @@ class DecodeOption(NamedTuple):
 
 DECODE_OPTIONS = tuple(
     DecodeOption(spec.name, spec.metadata["flag"] or "--" + spec.name.replace("_", "-"), spec.type in ("int", int),
-                 spec.default, spec.metadata["low"], spec.metadata["saved"], spec.metadata["help"])
+                 spec.default, spec.metadata["low"], spec.metadata["high"], spec.metadata["saved"],
+                 spec.metadata["help"])
     for spec in dataclasses.fields(DecodeConfig) if "low" in spec.metadata)
 
 
@@ -506,8 +509,24 @@ def check_decode_options(values: dict[str, Any], where: str) -> None:
 QUANTIZATIONS = ("int8",)
 
 
+def device_name_error(device, knob: str = "device=") -> str | None:
+    """Why `device` is no device name inference takes (auto, cpu, cuda, cuda:N), in one line naming it
+    as `knob` does ("--device " or "device="); None for a good name. `runtime.inference_device_error`
+    also asks whether this machine has it."""
+    if isinstance(device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        return None
+    return f"{as_given(knob, device)}: must be auto, cpu, cuda or cuda:N"
+
+
+def as_given(knob: str, value) -> str:
+    """A setting as its user wrote it: `--device cuda` on a command line, `device='cuda'` in Python."""
+    return f"{knob}{value!r}" if knob.endswith("=") else f"{knob}{value}"
+
+
 def check_weights(weights, count: int) -> list[float]:
     """An ensemble's weights: one finite number >= 0 per model, not all 0."""
+    if isinstance(weights, (str, bytes)):
+        raise ValueError(f"weights={weights!r}: give a list of numbers, one per model (e.g. [1, 2])")
     weights = list(weights)
     if len(weights) != count or not all(isinstance(w, numbers.Real) and not isinstance(w, bool)
                                         and math.isfinite(w) and w >= 0 for w in weights) or not sum(weights) > 0:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from transformer import distributed as D
-from transformer.config import ConfigError, TrainerConfig
+from transformer.config import ConfigError, TrainerConfig, as_given, device_name_error
 from transformer.distributed import DistInfo
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,20 @@ def auto_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
+
+
+def inference_device_error(device, knob: str = "device=") -> str | None:
+    """Why `device` cannot translate here, in one line (`config.device_name_error`'s words for a name that
+    is none, then: no CUDA, or fewer CUDA devices than its index); None when it can."""
+    problem = device_name_error(device, knob)
+    if problem is None and device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        if not torch.cuda.is_available():
+            problem = f"{as_given(knob, device)}: CUDA is not available"
+        elif index >= torch.cuda.device_count():
+            problem = (f"{as_given(knob, device)}: there are {torch.cuda.device_count()} "
+                       f"CUDA device(s) (0 to {torch.cuda.device_count() - 1})")
+    return problem
 
 
 def resolve_device(name: str, dist_info: DistInfo) -> torch.device:
@@ -156,6 +170,9 @@ class Runtime:
     def for_inference(cls, device: str = "auto", precision: str = "auto") -> Runtime:
         """One process, no process group: `device` auto | cpu | cuda | cuda:N, `precision` auto | bf16 |
         fp16 | fp32 (ValueError otherwise)."""
+        problem = inference_device_error(device)
+        if problem:
+            raise ValueError(problem)
         resolved = torch.device(auto_device(device))
         if precision not in ("auto", *DTYPES):
             raise ValueError(f"precision={precision!r} must be auto, bf16, fp16 or fp32")

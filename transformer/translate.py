@@ -30,6 +30,7 @@ from transformer.config import (
     DecodeOption,
     check_decode_options,
     check_weights,
+    device_name_error,
 )
 from transformer.errors import (
     CheckpointError,
@@ -150,22 +151,13 @@ def checked_model_arguments(args: argparse.Namespace) -> list[float] | None:
 def device_error(device: str) -> str | None:
     """Why `--device` cannot be used here (one line), or None. Imports torch (and tunes this process for
     it) when the name is one it could take."""
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        return f"--device {device}: must be auto, cpu, cuda or cuda:N"
+    if device_name_error(device, "--device "):
+        return device_name_error(device, "--device ")
     import_torch_holding_interrupts()
-    import torch
-
-    from transformer.runtime import tune_cpu_process
+    from transformer.runtime import inference_device_error, tune_cpu_process
 
     tune_cpu_process()                    # before the first tensor operation (runtime.py says why)
-    if device.startswith("cuda"):
-        index = int(device.partition(":")[2] or 0)
-        if not torch.cuda.is_available():
-            return f"--device {device}: CUDA is not available"
-        if index >= torch.cuda.device_count():
-            return (f"--device {device}: there are {torch.cuda.device_count()} CUDA device(s) (0 to "
-                    f"{torch.cuda.device_count() - 1})")
-    return None
+    return inference_device_error(device, "--device ")
 
 
 def load_translator(args: argparse.Namespace) -> Translator:
@@ -354,10 +346,8 @@ def _run(args) -> int:
             args.beam = 1 if sampling is not None else translator.config.decode.beam_size
             if args.nbest > args.beam:
                 return _fail(f"--nbest {args.nbest}: the checkpoint's beam size is {args.beam}; add --beam {args.nbest}")
-        vocabulary = translator.tokenizer.tgt_vocab_size
-        if args.beam > vocabulary:      # more hypotheses than pieces to extend them with: time and memory for nothing
-            return _fail(f"--beam {args.beam}: the model's target vocabulary has {vocabulary} pieces; give at most "
-                         f"that (5 is usual)")
+        if translator.beam_error(args.beam, "--beam "):
+            return _fail(translator.beam_error(args.beam, "--beam "))
     ignored = _ignored_options(given, scoring, args.beam)
     if ignored:
         print(f"transformer-translate: warning: {ignored}", file=sys.stderr)

@@ -41,8 +41,10 @@ class Translator:
         self.tgt_lang = tgt_lang                            # a multilingual model's default target language
         self.models, self.weights = [model], None           # an ensemble: `from_checkpoints`
         self.max_length = model.cfg.max_positions - 1       # tokens of a sentence, EOS or BOS aside
-        self.device = device
-        self.autocast = autocast or autocast_factory(device, DTYPES[precision])
+        self.device = torch.device(device)
+        if precision not in DTYPES:
+            raise ValueError(f"precision={precision!r} must be one of {', '.join(DTYPES)}")
+        self.autocast = autocast or autocast_factory(self.device, DTYPES[precision])
 
     @property
     def quantized(self) -> bool:
@@ -87,7 +89,7 @@ class Translator:
         SentencePiece model(s): at every step the weighted mean of their log-probabilities (equal
         weights by default). The first one's decode settings are the defaults. CheckpointError names a
         model whose vocabulary differs from the first's; ValueError for weights that do not fit."""
-        paths = list(paths)
+        paths = [paths] if isinstance(paths, (str, Path)) else list(paths)      # one path: an ensemble of one
         if not paths:
             raise ValueError("from_checkpoints needs at least one checkpoint")
         if weights is not None:
@@ -177,6 +179,8 @@ class Translator:
             warnings.warn(f"alpha={alpha} is ignored by greedy search and sampling (the length penalty ranks the "
                           "hypotheses of a beam of 2 or more)", stacklevel=3)
         beam_size, alpha, nbest = decode.beam_size, decode.alpha, decode.nbest
+        if self.beam_error(beam_size, "beam_size="):
+            raise ValueError(self.beam_error(beam_size, "beam_size="))
         max_len_a, max_len_b, batch_tokens = decode.max_len_a, decode.max_len_b, decode.batch_tokens
         if self.quantized and not batch_tokens_given:    # int8 runs fastest on batches of a few thousand
             rows = 1 if sampling is not None or beam_size == 1 else beam_size
@@ -198,6 +202,14 @@ class Translator:
         for hyp, text in zip(flat, self.tokenizer.decode_tgt([h.tokens for h in flat])):
             hyp.text = text
         return [hyps or [Hypothesis([], 0.0, 0.0) for _ in range(nbest)] for hyps in results]
+
+    def beam_error(self, beam_size: int, knob: str) -> str | None:
+        """A beam wider than the target vocabulary: more hypotheses than pieces to extend them with, time
+        and memory for nothing (a beam of 10**9 ran for good). None for a beam that fits."""
+        vocabulary = self.tokenizer.tgt_vocab_size
+        if beam_size <= vocabulary:
+            return None
+        return f"{knob}{beam_size}: the model's target vocabulary has {vocabulary} pieces; give at most that (5 is usual)"
 
     def encode_prefixes(self, prefixes, count: int) -> list[list[int]] | None:
         """Target token ids of each prefix, cut to leave room for EOS; None when no sentence has one."""
