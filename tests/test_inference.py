@@ -77,6 +77,8 @@ def test_a_prefix_starts_the_translation_and_empty_means_none(untrained_checkpoi
     prefixed = translator.translate(SENTENCES, beam_size=1, max_len_b=6, prefixes=["the dog", "", "a cat sees"])
     assert prefixed[0].startswith("the dog") and prefixed[2].startswith("a cat sees")
     assert prefixed[1] == plain[1]
+    empty = translator.translate(["", "", SENTENCES[0]], beam_size=1, max_len_b=6, prefixes=["the dog", "", ""])
+    assert empty[0].startswith("the dog") and empty[1] == "" and empty[2] == plain[0]    # the prefix was dropped
     beam = translator.translate_hypotheses(SENTENCES, beam_size=3, nbest=3, max_len_b=6, prefixes=["the dog"] * 3)
     assert all(text.startswith("the dog") for hyps in beam for text, _ in hyps)
 
@@ -245,3 +247,35 @@ def test_the_api_refuses_what_the_command_lines_refuse_in_its_own_words(untraine
     assert direct.translate(SENTENCES, max_len_b=4) == translator.translate(SENTENCES, max_len_b=4)
     with pytest.raises(ValueError, match="precision='fp64' must be one of"):
         Translator(translator.model, translator.tokenizer, translator.config, "cpu", precision="fp64")
+
+
+def test_exported_directories_that_cannot_load_say_why_in_one_line(untrained_checkpoint, tmp_path):
+    """Damaged config.json values came out as AttributeErrors, an unknown tokenizer list with a git-lfs
+    hint (and a string spelt letter by letter), a checkpoint file as a missing hub id; saving an int8
+    model failed inside safetensors."""
+    import json
+
+    from transformer.export import load_pretrained, save_pretrained
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu")
+    out = save_pretrained(translator.model, translator.tokenizer, translator.config, tmp_path / "m")
+    meta = json.loads((out / "config.json").read_text())
+    for change, message in (({"config": "x"}, 'its "config" is not a mapping of settings'),
+                            ({"config": None}, 'its "config" is not a mapping of settings'),
+                            ({"tokenizer": "spm.model"}, r"unknown tokenizer files 'spm.model' \(an export lists"),
+                            ({"tokenizer": ["foo.model"]}, r"unknown tokenizer files \['foo.model'\]"),
+                            ({"format_version": True}, "format_version True is not a whole number >= 0"),
+                            ({"format_version": -5}, "format_version -5 is not a whole number >= 0")):
+        (out / "config.json").write_text(json.dumps({**meta, **change}))
+        with pytest.raises(CheckpointError, match=message) as error:
+            load_pretrained(out)
+        assert "\n" not in str(error.value) and "lfs" not in str(error.value)
+    (out / "config.json").unlink()
+    (out / "config.json").mkdir()
+    with pytest.raises(CheckpointError, match="config.json: Is a directory"):
+        load_pretrained(out)
+    with pytest.raises(CheckpointError, match="best.pt: a file, not an exported directory; .* Translator.from_checkpoint"):
+        Translator.from_pretrained(untrained_checkpoint)
+    int8 = Translator.from_checkpoint(untrained_checkpoint, device="cpu", quantize="int8")
+    with pytest.raises(ValueError, match="save_pretrained takes the float model, not an int8 one"):
+        save_pretrained(int8.model, int8.tokenizer, int8.config, tmp_path / "q")
+    assert not (tmp_path / "q").exists()

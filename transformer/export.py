@@ -182,6 +182,10 @@ def save_pretrained(model: Transformer, tokenizer: Tokenizer, config: Config, ou
     from safetensors import SafetensorError
     from safetensors.torch import save_model
 
+    if any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in model.modules()):
+        raise ValueError("save_pretrained takes the float model, not an int8 one: save the model of "
+                         "Translator.from_checkpoint(path) without quantize=, and quantize when loading it "
+                         "(Translator.from_pretrained(directory, quantize=\"int8\"))")
     _refuse_non_finite(model, "the model")
     card = model_card(model, tokenizer, config, Path(out).resolve().name, trained or {})
 
@@ -331,6 +335,9 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
     from safetensors.torch import load_model
 
     folder = Path(path)
+    if folder.is_file():
+        raise CheckpointError(f"{folder}: a file, not an exported directory; a .pt checkpoint loads with "
+                              "Translator.from_checkpoint (Translator.load takes either)")
     if not folder.is_dir():
         folder = _download(str(path))
     config_path = folder / CONFIG_FILE
@@ -343,6 +350,8 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
                               f"an exported model (transformer-export --format safetensors){hint}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{config_path}: not valid JSON ({error})") from None
+    except OSError as error:                     # a directory of that name, no permission to read it
+        raise CheckpointError(f"{config_path}: {error.strerror}") from None
     if (folder / "model.bin").is_file() and not (folder / WEIGHTS_FILE).exists():
         raise CheckpointError(f"{folder}: a CTranslate2 model (transformer-export --format ctranslate2), which "
                               "CTranslate2 translates (ctranslate2.Translator); transformer-translate takes the .pt "
@@ -352,8 +361,9 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
         raise CheckpointError(f"{config_path}: not a {FORMAT_NAME} model ({found}; another tool's model?); "
                               "transformer-translate takes a .pt checkpoint or a transformer-export --format "
                               "safetensors directory")
-    if not isinstance(meta.get("format_version", 0), int):
-        raise CheckpointError(f"{config_path}: format_version {meta['format_version']!r} is not a whole number")
+    if type(meta.get("format_version", 0)) is not int or meta.get("format_version", 0) < 0:
+        raise CheckpointError(f"{config_path}: format_version {meta['format_version']!r} is not a whole number "
+                              ">= 0; the file is damaged")
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"{config_path}: format version {meta['format_version']} is newer than this "
                               f"package reads ({FORMAT_VERSION}); upgrade this package")
@@ -361,14 +371,18 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
         config = Config.from_dict(meta["config"], saved=True)
     except (ConfigError, KeyError, TypeError) as error:
         raise CheckpointError(f"{config_path}: its config is invalid: {error}") from None
+    except AttributeError:                       # "config": "x", [1] or null
+        raise CheckpointError(f"{config_path}: its \"config\" is not a mapping of settings; the file is damaged") \
+            from None
     names = meta.get("tokenizer") or []
+    if names not in (["spm.model"], ["src.spm.model", "tgt.spm.model"]):
+        raise CheckpointError(f"{config_path}: unknown tokenizer files {names!r} (an export lists [\"spm.model\"] "
+                              "or [\"src.spm.model\", \"tgt.spm.model\"]); the file is damaged")
     try:
         if names == ["spm.model"]:
             tokenizer = Tokenizer((folder / "spm.model").read_bytes())
-        elif names == ["src.spm.model", "tgt.spm.model"]:
-            tokenizer = Tokenizer((folder / "src.spm.model").read_bytes(), (folder / "tgt.spm.model").read_bytes())
         else:
-            raise CheckpointError(f"{config_path}: unknown tokenizer files {names}")
+            tokenizer = Tokenizer((folder / "src.spm.model").read_bytes(), (folder / "tgt.spm.model").read_bytes())
     except OSError as error:
         raise CheckpointError(f"{folder}: {error.strerror}: {error.filename}") from None
     except RuntimeError as error:       # sentencepiece: not a model (e.g. a git-lfs pointer cloned without lfs)

@@ -186,7 +186,8 @@ class Translator:
             rows = 1 if sampling is not None or beam_size == 1 else beam_size
             batch_tokens = min(batch_tokens, INT8_SOURCE_TOKENS * rows)
         sources = self.encode_sources(sentences, tgt_lang)
-        wanted = [i for i, s in enumerate(sources) if s]
+        # An empty sentence translates to '' unless it has a prefix, which its translation starts with.
+        wanted = [i for i, s in enumerate(sources) if s or (prefix_ids is not None and prefix_ids[i])]
         results: list[list[Hypothesis]] = [[] for _ in sources]
         with tqdm(total=len(wanted), desc=desc, unit="sent", leave=False,
                   disable=None if progress is None else not progress) as bar:
