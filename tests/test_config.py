@@ -186,3 +186,19 @@ def test_a_bare_word_is_refused_but_flag_values_and_overrides_are_not():
     assert bare_word(["--multirun", "trainer.lr=1e-3,5e-4", "hydra/sweeper=basic"], "p") is None
     assert bare_word(["model=small", "trainer.lr", "1e-3"], "p") == (
         "p: 'trainer.lr' is not an override: write KEY=VALUE or GROUP=OPTION (e.g. trainer.lr=VALUE); p --help lists them")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.local_splits={validation: train}"], "data.local_splits: the validation split reads the training files "
+                                                r"\(train\): best.pt would be chosen on training data"),
+    (["data.local_splits={test: train}"], "the test split reads the training files"),
+    (["data.valid_split=train"], "the validation split reads the training files"),
+    (["data.local_splits={valid: val}"], r"data.local_splits: 'valid' is not a split of this run: its keys are the "
+                                         r"splits train, validation, test"),
+])
+def test_local_splits_that_name_no_split_or_the_training_files_are_refused(overrides, message):
+    """Both were taken silently: `{validation: train}` validated (and picked best.pt) on the training
+    data; a misspelt split name changed nothing."""
+    with pytest.raises(ConfigError, match=message):
+        compose_config(["data=multi30k_de_en", "data.path=/somewhere", *overrides])
+    compose_config(["data=multi30k_de_en", "data.path=/somewhere", "data.local_splits={validation: dev}"])

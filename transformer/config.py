@@ -238,6 +238,21 @@ class DataConfig:
             raise ConfigError(f"data.path={self.path}: one file can be a training split only, and a run needs a "
                               "validation split too (best.pt is chosen on it); point data.path at a directory holding "
                               "train.* and validation.* files (data.local_splits names other stems)")
+        splits = {"train": self.train_split, "validation": self.valid_split, "test": self.test_split}
+        stems = {role: self.split_name(split) for role, split in splits.items()}
+        for role in ("validation", "test"):
+            if stems[role] == stems["train"] and not self.embedded:
+                raise ConfigError(f"data.local_splits: the {role} split reads the training files ({stems['train']}): "
+                                  f"{'best.pt would be chosen' if role == 'validation' else 'the test would be scored'} "
+                                  "on training data; give it its own files")
+        for owner, table, own in [("data", self.local_splits, self.train_split)] + [
+                (f"data.corpora[{i}]", c.local_splits, c.train_split) for i, c in enumerate(self.corpora)]:
+            unknown = sorted(set(table) - {*splits.values(), own})
+            if unknown:
+                raise ConfigError(f"{owner}.local_splits: {', '.join(map(repr, unknown))} is not a split of this run: "
+                                  f"its keys are the splits {', '.join(dict.fromkeys(splits.values()))} (data.train_split, "
+                                  "data.valid_split, data.test_split), its values the file stems, e.g. "
+                                  "'{validation: dev, test: newstest2014}'")
         sources = {}
         for i, corpus in enumerate(self.corpora):
             src, tgt = corpus.src_lang or self.src_lang, corpus.tgt_lang or self.tgt_lang
