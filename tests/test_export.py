@@ -69,7 +69,7 @@ def test_safetensors_directory_round_trip_translates_identically(trained_checkpo
 
     again = subprocess.run([sys.executable, "-m", "transformer.export", str(trained_checkpoint), str(out),
                             "--format", "safetensors"], capture_output=True, text=True)
-    assert again.returncode == 2 and "already exists; pass --force" in again.stderr
+    assert again.returncode == 2 and "already exists (an earlier export); pass --force" in again.stderr
 
 
 def test_from_pretrained_refuses_what_it_cannot_read(untrained_checkpoint, tmp_path):

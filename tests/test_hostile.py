@@ -225,12 +225,14 @@ def test_beam_sizes_up_to_and_beyond_the_vocabulary(trained_checkpoint):
     vocab = translator.tokenizer.tgt_vocab_size
     reference = translator.translate(["Der Hund.", "Die Katze sieht den Hund."], beam_size=5)
     assert all(reference)
-    for beam in (vocab // 2 + 1, vocab, vocab + 7):
+    for beam in (vocab // 2 + 1, vocab):           # beyond the vocabulary: refused (the search copes: above)
         for hyps in translator.translate_hypotheses(["Der Hund.", "Die Katze sieht den Hund."], beam_size=beam,
                                                     nbest=3):
             scores = [score for _, score in hyps]
             assert len(hyps) == 3 and all(text for text, _ in hyps)
             assert all(math.isfinite(s) for s in scores) and scores == sorted(scores, reverse=True)
+    with pytest.raises(ValueError, match=f"beam_size={vocab + 7}: the model's target vocabulary has {vocab} pieces"):
+        translator.translate(["Der Hund."], beam_size=vocab + 7)
 
 
 @pytest.mark.slow

@@ -160,6 +160,9 @@ def test_force_refuses_a_file_and_a_checkpoint_directory(fmt, checkpoint, tmp_pa
     assert _tree(checkpoint.parent) == before
     code, _, err = _export(capsys, checkpoint, tmp_path / "notes.txt" / "model", fmt)
     assert code == 2 and "a part of" in _one_line(err) and "is a file, not a directory" in err
+    for target in (tmp_path / "notes.txt", checkpoint.parent):     # without --force: no advice --force refuses
+        code, _, err = _export(capsys, checkpoint, target, fmt)
+        assert code == 2 and "--force to replace" not in err and "choose a new directory" in _one_line(err)
 
 
 # ----- 6. a full disk while exporting ------------------------------------------------------------------
@@ -263,6 +266,30 @@ def test_average_replaces_an_earlier_average_and_with_force_anything(checkpoint,
     code, _, err = _run(average_main, capsys, checkpoint, "-o", tmp_path / "typo" / "avg.pt")
     assert code == 2 and "the directory " in _one_line(err) and "typo does not exist; create it first" in err
     assert not (tmp_path / "typo").exists()
+
+
+def test_average_refuses_a_checkpoint_given_twice_and_a_resume_point_as_output(checkpoint, tmp_path, capsys):
+    """The same file twice (or through a link) doubled its weight with exit 0; -o last.pt --force replaced
+    a run's resume point with weights only."""
+    link = tmp_path / "link.pt"
+    link.symlink_to(checkpoint)
+    for inputs in ((checkpoint, checkpoint), (checkpoint, link)):
+        code, _, err = _run(average_main, capsys, *inputs, "-o", tmp_path / "avg.pt")
+        assert code == 2 and "given twice (or through a link); each checkpoint is averaged once" in _one_line(err)
+    assert not (tmp_path / "avg.pt").exists()
+    state = load_checkpoint(checkpoint)
+    last = tmp_path / "last.pt"
+    save_checkpoint({**state, "optimizer": {"state": {}, "param_groups": []}}, last)
+    before = last.read_bytes()
+    code, _, err = _run(average_main, capsys, checkpoint, "-o", last, "--force")
+    assert code == 2 and "holds a run's training state (it resumes the run)" in _one_line(err)
+    assert last.read_bytes() == before
+    for directory in (checkpoint.parent, checkpoint.parent.parent):     # was: .../checkpoints/checkpoints/best.pt
+        with pytest.raises(CheckpointError, match=f"is a directory, not a checkpoint file; did you mean {checkpoint}\\?"):
+            load_checkpoint(directory)
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(CheckpointError, match="is a directory, not a checkpoint file; a checkpoint is a run's "):
+        load_checkpoint(tmp_path / "folder")
 
 
 def test_average_refuses_to_write_a_non_finite_average(checkpoint, tmp_path, capsys):

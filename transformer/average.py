@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         import_torch_holding_interrupts()
         from transformer.checkpoint import (
             average_checkpoints,
+            holds_training_state,
             non_finite_tensors,
             save_checkpoint,
             step_checkpoints,
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise CheckpointError("--last picks step checkpoints from a run directory; with checkpoint files "
                                       "every file given is averaged: leave --last out")
             paths = [Path(p) for p in args.inputs]
+        twice = next((p for i, p in enumerate(paths) if p.resolve() in {q.resolve() for q in paths[:i]}), None)
+        if twice is not None:       # a second mention (or a link to the same file) doubled its weight silently
+            raise CheckpointError(f"{twice}: given twice (or through a link); each checkpoint is averaged once: "
+                                  "leave out the repetition")
         output = Path(args.output)
         if any(output.resolve() == p.resolve() for p in paths):
             raise CheckpointError(f"-o {output}: is one of the checkpoints being averaged; write the average "
@@ -56,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         if nearest != output.parent and nearest.is_dir():     # a mistyped directory would be made, the average lost in it
             raise CheckpointError(f"-o {output}: the directory {output.parent} does not exist; create it first "
                                   f"(mkdir -p {output.parent}) or write the average elsewhere")
+        if output.is_file() and holds_training_state(output):        # --force or not: a run's resume point
+            raise CheckpointError(f"-o {output}: holds a run's training state (it resumes the run), which an "
+                                  "average (weights only) would replace; write the average to a new file")
         if output.exists() and not args.force and not written_by_average(output):
             raise CheckpointError(f"-o {output}: exists and is not an averaged checkpoint written by "
                                   "transformer-average; choose a new file name, or pass --force to replace it")

@@ -192,7 +192,10 @@ def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False, ve
     "none" nothing (reading a step number)."""
     path = Path(path)
     if path.is_dir():
-        raise CheckpointError(f"{path}: is a directory, not a checkpoint file (e.g. {path / 'checkpoints' / 'best.pt'})")
+        found = next((c for c in (path / "best.pt", path / "checkpoints" / "best.pt", path / "last.pt",
+                                  path / "checkpoints" / "last.pt") if c.is_file()), None)
+        raise CheckpointError(f"{path}: is a directory, not a checkpoint file; "
+                              + (f"did you mean {found}?" if found else "a checkpoint is a run's checkpoints/*.pt file"))
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     is_zip = zipfile.is_zipfile(path)
@@ -375,6 +378,14 @@ def step_checkpoints(run_dir: str | Path) -> list[Path]:
     folder = Path(run_dir) / "checkpoints"
     found = [p for p in folder.glob("step_*.pt") if p.stem[5:].isdigit()]
     return sorted(found, key=lambda p: int(p.stem[5:]))
+
+
+def holds_training_state(path: Path) -> bool:
+    """Whether `path` is a checkpoint with an optimizer state: one a run can resume from."""
+    try:
+        return "optimizer" in load_checkpoint(path, mmap=True, verify="none")
+    except CheckpointError:
+        return False
 
 
 def written_by_average(path: Path) -> bool:

@@ -72,8 +72,7 @@ def check_output_directory(out: Path, overwrite: bool) -> None:
     nothing else, and is not the directory this process runs in (or one above it)."""
     if not out.exists():
         return
-    if not overwrite:
-        raise FileExistsError(f"{out}: already exists; pass --force to replace it")
+    # What --force could not replace is said as such first: "pass --force" would only be refused next.
     if not out.is_dir():
         raise FileExistsError(f"{out}: exists and is not a directory; choose a new directory for the export")
     exported = _exported_files(out)
@@ -90,6 +89,8 @@ def check_output_directory(out: Path, overwrite: bool) -> None:
     if out == here or out in here.parents:
         raise FileExistsError(f"{out}: is the current directory or holds it; run transformer-export from outside "
                               "it to replace it, or choose a new directory")
+    if not overwrite:
+        raise FileExistsError(f"{out}: already exists (an earlier export); pass --force to replace it")
 
 
 def _exported_files(directory: Path) -> set[str] | None:
