@@ -609,3 +609,29 @@ def test_sampled_epochs_are_packed_by_their_own_lengths(tmp_path):
             assert ((batch.tgt_out != PAD_ID).sum(dim=1).numpy() - 1).tolist() == tgt_lens[positions].tolist()
             width = max(batch.src.size(1), batch.tgt_in.size(1))
             assert len(positions) == 1 or len(positions) * width <= 400
+
+
+def test_a_corpus_file_written_to_while_it_is_prepared_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
+    """A file rewritten in place during `transformer-prepare` left a prepared corpus mixing old and new
+    lines under the old content's key, reused by every later run on that file."""
+    from transformer import corpus as corpus_module
+    (tmp_path / "train.de").write_text("".join(f"Haus {i}\n" for i in range(50)))
+    (tmp_path / "train.en").write_text("".join(f"house {i}\n" for i in range(50)))
+    source = ParallelFiles(tmp_path / "train.de", tmp_path / "train.en")
+    tokenizer = build_tokenizer(source, vocab_size=60, cache_dir=tmp_path)
+    cfg = DataConfig(name="unit", embedded=True, cache_dir=str(tmp_path))
+    write_split = corpus_module._write_split
+
+    def written_to_meanwhile(*args, **kwargs):
+        meta = write_split(*args, **kwargs)
+        (tmp_path / "train.en").write_text("".join(f"home {i}\n" for i in range(50)))   # same line count
+        return meta
+
+    monkeypatch.setattr(corpus_module, "_write_split", written_to_meanwhile)
+    with pytest.raises(DataError, match=r"train.en: changed while it was being prepared .* nothing was kept: run "
+                                        "again once it is written"):
+        encoded_split(source, tokenizer, cfg, "train")
+    assert not list((tmp_path / "corpus").glob("unit.train.*"))
+    monkeypatch.setattr(corpus_module, "_write_split", write_split)
+    fresh = ParallelFiles(tmp_path / "train.de", tmp_path / "train.en")          # the file as it is now
+    assert len(encoded_split(fresh, tokenizer, cfg, "train")) == 50

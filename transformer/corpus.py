@@ -330,6 +330,10 @@ def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc:
         _remove_leftovers(directory)
         tmp.mkdir()
         meta = _write_split(tmp, source, tokenizer, desc, text, tag)
+        changed = source.changed_since_fingerprint()
+        if changed:          # what was read mixes old and new lines; kept, it would pass for the old content
+            raise DataError(f"{changed[0]}: changed while it was being prepared (its size or modification time "
+                            "moved); nothing was kept: run again once it is written")
         os.rename(tmp, directory)
     except OSError as error:                    # a full disk, a read-only cache: one line, not a traceback
         raise write_failure(error, "the prepared corpus", directory) from None

@@ -136,6 +136,14 @@ def _rechunk(blocks: Iterator[list[str]], size: int) -> Iterator[list[str]]:
         yield buffer
 
 
+def _stat(path: Path) -> tuple[int, int] | None:
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return info.st_size, info.st_mtime_ns
+
+
 def _hash_files(*paths: Path) -> str:
     digest = hashlib.sha256()
     for path in paths:
@@ -155,12 +163,22 @@ class SplitSource:
     `fingerprint()` identifies the content (cache keys; computed once); `where` names it in messages."""
 
     where: str
+    files: tuple[Path, ...] = ()           # the files read (their content is what the fingerprint hashes)
     _fingerprint: str | None = None
+    _stats: list | None = None
 
     def fingerprint(self) -> str:
         if self._fingerprint is None:
+            self._stats = [_stat(path) for path in self.files]
             self._fingerprint = self._compute_fingerprint()
         return self._fingerprint
+
+    def changed_since_fingerprint(self) -> list[Path]:
+        """The files whose size or modification time moved since `fingerprint()` read them: written to
+        while this process read them (a cache entry under the old content's key would hold a mix)."""
+        if self._stats is None:
+            return []
+        return [path for path, before in zip(self.files, self._stats) if _stat(path) != before]
 
     def _compute_fingerprint(self) -> str:
         raise NotImplementedError
@@ -200,6 +218,7 @@ class ParallelFiles(SplitSource):
                 raise DataError(f"{path}: file not found (check data.path and the language codes)")
             _refuse_irregular(path)
         self.src_path, self.tgt_path = src_path, tgt_path
+        self.files = (src_path, tgt_path)
         self.where = f"{src_path} + {tgt_path.name}"
 
     def _compute_fingerprint(self) -> str:
@@ -230,7 +249,7 @@ class TsvFile(SplitSource):
     is a header, not a pair. Fields are plain text: CSV quoting is not undone (a warning says so)."""
 
     def __init__(self, path: Path, src_lang: str = "", tgt_lang: str = ""):
-        self.path, self.where = path, str(path)
+        self.path, self.where, self.files = path, str(path), (path,)
         self.header = {(src_lang, tgt_lang), ("src", "tgt"), ("source", "target")}
 
     def _compute_fingerprint(self) -> str:
