@@ -1,7 +1,9 @@
 """Workflows around training: sweeps (Hydra's --multirun) and the Makefile's pass-through of overrides."""
 
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,6 +30,38 @@ def test_a_sweep_survives_a_failing_job_and_summarises_by_validation_bleu(tmp_pa
     assert "trainer.lr=-1.0 must be > 0" in (sweep_dir / "0_trainer.lr=-1" / "train.log").read_text()
     printed = proc.stdout[proc.stdout.index("sweep summary"):]
     assert "1 of 3 jobs failed" in printed and printed.index("trainer.lr=0.00") < printed.index("trainer.lr=-1")
+    # The same sweep again into its directory: Hydra rewrote the first jobs' .hydra/ records before they
+    # refused their checkpoints, and summary.tsv mixed both sweeps' rows.
+    before = {p: p.read_bytes() for p in sweep_dir.rglob("*") if p.is_file()}
+    again = subprocess.run(proc.args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"error: hydra.sweep.dir={sweep_dir} holds an earlier sweep (summary.tsv, multirun.yaml, 1_trainer.lr=0.001); "
+        "its jobs would be overwritten and its summary mixed with this one's: choose a new hydra.sweep.dir, or add "
+        "trainer.resume=true to continue that sweep's jobs"], again.stderr
+    assert {p: p.read_bytes() for p in sweep_dir.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_sweep_the_running_job_interrupted_the_rest_not_run(tmp_path, data_cache):
+    """Ctrl-C stopped the running job only: the next one started, and both were listed as ok."""
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transformer.train", "--multirun", *FAST, "trainer.max_steps=100000",
+         "trainer.max_minutes=0", "trainer.test_at_end=false", "trainer.checkpoint_every=5",
+         f"data.cache_dir={data_cache}", f"hydra.sweep.dir={sweep_dir}", "trainer.seed=1,2,3"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(sweep_dir.glob("0_*/checkpoints/last.pt")):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    rows = read_summary(sweep_dir / "summary.tsv")
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "interrupted"), ("1", "not run"), ("2", "not run")]
+    assert rows[0]["error"].startswith("stopped by SIGINT; last.pt resumes it")
+    assert not list(sweep_dir.glob("1_*/checkpoints/*.pt"))
+    assert "interrupted: the sweep was stopped by SIGINT" in err and "Traceback" not in err
+    assert "jobs failed" not in out
 
 
 def test_the_summary_puts_the_best_first_and_says_common_settings_once():

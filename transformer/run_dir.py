@@ -102,13 +102,13 @@ def hydra_value(value) -> str:
     return f'"{escaped}"'
 
 
-def named_run_directory(argv: list[str]) -> Path | None:
-    """The directory `hydra.run.dir=...` names in `argv`, as Hydra reads it (quotes and escapes removed:
-    `'runs/a b'`, `runs/a\\ b`), or None: none named, an interpolation only Hydra resolves (`${now:...}`),
-    a list of them, or an override Hydra will refuse itself."""
+def named_run_directory(argv: list[str], key: str = "hydra.run.dir") -> Path | None:
+    """The directory `hydra.run.dir=...` (or another `key`: hydra.sweep.dir) names in `argv`, as Hydra
+    reads it (quotes and escapes removed: `'runs/a b'`, `runs/a\\ b`), or None: none named, an
+    interpolation only Hydra resolves (`${now:...}`), a list of them, or an override Hydra will refuse itself."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    named = [arg for arg in argv if arg.split("=", 1)[0] == "hydra.run.dir"]
+    named = [arg for arg in argv if arg.split("=", 1)[0] == key]
     if not named:
         return None
     try:
@@ -116,6 +116,20 @@ def named_run_directory(argv: list[str]) -> Path | None:
     except Exception:
         return None
     return Path(value) if isinstance(value, str) and value and "${" not in value else None
+
+
+def check_sweep_directory(sweep_dir: Path, argv: list[str]) -> None:
+    """TrainingError for a sweep into the directory of an earlier one: Hydra rewrites a job's `.hydra/`
+    record before the job can refuse its checkpoints, and summary.tsv would mix both sweeps' rows. A
+    sweep resumed with trainer.resume=true continues its jobs."""
+    if not sweep_dir.is_dir() or any(arg.lstrip("+") == "trainer.resume=true" for arg in argv):
+        return
+    earlier = [p for p in ("summary.tsv", "multirun.yaml") if (sweep_dir / p).exists()]
+    earlier += sorted(p.parent.name for p in sweep_dir.glob("*/checkpoints"))[:1]
+    if earlier:
+        raise TrainingError(f"hydra.sweep.dir={sweep_dir} holds an earlier sweep ({', '.join(earlier)}); its jobs "
+                            "would be overwritten and its summary mixed with this one's: choose a new hydra.sweep.dir, "
+                            "or add trainer.resume=true to continue that sweep's jobs")
 
 
 @dataclasses.dataclass

@@ -7,6 +7,8 @@ conf/config.yaml) appends a row per finished job to the sweep directory's `summa
 the table, best validation BLEU first, when the sweep ends. A job that fails, whatever the error, is
 recorded as failed with its one-line reason (the traceback of an unexpected error goes to its
 train.log) and the sweep goes on with the next one; a sweep whose every job failed exits with 2.
+Ctrl-C (or SIGTERM) stops the sweep: the job running saves last.pt and is recorded as interrupted, the
+jobs after it as not run, and the sweep exits with 130 after its table.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ COLUMNS = ("job", "overrides", "status", "best_val_bleu", "run_dir", "error")
 # Why the job running in this process failed: set by the training job (`job_failed`), read when it ends.
 # A module variable, not the job's return value: that is the best BLEU a sweeper such as Optuna reads.
 _failure: str | None = None
+_status = "failed"
+# The signal that stopped a job of the running sweep (SIGINT, SIGTERM): the jobs after it do not run.
+_interrupted: str | None = None
 
 
 # The keys the running sweep varies (`trainer.lr` of `trainer.lr=1e-3,5e-4`): set when it starts.
@@ -56,10 +61,21 @@ def job_name(number: int, overrides) -> str:
 OmegaConf.register_new_resolver("transformer.sweep_job", job_name, replace=True)
 
 
-def job_failed(reason: str) -> None:
-    """The training job of a sweep failed: its summary row says `reason` (one line)."""
-    global _failure
-    _failure = " ".join(reason.split())
+def job_failed(reason: str, status: str = "failed") -> None:
+    """The training job of a sweep failed (or was interrupted, or not run: `status`): its summary row
+    says `reason` (one line)."""
+    global _failure, _status
+    _failure, _status = " ".join(reason.split()), status
+
+
+def interrupt_sweep(signal_name: str) -> None:
+    """A job of the sweep was stopped by `signal_name`: the jobs after it are not run."""
+    global _interrupted
+    _interrupted = signal_name
+
+
+def sweep_interrupted() -> str | None:
+    return _interrupted
 
 
 def read_summary(path: Path) -> list[dict]:
@@ -81,9 +97,10 @@ def format_summary(rows: list[dict]) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(3)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in table]
     failed = [r for r in sorted(rows, key=lambda r: int(r["job"])) if r["status"] != "ok"]
-    lines += [f"job {r['job']} failed: {r.get('error') or 'see its train.log'}" for r in failed]
-    if failed:
-        lines.append(f"{len(failed)} of {len(rows)} jobs failed: see their train.log under the run_dir column of "
+    lines += [f"job {r['job']} {r['status']}: {r.get('error') or 'see its train.log'}" for r in failed]
+    failures = [r for r in failed if r["status"] == "failed"]
+    if failures:
+        lines.append(f"{len(failures)} of {len(rows)} jobs failed: see their train.log under the run_dir column of "
                      "the .tsv")
     return "\n".join(([f"common to every job: {' '.join(common)}"] if common else []) + lines)
 
@@ -94,8 +111,8 @@ class SweepSummary(Callback):
         _swept_keys = swept_keys(config.hydra.overrides.task)
 
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
-        global _failure
-        _failure = None
+        global _failure, _status
+        _failure, _status = None, "failed"
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
         if config.hydra.mode != RunMode.MULTIRUN:
@@ -107,7 +124,7 @@ class SweepSummary(Callback):
         row = {
             "job": str(config.hydra.job.num),
             "overrides": " ".join(job_return.overrides or ()) or "(none)",
-            "status": "failed" if error else "ok",
+            "status": (_status if completed else "failed") if error else "ok",
             "best_val_bleu": "" if bleu is None or bleu < 0 else f"{bleu:.2f}",
             "run_dir": config.hydra.runtime.output_dir,
             "error": " ".join((error or "").split()),
@@ -125,6 +142,11 @@ class SweepSummary(Callback):
             return
         rows = read_summary(path)
         print(f"\nsweep summary ({path}):\n{format_summary(rows)}", flush=True)
+        if _interrupted:
+            print(f"interrupted: the sweep was stopped by {_interrupted}; an interrupted job resumes with "
+                  f"trainer.resume=true and its hydra.run.dir (its train.log ends with the command)", file=sys.stderr,
+                  flush=True)
+            sys.exit(130)
         if rows and all(r["status"] != "ok" for r in rows):
             print(f"error: every job of the sweep failed ({len(rows)} of {len(rows)}); the reasons are above and "
                   f"in {path}", file=sys.stderr, flush=True)

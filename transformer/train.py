@@ -46,6 +46,7 @@ from transformer.run_dir import (
     RunDirectoryLock,
     TrainingError,
     attach_log_file,
+    check_sweep_directory,
     install_signal_handlers,
     named_run_directory,
     resume_hint,
@@ -53,7 +54,7 @@ from transformer.run_dir import (
 from transformer.run_state import TrainingState, check_run_directory, starting_point
 from transformer.runtime import Runtime, tune_cpu_process
 from transformer.search import Interrupted
-from transformer.sweep import job_failed
+from transformer.sweep import interrupt_sweep, job_failed, sweep_interrupted
 from transformer.tokenizer import Tokenizer
 from transformer.train_log import TrainingBar, TrainLog, log_lines_above_bars
 from transformer.translator import Translator
@@ -514,6 +515,8 @@ def _train_in(cfg: Config, run_dir: Path, launch: Launch | None) -> dict:
             if test_scores:
                 metrics.update(test_bleu=test_scores["bleu"], test_chrf=test_scores["chrf"])
         trainer.monitor.finish(trainer.progress.step, metrics)
+        if trainer.stop_signal is not None:
+            metrics["stopped_by"] = trainer.stop_signal     # a sweep stops (and says which job it was)
         return metrics
     except BaseException:
         if trainer.dist.is_main and trainer.progress.stop_reason is None and (trainer.ckpt_dir / "last.pt").is_file():
@@ -556,6 +559,13 @@ def main() -> None:
         except TrainingError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
+    sweep_dir = named_run_directory(sys.argv[1:], "hydra.sweep.dir")
+    if sweep_dir is not None and {"-m", "--multirun"} & set(sys.argv):
+        try:
+            check_sweep_directory(sweep_dir, sys.argv[1:])
+        except TrainingError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
     if rank != 0 and not any(a.startswith("hydra.output_subdir=") for a in sys.argv):
         # Rank 0 alone writes .hydra/: its record of the launch is what the next resume is checked against.
         sys.argv.append("hydra.output_subdir=null")
@@ -570,8 +580,17 @@ def main() -> None:
         hydra_cfg = HydraConfig.get()
         run_dir = cfg.get("run_dir") or hydra_cfg.runtime.output_dir
         in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+        if in_sweep and sweep_interrupted():
+            job_failed(f"not run: the sweep was stopped by {sweep_interrupted()}", status="not run")
+            return None
         try:
-            return train(cfg, run_dir)["best_bleu"]
+            result = train(cfg, run_dir)
+            if in_sweep and result.get("stopped_by"):
+                interrupt_sweep(result["stopped_by"])
+                job_failed(f"stopped by {result['stopped_by']}; last.pt resumes it (trainer.resume=true)",
+                           status="interrupted")
+                return None
+            return result["best_bleu"]
         except (ConfigError, DataError, CheckpointError, TrainingError) as error:
             logging.getLogger("transformer").error("%s", error)
             if not in_sweep:
