@@ -212,8 +212,8 @@ def test_a_full_disk_while_encoding_is_one_line_and_leaves_nothing_half_written(
     code, err = _prepare_cli(capsys, cache)
     assert code == 2 and "Traceback" not in err
     assert re.fullmatch(rf"error: {re.escape(str(cache))}/corpus/toy.train.\w+: cannot write the prepared corpus: "
-                        r"No space left on device; free some space or point data.cache_dir at a writable disk "
-                        r"with room\n", err), err
+                        r"No space left on device; free some space or point data.cache_dir at a disk with room\n",
+                        err), err
     assert list((cache / "corpus").iterdir()) == []      # no temporary directory left
     assert len(list((cache / "spm").iterdir())) == 2     # the SentencePiece model and its record are whole
 
@@ -260,3 +260,22 @@ def test_ctrl_c_while_preparing_is_one_line_exit_130_and_leaves_nothing_half_wri
                         r"\(run it again to finish\)\n", err), err
     assert list((cache / "corpus").iterdir()) == []
     assert len(list((cache / "spm").iterdir())) == 2
+
+
+@pytest.mark.parametrize("cache_dir, words", [
+    ("a_file", "a file stands where the cache needs a directory: move it, or point data.cache_dir elsewhere"),
+    ("a_file/below", "a file stands where the cache needs a directory"),
+    ("read_only/cache", "point data.cache_dir at a directory you can write to"),
+])
+def test_a_cache_directory_that_cannot_be_made_gets_the_fix_for_its_cause(tmp_path, capsys, cache_dir, words):
+    """Every write failure advised "free some space", also for a file in the way or no permission."""
+    (tmp_path / "a_file").write_text("x\n")
+    (tmp_path / "read_only").mkdir()
+    (tmp_path / "read_only").chmod(0o500)
+    try:
+        if os.access(tmp_path / "read_only", os.W_OK) and cache_dir.startswith("read_only"):
+            pytest.skip("running as a user who may write anywhere")
+        code, err = _prepare_cli(capsys, tmp_path / cache_dir)
+    finally:
+        (tmp_path / "read_only").chmod(0o700)
+    assert code == 2 and words in err and "free some space" not in err and err.count("\n") == 1, err

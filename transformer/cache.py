@@ -11,6 +11,7 @@ is damage, not an adversary.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -118,7 +119,18 @@ def read_record(path: Path) -> dict:
 
 
 def write_failure(error: OSError, what: str, where: Path) -> DataError:
-    """One line for a cache that cannot be written (a full disk, a read-only directory)."""
+    """One line for a cache that cannot be written, with the fix for its cause: a full disk, no
+    permission, a file where a directory belongs, a directory that cannot be made."""
     reason = os.strerror(error.errno) if error.errno else str(error)
-    return DataError(f"{where}: cannot write {what}: {reason}; free some space or point data.cache_dir "
-                     "at a writable disk with room")
+    fix = {errno.ENOSPC: "free some space or point data.cache_dir at a disk with room",
+           errno.EDQUOT: "free some space or point data.cache_dir at a disk with room",
+           errno.EACCES: "point data.cache_dir at a directory you can write to",
+           errno.EPERM: "point data.cache_dir at a directory you can write to",
+           errno.EROFS: "point data.cache_dir at a writable disk",
+           errno.EEXIST: "a file stands where the cache needs a directory: move it, or point data.cache_dir elsewhere",
+           errno.ENOTDIR: "a file stands where the cache needs a directory: move it, or point data.cache_dir "
+                          "elsewhere",
+           errno.ENOENT: "data.cache_dir cannot be made there (a missing directory above it, or a system "
+                         "directory): point it elsewhere"}
+    return DataError(f"{where}: cannot write {what}: {reason}; "
+                     f"{fix.get(error.errno, 'point data.cache_dir at a writable disk with room')}")
