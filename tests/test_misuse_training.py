@@ -531,3 +531,33 @@ def test_resume_true_skips_a_checkpoint_damaged_on_disk_for_the_step_before_it(t
     with pytest.raises(CheckpointError, match="damaged on disk"):
         find_resume_state(TrainerConfig(resume=str(last), max_steps=1), ckpt_dir, DistInfo())
     assert older.exists() and last.exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.lr=1e-3,abc", "error: Error merging override trainer.lr=abc: trainer.lr: Value 'abc' of type 'str' could "
+                            "not be converted to Float"),
+    ("model=tiny,nope", "error: In 'config': Could not find 'model/nope'; available options in 'model'"),
+    ("trainer.nokey=1,2", "error: Could not override 'trainer.nokey'.: trainer.nokey: Key 'nokey' not in "
+                          "'TrainerConfig'"),
+])
+def test_a_sweep_with_a_value_hydra_cannot_compose_is_refused_in_one_line_before_any_job(tmp_path, override, message):
+    """Under --multirun the composition check stood aside: Hydra's several lines, exit 1 and a sweep
+    directory left behind (or the first jobs trained before the bad value's)."""
+    proc = subprocess.run([sys.executable, "-m", "transformer.train", "--multirun", override, "trainer.seed=1,2",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), proc.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_the_sweep_check_composes_each_value_once_and_leaves_other_sweeps_to_hydra():
+    from transformer.train_cli import sweep_jobs_to_check
+    assert sweep_jobs_to_check(["model=small", "trainer.lr=1e-3,2e-3", "model.dropout=0.1,0.2,0.3"]) == [
+        ["model=small", "trainer.lr=0.001", "model.dropout=0.1"],
+        ["model=small", "trainer.lr=0.002", "model.dropout=0.1"],
+        ["model=small", "trainer.lr=0.001", "model.dropout=0.2"],
+        ["model=small", "trainer.lr=0.001", "model.dropout=0.3"]]
+    assert sweep_jobs_to_check(["data.path='a,b'", "trainer.max_steps=5"]) == [["data.path='a,b'",
+                                                                                 "trainer.max_steps=5"]]
+    assert sweep_jobs_to_check(["trainer.lr=range(1,3)"]) == [] and sweep_jobs_to_check(["trainer.lr=[1,"]) == []

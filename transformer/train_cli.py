@@ -4,7 +4,6 @@ training (`transformer.train.main`), whose --help prints the same text."""
 
 from __future__ import annotations
 
-import re
 import sys
 
 from transformer.config import ConfigError, bare_word, command_line_config, compose_tree
@@ -33,25 +32,54 @@ COMPOSE_FLAGS = {"--config-name": "config_name", "-cn": "config_name", "--config
 def refuse_uncomposable(argv: list[str]) -> None:
     """Exit 2 with one line (a misspelt preset with the group's options, a misspelt key with the nearest
     one, a value of the wrong type) where Hydra's own answer is several lines and exit 1. Composes the
-    config once more before hydra.main (a fraction of a second); sweeps, --help, --cfg, --info and the
-    flags it does not follow are left to Hydra."""
+    config once more before hydra.main (a fraction of a second), a sweep's once per value of its choices
+    (`sweep_jobs_to_check`); --help, --cfg, --info and the flags it does not follow are left to Hydra."""
     flags, overrides, words = {}, [], iter(argv)
     for word in words:
         name = word.split("=", 1)[0]
         if name in COMPOSE_FLAGS:
             flags[COMPOSE_FLAGS[name]] = word.split("=", 1)[1] if "=" in word else next(words, "")
+        elif word in ("-m", "--multirun"):
+            continue                            # each job's config is checked below
         elif word.startswith("-") or name.lstrip("+") == "hydra.mode":
-            return                              # --multirun, --help, --cfg, --info, --config-path, hydra.mode=MULTIRUN
+            return                              # --help, --cfg, --info, --config-path, hydra.mode=MULTIRUN
         elif name.lstrip("+") == "hydra.searchpath" or not name.startswith(("hydra.", "+hydra.", "hydra/")):
             overrides.append(word)
-    sweep = re.compile(r"[^=]*=\s*(.*,.*|(range|glob|choice|interval|shuffle|sort|tag)\(.*)")
-    if any(sweep.fullmatch(o) for o in overrides) or "config_name" in flags:
-        return      # a sweep's values (Hydra says which); compose() finds a primary config in conf/ only
+    if "config_name" in flags:
+        return      # compose() finds a primary config in conf/ only
+    jobs = sweep_jobs_to_check(overrides)
     try:
-        compose_tree(overrides, **flags)
+        for job in jobs:
+            compose_tree(job, **flags)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+
+
+def sweep_jobs_to_check(overrides: list[str]) -> list[list[str]]:
+    """The override lists whose composition proves every value of a sweep (`trainer.lr=1e-3,abc`): the
+    first of each swept key's values together, then each other value in turn. [] where Hydra alone can
+    tell (an override its grammar refuses, range(), interval(), glob()); [overrides] without a sweep."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from transformer.run_dir import hydra_value
+
+    parser = OverridesParser.create()
+    fixed, swept = [], []
+    for override in overrides:
+        try:
+            parsed = parser.parse_override(override)
+        except Exception:
+            return []
+        if not parsed.is_sweep_override():
+            fixed.append(override)
+        elif parsed.is_choice_sweep():
+            swept.append([f"{parsed.get_key_element()}={hydra_value(v)}" for v in parsed.value().list])
+        else:
+            return []
+    firsts = [values[0] for values in swept]
+    return [fixed + firsts] + [fixed + firsts[:i] + [value] + firsts[i + 1:]
+                               for i, values in enumerate(swept) for value in values[1:]]
 
 
 def main() -> None:
