@@ -561,3 +561,13 @@ def test_the_sweep_check_composes_each_value_once_and_leaves_other_sweeps_to_hyd
     assert sweep_jobs_to_check(["data.path='a,b'", "trainer.max_steps=5"]) == [["data.path='a,b'",
                                                                                  "trainer.max_steps=5"]]
     assert sweep_jobs_to_check(["trainer.lr=range(1,3)"]) == [] and sweep_jobs_to_check(["trainer.lr=[1,"]) == []
+
+
+def test_hydra_job_chdir_is_refused_in_one_line(tmp_path):
+    """With it, a relative data.path was looked for inside the new run directory ("no such file") and
+    the corpus cache was made again inside every run."""
+    proc = subprocess.run([sys.executable, "-m", "transformer.train", "hydra.job.chdir=true",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: hydra.job.chdir=true: training reads relative "
+                                                           "paths") and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "run").exists()

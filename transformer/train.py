@@ -559,6 +559,11 @@ def main() -> None:
         except TrainingError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
+    if any(arg.lstrip("+").lower() in ("hydra.job.chdir=true", "hydra.job.chdir=yes") for arg in sys.argv[1:]):
+        print("error: hydra.job.chdir=true: training reads relative paths (data.path, data.cache_dir, "
+              "trainer.init_from) from the directory it starts in and writes into its run directory by name; "
+              "leave hydra.job.chdir out", file=sys.stderr)
+        sys.exit(2)
     sweep_dir = named_run_directory(sys.argv[1:], "hydra.sweep.dir")
     if sweep_dir is not None and {"-m", "--multirun"} & set(sys.argv):
         try:
