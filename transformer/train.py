@@ -548,6 +548,11 @@ def main() -> None:
 
     refuse_bare_words(sys.argv[1:])
     refuse_uncomposable(sys.argv[1:])
+    if any(arg.lstrip("+").lower() in ("hydra.job.chdir=true", "hydra.job.chdir=yes") for arg in sys.argv[1:]):
+        print("error: hydra.job.chdir=true: training reads relative paths (data.path, data.cache_dir, "
+              "trainer.init_from) from the directory it starts in and writes into its run directory by name; "
+              "leave hydra.job.chdir out", file=sys.stderr)
+        sys.exit(2)
 
     # Before Hydra writes .hydra/ and train.log into an explicitly named run directory, make sure no
     # other run is using it (a timestamped default directory is taken again inside `train`).
@@ -559,11 +564,6 @@ def main() -> None:
         except TrainingError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
-    if any(arg.lstrip("+").lower() in ("hydra.job.chdir=true", "hydra.job.chdir=yes") for arg in sys.argv[1:]):
-        print("error: hydra.job.chdir=true: training reads relative paths (data.path, data.cache_dir, "
-              "trainer.init_from) from the directory it starts in and writes into its run directory by name; "
-              "leave hydra.job.chdir out", file=sys.stderr)
-        sys.exit(2)
     sweep_dir = named_run_directory(sys.argv[1:], "hydra.sweep.dir")
     if sweep_dir is not None and {"-m", "--multirun"} & set(sys.argv):
         try:
