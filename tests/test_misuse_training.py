@@ -571,3 +571,23 @@ def test_hydra_job_chdir_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error: hydra.job.chdir=true: training reads relative "
                                                            "paths") and proc.stderr.count("\n") == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_hydra_flags_it_answers_with_a_traceback_or_several_lines_are_one_line(tmp_path):
+    """`-m --cfg job` and a bare `--shell-completion` were Hydra tracebacks; `-cn nope` eight lines; a
+    missing --config-dir Hydra's message and exit 1 (transformer-prepare already said it in one line)."""
+    from transformer.train_cli import hydra_flag_error
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\n")
+    refused = {
+        ("-m", "--cfg", "job", "trainer.lr=1,2"): "--multirun and --cfg do not go together",
+        ("--shell-completion",): "--shell-completion needs install=SHELL",
+        ("-cn", "nope"): "--config-name nope: no nope.yaml in ",
+        ("--config-name=nope", "--config-dir", str(tmp_path)): f"--config-name nope: no nope.yaml in .* or {tmp_path}",
+        ("--config-dir", str(tmp_path / "missing"), "--cfg", "job"): "--config-dir .*missing: no such directory",
+        ("hydra.job.chdir=True",): "hydra.job.chdir=true: training reads relative paths",
+    }
+    for argv, message in refused.items():
+        assert re.match(message, hydra_flag_error(list(argv)) or ""), argv
+    for argv in (["--cfg", "job"], ["-cn", "config"], ["-cn", "mine", "-cd", str(tmp_path)], ["-m", "trainer.lr=1,2"],
+                 ["--shell-completion", "install=bash"], ["--config-path", "x", "-cn", "nope"]):
+        assert hydra_flag_error(argv) is None, argv

@@ -548,11 +548,6 @@ def main() -> None:
 
     refuse_bare_words(sys.argv[1:])
     refuse_uncomposable(sys.argv[1:])
-    if any(arg.lstrip("+").lower() in ("hydra.job.chdir=true", "hydra.job.chdir=yes") for arg in sys.argv[1:]):
-        print("error: hydra.job.chdir=true: training reads relative paths (data.path, data.cache_dir, "
-              "trainer.init_from) from the directory it starts in and writes into its run directory by name; "
-              "leave hydra.job.chdir out", file=sys.stderr)
-        sys.exit(2)
 
     # Before Hydra writes .hydra/ and train.log into an explicitly named run directory, make sure no
     # other run is using it (a timestamped default directory is taken again inside `train`).

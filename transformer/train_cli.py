@@ -5,8 +5,9 @@ training (`transformer.train.main`), whose --help prints the same text."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from transformer.config import ConfigError, bare_word, command_line_config, compose_tree
+from transformer.config import CONF_DIR, ConfigError, bare_word, command_line_config, compose_tree
 from transformer.errors import discard_stdout, import_torch_holding_interrupts, next_interrupt_ends_at_once
 
 
@@ -23,6 +24,50 @@ def refuse_bare_words(argv: list[str]) -> None:
         print("error: hydra.run.dir is empty (an unset shell variable?); name the run's directory, or leave "
               "hydra.run.dir out for runs/<data>/<model>/<time>", file=sys.stderr)
         sys.exit(2)
+    misuse = hydra_flag_error(argv)
+    if misuse:
+        print(f"error: {misuse}", file=sys.stderr)
+        sys.exit(2)
+
+
+def hydra_flag_error(argv: list[str]) -> str | None:
+    """One line for what Hydra answers with a traceback or several lines (exit 1): --multirun with
+    --cfg/--info/--shell-completion, --shell-completion without its subcommand, a --config-dir that is no
+    directory, a --config-name no config directory holds, hydra.job.chdir=true (relative paths would be
+    read inside the run directory); None when there is none of these."""
+    words = set(argv)
+    given, pending = {}, None
+    for word in argv:
+        if pending:
+            given.setdefault(pending, []).append(word)
+            pending = None
+        elif word.split("=", 1)[0] in ("-cd", "--config-dir", "-cn", "--config-name", "-cp", "--config-path"):
+            name = word.split("=", 1)[0].replace("-cd", "--config-dir").replace("-cn", "--config-name")
+            if "=" in word:
+                given.setdefault(name, []).append(word.split("=", 1)[1])
+            else:
+                pending = name
+    alone = sorted(words & {"--cfg", "-c", "--info", "-i", "--shell-completion", "-sc"})
+    if words & {"-m", "--multirun"} and alone:
+        return f"--multirun and {alone[0]} do not go together: {alone[0]} prints, it runs nothing; leave one out"
+    if words & {"--shell-completion", "-sc"} and not any(w.split("=", 1)[0] in ("install", "uninstall", "query")
+                                                         for w in argv):
+        return "--shell-completion needs install=SHELL, uninstall=SHELL or query=SHELL (e.g. install=bash)"
+    for directory in given.get("--config-dir", []):
+        if not Path(directory).expanduser().is_dir():
+            return (f"--config-dir {directory}: no such directory; give the directory that holds your presets "
+                    "(DIR/data/NAME.yaml, then data=NAME)")
+    for name in given.get("--config-name", []):
+        if "--config-path" in given or "-cp" in given:
+            break                                    # Hydra's own search; it says what it cannot find
+        places = [CONF_DIR, *(Path(d).expanduser() for d in given.get("--config-dir", []))]
+        if not any((place / f"{name.removesuffix('.yaml')}.yaml").is_file() for place in places):
+            return (f"--config-name {name}: no {name.removesuffix('.yaml')}.yaml in {' or '.join(map(str, places))}; "
+                    "a config of your own goes in a --config-dir DIR as DIR/NAME.yaml")
+    if any(arg.lstrip("+").lower() in ("hydra.job.chdir=true", "hydra.job.chdir=yes") for arg in argv):
+        return ("hydra.job.chdir=true: training reads relative paths (data.path, data.cache_dir, trainer.init_from) "
+                "from the directory it starts in and writes into its run directory by name; leave hydra.job.chdir out")
+    return None
 
 
 # Hydra's flags that change what is composed, as compose_tree's arguments.
