@@ -243,6 +243,11 @@ def test_the_api_refuses_what_the_command_lines_refuse_in_its_own_words(untraine
     assert len(one.models) == 1 and one.translate(SENTENCES, max_len_b=4) == translator.translate(SENTENCES, max_len_b=4)
     with pytest.raises(ValueError, match=r"^weights='1,2': give a list of numbers, one per model"):
         Translator.from_checkpoints([untrained_checkpoint] * 2, weights="1,2", device="cpu")
+    for workers in ("2", 2.5, 0, True):
+        with pytest.raises(ValueError, match=f"^workers={workers!r}: must be a whole number >= 1"):
+            translator.translate(SENTENCES, workers=workers)
+    with pytest.raises(TypeError, match="^stop=True: must be a function"):
+        translator.translate(SENTENCES, stop=True)
     direct = Translator(translator.model, translator.tokenizer, translator.config, "cpu")      # a device name
     assert direct.translate(SENTENCES, max_len_b=4) == translator.translate(SENTENCES, max_len_b=4)
     with pytest.raises(ValueError, match="precision='fp64' must be one of"):
@@ -279,3 +284,20 @@ def test_exported_directories_that_cannot_load_say_why_in_one_line(untrained_che
     with pytest.raises(ValueError, match="save_pretrained takes the float model, not an int8 one"):
         save_pretrained(int8.model, int8.tokenizer, int8.config, tmp_path / "q")
     assert not (tmp_path / "q").exists()
+
+
+def test_workers_beyond_the_batches_fork_no_more_processes_than_batches(untrained_checkpoint, monkeypatch):
+    """workers=100 forked 100 decoding processes for a handful of batches."""
+    from transformer import search
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
+    expected = translator.translate(SENTENCES, beam_size=1, max_len_b=4, workers=1)
+    forked = []
+    real = search.in_processes
+
+    def counting(batches, attempt, done, workers, stop=None):
+        forked.append((len(batches), workers))
+        return real(batches, attempt, done, workers, stop)
+
+    monkeypatch.setattr(search, "in_processes", counting)
+    assert translator.translate(SENTENCES, beam_size=1, max_len_b=4, workers=100, batch_tokens=8) == expected
+    assert forked and all(workers <= batches for batches, workers in forked), forked

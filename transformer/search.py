@@ -494,8 +494,8 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
         if workers > 1:       # enough batches that the workers end together: about 4 each, not tiny ones
             budget = min(budget, max(PARALLEL_MIN_BATCH_TOKENS, sum(lengths) // (4 * workers)))
         batches = batches_in_order(lengths, budget)
-        if workers > 1 and len(batches) > 1:
-            in_processes(batches, attempt, done, workers, stop)
+        if workers > 1 and len(batches) > 1:       # never more processes than batches
+            in_processes(batches, attempt, done, min(workers, len(batches)), stop)
         else:
             for indices in batches:
                 if stop is not None and stop():

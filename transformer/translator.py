@@ -166,6 +166,10 @@ class Translator:
         `tgt_lang`: the target language of a multilingual model (`target_languages`), which needs one."""
         sentences = list_of_str(sentences, "sentences", "translate([text])")
         self.target_language(tgt_lang)              # refused before anything else is done
+        if workers is not None and (type(workers) is not int or workers < 1):
+            raise ValueError(f"workers={workers!r}: must be a whole number >= 1 (None: one per core)")
+        if stop is not None and not callable(stop):
+            raise TypeError(f"stop={stop!r}: must be a function asked between batches (True stops the decoding)")
         if sampling is not None:
             searched = [f"{name}={value}" for name, value in (("beam_size", beam_size), ("nbest", nbest))
                         if value not in (None, 1)]
