@@ -561,6 +561,7 @@ def test_the_sweep_check_composes_each_value_once_and_leaves_other_sweeps_to_hyd
     assert sweep_jobs_to_check(["data.path='a,b'", "trainer.max_steps=5"]) == [["data.path='a,b'",
                                                                                  "trainer.max_steps=5"]]
     assert sweep_jobs_to_check(["trainer.lr=range(1,3)"]) == [] and sweep_jobs_to_check(["trainer.lr=[1,"]) == []
+    assert sweep_jobs_to_check(["model=glob(*)"]) == []
 
 
 def test_hydra_job_chdir_is_refused_in_one_line(tmp_path):

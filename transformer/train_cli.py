@@ -106,6 +106,7 @@ def sweep_jobs_to_check(overrides: list[str]) -> list[list[str]]:
     first of each swept key's values together, then each other value in turn. [] where Hydra alone can
     tell (an override its grammar refuses, range(), interval(), glob()); [overrides] without a sweep."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
 
     from transformer.run_dir import hydra_value
 
@@ -118,10 +119,10 @@ def sweep_jobs_to_check(overrides: list[str]) -> list[list[str]]:
             return []
         if not parsed.is_sweep_override():
             fixed.append(override)
-        elif parsed.is_choice_sweep():
+        elif isinstance(parsed.value(), ChoiceSweep):
             swept.append([f"{parsed.get_key_element()}={hydra_value(v)}" for v in parsed.value().list])
         else:
-            return []
+            return []                           # glob(), range(), interval(): Hydra expands them
     firsts = [values[0] for values in swept]
     return [fixed + firsts] + [fixed + firsts[:i] + [value] + firsts[i + 1:]
                                for i, values in enumerate(swept) for value in values[1:]]
