@@ -202,3 +202,17 @@ def test_local_splits_that_name_no_split_or_the_training_files_are_refused(overr
     with pytest.raises(ConfigError, match=message):
         compose_config(["data=multi30k_de_en", "data.path=/somewhere", *overrides])
     compose_config(["data=multi30k_de_en", "data.path=/somewhere", "data.local_splits={validation: dev}"])
+
+
+def test_prepare_refuses_flags_it_would_misread_in_one_line(capsys):
+    """`transformer-prepare -cn nope` was read as `-c n` ("invalid choice: 'n'"), and --resolve without
+    --cfg job was ignored: a whole preparation ran and wrote ./data."""
+    from transformer.config import command_line_config
+    for argv, message in ((["-cn", "nope"], "--config-name nope: it composes conf/config.yaml; put your presets in "
+                                            "a --config-dir DIR"),
+                          (["--config-name=x"], "--config-name x: it composes conf/config.yaml"),
+                          (["--resolve"], "--resolve goes with --cfg job")):
+        with pytest.raises(ConfigError, match=f"^transformer-prepare: {re.escape(message)}"):
+            command_line_config(argv, "transformer-prepare")
+    assert command_line_config(["--cfg", "job", "--resolve"], "transformer-prepare") is None
+    assert "trainer:" in capsys.readouterr().out

@@ -688,8 +688,14 @@ def command_line_config(argv: list[str], program: str) -> Config | None:
     parser.add_argument("--cfg", "-c", choices=["job"])
     parser.add_argument("--resolve", action="store_true")
     parser.add_argument("--config-dir", "-cd")
+    parser.add_argument("--config-name", "-cn")        # refused below: read as `-c n` otherwise
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
+    if args.config_name is not None:
+        raise ConfigError(f"{program}: --config-name {args.config_name}: it composes conf/config.yaml; put your "
+                          "presets in a --config-dir DIR (DIR/data/NAME.yaml, then data=NAME)")
+    if args.resolve and not args.cfg:
+        raise ConfigError(f"{program}: --resolve goes with --cfg job (it prints the composed config resolved)")
     bare = bare_word(args.overrides, program)
     if bare:
         raise ConfigError(bare)
