@@ -216,3 +216,9 @@ def test_prepare_refuses_flags_it_would_misread_in_one_line(capsys):
             command_line_config(argv, "transformer-prepare")
     assert command_line_config(["--cfg", "job", "--resolve"], "transformer-prepare") is None
     assert "trainer:" in capsys.readouterr().out
+
+
+def test_one_corpus_given_as_a_mapping_is_told_to_come_as_a_list():
+    with pytest.raises(ConfigError, match=r"Cannot merge DictConfig with ListConfig; data.corpora is a list, one "
+                                          r"\{...\} per corpus: data.corpora='\[\{path: DIR, weight: 2\}\]'"):
+        compose_config(["data.corpora={path: /x}"])

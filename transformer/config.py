@@ -864,6 +864,8 @@ def composition_error_line(error: BaseException) -> str:
     if listed:
         line += f"; {listed[1][0].lower()}{listed[1][1:]}: {', '.join(listed[2].split())} (presets of your own: " \
                 "--config-dir DIR, with DIR/GROUP/NAME.yaml)"
+    if "Cannot merge DictConfig with ListConfig" in line and "corpora" in str(error):
+        line += "; data.corpora is a list, one {...} per corpus: data.corpora='[{path: DIR, weight: 2}]'"
     if "not in 'CorpusConfig'" in line:
         line += f"; a corpus of data.corpora takes {', '.join(f.name for f in dataclasses.fields(CorpusConfig))}"
     unknown = re.search(r"Key '([^']+)' not in '(ModelConfig|DataConfig|TrainerConfig|DecodeConfig)'", line)
