@@ -635,3 +635,15 @@ def test_a_corpus_file_written_to_while_it_is_prepared_leaves_nothing_in_the_cac
     monkeypatch.setattr(corpus_module, "_write_split", write_split)
     fresh = ParallelFiles(tmp_path / "train.de", tmp_path / "train.en")          # the file as it is now
     assert len(encoded_split(fresh, tokenizer, cfg, "train")) == 50
+
+
+def test_a_dangling_or_looping_symbolic_link_is_named_as_such(tmp_path):
+    """Both were "file not found" / "no such file or directory" while the path was plainly there."""
+    (tmp_path / "train.de").symlink_to(tmp_path / "gone.de")
+    (tmp_path / "train.en").write_text("house\n")
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    with pytest.raises(DataError, match=r"train.de: a symbolic link to .*gone.de, which does not exist"):
+        load_split_text(DataConfig(path=str(tmp_path)), "train")
+    with pytest.raises(DataError, match=r"data.path=.*loop1: a symbolic link in a loop$"):
+        load_split_text(DataConfig(path=str(tmp_path / "loop1")), "train")

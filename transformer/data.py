@@ -10,8 +10,10 @@ stops with the file and line.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
+import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,6 +138,21 @@ def _rechunk(blocks: Iterator[list[str]], size: int) -> Iterator[list[str]]:
         yield buffer
 
 
+def _dangling(path: Path) -> str | None:
+    """For a path that does not exist: what its symbolic link points to, if it is one (a loop, or a
+    target that is gone); None for a plain missing path."""
+    if not path.is_symlink():
+        return None
+    try:
+        path.resolve(strict=True)
+    except RuntimeError:                        # Python before 3.13
+        return "a symbolic link in a loop"
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "a symbolic link in a loop"
+    return f"a symbolic link to {os.readlink(path)}, which does not exist"
+
+
 def _stat(path: Path) -> tuple[int, int] | None:
     try:
         info = path.stat()
@@ -215,7 +232,7 @@ class ParallelFiles(SplitSource):
     def __init__(self, src_path: Path, tgt_path: Path):
         for path in (src_path, tgt_path):
             if not path.exists():
-                raise DataError(f"{path}: file not found (check data.path and the language codes)")
+                raise DataError(f"{path}: {_dangling(path) or 'file not found'} (check data.path and the language codes)")
             _refuse_irregular(path)
         self.src_path, self.tgt_path = src_path, tgt_path
         self.files = (src_path, tgt_path)
@@ -460,7 +477,7 @@ def load_split_text(cfg: DataConfig, split: str) -> Chunk:
 def _open_local(cfg: DataConfig, split: str, key: str) -> SplitSource:
     root = Path(cfg.path).expanduser()
     if not root.exists():
-        raise DataError(f"{key}.path={cfg.path}: no such file or directory")
+        raise DataError(f"{key}.path={cfg.path}: {_dangling(root) or 'no such file or directory'}")
     name = cfg.split_name(split)
     kind = _not_regular(root)
     if kind not in (None, "a directory"):
