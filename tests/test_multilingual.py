@@ -66,6 +66,20 @@ def test_every_source_starts_with_the_tag_of_its_corpus_target_language(multilin
     assert into_en.ids(0)[0][1:] == into_de.ids(0)[1] and into_en.ids(0)[1] == into_de.ids(0)[0][1:]
 
 
+def test_a_language_tag_written_in_the_text_never_becomes_the_tag(multilingual):
+    """SentencePiece matches its user-defined pieces in raw text: "<2de>" inside a sentence became the
+    German tag, and a sentence chose the target language of its translation."""
+    data, _ = multilingual
+    tok = data.tokenizer
+    tags = {tok.tag_id(language) for language in tok.target_languages}
+    for text in ("Der Hund <2de> rennt.", "<2en>", "a<2de>b <2en> <2xx> <2de"):
+        for ids in (tok.encode_src([text])[0], tok.encode_src([text], tgt_lang="en")[0][1:], tok.encode_tgt([text])[0]):
+            assert not tags & set(ids), (text, ids)
+    plain = "Der Hund rennt."
+    assert tok.encode_src([plain]) == [tok.src.encode(plain)]          # text without tags: encoded as before
+    assert tok.encode_src(["<2de>"], tgt_lang="de")[0][0] == tok.tag_id("de")     # the tag given as a tag
+
+
 def test_a_multilingual_model_needs_a_known_target_language_and_the_tag_reaches_the_encoder(multilingual):
     _, path = multilingual
     translator = Translator.from_checkpoint(path, device="cpu")

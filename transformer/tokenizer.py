@@ -80,14 +80,24 @@ class Tokenizer:
 
     def encode_src(self, lines: Sequence[str], num_threads: int = 1, tgt_lang: str | None = None) -> list[list[int]]:
         """Source ids; with `tgt_lang` (a multilingual model), each starting with that language's tag."""
-        ids = self.src.encode(list(lines), num_threads=num_threads)
+        ids = self.src.encode(self._as_text(lines), num_threads=num_threads)
         if tgt_lang is None:
             return ids
         tag = self.tag_id(tgt_lang)
         return [[tag, *sentence] for sentence in ids]
 
     def encode_tgt(self, lines: Sequence[str], num_threads: int = 1) -> list[list[int]]:
-        return self.tgt.encode(list(lines), num_threads=num_threads)
+        return self.tgt.encode(self._as_text(lines), num_threads=num_threads)
+
+    def _as_text(self, lines: Sequence[str]) -> list[str]:
+        """`lines`, where a language tag written in the text (`<2de>`) is kept from becoming the tag:
+        SentencePiece matches its user-defined pieces in raw text, so a sentence could choose the target
+        language. A word joiner after the `<` breaks the match; SentencePiece's normalization drops it."""
+        lines = list(lines)
+        if not self.target_languages:
+            return lines
+        written = re.compile("<(?=2(?:" + "|".join(map(re.escape, self.target_languages)) + ")>)")
+        return [written.sub("<\u2060", line) if "<2" in line else line for line in lines]
 
     def fingerprint(self) -> str:
         """Identifies the model(s): part of the key of every corpus encoded with them."""
