@@ -122,15 +122,18 @@ def write_failure(error: OSError, what: str, where: Path) -> DataError:
     """One line for a cache that cannot be written, with the fix for its cause: a full disk, no
     permission, a file where a directory belongs, a directory that cannot be made."""
     reason = os.strerror(error.errno) if error.errno else str(error)
-    fix = {errno.ENOSPC: "free some space or point data.cache_dir at a disk with room",
-           errno.EDQUOT: "free some space or point data.cache_dir at a disk with room",
-           errno.EACCES: "point data.cache_dir at a directory you can write to",
-           errno.EPERM: "point data.cache_dir at a directory you can write to",
-           errno.EROFS: "point data.cache_dir at a writable disk",
-           errno.EEXIST: "a file stands where the cache needs a directory: move it, or point data.cache_dir elsewhere",
-           errno.ENOTDIR: "a file stands where the cache needs a directory: move it, or point data.cache_dir "
-                          "elsewhere",
-           errno.ENOENT: "data.cache_dir cannot be made there (a missing directory above it, or a system "
-                         "directory): point it elsewhere"}
     return DataError(f"{where}: cannot write {what}: {reason}; "
-                     f"{fix.get(error.errno, 'point data.cache_dir at a writable disk with room')}")
+                     f"{_WRITE_FIXES.get(error.errno, 'point data.cache_dir at a writable disk with room')}")
+
+
+_NO_ROOM = "free some space or point data.cache_dir at a disk with room"
+_NOT_YOURS = "point data.cache_dir at a directory you can write to"
+_FILE_IN_THE_WAY = "a file stands where the cache needs a directory: move it, or point data.cache_dir elsewhere"
+_WRITE_FIXES = {         # errno of a failed cache write -> what to do
+    errno.ENOSPC: _NO_ROOM, errno.EDQUOT: _NO_ROOM,
+    errno.EACCES: _NOT_YOURS, errno.EPERM: _NOT_YOURS,
+    errno.EROFS: "point data.cache_dir at a writable disk",
+    errno.EEXIST: _FILE_IN_THE_WAY, errno.ENOTDIR: _FILE_IN_THE_WAY,
+    errno.ENOENT: "data.cache_dir cannot be made there (a missing directory above it, or a system directory): "
+                  "point it elsewhere",
+}

@@ -183,7 +183,9 @@ def save_pretrained(model: Transformer, tokenizer: Tokenizer, config: Config, ou
     from safetensors import SafetensorError
     from safetensors.torch import save_model
 
-    if any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in model.modules()):
+    from transformer.translator import is_int8
+
+    if is_int8(model):
         raise ValueError("save_pretrained takes the float model, not an int8 one: save the model of "
                          "Translator.from_checkpoint(path) without quantize=, and quantize when loading it "
                          "(Translator.from_pretrained(directory, quantize=\"int8\"))")

@@ -550,22 +550,19 @@ def main() -> None:
     refuse_uncomposable(sys.argv[1:])
 
     # Before Hydra writes .hydra/ and train.log into an explicitly named run directory, make sure no
-    # other run is using it (a timestamped default directory is taken again inside `train`).
-    run_dir = named_run_directory(sys.argv[1:])
+    # other run is using it (a timestamped default directory is taken again inside `train`); a named
+    # sweep directory must not hold an earlier sweep.
     rank = int(os.environ.get("RANK", "0"))
-    if run_dir is not None and rank == 0 and not {"-m", "--multirun"} & set(sys.argv):
-        try:
+    sweep = bool({"-m", "--multirun"} & set(sys.argv))
+    run_dir = named_run_directory(sys.argv[1:], "hydra.sweep.dir" if sweep else "hydra.run.dir")
+    try:
+        if run_dir is not None and sweep:
+            check_sweep_directory(run_dir, sys.argv[1:])
+        elif run_dir is not None and rank == 0:
             check_run_directory(run_dir, sys.argv[1:])
-        except TrainingError as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
-    sweep_dir = named_run_directory(sys.argv[1:], "hydra.sweep.dir")
-    if sweep_dir is not None and {"-m", "--multirun"} & set(sys.argv):
-        try:
-            check_sweep_directory(sweep_dir, sys.argv[1:])
-        except TrainingError as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
+    except TrainingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     if rank != 0 and not any(a.startswith("hydra.output_subdir=") for a in sys.argv):
         # Rank 0 alone writes .hydra/: its record of the launch is what the next resume is checked against.
         sys.argv.append("hydra.output_subdir=null")
@@ -580,8 +577,9 @@ def main() -> None:
         hydra_cfg = HydraConfig.get()
         run_dir = cfg.get("run_dir") or hydra_cfg.runtime.output_dir
         in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
-        if in_sweep and sweep_interrupted():
-            job_failed(f"not run: the sweep was stopped by {sweep_interrupted()}", status="not run")
+        stopped_by = sweep_interrupted() if in_sweep else None
+        if stopped_by:
+            job_failed(f"not run: the sweep was stopped by {stopped_by}", status="not run")
             return None
         try:
             result = train(cfg, run_dir)

@@ -36,17 +36,7 @@ def hydra_flag_error(argv: list[str]) -> str | None:
     directory, a --config-name no config directory holds, hydra.job.chdir=true (relative paths would be
     read inside the run directory); None when there is none of these."""
     words = set(argv)
-    given, pending = {}, None
-    for word in argv:
-        if pending:
-            given.setdefault(pending, []).append(word)
-            pending = None
-        elif word.split("=", 1)[0] in ("-cd", "--config-dir", "-cn", "--config-name", "-cp", "--config-path"):
-            name = word.split("=", 1)[0].replace("-cd", "--config-dir").replace("-cn", "--config-name")
-            if "=" in word:
-                given.setdefault(name, []).append(word.split("=", 1)[1])
-            else:
-                pending = name
+    given, _ = config_flags(argv)
     alone = sorted(words & {"--cfg", "-c", "--info", "-i", "--shell-completion", "-sc"})
     if words & {"-m", "--multirun"} and alone:
         return f"--multirun and {alone[0]} do not go together: {alone[0]} prints, it runs nothing; leave one out"
@@ -58,7 +48,7 @@ def hydra_flag_error(argv: list[str]) -> str | None:
             return (f"--config-dir {directory}: no such directory; give the directory that holds your presets "
                     "(DIR/data/NAME.yaml, then data=NAME)")
     for name in given.get("--config-name", []):
-        if "--config-path" in given or "-cp" in given:
+        if "--config-path" in given:
             break                                    # Hydra's own search; it says what it cannot find
         places = [CONF_DIR, *(Path(d).expanduser() for d in given.get("--config-dir", []))]
         if not any((place / f"{name.removesuffix('.yaml')}.yaml").is_file() for place in places):
@@ -70,8 +60,22 @@ def hydra_flag_error(argv: list[str]) -> str | None:
     return None
 
 
-# Hydra's flags that change what is composed, as compose_tree's arguments.
-COMPOSE_FLAGS = {"--config-name": "config_name", "-cn": "config_name", "--config-dir": "config_dir", "-cd": "config_dir"}
+# Hydra's flags that choose what is composed, short form -> long form.
+CONFIG_FLAGS = {"-cd": "--config-dir", "-cn": "--config-name", "-cp": "--config-path"}
+
+
+def config_flags(argv: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """`argv` read as Hydra reads its config flags: {long flag: its values in order} (`-cd DIR`,
+    `--config-dir=DIR`), and the other words."""
+    given, rest, words = {}, [], iter(argv)
+    for word in words:
+        name = word.split("=", 1)[0]
+        if name in CONFIG_FLAGS or name in CONFIG_FLAGS.values():
+            value = word.split("=", 1)[1] if "=" in word else next(words, "")
+            given.setdefault(CONFIG_FLAGS.get(name, name), []).append(value)
+        else:
+            rest.append(word)
+    return given, rest
 
 
 def refuse_uncomposable(argv: list[str]) -> None:
@@ -79,23 +83,22 @@ def refuse_uncomposable(argv: list[str]) -> None:
     one, a value of the wrong type) where Hydra's own answer is several lines and exit 1. Composes the
     config once more before hydra.main (a fraction of a second), a sweep's once per value of its choices
     (`sweep_jobs_to_check`); --help, --cfg, --info and the flags it does not follow are left to Hydra."""
-    flags, overrides, words = {}, [], iter(argv)
+    given, words = config_flags(argv)
+    if "--config-name" in given or "--config-path" in given:
+        return      # compose() finds a primary config in conf/ only
+    overrides = []
     for word in words:
         name = word.split("=", 1)[0]
-        if name in COMPOSE_FLAGS:
-            flags[COMPOSE_FLAGS[name]] = word.split("=", 1)[1] if "=" in word else next(words, "")
-        elif word in ("-m", "--multirun"):
+        if word in ("-m", "--multirun"):
             continue                            # each job's config is checked below
-        elif word.startswith("-") or name.lstrip("+") == "hydra.mode":
-            return                              # --help, --cfg, --info, --config-path, hydra.mode=MULTIRUN
-        elif name.lstrip("+") == "hydra.searchpath" or not name.startswith(("hydra.", "+hydra.", "hydra/")):
+        if word.startswith("-") or name.lstrip("+") == "hydra.mode":
+            return                              # --help, --cfg, --info, hydra.mode=MULTIRUN
+        if name.lstrip("+") == "hydra.searchpath" or not name.startswith(("hydra.", "+hydra.", "hydra/")):
             overrides.append(word)
-    if "config_name" in flags:
-        return      # compose() finds a primary config in conf/ only
-    jobs = sweep_jobs_to_check(overrides)
+    config_dir = given["--config-dir"][-1] if "--config-dir" in given else None
     try:
-        for job in jobs:
-            compose_tree(job, **flags)
+        for job in sweep_jobs_to_check(overrides):
+            compose_tree(job, config_dir=config_dir)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

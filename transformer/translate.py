@@ -151,8 +151,8 @@ def checked_model_arguments(args: argparse.Namespace) -> list[float] | None:
 def device_error(device: str) -> str | None:
     """Why `--device` cannot be used here (one line), or None. Imports torch (and tunes this process for
     it) when the name is one it could take."""
-    if device_name_error(device, "--device "):
-        return device_name_error(device, "--device ")
+    if bad_name := device_name_error(device, "--device "):
+        return bad_name
     import_torch_holding_interrupts()
     from transformer.runtime import inference_device_error, tune_cpu_process
 
@@ -346,8 +346,8 @@ def _run(args) -> int:
             args.beam = 1 if sampling is not None else translator.config.decode.beam_size
             if args.nbest > args.beam:
                 return _fail(f"--nbest {args.nbest}: the checkpoint's beam size is {args.beam}; add --beam {args.nbest}")
-        if translator.beam_error(args.beam, "--beam "):
-            return _fail(translator.beam_error(args.beam, "--beam "))
+        if too_wide := translator.beam_error(args.beam, "--beam "):
+            return _fail(too_wide)
     ignored = _ignored_options(given, scoring, args.beam)
     if ignored:
         print(f"transformer-translate: warning: {ignored}", file=sys.stderr)

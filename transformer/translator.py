@@ -49,7 +49,7 @@ class Translator:
     @property
     def quantized(self) -> bool:
         """Whether the model's linear layers are int8 (`quantize="int8"`)."""
-        return any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in self.model.modules())
+        return is_int8(self.model)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "auto",
@@ -183,8 +183,8 @@ class Translator:
             warnings.warn(f"alpha={alpha} is ignored by greedy search and sampling (the length penalty ranks the "
                           "hypotheses of a beam of 2 or more)", stacklevel=3)
         beam_size, alpha, nbest = decode.beam_size, decode.alpha, decode.nbest
-        if self.beam_error(beam_size, "beam_size="):
-            raise ValueError(self.beam_error(beam_size, "beam_size="))
+        if too_wide := self.beam_error(beam_size, "beam_size="):
+            raise ValueError(too_wide)
         max_len_a, max_len_b, batch_tokens = decode.max_len_a, decode.max_len_b, decode.batch_tokens
         if self.quantized and not batch_tokens_given:    # int8 runs fastest on batches of a few thousand
             rows = 1 if sampling is not None or beam_size == 1 else beam_size
@@ -310,6 +310,11 @@ def inference_model(model: torch.nn.Module, runtime: Runtime, quantize: str | No
             warnings.simplefilter("ignore")
             model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     return model
+
+
+def is_int8(model: torch.nn.Module) -> bool:
+    """Whether `model`'s linear layers are PyTorch's dynamic int8 ones (`inference_model`)."""
+    return any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in model.modules())
 
 
 def list_of_str(sentences, name: str, example: str) -> list[str]:
