@@ -94,6 +94,8 @@ def test_a_multilingual_model_needs_a_known_target_language_and_the_tag_reaches_
     into_de = translator.score(["Der Hund ."], ["The dog ."], tgt_lang="de")
     assert into_en != into_de                                     # the tag is part of what the encoder reads
     assert translator.score(["Der Hund ."], ["The dog ."], tgt_lang="en") == into_en
+    # an empty source is scored with its tag too: the tag is all that says which language the reference is in
+    assert translator.score([""], ["The dog ."], tgt_lang="en") != translator.score([""], ["The dog ."], tgt_lang="de")
 
 
 def test_a_bilingual_model_needs_no_target_language_and_refuses_another(untrained_checkpoint):
@@ -103,6 +105,11 @@ def test_a_bilingual_model_needs_no_target_language_and_refuses_another(untraine
     assert translator.score(["Der Hund ."], ["The dog ."], tgt_lang="en") == plain
     with pytest.raises(ValueError, match="tgt_lang=fr: this model translates de -> en only"):
         translator.translate(["Der Hund ."], tgt_lang="fr")
+    translator.tgt_lang = "fr"                                   # a default that cannot apply is refused too
+    with pytest.raises(ValueError, match=r"^Translator.tgt_lang=fr: this model translates de -> en only"):
+        translator.translate(["Der Hund ."])
+    translator.tgt_lang = "en"
+    assert translator.score(["Der Hund ."], ["The dog ."]) == plain
 
 
 @pytest.mark.parametrize("flags, code, message", [

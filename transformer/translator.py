@@ -115,12 +115,13 @@ class Translator:
         line naming the languages there are, and `knob` as the way to give one."""
         languages = self.target_languages
         data = self.config.data
+        language = tgt_lang or self.tgt_lang
         if not languages:
-            if tgt_lang not in (None, data.tgt_lang):
-                raise ValueError(f"{knob}{tgt_lang}: this model translates {data.src_lang} -> {data.tgt_lang} only; "
+            if language not in (None, data.tgt_lang):
+                named = knob if tgt_lang else "Translator.tgt_lang="
+                raise ValueError(f"{named}{language}: this model translates {data.src_lang} -> {data.tgt_lang} only; "
                                  "leave the target language out")
             return None
-        language = tgt_lang or self.tgt_lang
         if language is None:
             raise ValueError(f"this model translates into several languages ({', '.join(languages)}): choose one "
                              f"with {knob}LANG")
@@ -129,15 +130,17 @@ class Translator:
                              f"{', '.join(languages)}")
         return language
 
-    def encode_sources(self, sentences: list[str], tgt_lang: str | None = None) -> list[list[int]]:
+    def encode_sources(self, sentences: list[str], tgt_lang: str | None = None,
+                       tag_empty: bool = False) -> list[list[int]]:
         """Source token ids, each cut to the model's positions (with one warning for all that were); a
-        multilingual model's start with the tag of `tgt_lang` (`target_language`), an empty one stays empty."""
+        multilingual model's start with the tag of `tgt_lang` (`target_language`). An empty one stays empty
+        (it is not translated) unless `tag_empty` (forced decoding, where the tag says the target language)."""
         limit = self.max_length
         language = self.target_language(tgt_lang)
         sources = self.tokenizer.encode_src([s.strip() for s in sentences])
         if language is not None:
             tag = self.tokenizer.tag_id(language)
-            sources = [[tag, *ids] if ids else [] for ids in sources]
+            sources = [[tag, *ids] if ids or tag_empty else [] for ids in sources]
         truncated = sum(len(s) > limit for s in sources)
         if truncated:
             warnings.warn(f"{truncated} source sentence(s) longer than {limit} tokens were truncated "
@@ -242,7 +245,7 @@ class Translator:
                              "per source")
         if batch_tokens is not None:
             check_decode_options({"batch_tokens": batch_tokens}, "api")
-        sources = self.encode_sources(sentences, tgt_lang)
+        sources = self.encode_sources(sentences, tgt_lang, tag_empty=True)
         targets = self.tokenizer.encode_tgt([r.strip() for r in references])
         cut = sum(len(ids) > self.max_length for ids in targets)
         if cut:
