@@ -125,6 +125,45 @@ def test_cli_rejects_impossible_settings_naming_the_key(tmp_path):
     assert "Traceback" not in out
     with pytest.raises(ConfigError, match="trainer.lr"):
         compose_config(["trainer.lr=-0.1"])
+    assert (tmp_path / "train.log").is_file()          # a directory the user named keeps the refusal's log
+
+
+@pytest.mark.slow
+def test_a_refused_start_leaves_no_timestamped_directory_behind(tmp_path):
+    (tmp_path / "runs" / "earlier").mkdir(parents=True)
+    proc = _train_cli(["model.n_heads=3"], tmp_path)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert "model.d_model=128 is not divisible by model.n_heads=3" in out
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["earlier"]     # runs/toy/tiny/<time> all gone
+
+
+def test_only_an_unused_run_directory_is_discarded(tmp_path):
+    from transformer.run_dir import RunDirectoryLock, discard_unused_run_directory
+    base = tmp_path / "runs" / "toy"
+    for name, extra in (("with-checkpoints", "checkpoints"), ("locked", None), ("unused", None)):
+        (base / name / ".hydra").mkdir(parents=True)
+        (base / name / "train.log").write_text("refused\n")
+        if extra:
+            (base / name / extra).mkdir()
+    lock = RunDirectoryLock.acquire(base / "locked")        # a run of this process
+    try:
+        outcomes = [discard_unused_run_directory(base / name) for name in ("with-checkpoints", "locked", "unused")]
+    finally:
+        lock.release()
+    assert outcomes == [False, False, True]
+    assert sorted(p.name for p in base.iterdir()) == ["locked", "with-checkpoints"]
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from transformer.run_dir import "
+                               f"RunDirectoryLock; RunDirectoryLock.acquire({str(base / 'locked')!r}); "
+                               "print('held', flush=True); time.sleep(60)"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert not discard_unused_run_directory(base / "locked")      # a run of another process
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (base / "locked" / "train.log").exists()
 
 
 @pytest.mark.slow

@@ -79,6 +79,42 @@ class RunDirectoryLock:
             self.handle = None
 
 
+def discard_unused_run_directory(run_dir: Path) -> bool:
+    """Remove a run directory that a refused start left holding only what Hydra and the refusal wrote
+    (`.hydra/`, `train.log`, `.lock`), and the parents that leaves empty below the current directory, so
+    that a mistyped override does not leave a timestamped directory behind for each try. A directory
+    holding anything else, or in use by a run, stays. True when it was removed."""
+    run_dir = Path(run_dir)
+    try:
+        if not run_dir.is_dir() or not {entry.name for entry in run_dir.iterdir()} <= {".hydra", "train.log", ".lock"}:
+            return False
+        if RunDirectoryLock(run_dir).path in RunDirectoryLock._held:      # a run of this process uses it
+            return False
+        lock = RunDirectoryLock.acquire(run_dir)
+    except (OSError, TrainingError):
+        return False
+    root = logging.getLogger()
+    for handler in list(root.handlers):          # Hydra's handler of train.log: closed before its file goes
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir.resolve():
+            root.removeHandler(handler)
+            handler.close()
+    try:
+        shutil.rmtree(run_dir)
+    except OSError:
+        return False
+    finally:
+        lock.release()
+    here = Path.cwd().resolve()
+    for parent in run_dir.resolve().parents:
+        if here not in parent.parents:
+            break
+        try:
+            parent.rmdir()                       # only an empty one
+        except OSError:
+            break
+    return True
+
+
 # Hydra's own flags that take a value (the others, such as --multirun, do not start a single run).
 HYDRA_VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
 

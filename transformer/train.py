@@ -47,6 +47,7 @@ from transformer.run_dir import (
     TrainingError,
     attach_log_file,
     check_sweep_directory,
+    discard_unused_run_directory,
     install_signal_handlers,
     named_run_directory,
     resume_hint,
@@ -554,12 +555,12 @@ def main() -> None:
     # sweep directory must not hold an earlier sweep.
     rank = int(os.environ.get("RANK", "0"))
     sweep = bool({"-m", "--multirun"} & set(sys.argv))
-    run_dir = named_run_directory(sys.argv[1:], "hydra.sweep.dir" if sweep else "hydra.run.dir")
+    named_dir = named_run_directory(sys.argv[1:], "hydra.sweep.dir" if sweep else "hydra.run.dir")
     try:
-        if run_dir is not None and sweep:
-            check_sweep_directory(run_dir, sys.argv[1:])
-        elif run_dir is not None and rank == 0:
-            check_run_directory(run_dir, sys.argv[1:])
+        if named_dir is not None and sweep:
+            check_sweep_directory(named_dir, sys.argv[1:])
+        elif named_dir is not None and rank == 0:
+            check_run_directory(named_dir, sys.argv[1:])
     except TrainingError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -592,6 +593,8 @@ def main() -> None:
         except (ConfigError, DataError, CheckpointError, TrainingError) as error:
             logging.getLogger("transformer").error("%s", error)
             if not in_sweep:
+                if (named_dir is None and not cfg.get("run_dir") and int(os.environ.get("WORLD_SIZE", "1")) == 1):
+                    discard_unused_run_directory(Path(run_dir))      # a default, timestamped directory
                 print(f"error: {error}", file=sys.stderr)
                 sys.exit(2)
             reason = str(error)
