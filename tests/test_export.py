@@ -3,6 +3,7 @@ CTranslate2 against our own decoder. The tests marked slow use a trained model; 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -41,7 +42,10 @@ def test_safetensors_directory_round_trip_translates_identically(trained_checkpo
     assert result.returncode == 0 and result.stderr == "", result.stderr
     files = ["README.md", "config.json", "export-manifest.json", "model.safetensors", "spm.model"]
     assert sorted(p.name for p in out.iterdir()) == files
-    assert json.loads((out / "export-manifest.json").read_text()) == {"format": "safetensors", "files": files}
+    digests = {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in files
+               if name != "export-manifest.json"}
+    assert json.loads((out / "export-manifest.json").read_text()) == {"format": "safetensors", "files": files,
+                                                                        "sha256": digests}
     card = (out / "README.md").read_text()          # the trained checkpoint's own validation scores
     last = load_checkpoint(trained_checkpoint)["metrics"]["val_history"][-1]
     assert f"at step {last['step']}: BLEU {last['bleu']:.2f}, chrF {last['chrf']:.2f}" in card
@@ -96,6 +100,31 @@ def test_from_pretrained_refuses_what_it_cannot_read(untrained_checkpoint, tmp_p
     (out / "config.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="do not fit"):
         load_pretrained(out)
+
+
+def test_from_pretrained_refuses_weights_or_tokenizer_damaged_after_the_export(untrained_checkpoint, tmp_path):
+    model, tokenizer, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
+    out = save_pretrained(model, tokenizer, config, tmp_path / "m")
+    meta = json.loads((out / "config.json").read_text())
+    meta["config"]["decode"]["beam_size"] = 3               # config.json stays free to edit
+    (out / "config.json").write_text(json.dumps(meta))
+    assert load_pretrained(out)[2].decode.beam_size == 3
+    for name in ("model.safetensors", "spm.model"):
+        pristine = (out / name).read_bytes()
+        damaged = bytearray(pristine)
+        damaged[len(damaged) * 2 // 3] ^= 0x10             # one bit, inside the weights or the pieces
+        (out / name).write_bytes(bytes(damaged))
+        with pytest.raises(CheckpointError, match=rf"m/{name}: damaged: its bytes no longer match the SHA-256 the "
+                                                  r"export recorded in export-manifest.json"):
+            load_pretrained(out)
+        (out / name).write_bytes(pristine)
+    manifest = json.loads((out / "export-manifest.json").read_text())
+    del manifest["sha256"]                                  # an export from before digests: loads unchecked
+    (out / "export-manifest.json").write_text(json.dumps(manifest))
+    damaged = bytearray((out / "model.safetensors").read_bytes())
+    damaged[-5] ^= 0x10
+    (out / "model.safetensors").write_bytes(bytes(damaged))
+    load_pretrained(out)
 
 
 def _ct2_translator(directory):

@@ -410,6 +410,9 @@ def test_an_exported_directory_with_non_finite_weights_is_refused(checkpoint, tm
     name = sorted(weights)[0]
     weights[name].view(-1)[0] = float("nan")
     save_file(weights, out / export.WEIGHTS_FILE, metadata={"format": export.FORMAT_NAME})
+    manifest = json.loads((out / export.MANIFEST_FILE).read_text())
+    manifest["sha256"][export.WEIGHTS_FILE] = export.file_sha256(out / export.WEIGHTS_FILE)   # NaN as exported
+    (out / export.MANIFEST_FILE).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=f"model.safetensors: weight {name} holds NaN"):
         export.load_pretrained(out)
     with torch.no_grad():

@@ -10,7 +10,10 @@ class): `--format hf`, its old name, still works and says so once.
     spm.model            the joint SentencePiece model, or src.spm.model and tgt.spm.model
     README.md            the model card: languages, training data, shape, validation scores, how to load it
     export-manifest.json the names of the files the export wrote (both formats): `--force` replaces a
-                         directory only when it holds these files and nothing else
+                         directory only when it holds these files and nothing else; and their SHA-256
+                         digests (`sha256sum` prints the same), against which `load_pretrained` checks the
+                         weights and the SentencePiece models it reads (config.json and README.md are
+                         left free to edit)
 
 Every exported file gets the permissions of a file created normally under the umask (safetensors writes
 through an owner-only temporary file).
@@ -26,6 +29,7 @@ torch comes with the functions that need it (imported where they run), so that t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -113,6 +117,29 @@ def _exported_files(directory: Path) -> set[str] | None:
     return None
 
 
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes in hex, as `sha256sum` prints it."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _check_recorded_digest(folder: Path, name: str) -> None:
+    """CheckpointError when the export's manifest recorded a SHA-256 for `name` and the file's bytes no
+    longer have it (a disk, copy or transfer error). An export without digests (written before they were
+    recorded) or without a readable manifest is not checked: the manifest is the export's record, not a
+    file loading needs."""
+    try:
+        recorded = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8")).get("sha256", {}).get(name)
+    except (OSError, ValueError, AttributeError):
+        return
+    if not isinstance(recorded, str) or not (folder / name).is_file():
+        return                   # a missing file is reported by whoever reads it
+    if file_sha256(folder / name) != recorded.lower():
+        raise CheckpointError(f"{folder / name}: damaged: its bytes no longer match the SHA-256 the export recorded "
+                              f"in {MANIFEST_FILE} (a disk, copy or transfer error); copy or download the exported "
+                              "directory again, or export it again from its checkpoint")
+
+
 def _listing(names: list[str], shown: int = 5) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
@@ -139,9 +166,10 @@ def _write_model_directory(out: str | Path, overwrite: bool, tokenizer: Tokenize
             for name, data in tokenizer_files(tokenizer).items():
                 (built / name).write_bytes(data)
             files = sorted([entry.name for entry in built.iterdir()] + [MANIFEST_FILE])
+            digests = {entry.name: file_sha256(entry) for entry in sorted(built.iterdir()) if entry.is_file()}
             manifest = built / MANIFEST_FILE
-            manifest.write_text(json.dumps({"format": export_format, "files": files}, indent=2) + "\n",
-                                encoding="utf-8")
+            manifest.write_text(json.dumps({"format": export_format, "files": files, "sha256": digests},
+                                           indent=2) + "\n", encoding="utf-8")
             for entry in built.iterdir():           # as the manifest: the umask's, not a writer's own
                 shutil.copymode(manifest, entry)
         except (OSError, RuntimeError) as error:    # a full disk; CTranslate2 and safetensors wrap theirs
@@ -381,6 +409,8 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
     if names not in (["spm.model"], ["src.spm.model", "tgt.spm.model"]):
         raise CheckpointError(f"{config_path}: unknown tokenizer files {names!r} (an export lists [\"spm.model\"] "
                               "or [\"src.spm.model\", \"tgt.spm.model\"]); the file is damaged")
+    for name in names:
+        _check_recorded_digest(folder, name)
     try:
         if names == ["spm.model"]:
             tokenizer = Tokenizer((folder / "spm.model").read_bytes())
@@ -398,6 +428,7 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{folder}: no {WEIGHTS_FILE}")
+    _check_recorded_digest(folder, WEIGHTS_FILE)
     try:
         missing, unexpected = load_model(model, str(weights), strict=False)
     except (SafetensorError, RuntimeError) as error:

@@ -115,8 +115,9 @@ def discard_unused_run_directory(run_dir: Path) -> bool:
     return True
 
 
-# Hydra's own flags that take a value (the others, such as --multirun, do not start a single run).
-HYDRA_VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+# Hydra's flags that choose where the config comes from: a resume command repeats them (the other flags
+# that take a value, config.HYDRA_VALUE_FLAGS, print or complete instead of starting a run).
+CONFIG_SOURCE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
 
 
 # Overrides a resume command replaces with its own.
@@ -185,7 +186,7 @@ class Launch:
         from the same command typed under some other make: both read as `make train`."""
         flags, args = [], iter(argv[1:])
         for arg in args:
-            if arg.split("=", 1)[0] in HYDRA_VALUE_FLAGS:
+            if arg.split("=", 1)[0] in CONFIG_SOURCE_FLAGS:
                 flags += [arg] if "=" in arg else [arg, next(args, "")]
         nproc = environ.get("LOCAL_WORLD_SIZE")
         if "MAKELEVEL" in environ and Path(argv[0]).name in ("train_cli.py", "train.py") and Path("Makefile").is_file():
