@@ -134,7 +134,11 @@ def test_every_float_key_refuses_a_non_finite_value_naming_it(key, value):
     from transformer.config import DataConfig, DecodeConfig, ModelConfig, TrainerConfig
     schema = {"model": ModelConfig, "data": DataConfig, "trainer": TrainerConfig, "decode": DecodeConfig}
     section, name = key.split(".")
-    given = f"[0.9,{value}]" if isinstance(getattr(schema[section](), name), list) else value
+    default = getattr(schema[section](), name)
+    if isinstance(default, dict):                    # a mapping of floats: one entry named
+        key, given = f"{key}.en", value
+    else:
+        given = f"[0.9,{value}]" if isinstance(default, list) else value
     with pytest.raises(ConfigError) as error:
         compose_config([f"{key}={given}"])
     message = str(error.value)

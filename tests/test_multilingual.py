@@ -112,6 +112,34 @@ def test_a_bilingual_model_needs_no_target_language_and_refuses_another(untraine
     assert translator.score(["Der Hund ."], ["The dog ."]) == plain
 
 
+def test_the_length_penalty_follows_the_target_language_unless_one_is_given(multilingual, monkeypatch):
+    import transformer.translator as translator_module
+    _, path = multilingual
+    translator = Translator.from_checkpoint(path, device="cpu")
+    translator.config.decode.alpha, translator.config.decode.alpha_by_language = 0.6, {"de": 1.5}
+    used = []
+    real = translator_module.translate_ids
+    monkeypatch.setattr(translator_module, "translate_ids",
+                        lambda *args, **kwargs: used.append(kwargs["alpha"]) or real(*args, **kwargs))
+    for language, alpha in (("de", None), ("en", None), ("de", 3.0)):
+        translator.translate(["Der Hund ."], tgt_lang=language, beam_size=2, alpha=alpha)
+    assert used == [1.5, 0.6, 3.0]       # de's own, decode.alpha for a language left out, the one given
+
+
+def test_a_length_penalty_per_language_names_only_target_languages(tmp_path):
+    corpus = tmp_path / "toy"
+    cfg = compose_config(_overrides(corpus) + ["decode.alpha=1", "decode.alpha_by_language.en=2.5"])
+    assert (cfg.decode.alpha_for("en"), cfg.decode.alpha_for("de"), cfg.decode.alpha_for(None)) == (2.5, 1.0, 1.0)
+    for extra, message in (
+            (["decode.alpha_by_language.fr=2"], "decode.alpha_by_language: fr is not a target language of this "
+                                                "model; it translates into de, en"),
+            (["decode.alpha_by_language.en=-1"], r"decode.alpha_by_language.en=-1.0: must be a finite number >= 0")):
+        with pytest.raises(ConfigError, match=message):
+            compose_config(_overrides(corpus) + extra)
+    with pytest.raises(ConfigError, match="this model translates into en only; set its length penalty with decode.alpha"):
+        compose_config(["decode.alpha_by_language.en=2"])
+
+
 @pytest.mark.parametrize("flags, code, message", [
     ([], 2, "transformer-translate: error: this model translates into several languages (de, en): choose one with "
             "--tgt-lang LANG"),

@@ -447,6 +447,10 @@ class DecodeConfig:
     beam_size: int = decode_setting(5, "hypotheses kept per sentence (1 = greedy)", low=1, flag="--beam")
     alpha: float = decode_setting(0.6, "GNMT length penalty ((5 + len) / 6) ** alpha; 0 = raw log-probability",
                                   low=0, high=100)     # beyond, the penalty of a long hypothesis overflows
+    alpha_by_language: dict[str, float] = setting(
+        factory=dict, meaning="a multilingual model's length penalty per target language, in place of "
+                              "decode.alpha ({en: 2.5, de: 1.5}); a language left out takes decode.alpha; an alpha "
+                              "given to a translation (--alpha) wins over both")
     max_len_a: float = decode_setting(1.2, "output length limit: max_len_a * source_len + max_len_b tokens", low=0)
     max_len_b: int = decode_setting(10, "the constant term of the output length limit (see max_len_a)", low=0)
     batch_tokens: int = decode_setting(DEFAULT_BATCH_TOKENS, "source tokens x beam per decoding batch; smaller "
@@ -457,6 +461,14 @@ class DecodeConfig:
         # Non-finite values first get the message every section's float keys give (with the default).
         _require_finite("decode", self)
         check_decode_options({option.key: getattr(self, option.key) for option in DECODE_OPTIONS}, "config")
+        alpha = next(option for option in DECODE_OPTIONS if option.key == "alpha")
+        for language, value in self.alpha_by_language.items():
+            if not alpha.accepts(value):
+                raise ConfigError(f"decode.alpha_by_language.{language}={value!r}: {alpha.rule}")
+
+    def alpha_for(self, language: str | None) -> float:
+        """The length penalty of translations into `language` (None: a bilingual model's)."""
+        return self.alpha_by_language.get(language, self.alpha) if language else self.alpha
 
     def for_translation(self, **given: Any) -> DecodeConfig:
         """The options a translation with this (a checkpoint's) decode section uses: those `given` (None: left
@@ -591,6 +603,14 @@ class Config:
         self.data.validate()
         self.trainer.validate()
         self.decode.validate()
+        targets = self.data.target_languages()
+        unknown = sorted(set(self.decode.alpha_by_language) - set(targets))
+        if unknown and not targets:
+            raise ConfigError(f"decode.alpha_by_language: this model translates into {self.data.tgt_lang} only; "
+                              "set its length penalty with decode.alpha")
+        if unknown:
+            raise ConfigError(f"decode.alpha_by_language: {', '.join(unknown)} is not a target language of this "
+                              f"model; it translates into {', '.join(targets)}")
         # A training pair of data.max_len tokens takes one position more: the source its EOS, the
         # target input its BOS. (Decoding caps its output at model.max_positions - 1 tokens itself.)
         if self.model.max_positions < self.data.max_len + 1:
@@ -624,6 +644,7 @@ def register_schema() -> None:
     # Hydra makes the composed tree "struct" (no new keys); this mapping's keys are the user's to add:
     # data.local_splits='{validation: dev, test: newstest2014}' on the command line.
     OmegaConf.set_struct(schema.data.local_splits, False)
+    OmegaConf.set_struct(schema.decode.alpha_by_language, False)      # decode.alpha_by_language.en=2.5
     store.store(name="schema", node=schema)
     store.store(group="model", name="tiny", node=ModelConfig)
     store.store(group="trainer", name="default", node=TrainerConfig)
@@ -886,11 +907,14 @@ def _require_finite(section: str, values) -> None:
         if "float" not in str(spec.type):
             continue
         value = getattr(values, spec.name)
-        numbers = value if isinstance(value, (list, tuple)) else [value]
-        if any(isinstance(number, float) and not math.isfinite(number) for number in numbers):
-            default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
-            raise ConfigError(f"{section}.{spec.name}={value} is not finite; give a finite number "
-                              f"(the default is {default})")
+        named = [(f"{spec.name}.{key}", number) for key, number in value.items()] if isinstance(value, dict) else \
+            [(spec.name, number) for number in (value if isinstance(value, (list, tuple)) else [value])]
+        for name, number in named:
+            if isinstance(number, float) and not math.isfinite(number):
+                default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
+                shown = number if isinstance(value, dict) else value
+                raise ConfigError(f"{section}.{name}={shown} is not finite; give a finite number "
+                                  f"(the default is {default})")
 
 
 def _positive(key: str, value: int | float) -> None:

@@ -77,6 +77,8 @@ def add_decoding_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ..
             continue
         default = f"the checkpoint's decode.{option.key}; {option.default} unless training set it" \
             if option.saved else option.default
+        if option.key == "alpha":
+            default = f"a multilingual model's decode.alpha_by_language for the target language, else {default}"
         group.add_argument(option.flag, type=number if option.whole else float, dest=flag_dest(option),
                            help=f"{option.meaning}; default: {default}".replace("%", "%%"))
 

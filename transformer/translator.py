@@ -168,7 +168,7 @@ class Translator:
         `search.Interrupted`; `use_cache=False` recomputes every prefix (the bench's reference).
         `tgt_lang`: the target language of a multilingual model (`target_languages`), which needs one."""
         sentences = list_of_str(sentences, "sentences", "translate([text])")
-        self.target_language(tgt_lang)              # refused before anything else is done
+        language = self.target_language(tgt_lang)   # refused before anything else is done
         if workers is not None and (type(workers) is not int or workers < 1):
             raise ValueError(f"workers={workers!r}: must be a whole number >= 1 (None: one per core)")
         if stop is not None and not callable(stop):
@@ -180,8 +180,9 @@ class Translator:
                 raise ValueError(f"sampling draws one translation per sentence: leave out {' and '.join(searched)}")
         prefix_ids = self.encode_prefixes(prefixes, len(sentences))
         batch_tokens_given = batch_tokens is not None
-        decode = self.config.decode.for_translation(beam_size=beam_size, alpha=alpha, nbest=nbest, max_len_a=max_len_a,
-                                                    max_len_b=max_len_b, batch_tokens=batch_tokens)
+        decode = self.config.decode.for_translation(beam_size=beam_size, nbest=nbest, max_len_a=max_len_a,
+                                                    alpha=self.config.decode.alpha_for(language) if alpha is None
+                                                    else alpha, max_len_b=max_len_b, batch_tokens=batch_tokens)
         if alpha is not None and (sampling is not None or decode.beam_size == 1):
             warnings.warn(f"alpha={alpha} is ignored by greedy search and sampling (the length penalty ranks the "
                           "hypotheses of a beam of 2 or more)", stacklevel=3)
