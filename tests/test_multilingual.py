@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers import FAST, ROOT, compose_config
-from transformer.checkpoint import save_checkpoint
+from transformer.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import ConfigError
 from transformer.corpus import prepare
 from transformer.model import build_model
@@ -206,7 +206,14 @@ def test_evaluate_scores_a_chosen_direction_and_refuses_an_unknown_one(multiling
     result = evaluate(path, split="test", src_lang="en", tgt_lang="de", beam_size=1, device="cpu")
     assert result["split"] == "test.en-de" and result["sentences"] == 30
     assert Path(result["hypotheses_file"]).name == "best.test.en-de.beam1.hyp"
-    assert "|tok:13a|" in result["bleu_signature"]
+    assert "|tok:13a|" in result["bleu_signature"] and "alpha" not in result       # greedy: no length penalty
+    state = load_checkpoint(path)
+    state["config"]["decode"]["alpha_by_language"] = {"de": 1.75}       # what the beam's results record
+    save_checkpoint(state, path.parent / "per-language.pt")
+    for tgt_lang, alpha, used in (("de", None, 1.75), ("en", None, state["config"]["decode"]["alpha"]),
+                                  ("de", 0.25, 0.25)):
+        assert evaluate(path.parent / "per-language.pt", split="test", src_lang="de" if tgt_lang == "en" else "en",
+                        tgt_lang=tgt_lang, beam_size=2, alpha=alpha, device="cpu")["alpha"] == used
     # an untrained model's output, in whatever language: its off-target rate, among the model's languages
     assert result["off_target_among"] == ["de", "en"] and 0 <= result["off_target"] <= 100
     assert result["off_target_count"] == sum(result["off_target_languages"].values())

@@ -110,7 +110,8 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
     seconds = time.perf_counter() - started
     result = {"checkpoint": str(checkpoint), "split": name, "src": source, "ref": str(Path(ref_file).resolve())
               if ref_file else None, "tgt_lang": data.tgt_lang, "sentences": len(sources),
-              "beam_size": beam,
+              "beam_size": beam, **({"alpha": translator.config.decode.alpha_for(translator.tgt_lang) if alpha is None
+                                     else alpha} if beam > 1 else {}),
               **({"ensemble": [str(each) for each in checkpoints], "weights": weights} if len(checkpoints) > 1 else {}),
               **({"quantize": quantize} if quantize else {}),
               "seconds": round(seconds, 2), **score(hypotheses, references, data.tgt_lang)}
