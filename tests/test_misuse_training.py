@@ -3,7 +3,8 @@
 - trainer.resume=true where no checkpoint can resume the run is refused, never a new run over best.pt;
 - a checkpoint whose weights are not all finite is never written;
 - options that a resumed run ignores, or that change it, are said once;
-- a sweep job that fails, whatever the error, is a failed row of the summary and the sweep goes on.
+- a sweep job that fails, whatever the error, is a failed row of the summary and the sweep goes on (and
+  exits 1 at its end).
 """
 
 import logging
@@ -484,7 +485,8 @@ def _sweep(tmp_path, failing: str):
 
 def test_a_sweep_job_failing_with_any_error_is_a_failed_row_and_the_summary_prints(tmp_path):
     proc = _sweep(tmp_path, "1")
-    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.returncode == 1 and proc.stderr.strip() == (       # the table printed, then a non-zero exit
+        f"error: 1 of 2 jobs of the sweep failed (job 0); the reasons are above and in {tmp_path / 'summary.tsv'}")
     rows = read_summary(tmp_path / "summary.tsv")
     assert [(r["job"], r["status"], r["best_val_bleu"], r["error"]) for r in rows] == [
         ("0", "failed", "", "RuntimeError: unexpected failure of seed 1"), ("1", "ok", "12.00", "")]

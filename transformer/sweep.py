@@ -6,7 +6,9 @@ hydra.sweep.subdir), so that TensorBoard's run list says which run is which. Thi
 conf/config.yaml) appends a row per finished job to the sweep directory's `summary.tsv` and prints
 the table, best validation BLEU first, when the sweep ends. A job that fails, whatever the error, is
 recorded as failed with its one-line reason (the traceback of an unexpected error goes to its
-train.log) and the sweep goes on with the next one; a sweep whose every job failed exits with 2.
+train.log) and the sweep goes on with the next one; a sweep in which some job failed exits with 1 after
+its table (as xargs does, so that `make sweep ... && next-step` stops there), one whose every job failed
+with 2.
 Ctrl-C (or SIGTERM) stops the sweep: the job running saves last.pt and is recorded as interrupted, the
 jobs after it as not run, and the sweep exits with 130 after its table.
 """
@@ -151,3 +153,9 @@ class SweepSummary(Callback):
             print(f"error: every job of the sweep failed ({len(rows)} of {len(rows)}); the reasons are above and "
                   f"in {path}", file=sys.stderr, flush=True)
             sys.exit(2)
+        failed = [r for r in rows if r["status"] == "failed"]
+        if failed:
+            print(f"error: {len(failed)} of {len(rows)} jobs of the sweep failed (job{'s' if len(failed) > 1 else ''} "
+                  f"{', '.join(r['job'] for r in failed)}); the reasons are above and in {path}", file=sys.stderr,
+                  flush=True)
+            sys.exit(1)
