@@ -493,6 +493,13 @@ def test_a_sweep_job_failing_with_any_error_is_a_failed_row_and_the_summary_prin
     summary = proc.stdout[proc.stdout.index("sweep summary"):]
     assert "job 0 failed: RuntimeError: unexpected failure of seed 1" in summary and "1 of 2 jobs failed" in summary
     assert "Traceback" in (tmp_path / "0_trainer.seed=1" / "train.log").read_text()   # for whoever debugs it
+    resumed = subprocess.run([*proc.args[:3], "", *proc.args[4:], "trainer.resume=true"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)     # the failed job now succeeds
+    assert resumed.returncode == 0 and resumed.stderr == "", resumed.stderr
+    assert [(r["job"], r["status"]) for r in read_summary(tmp_path / "summary.tsv")] == [
+        ("0", "failed"), ("1", "ok"), ("0", "ok"), ("1", "ok")]         # the .tsv keeps the history
+    summary = resumed.stdout[resumed.stdout.index("sweep summary"):]
+    assert "failed" not in summary and summary.count(" ok ") == 2       # the table: each job's last row
 
 
 def test_a_sweep_whose_every_job_failed_exits_2_with_one_line(tmp_path):

@@ -126,6 +126,20 @@ def test_the_length_penalty_follows_the_target_language_unless_one_is_given(mult
     assert used == [1.5, 0.6, 3.0]       # de's own, decode.alpha for a language left out, the one given
 
 
+def test_an_empty_source_with_a_prefix_is_decoded_with_its_language_tag(multilingual, monkeypatch):
+    import transformer.translator as translator_module
+    _, path = multilingual
+    translator = Translator.from_checkpoint(path, device="cpu")
+    decoded = []
+    real = translator_module.translate_ids
+    monkeypatch.setattr(translator_module, "translate_ids",
+                        lambda models, sources, **kwargs: decoded.append(sources) or real(models, sources, **kwargs))
+    translator.translate(["", "", "Der Hund ."], tgt_lang="de", prefixes=["Der", "", ""], beam_size=1)
+    tag = translator.tokenizer.tag_id("de")
+    assert decoded[0][0] == [tag]                  # the prefixed empty source: its tag, what says "into German"
+    assert len(decoded[0]) == 2 and decoded[0][1][0] == tag       # the empty one without a prefix is not decoded
+
+
 def test_a_length_penalty_per_language_names_only_target_languages(tmp_path):
     corpus = tmp_path / "toy"
     cfg = compose_config(_overrides(corpus) + ["decode.alpha=1", "decode.alpha_by_language.en=2.5"])

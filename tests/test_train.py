@@ -136,6 +136,10 @@ def test_a_refused_start_leaves_no_timestamped_directory_behind(tmp_path):
     assert proc.returncode == 2, out
     assert "model.d_model=128 is not divisible by model.n_heads=3" in out
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["earlier"]     # runs/toy/tiny/<time> all gone
+    chosen = _train_cli(["model.n_heads=3", "hydra.run.dir=runs/${data.name}/mine"], tmp_path)   # a choice stays
+    out, _ = chosen.communicate(timeout=120)
+    assert chosen.returncode == 2 and "model.d_model=128 is not divisible" in (tmp_path / "runs/toy/mine/train.log"
+                                                                                ).read_text(), out
 
 
 def test_only_an_unused_run_directory_is_discarded(tmp_path):
@@ -153,6 +157,9 @@ def test_only_an_unused_run_directory_is_discarded(tmp_path):
         lock.release()
     assert outcomes == [False, False, True]
     assert sorted(p.name for p in base.iterdir()) == ["locked", "with-checkpoints"]
+    older = base / "written-before-this-start"
+    (older / ".hydra").mkdir(parents=True)
+    assert not discard_unused_run_directory(older, created_since=time.time() + 60) and older.is_dir()
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from transformer.run_dir import "
                                f"RunDirectoryLock; RunDirectoryLock.acquire({str(base / 'locked')!r}); "
                                "print('held', flush=True); time.sleep(60)"],

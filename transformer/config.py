@@ -911,9 +911,10 @@ def _require_finite(section: str, values) -> None:
             [(spec.name, number) for number in (value if isinstance(value, (list, tuple)) else [value])]
         for name, number in named:
             if isinstance(number, float) and not math.isfinite(number):
+                if isinstance(value, dict):          # one entry of a mapping: no default to point to
+                    raise ConfigError(f"{section}.{name}={number} is not finite; give a finite number")
                 default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
-                shown = number if isinstance(value, dict) else value
-                raise ConfigError(f"{section}.{name}={shown} is not finite; give a finite number "
+                raise ConfigError(f"{section}.{name}={value} is not finite; give a finite number "
                                   f"(the default is {default})")
 
 

@@ -119,8 +119,11 @@ def _exported_files(directory: Path) -> set[str] | None:
 
 def file_sha256(path: Path) -> str:
     """The SHA-256 of a file's bytes in hex, as `sha256sum` prints it."""
+    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+        for block in iter(lambda: handle.read(1 << 20), b""):     # hashlib.file_digest: Python 3.11 on
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _check_recorded_digest(folder: Path, name: str) -> None:

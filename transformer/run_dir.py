@@ -79,14 +79,25 @@ class RunDirectoryLock:
             self.handle = None
 
 
-def discard_unused_run_directory(run_dir: Path) -> bool:
+def chooses_run_directory(argv: list[str]) -> bool:
+    """Whether a command line chooses its run directory (hydra.run.dir in any spelling, interpolations
+    included, or a config of its own that may set it) rather than taking the default timestamped one."""
+    return any(override_key(arg) == "hydra.run.dir" or arg.split("=", 1)[0] in CONFIG_SOURCE_FLAGS for arg in argv)
+
+
+def discard_unused_run_directory(run_dir: Path, created_since: float = 0.0) -> bool:
     """Remove a run directory that a refused start left holding only what Hydra and the refusal wrote
-    (`.hydra/`, `train.log`, `.lock`), and the parents that leaves empty below the current directory, so
-    that a mistyped override does not leave a timestamped directory behind for each try. A directory
-    holding anything else, or in use by a run, stays. True when it was removed."""
+    (`.hydra/`, `train.log`, `.lock`), all of it written since `created_since` (this process's start:
+    not another start's of the same second), and the parents that leaves empty below the current
+    directory, so that a mistyped override does not leave a timestamped directory behind for each try.
+    A directory holding anything else, or older, or in use by a run, stays. True when it was removed."""
     run_dir = Path(run_dir)
     try:
-        if not run_dir.is_dir() or not {entry.name for entry in run_dir.iterdir()} <= {".hydra", "train.log", ".lock"}:
+        if not run_dir.is_dir():
+            return False
+        entries = list(run_dir.iterdir())
+        if not {entry.name for entry in entries} <= {".hydra", "train.log", ".lock"} or \
+                any(entry.lstat().st_mtime < created_since for entry in [run_dir, *entries]):
             return False
         if RunDirectoryLock(run_dir).path in RunDirectoryLock._held:      # a run of this process uses it
             return False

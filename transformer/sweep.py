@@ -85,6 +85,12 @@ def read_summary(path: Path) -> list[dict]:
         return list(csv.DictReader(handle, delimiter="\t"))
 
 
+def latest_rows(rows: list[dict]) -> list[dict]:
+    """One row per job, its last: a sweep resumed with trainer.resume=true appends its jobs' rows again,
+    and a job that failed (or was interrupted) and then finished is ok."""
+    return sorted({row["job"]: row for row in rows}.values(), key=lambda row: int(row["job"]))
+
+
 def format_summary(rows: list[dict]) -> str:
     """The rows as an aligned table, best validation BLEU first, failed jobs last; overrides that
     every job shares are said once, above the table."""
@@ -142,7 +148,7 @@ class SweepSummary(Callback):
         path = Path(config.hydra.sweep.dir) / "summary.tsv"
         if not path.exists():
             return
-        rows = read_summary(path)
+        rows = latest_rows(read_summary(path))
         print(f"\nsweep summary ({path}):\n{format_summary(rows)}", flush=True)
         if _interrupted:
             print(f"interrupted: the sweep was stopped by {_interrupted}; an interrupted job resumes with "

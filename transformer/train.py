@@ -47,6 +47,7 @@ from transformer.run_dir import (
     TrainingError,
     attach_log_file,
     check_sweep_directory,
+    chooses_run_directory,
     discard_unused_run_directory,
     install_signal_handlers,
     named_run_directory,
@@ -547,6 +548,7 @@ def main() -> None:
 
     from transformer.train_cli import refuse_bare_words, refuse_uncomposable
 
+    started = time.time() - 0.1          # what this start writes is newer (the file clock is a tick behind)
     refuse_bare_words(sys.argv[1:])
     refuse_uncomposable(sys.argv[1:])
 
@@ -593,8 +595,9 @@ def main() -> None:
         except (ConfigError, DataError, CheckpointError, TrainingError) as error:
             logging.getLogger("transformer").error("%s", error)
             if not in_sweep:
-                if (named_dir is None and not cfg.get("run_dir") and int(os.environ.get("WORLD_SIZE", "1")) == 1):
-                    discard_unused_run_directory(Path(run_dir))      # a default, timestamped directory
+                if not chooses_run_directory(sys.argv[1:]) and not cfg.get("run_dir") \
+                        and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+                    discard_unused_run_directory(Path(run_dir), started)      # the default, timestamped one
                 print(f"error: {error}", file=sys.stderr)
                 sys.exit(2)
             reason = str(error)

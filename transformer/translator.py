@@ -131,16 +131,18 @@ class Translator:
         return language
 
     def encode_sources(self, sentences: list[str], tgt_lang: str | None = None,
-                       tag_empty: bool = False) -> list[list[int]]:
+                       tag_empty: bool | list[bool] = False) -> list[list[int]]:
         """Source token ids, each cut to the model's positions (with one warning for all that were); a
         multilingual model's start with the tag of `tgt_lang` (`target_language`). An empty one stays empty
-        (it is not translated) unless `tag_empty` (forced decoding, where the tag says the target language)."""
+        (it is not translated) unless `tag_empty` (all, or one flag per sentence): forced decoding, or a
+        prefix to continue, where the tag alone says the target language."""
         limit = self.max_length
         language = self.target_language(tgt_lang)
         sources = self.tokenizer.encode_src([s.strip() for s in sentences])
         if language is not None:
             tag = self.tokenizer.tag_id(language)
-            sources = [[tag, *ids] if ids or tag_empty else [] for ids in sources]
+            tagged = tag_empty if isinstance(tag_empty, list) else [tag_empty] * len(sources)
+            sources = [[tag, *ids] if ids or wanted else [] for ids, wanted in zip(sources, tagged)]
         truncated = sum(len(s) > limit for s in sources)
         if truncated:
             warnings.warn(f"{truncated} source sentence(s) longer than {limit} tokens were truncated "
@@ -193,7 +195,8 @@ class Translator:
         if self.quantized and not batch_tokens_given:    # int8 runs fastest on batches of a few thousand
             rows = 1 if sampling is not None or beam_size == 1 else beam_size
             batch_tokens = min(batch_tokens, INT8_SOURCE_TOKENS * rows)
-        sources = self.encode_sources(sentences, tgt_lang)
+        sources = self.encode_sources(sentences, tgt_lang, tag_empty=[bool(ids) for ids in prefix_ids or []]
+                                      or False)
         # An empty sentence translates to '' unless it has a prefix, which its translation starts with.
         wanted = [i for i, s in enumerate(sources) if s or (prefix_ids is not None and prefix_ids[i])]
         results: list[list[Hypothesis]] = [[] for _ in sources]
