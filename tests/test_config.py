@@ -108,6 +108,15 @@ def test_impossible_settings_name_the_key(override, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+def test_a_saved_config_with_a_key_this_version_lacks_asks_for_an_upgrade():
+    from transformer.config import Config
+    saved = compose_config([]).to_dict()
+    saved["decode"]["length_bonus"] = 0.5                # a key a later version would add
+    with pytest.raises(ConfigError, match=r"^unknown config key decode.length_bonus: the model was saved by a newer "
+                                          r"version of this package; upgrade it \(pip install -U\) to load it$"):
+        Config.from_dict(saved, saved=True)
+
+
 def test_no_stopping_rule_is_refused():
     with pytest.raises(ConfigError, match="no stopping rule"):
         compose_config(["trainer.max_steps=0", "trainer.max_minutes=0"])

@@ -590,6 +590,9 @@ class Config:
             else:
                 known = [f.name for f in dataclasses.fields(cls)] if not section else \
                     [f.name for f in dataclasses.fields(type(getattr(cls(), section)))]
+            if saved:         # a checkpoint's or an export's: a key a later version of the package added
+                raise ConfigError(f"unknown config key {error.full_key}: the model was saved by a newer version of "
+                                  "this package; upgrade it (pip install -U) to load it") from None
             raise ConfigError(f"unknown config key {error.full_key}; known keys: {', '.join(sorted(known))}") from None
         except OmegaConfBaseException as error:
             raise ConfigError(composition_error_line(error)) from None
