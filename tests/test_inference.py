@@ -205,6 +205,29 @@ def test_evaluate_takes_an_ensemble(untrained_checkpoint, source_file, tmp_path,
     assert (tmp_path / "a.in.de.ensemble2.beam1.hyp").read_text().count("\n") == 3
 
 
+def test_evaluate_searches_the_length_penalty_over_several_alphas(untrained_checkpoint, source_file, tmp_path,
+                                                                  capsys):
+    import json
+    import shutil
+
+    from transformer.evaluate import main
+    checkpoint = tmp_path / "m.pt"
+    shutil.copy(untrained_checkpoint, checkpoint)
+    rc, out, err = _cli(main, capsys, checkpoint, "--src", source_file, "--ref", source_file, "--beam", 2,
+                        "--alpha", "0.5,3", "--max-len-b", 4)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("alpha 0.5: BLEU ") and lines[1].startswith("alpha 3: BLEU ")
+    recorded = [json.loads((tmp_path / f"m.in.de.alpha{a}.beam2.json").read_text()) for a in ("0.5", "3")]
+    assert [r["alpha"] for r in recorded] == [0.5, 3.0]          # each scored with its own, in its own files
+    best = max(recorded, key=lambda r: (r["bleu"], r["chrf"]))
+    assert lines[2] == f"best on in.de (beam 2): --alpha {best['alpha']:g} (BLEU {best['bleu']:.2f})"
+    assert lines[3] == f"as the model's default: decode.alpha={best['alpha']:g} at training"
+    rc, out, err = _cli(main, capsys, checkpoint, "--alpha", "1,1.5", "--beam", 1)
+    assert rc == 2 and err == ["transformer-evaluate: error: --alpha 1,1.5: a length penalty search needs a beam "
+                               "of 2 or more (--beam 5): greedy search has no length penalty"]
+
+
 def test_sampling_refuses_search_options_and_alpha_without_a_beam_is_warned(untrained_checkpoint):
     """Through the API, sampling silently dropped beam_size and alpha, and nbest gave one hypothesis per
     sentence but nbest placeholders per empty one."""

@@ -236,6 +236,11 @@ def test_evaluate_scores_a_chosen_direction_and_refuses_an_unknown_one(multiling
     assert default["split"] == "test" and default["sentences"] == 30
     assert main([str(path), "--src-lang", "en", "--tgt-lang", "de", "--beam", "1"]) == 0
     assert "off-target: " in capsys.readouterr().out
+    assert main([str(path), "--split", "validation", "--src-lang", "de", "--tgt-lang", "en", "--beam", "2",
+                 "--alpha", "1,2", "--max-len-b", "3"]) == 0
+    searched = capsys.readouterr()
+    assert "best on validation.de-en (beam 2): --alpha " in searched.out and searched.err == ""
+    assert "as the model's default: decode.alpha_by_language.en=" in searched.out
     assert main([str(path), "--tgt-lang", "fr", "--beam", "1"]) == 2
     assert capsys.readouterr().err.strip() == ("transformer-evaluate: error: --tgt-lang fr: not a target language "
                                                "of this model; it translates into de, en")

@@ -7,6 +7,7 @@ bad arguments before it loads torch."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -33,7 +34,7 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
              device: str = "auto", precision: str = "auto", batch_tokens: int | None = None,
              max_len_a: float | None = None, max_len_b: int | None = None, *, weights: list[float] | None = None,
              quantize: str | None = None, workers: int | None = None, tokenized_lc: str | None = None,
-             src_lang: str | None = None, tgt_lang: str | None = None) -> dict:
+             src_lang: str | None = None, tgt_lang: str | None = None, label: str | None = None) -> dict:
     """`checkpoint`: one, or a list (an ensemble, with optional `weights`). `tokenized_lc`: a file of the
     references lowercased and Moses-tokenized (Multi30k's tok/*.lc.norm.tok.*): BLEU as the literature
     reports it, beside ours (`validate.tokenized_lowercased_bleu`). `src_lang` / `tgt_lang`: another
@@ -90,7 +91,8 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
             raise DataError("--tokenized-lc tokenizes for the target language, and the checkpoint's data.tgt_lang "
                             "is not set")
     beam = translator.config.decode.beam_size if beam_size is None else beam_size
-    name += (f".ensemble{len(checkpoints)}" if len(checkpoints) > 1 else "") + (f".{quantize}" if quantize else "")
+    name += (f".ensemble{len(checkpoints)}" if len(checkpoints) > 1 else "") + (f".{quantize}" if quantize else "") \
+        + (f".{label}" if label else "")
     hyp_path, json_path = output_paths(checkpoint, name, beam)
     source = str(Path(src_file).resolve()) if src_file else None
     if _results_of_another_source(json_path, source):   # test.de of two directories, or a --src file named test
@@ -166,13 +168,37 @@ def build_parser() -> CommandLineParser:
                         "(Multi30k's tok/*.lc.norm.tok.*): also report BLEU as the literature does, our output "
                         "lowercased, normalized and tokenized the same way (sacremoses), sacreBLEU tokenize=none")
     add_decoding_flags(parser, leave_out=("nbest",))     # it scores the best translation of each line
+    for action in parser._actions:                       # --alpha: one value, or a search over several
+        if action.dest == "alpha":
+            action.type = alpha_values
+            action.metavar = "A[,A...]"
+            action.help += ("; several values separated by commas score the split once with each and name the "
+                            "best (a length penalty search: run it on --split validation)").replace("%", "%%")
     return parser
+
+
+def alpha_values(text: str) -> list[float]:
+    """--alpha 2 or --alpha 1,1.5,2: the values to score with (each checked as --alpha is)."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number, or numbers separated by commas (1,1.5,2)") \
+            from None
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: a value is given twice")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    alphas = args.alpha or [None]
     try:                                  # refused before the model is loaded
-        check_decode_options(given_decoding_options(args), "cli")
+        others = {key: value for key, value in given_decoding_options(args).items() if key != "alpha"}
+        for alpha in alphas:
+            check_decode_options({**others, **({} if alpha is None else {"alpha": alpha})}, "cli")
+        if len(alphas) > 1 and args.beam == 1:
+            raise ValueError(f"--alpha {','.join(f'{a:g}' for a in alphas)}: a length penalty search needs a beam "
+                             "of 2 or more (--beam 5): greedy search has no length penalty")
     except ValueError as error:
         print(f"transformer-evaluate: error: {error}", file=sys.stderr)
         return 2
@@ -181,10 +207,18 @@ def main(argv: list[str] | None = None) -> int:
         bad_device = device_error(args.device)
         if bad_device:
             raise ValueError(bad_device)
-        result = evaluate(args.checkpoints, args.split, args.src, args.ref, args.beam, args.alpha, args.device,
-                          args.precision, args.batch_tokens, args.max_len_a, args.max_len_b, weights=weights,
-                          quantize=args.quantize, workers=args.workers, tokenized_lc=args.tokenized_lc,
-                          src_lang=args.src_lang, tgt_lang=args.tgt_lang)
+        results = []
+        for alpha in alphas:
+            results.append(evaluate(args.checkpoints, args.split, args.src, args.ref, args.beam, alpha, args.device,
+                                    args.precision, args.batch_tokens, args.max_len_a, args.max_len_b,
+                                    weights=weights, quantize=args.quantize, workers=args.workers,
+                                    tokenized_lc=args.tokenized_lc, src_lang=args.src_lang, tgt_lang=args.tgt_lang,
+                                    label=f"alpha{alpha:g}" if len(alphas) > 1 else None))
+            if len(alphas) > 1 and "alpha" not in results[-1]:
+                raise ValueError("the checkpoint decodes greedily (decode.beam_size=1): give --beam 5 for a length "
+                                 "penalty search")
+            if len(alphas) > 1:
+                print(_search_line(results[-1]), flush=True)
     except KeyboardInterrupt:
         next_interrupt_ends_at_once()
         print("transformer-evaluate: interrupted", file=sys.stderr)
@@ -195,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:          # e.g. the hypothesis file cannot be written beside the checkpoint
         print(f"transformer-evaluate: error: {error.filename}: {error.strerror}", file=sys.stderr)
         return 2
+    if len(results) > 1:
+        _print_search(results, args)
+        return 0
+    result = results[0]
     if "ensemble" in result:
         print(f"ensemble of {len(result['ensemble'])}: {' '.join(result['ensemble'])}")
     print(f"{result['split']}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  "
@@ -210,6 +248,28 @@ def main(argv: list[str] | None = None) -> int:
               f"({wrong or 'none'}; py3langid choosing among {', '.join(result['off_target_among'])})")
     print(f"hypotheses: {result['hypotheses_file']}\nscores: {result['scores_file']}")
     return 0
+
+
+def _search_line(result: dict) -> str:
+    tokenized = f"  tokenized lowercased {result['bleu_tokenized_lc']:.2f}" if "bleu_tokenized_lc" in result else ""
+    return (f"alpha {result['alpha']:g}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}{tokenized}  "
+            f"({result['seconds']:.1f} s)")
+
+
+def _print_search(results: list[dict], args) -> None:
+    """The best alpha of a length penalty search, and where to put it."""
+    best = max(results, key=lambda r: (r["bleu"], r["chrf"]))
+    split = results[0]["split"].split(".alpha")[0]
+    print(f"best on {split} (beam {best['beam_size']}): --alpha {best['alpha']:g} (BLEU {best['bleu']:.2f})")
+    language = best["tgt_lang"]
+    multilingual = "off_target_among" in best
+    key = f"decode.alpha_by_language.{language}" if multilingual else "decode.alpha"
+    print(f"as the model's default: {key}={best['alpha']:g} at training"
+          + (" (the length penalty of every direction into this language)" if multilingual else ""))
+    if args.src is None and args.split == "test":
+        print("note: a length penalty chosen on the test split overstates its test score; search on "
+              "--split validation", file=sys.stderr)
+    print(f"BLEU signature: {best['bleu_signature']}\nresults: {', '.join(r['scores_file'] for r in results)}")
 
 
 if __name__ == "__main__":
