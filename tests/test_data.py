@@ -91,6 +91,36 @@ def test_unknown_hub_dataset_fails_with_the_key(monkeypatch):
         load_split_text(DataConfig(hub_id="no-such/dataset"), "train")
 
 
+def test_without_network_the_hub_is_not_retried_for_half_a_minute(monkeypatch):
+    """huggingface_hub retried an unresolvable host five times (about 25 s of "Retrying in 8s" lines);
+    now the host is resolved first, and without it only the local cache is asked, at once."""
+    import socket
+    import time
+
+    import datasets.config
+    from huggingface_hub import constants
+
+    from transformer.hub import cache_only_without_network
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)          # restored after the test
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    asked = []
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port: asked.append(host) or [("resolved",)])
+    assert cache_only_without_network() is None and not constants.HF_HUB_OFFLINE       # a network: as before
+
+    def unresolvable(host, port):
+        asked.append(host)
+        raise socket.gaierror(-2, "Name or service not known")
+    monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
+    started = time.monotonic()
+    with pytest.raises(DataError, match=r"^data.hub_id=no-such/dataset: cannot load split 'train' from the "
+                                        r"HuggingFace hub \(no network: huggingface.co does not resolve, so only "
+                                        r"the local HuggingFace cache was searched\)"):
+        load_split_text(DataConfig(hub_id="no-such/dataset"), "train")
+    assert time.monotonic() - started < 15 and asked == ["huggingface.co", "huggingface.co"]
+    assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
+    assert cache_only_without_network() is None and len(asked) == 2     # offline already: not asked again
+
+
 def test_tsv_and_jsonl_sources(tmp_path):
     _write(tmp_path / "train.tsv", b"Hallo\tHello\nJa\tYes\n")
     assert load_split_text(DataConfig(path=str(tmp_path)), "train") == (["Hallo", "Ja"], ["Hello", "Yes"])

@@ -518,13 +518,16 @@ def _open_local(cfg: DataConfig, split: str, key: str) -> SplitSource:
 
 
 def _open_hub(cfg: DataConfig, split: str, key: str) -> SplitSource:
+    from transformer.hub import cache_only_without_network
+
     datasets = _datasets(f"{key}.hub_id={cfg.hub_id}")
+    offline = cache_only_without_network()
     try:
         table = datasets.load_dataset(cfg.hub_id, cfg.hub_config, split=split)
     except Exception as error:  # offline, unknown id, unknown split: all surface as different types
+        reason = offline or f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         raise DataError(
-            f"{key}.hub_id={cfg.hub_id}: cannot load split {split!r} from the HuggingFace hub "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+            f"{key}.hub_id={cfg.hub_id}: cannot load split {split!r} from the HuggingFace hub ({reason}). "
             f"Without network access use local files: {key}.path=DIR"
         ) from None
     return ArrowTable(table, cfg, f"hub dataset {cfg.hub_id} ({split})")

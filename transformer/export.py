@@ -464,12 +464,16 @@ def looks_like_hub_id(path: str | Path) -> bool:
 def _download(repo_id: str) -> Path:
     if not looks_like_hub_id(repo_id):
         raise CheckpointError(f"{repo_id}: no such directory (a HuggingFace Hub id looks like owner/name)")
+    from transformer.hub import cache_only_without_network
+
+    offline = cache_only_without_network()
     try:
         from huggingface_hub import snapshot_download
         return Path(snapshot_download(repo_id))
     except Exception as error:     # offline, unknown repository, no access: one line either way
+        reason = offline or f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         raise CheckpointError(f"{repo_id}: not a local directory, and the HuggingFace Hub did not provide it "
-                              f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
+                              f"({reason})") from None
 
 
 # ----- CTranslate2 ---------------------------------------------------------------------------------
