@@ -246,6 +246,31 @@ def test_evaluate_scores_a_chosen_direction_and_refuses_an_unknown_one(multiling
                                                "of this model; it translates into de, en")
 
 
+def test_evaluate_scores_every_direction_and_chooses_a_length_penalty_per_target_language(multilingual, capsys):
+    from transformer.evaluate import main
+    _, path = multilingual
+    assert main([str(path), "--directions", "all", "--split", "validation", "--beam", "2", "--alpha", "0.5,2",
+                 "--max-len-b", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    results = {(r["src_lang"], r["tgt_lang"], r["alpha"]): r for r in (
+        json.loads(Path(f"{path.with_suffix('')}.validation.{pair}.alpha{a}.beam2.json").read_text())
+        for pair in ("de-en", "en-de") for a in ("0.5", "2"))}
+    assert len(results) == 4                                   # each direction at each alpha, in its own files
+    best = {tgt: max((0.5, 2.0), key=lambda a: results[(src, tgt, a)]["bleu"]) for src, tgt in (("de", "en"),
+                                                                                                ("en", "de"))}
+    assert f"as the model's defaults: decode.alpha_by_language='{{de: {best['de']:g}, en: {best['en']:g}}}'" in out
+    mean = (results[("de", "en", best["en"])]["bleu"] + results[("en", "de", best["de"])]["bleu"]) / 2
+    assert f"{'mean of 2':10} {mean:6.2f}" in out
+    for flags, message in ((["--directions", "all", "--tgt-lang", "en"], "--directions scores the split in each "
+                            "direction: leave out --src-lang, --tgt-lang, --src and --ref"),
+                           (["--directions", "de-en,en"], "--directions de-en,en: 'en' is not SRC-TGT"),
+                           (["--directions", "all", "--tokenized-lc", "ref.tok"], "--tokenized-lc ref.tok: the "
+                            "directions have several target languages; write {tgt} where the language goes")):
+        assert main([str(path), "--beam", "1", *flags]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_the_joint_tokenizer_reads_each_language_once_and_at_most_its_share(tmp_path):
     from transformer.data import open_split
     from transformer.mixture import corpus_config, tokenizer_input

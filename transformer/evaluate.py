@@ -34,19 +34,22 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
              device: str = "auto", precision: str = "auto", batch_tokens: int | None = None,
              max_len_a: float | None = None, max_len_b: int | None = None, *, weights: list[float] | None = None,
              quantize: str | None = None, workers: int | None = None, tokenized_lc: str | None = None,
-             src_lang: str | None = None, tgt_lang: str | None = None, label: str | None = None) -> dict:
+             src_lang: str | None = None, tgt_lang: str | None = None, label: str | None = None,
+             translator=None) -> dict:
     """`checkpoint`: one, or a list (an ensemble, with optional `weights`). `tokenized_lc`: a file of the
     references lowercased and Moses-tokenized (Multi30k's tok/*.lc.norm.tok.*): BLEU as the literature
     reports it, beside ours (`validate.tokenized_lowercased_bleu`). `src_lang` / `tgt_lang`: another
     direction of a multilingual model (the split's files in those languages; the translations into
-    `tgt_lang`, which files given with `src_file` need)."""
+    `tgt_lang`, which files given with `src_file` need). `label`: added to the output files' names;
+    `translator`: the checkpoints already loaded (a search or several directions load them once)."""
     from transformer.langid import off_target
     from transformer.translator import Translator
     from transformer.validate import score, tokenized_lowercased_bleu
 
     checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
     checkpoint = checkpoints[0]
-    translator = Translator.from_checkpoints(checkpoints, weights, device=device, precision=precision, quantize=quantize)
+    translator = translator or Translator.from_checkpoints(checkpoints, weights, device=device, precision=precision,
+                                                           quantize=quantize)
     data = translator.config.data
     known = data.languages()
     if src_lang and not data.target_languages() and src_lang != data.src_lang:
@@ -111,7 +114,7 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
                                       workers=workers)
     seconds = time.perf_counter() - started
     result = {"checkpoint": str(checkpoint), "split": name, "src": source, "ref": str(Path(ref_file).resolve())
-              if ref_file else None, "tgt_lang": data.tgt_lang, "sentences": len(sources),
+              if ref_file else None, "src_lang": data.src_lang, "tgt_lang": data.tgt_lang, "sentences": len(sources),
               "beam_size": beam, **({"alpha": translator.config.decode.alpha_for(translator.tgt_lang) if alpha is None
                                      else alpha} if beam > 1 else {}),
               **({"ensemble": [str(each) for each in checkpoints], "weights": weights} if len(checkpoints) > 1 else {}),
@@ -164,9 +167,13 @@ def build_parser() -> CommandLineParser:
                         "split's files to translate (default: the checkpoint's data.src_lang)")
     parser.add_argument("--tgt-lang", metavar="LANG", help="a multilingual model: the target language to translate "
                         "into and score (default: the checkpoint's data.tgt_lang; needed with --src)")
+    parser.add_argument("--directions", metavar="all|SRC-TGT[,...]", help="a multilingual model: score several "
+                        "directions of the split, each as --src-lang/--tgt-lang would (all: every direction it "
+                        "trained), then their mean")
     parser.add_argument("--tokenized-lc", metavar="REF", help="the same references lowercased and Moses-tokenized "
                         "(Multi30k's tok/*.lc.norm.tok.*): also report BLEU as the literature does, our output "
-                        "lowercased, normalized and tokenized the same way (sacremoses), sacreBLEU tokenize=none")
+                        "lowercased, normalized and tokenized the same way (sacremoses), sacreBLEU tokenize=none; "
+                        "with --directions, {tgt} in REF stands for each target language")
     add_decoding_flags(parser, leave_out=("nbest",))     # it scores the best translation of each line
     for action in parser._actions:                       # --alpha: one value, or a search over several
         if action.dest == "alpha":
@@ -199,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         if len(alphas) > 1 and args.beam == 1:
             raise ValueError(f"--alpha {','.join(f'{a:g}' for a in alphas)}: a length penalty search needs a beam "
                              "of 2 or more (--beam 5): greedy search has no length penalty")
+        if args.directions and (args.src_lang or args.tgt_lang or args.src or args.ref):
+            raise ValueError("--directions scores the split in each direction: leave out --src-lang, --tgt-lang, "
+                             "--src and --ref")
     except ValueError as error:
         print(f"transformer-evaluate: error: {error}", file=sys.stderr)
         return 2
@@ -207,18 +217,30 @@ def main(argv: list[str] | None = None) -> int:
         bad_device = device_error(args.device)
         if bad_device:
             raise ValueError(bad_device)
+        translator = None
+        if len(alphas) > 1 or args.directions:          # loaded once for every evaluation below
+            from transformer.translator import Translator
+            translator = Translator.from_checkpoints(args.checkpoints, weights, device=args.device,
+                                                     precision=args.precision, quantize=args.quantize)
+        directions = _directions(args.directions, translator) if args.directions else [(args.src_lang, args.tgt_lang)]
+        if args.directions and args.tokenized_lc and "{tgt}" not in args.tokenized_lc \
+                and len({tgt for _, tgt in directions}) > 1:
+            raise ValueError(f"--tokenized-lc {args.tokenized_lc}: the directions have several target languages; "
+                             "write {tgt} where the language goes in the file name (test.lc.norm.tok.{tgt})")
         results = []
-        for alpha in alphas:
-            results.append(evaluate(args.checkpoints, args.split, args.src, args.ref, args.beam, alpha, args.device,
-                                    args.precision, args.batch_tokens, args.max_len_a, args.max_len_b,
-                                    weights=weights, quantize=args.quantize, workers=args.workers,
-                                    tokenized_lc=args.tokenized_lc, src_lang=args.src_lang, tgt_lang=args.tgt_lang,
-                                    label=f"alpha{alpha:g}" if len(alphas) > 1 else None))
-            if len(alphas) > 1 and "alpha" not in results[-1]:
-                raise ValueError("the checkpoint decodes greedily (decode.beam_size=1): give --beam 5 for a length "
-                                 "penalty search")
-            if len(alphas) > 1:
-                print(_search_line(results[-1]), flush=True)
+        for src_lang, tgt_lang in directions:
+            for alpha in alphas:
+                results.append(evaluate(
+                    args.checkpoints, args.split, args.src, args.ref, args.beam, alpha, args.device, args.precision,
+                    args.batch_tokens, args.max_len_a, args.max_len_b, weights=weights, quantize=args.quantize,
+                    workers=args.workers, src_lang=src_lang, tgt_lang=tgt_lang, translator=translator,
+                    tokenized_lc=args.tokenized_lc.replace("{tgt}", tgt_lang) if args.tokenized_lc and tgt_lang
+                    else args.tokenized_lc, label=f"alpha{alpha:g}" if len(alphas) > 1 else None))
+                if len(alphas) > 1 and "alpha" not in results[-1]:
+                    raise ValueError("the checkpoint decodes greedily (decode.beam_size=1): give --beam 5 for a "
+                                     "length penalty search")
+                if len(alphas) > 1 or args.directions:
+                    print(_search_line(results[-1], bool(args.directions), len(alphas) > 1), flush=True)
     except KeyboardInterrupt:
         next_interrupt_ends_at_once()
         print("transformer-evaluate: interrupted", file=sys.stderr)
@@ -229,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:          # e.g. the hypothesis file cannot be written beside the checkpoint
         print(f"transformer-evaluate: error: {error.filename}: {error.strerror}", file=sys.stderr)
         return 2
+    if args.directions:
+        _print_directions(results, len(alphas) > 1)
+        return 0
     if len(results) > 1:
         _print_search(results, args)
         return 0
@@ -250,10 +275,58 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _search_line(result: dict) -> str:
+def _directions(given: str, translator) -> list[tuple[str, str]]:
+    """--directions all (every direction the model trained) or de-en,en-fr: (source, target) pairs, each
+    checked by `evaluate` as --src-lang/--tgt-lang are."""
+    if given == "all":
+        return translator.config.data.directions()
+    pairs = [part.strip().split("-") for part in given.split(",")]
+    bad = [part for part, pair in zip(given.split(","), pairs) if len(pair) != 2 or not all(pair)]
+    if bad:
+        raise ValueError(f"--directions {given}: {bad[0].strip()!r} is not SRC-TGT; give all, or pairs such as de-en,en-fr")
+    return [(src, tgt) for src, tgt in pairs]
+
+
+def _search_line(result: dict, direction: bool = False, alpha: bool = True) -> str:
+    """One evaluation of a search or of several directions, in one line."""
     tokenized = f"  tokenized lowercased {result['bleu_tokenized_lc']:.2f}" if "bleu_tokenized_lc" in result else ""
-    return (f"alpha {result['alpha']:g}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}{tokenized}  "
+    off = f"  off-target {result['off_target']:.2f}%" if "off_target" in result else ""
+    what = " ".join(([f"{result['src_lang']}-{result['tgt_lang']}"] if direction else [])
+                    + ([f"alpha {result['alpha']:g}"] if alpha else []))
+    return (f"{what}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}{tokenized}{off}  "
             f"({result['seconds']:.1f} s)")
+
+
+def _print_directions(results: list[dict], searched: bool) -> None:
+    """Several directions: with a search, the best alpha of each target language (the mean BLEU of the
+    directions into it) and the setting that makes them the model's defaults; then each direction's
+    result (at its language's best alpha) and their mean."""
+    def direction(result):
+        return f"{result['src_lang']}-{result['tgt_lang']}"
+    chosen = results
+    if searched:
+        by_language: dict[str, dict[float, list[float]]] = {}
+        for result in results:
+            by_language.setdefault(result["tgt_lang"], {}).setdefault(result["alpha"], []).append(result["bleu"])
+        best = {language: max(scores, key=lambda a: sum(scores[a]) / len(scores[a]))
+                for language, scores in by_language.items()}
+        for language, alpha in sorted(best.items()):
+            means = ", ".join(f"{a:g}: {sum(v) / len(v):.2f}" for a, v in by_language[language].items())
+            print(f"into {language}: alpha {alpha:g} (mean BLEU of the directions into it at each alpha: {means})")
+        print("as the model's defaults: decode.alpha_by_language='{"
+              + ", ".join(f"{language}: {alpha:g}" for language, alpha in sorted(best.items())) + "}' at training")
+        chosen = [r for r in results if r["alpha"] == best[r["tgt_lang"]]]
+    print(f"{'direction':10} {'BLEU':>6} {'chrF':>6}" + ("  alpha" if searched else ""))
+    for result in chosen:
+        print(f"{direction(result):10} {result['bleu']:6.2f} {result['chrf']:6.2f}"
+              + (f"  {result['alpha']:g}" if searched else ""))
+    mean = sum(r["bleu"] for r in chosen) / len(chosen)
+    print(f"{f'mean of {len(chosen)}':10} {mean:6.2f} {sum(r['chrf'] for r in chosen) / len(chosen):6.2f}")
+    if searched and chosen[0]["split"].split(".")[0] == "test":
+        print("note: a length penalty chosen on the test split overstates its test score; search on "
+              "--split validation", file=sys.stderr)
+    print(f"BLEU signature: {chosen[0]['bleu_signature']} (each direction's in its results)")
+    print(f"results: {', '.join(r['scores_file'] for r in chosen)}")
 
 
 def _print_search(results: list[dict], args) -> None:
