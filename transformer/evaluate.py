@@ -2,8 +2,10 @@
 sacreBLEU and chrF with their signatures (`validate.score`: hypotheses and references in Unicode NFC,
 `|norm:nfc`), and write the hypotheses and a JSON of scores beside the checkpoint (the first one of an
 ensemble). For a multilingual model, also the share of translations in another of its languages
-(off-target rate, transformer/langid.py). Like transformer-translate, it answers --help and refuses
-bad arguments before it loads torch."""
+(off-target rate, transformer/langid.py). `--alpha 1,1.5,2` scores each length penalty and names the
+best; `--directions all` scores every direction of a multilingual model (with an alpha list: the best
+per target language, `decode.alpha_by_language`). Like transformer-translate, it answers --help and
+refuses bad arguments before it loads torch."""
 
 from __future__ import annotations
 
