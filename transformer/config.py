@@ -732,9 +732,12 @@ def command_line_config(argv: list[str], program: str) -> Config | None:
     return compose(args.overrides, config_dir=args.config_dir)
 
 
+# Hydra's flags that choose what is composed, short form -> long form; a resume command repeats them.
+HYDRA_CONFIG_FLAGS = {"-cd": "--config-dir", "-cn": "--config-name", "-cp": "--config-path"}
+CONFIG_SOURCE_FLAGS = (*HYDRA_CONFIG_FLAGS, *HYDRA_CONFIG_FLAGS.values())
 # Hydra's flags that take the next word as their value (that word is not an override).
-HYDRA_VALUE_FLAGS = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "-c", "--cfg", "-p",
-                     "--package", "-i", "--info", "--experimental-rerun", "-sc", "--shell-completion")
+HYDRA_VALUE_FLAGS = (*CONFIG_SOURCE_FLAGS, "-c", "--cfg", "-p", "--package", "-i", "--info", "--experimental-rerun",
+                     "-sc", "--shell-completion")
 
 
 def bare_word(argv: list[str], program: str) -> str | None:

@@ -126,15 +126,21 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _check_recorded_digest(folder: Path, name: str) -> None:
-    """CheckpointError when the export's manifest recorded a SHA-256 for `name` and the file's bytes no
-    longer have it (a disk, copy or transfer error). An export without digests (written before they were
-    recorded) or without a readable manifest is not checked: the manifest is the export's record, not a
-    file loading needs."""
+def _recorded_digests(folder: Path) -> dict:
+    """The SHA-256 of each file as the export's manifest recorded it; {} for an export without digests
+    (written before they were recorded) or without a readable manifest: the manifest is the export's
+    record, not a file loading needs."""
     try:
-        recorded = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8")).get("sha256", {}).get(name)
+        digests = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8")).get("sha256", {})
     except (OSError, ValueError, AttributeError):
-        return
+        return {}
+    return digests if isinstance(digests, dict) else {}
+
+
+def _check_recorded_digest(folder: Path, name: str, digests: dict) -> None:
+    """CheckpointError when `digests` (`_recorded_digests`) has a SHA-256 for `name` and the file's bytes
+    no longer have it (a disk, copy or transfer error)."""
+    recorded = digests.get(name)
     if not isinstance(recorded, str) or not (folder / name).is_file():
         return                   # a missing file is reported by whoever reads it
     if file_sha256(folder / name) != recorded.lower():
@@ -412,8 +418,9 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
     if names not in (["spm.model"], ["src.spm.model", "tgt.spm.model"]):
         raise CheckpointError(f"{config_path}: unknown tokenizer files {names!r} (an export lists [\"spm.model\"] "
                               "or [\"src.spm.model\", \"tgt.spm.model\"]); the file is damaged")
+    digests = _recorded_digests(folder)
     for name in names:
-        _check_recorded_digest(folder, name)
+        _check_recorded_digest(folder, name, digests)
     try:
         if names == ["spm.model"]:
             tokenizer = Tokenizer((folder / "spm.model").read_bytes())
@@ -431,7 +438,7 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{folder}: no {WEIGHTS_FILE}")
-    _check_recorded_digest(folder, WEIGHTS_FILE)
+    _check_recorded_digest(folder, WEIGHTS_FILE, digests)
     try:
         missing, unexpected = load_model(model, str(weights), strict=False)
     except (SafetensorError, RuntimeError) as error:

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from transformer.config import override_text
+from transformer.config import CONFIG_SOURCE_FLAGS, override_text
 
 log = logging.getLogger("transformer.train")
 
@@ -72,6 +72,11 @@ class RunDirectoryLock:
         cls._held[lock.path] = lock
         return lock
 
+    @classmethod
+    def held_here(cls, run_dir: Path) -> bool:
+        """Whether this process holds the lock of `run_dir` (`acquire` would hand it back)."""
+        return cls(run_dir).path in cls._held
+
     def release(self) -> None:
         if self.handle is not None:
             self._held.pop(self.path, None)
@@ -99,7 +104,7 @@ def discard_unused_run_directory(run_dir: Path, created_since: float = 0.0) -> b
         if not {entry.name for entry in entries} <= {".hydra", "train.log", ".lock"} or \
                 any(entry.lstat().st_mtime < created_since for entry in [run_dir, *entries]):
             return False
-        if RunDirectoryLock(run_dir).path in RunDirectoryLock._held:      # a run of this process uses it
+        if RunDirectoryLock.held_here(run_dir):          # a run of this process uses it
             return False
         lock = RunDirectoryLock.acquire(run_dir)
     except (OSError, TrainingError):
@@ -124,11 +129,6 @@ def discard_unused_run_directory(run_dir: Path, created_since: float = 0.0) -> b
         except OSError:
             break
     return True
-
-
-# Hydra's flags that choose where the config comes from: a resume command repeats them (the other flags
-# that take a value, config.HYDRA_VALUE_FLAGS, print or complete instead of starting a run).
-CONFIG_SOURCE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
 
 
 # Overrides a resume command replaces with its own.

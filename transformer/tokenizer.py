@@ -94,10 +94,12 @@ class Tokenizer:
         SentencePiece matches its user-defined pieces in raw text, so a sentence could choose the target
         language. A word joiner after the `<` breaks the match; SentencePiece's normalization drops it."""
         lines = list(lines)
-        if not self.target_languages:
+        if not hasattr(self, "_written_tag"):            # built once: this runs on every chunk encoded
+            self._written_tag = re.compile("<(?=2(?:" + "|".join(map(re.escape, self.target_languages)) + ")>)") \
+                if self.target_languages else None
+        if self._written_tag is None:
             return lines
-        written = re.compile("<(?=2(?:" + "|".join(map(re.escape, self.target_languages)) + ")>)")
-        return [written.sub("<\u2060", line) if "<2" in line else line for line in lines]
+        return [self._written_tag.sub("<\u2060", line) if "<2" in line else line for line in lines]
 
     def fingerprint(self) -> str:
         """Identifies the model(s): part of the key of every corpus encoded with them."""

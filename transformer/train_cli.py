@@ -7,7 +7,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from transformer.config import CONF_DIR, ConfigError, bare_word, command_line_config, compose_tree
+from transformer.config import (
+    CONF_DIR,
+    CONFIG_SOURCE_FLAGS,
+    HYDRA_CONFIG_FLAGS,
+    ConfigError,
+    bare_word,
+    command_line_config,
+    compose_tree,
+)
 from transformer.errors import discard_stdout, import_torch_holding_interrupts, next_interrupt_ends_at_once
 
 
@@ -60,19 +68,15 @@ def hydra_flag_error(argv: list[str]) -> str | None:
     return None
 
 
-# Hydra's flags that choose what is composed, short form -> long form.
-CONFIG_FLAGS = {"-cd": "--config-dir", "-cn": "--config-name", "-cp": "--config-path"}
-
-
 def config_flags(argv: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     """`argv` read as Hydra reads its config flags: {long flag: its values in order} (`-cd DIR`,
     `--config-dir=DIR`), and the other words."""
     given, rest, words = {}, [], iter(argv)
     for word in words:
         name = word.split("=", 1)[0]
-        if name in CONFIG_FLAGS or name in CONFIG_FLAGS.values():
+        if name in CONFIG_SOURCE_FLAGS:
             value = word.split("=", 1)[1] if "=" in word else next(words, "")
-            given.setdefault(CONFIG_FLAGS.get(name, name), []).append(value)
+            given.setdefault(HYDRA_CONFIG_FLAGS.get(name, name), []).append(value)
         else:
             rest.append(word)
     return given, rest

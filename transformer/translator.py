@@ -195,8 +195,8 @@ class Translator:
         if self.quantized and not batch_tokens_given:    # int8 runs fastest on batches of a few thousand
             rows = 1 if sampling is not None or beam_size == 1 else beam_size
             batch_tokens = min(batch_tokens, INT8_SOURCE_TOKENS * rows)
-        sources = self.encode_sources(sentences, tgt_lang, tag_empty=[bool(ids) for ids in prefix_ids or []]
-                                      or False)
+        sources = self.encode_sources(sentences, tgt_lang,
+                                      tag_empty=[bool(ids) for ids in prefix_ids] if prefix_ids else False)
         # An empty sentence translates to '' unless it has a prefix, which its translation starts with.
         wanted = [i for i, s in enumerate(sources) if s or (prefix_ids is not None and prefix_ids[i])]
         results: list[list[Hypothesis]] = [[] for _ in sources]
