@@ -54,6 +54,20 @@ def import_torch_holding_interrupts() -> None:
 
 def next_interrupt_ends_at_once() -> None:
     """After a command has said it was interrupted: a further Ctrl-C ends the process at once and
-    quietly (Python would print a traceback from wherever the exit waits: a worker being joined)."""
+    quietly (Python would print a traceback from wherever the exit waits: a worker being joined), and
+    the exit status is the command's own (130)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+    forget_unhandled_interrupt()
+
+
+def forget_unhandled_interrupt() -> None:
+    """Tell CPython that the KeyboardInterrupt was handled. One that passed through code run by
+    `PyRun_String` (pybind11's `py::exec`, which torch calls) sets a flag that is never cleared, and at
+    exit the interpreter kills itself with SIGINT: status -2 in place of the 130 the command chose, after
+    its message. Running any string through the same function clears the flag before it runs it."""
+    try:
+        import ctypes
+        ctypes.pythonapi.PyRun_SimpleString(b"")
+    except (ImportError, AttributeError, OSError):       # not CPython: no such flag
+        pass
