@@ -49,7 +49,7 @@ from tqdm import tqdm
 from transformer.cache import CacheDamage, check_file, file_record, read_record, sealed, write_failure
 from transformer.config import ConfigError, DataConfig
 from transformer.data import DataError, SplitSource, open_split
-from transformer.errors import discard_stdout
+from transformer.errors import discard_stdout, next_interrupt_ends_at_once
 from transformer.langid import WRONG_SOURCE, WRONG_TARGET, language_flags
 from transformer.tokenizer import Tokenizer, build_tokenizer
 
@@ -581,6 +581,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
+        next_interrupt_ends_at_once()
         print("interrupted: preparation stopped; what was finished is kept, nothing half-written is left "
               "(run it again to finish)", file=sys.stderr)
         sys.exit(130)
