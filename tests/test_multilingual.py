@@ -262,6 +262,7 @@ def test_evaluate_scores_every_direction_and_chooses_a_length_penalty_per_target
     assert f"as the model's defaults: decode.alpha_by_language='{{de: {best['de']:g}, en: {best['en']:g}}}'" in out
     mean = (results[("de", "en", best["en"])]["bleu"] + results[("en", "de", best["de"])]["bleu"]) / 2
     assert f"{'mean of 2':10} {mean:6.2f}" in out
+    assert f"for this model: --alpha de={best['de']:g},en={best['en']:g}" in out
     for flags, message in ((["--directions", "all", "--tgt-lang", "en"], "--directions scores the split in each "
                             "direction: leave out --src-lang, --tgt-lang, --src and --ref"),
                            (["--directions", "de-en,en"], "--directions de-en,en: 'en' is not SRC-TGT"),
@@ -269,6 +270,37 @@ def test_evaluate_scores_every_direction_and_chooses_a_length_penalty_per_target
                             "directions have several target languages; write {tgt} where the language goes")):
         assert main([str(path), "--beam", "1", *flags]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_evaluate_takes_a_length_penalty_per_target_language(multilingual, capsys):
+    """The values a search chose per target language could only be used by retraining with
+    decode.alpha_by_language: `--alpha de=0.5,en=2` scores each direction with its language's value."""
+    from transformer.evaluate import main
+    _, path = multilingual
+    default = load_checkpoint(path)["config"]["decode"]["alpha"]
+    for given, expected in (("de=0.5,en=2", {"de": 0.5, "en": 2.0}), ("en=0.25", {"de": default, "en": 0.25})):
+        assert main([str(path), "--directions", "all", "--split", "validation", "--beam", "2", "--alpha", given,
+                     "--max-len-b", "3"]) == 0
+        out, err = capsys.readouterr()
+        assert err == ""
+        for src, tgt in (("de", "en"), ("en", "de")):
+            recorded = json.loads(Path(f"{path.with_suffix('')}.validation.{src}-{tgt}.beam2.json").read_text())
+            assert recorded["alpha"] == expected[tgt]
+            assert f"{src}-{tgt:7} {recorded['bleu']:6.2f} {recorded['chrf']:6.2f}  {expected[tgt]:g}" in out
+    assert main([str(path), "--src-lang", "en", "--tgt-lang", "de", "--split", "validation", "--beam", "2",
+                 "--alpha", "de=1.25,en=3", "--max-len-b", "3"]) == 0             # one direction: its language's
+    capsys.readouterr()
+    assert json.loads(Path(f"{path.with_suffix('')}.validation.en-de.beam2.json").read_text())["alpha"] == 1.25
+    for flags, message in ((["--alpha", "fr=1"], "--alpha fr=1: the model does not translate into fr; it "
+                            "translates into de, en"),
+                           (["--alpha", "en=1", "--beam", "1"], "--alpha en=1: greedy search (--beam 1) has no "
+                            "length penalty")):
+        assert main([str(path), "--directions", "all", "--beam", "2", *flags]) == 2
+        assert capsys.readouterr().err.strip() == f"transformer-evaluate: error: {message}"
+    for given in ("en=2,1.5", "=2", "en=x", "en=1,en=2"):
+        with pytest.raises(SystemExit):
+            main([str(path), "--directions", "all", "--beam", "2", "--alpha", given])
+        assert f"argument --alpha: {given!r}: " in capsys.readouterr().err
 
 
 def test_the_joint_tokenizer_reads_each_language_once_and_at_most_its_share(tmp_path):

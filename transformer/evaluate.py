@@ -180,19 +180,34 @@ def build_parser() -> CommandLineParser:
     for action in parser._actions:                       # --alpha: one value, or a search over several
         if action.dest == "alpha":
             action.type = alpha_values
-            action.metavar = "A[,A...]"
+            action.metavar = "A[,A...]|LANG=A[,...]"
             action.help += ("; several values separated by commas score the split once with each and name the "
-                            "best (a length penalty search: run it on --split validation)").replace("%", "%%")
+                            "best (a length penalty search: run it on --split validation); LANG=A pairs "
+                            "(en=2,de=1.5) give each target language its own, as decode.alpha_by_language "
+                            "does").replace("%", "%%")
     return parser
 
 
-def alpha_values(text: str) -> list[float]:
-    """--alpha 2 or --alpha 1,1.5,2: the values to score with (each checked as --alpha is)."""
+def alpha_values(text: str) -> list[float] | dict[str, float]:
+    """--alpha 2 or --alpha 1,1.5,2: the values to score with; --alpha en=2,de=1.5: one per target
+    language (each value is checked as --alpha is, in `main`)."""
+    parts = [part.strip() for part in text.split(",")]
+    by_language = ["=" in part for part in parts]
     try:
-        values = [float(part) for part in text.split(",")]
+        if any(by_language):
+            if not all(by_language):
+                raise ValueError
+            pairs = [part.split("=", 1) for part in parts]
+            if not all(language.strip() for language, _ in pairs):
+                raise ValueError
+            languages = [language.strip() for language, _ in pairs]
+            if len(set(languages)) != len(languages):
+                raise argparse.ArgumentTypeError(f"{text!r}: a language is given twice")
+            return {language: float(value) for language, (_, value) in zip(languages, pairs)}
+        values = [float(part) for part in parts]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number, or numbers separated by commas (1,1.5,2)") \
-            from None
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number, numbers separated by commas (1,1.5,2), or "
+                                         "one per target language (en=2,de=1.5)") from None
     if len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"{text!r}: a value is given twice")
     return values
@@ -200,11 +215,14 @@ def alpha_values(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    alphas = args.alpha or [None]
+    per_language = args.alpha if isinstance(args.alpha, dict) else None     # --alpha en=2,de=1.5
+    alphas = [None] if per_language is not None else args.alpha or [None]
     try:                                  # refused before the model is loaded
         others = {key: value for key, value in given_decoding_options(args).items() if key != "alpha"}
-        for alpha in alphas:
+        for alpha in list(per_language.values()) if per_language is not None else alphas:
             check_decode_options({**others, **({} if alpha is None else {"alpha": alpha})}, "cli")
+        if per_language is not None and args.beam == 1:
+            raise ValueError(f"--alpha {_alpha_text(per_language)}: greedy search (--beam 1) has no length penalty")
         if len(alphas) > 1 and args.beam == 1:
             raise ValueError(f"--alpha {','.join(f'{a:g}' for a in alphas)}: a length penalty search needs a beam "
                              "of 2 or more (--beam 5): greedy search has no length penalty")
@@ -220,17 +238,21 @@ def main(argv: list[str] | None = None) -> int:
         if bad_device:
             raise ValueError(bad_device)
         translator = None
-        if len(alphas) > 1 or args.directions:          # loaded once for every evaluation below
+        if len(alphas) > 1 or args.directions or per_language is not None:   # loaded once for all below
             from transformer.translator import Translator
             translator = Translator.from_checkpoints(args.checkpoints, weights, device=args.device,
                                                      precision=args.precision, quantize=args.quantize)
         directions = _directions(args.directions, translator) if args.directions else [(args.src_lang, args.tgt_lang)]
+        if per_language is not None:
+            _check_alpha_languages(per_language, translator)
         if args.directions and args.tokenized_lc and "{tgt}" not in args.tokenized_lc \
                 and len({tgt for _, tgt in directions}) > 1:
             raise ValueError(f"--tokenized-lc {args.tokenized_lc}: the directions have several target languages; "
                              "write {tgt} where the language goes in the file name (test.lc.norm.tok.{tgt})")
         results = []
         for src_lang, tgt_lang in directions:
+            if per_language is not None:       # the language's own, else the model's default for it
+                alphas = [per_language.get(tgt_lang or translator.tgt_lang or translator.config.data.tgt_lang)]
             for alpha in alphas:
                 results.append(evaluate(
                     args.checkpoints, args.split, args.src, args.ref, args.beam, alpha, args.device, args.precision,
@@ -238,11 +260,12 @@ def main(argv: list[str] | None = None) -> int:
                     workers=args.workers, src_lang=src_lang, tgt_lang=tgt_lang, translator=translator,
                     tokenized_lc=args.tokenized_lc.replace("{tgt}", tgt_lang) if args.tokenized_lc and tgt_lang
                     else args.tokenized_lc, label=f"alpha{alpha:g}" if len(alphas) > 1 else None))
-                if len(alphas) > 1 and "alpha" not in results[-1]:
+                if (len(alphas) > 1 or per_language is not None) and "alpha" not in results[-1]:
                     raise ValueError("the checkpoint decodes greedily (decode.beam_size=1): give --beam 5 for a "
-                                     "length penalty search")
+                                     "length penalty " + ("search" if per_language is None else "per language"))
                 if len(alphas) > 1 or args.directions:
-                    print(_search_line(results[-1], bool(args.directions), len(alphas) > 1), flush=True)
+                    print(_search_line(results[-1], bool(args.directions), len(alphas) > 1 or per_language is not None),
+                          flush=True)
     except KeyboardInterrupt:
         next_interrupt_ends_at_once()
         print("transformer-evaluate: interrupted", file=sys.stderr)
@@ -254,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformer-evaluate: error: {error.filename}: {error.strerror}", file=sys.stderr)
         return 2
     if args.directions:
-        _print_directions(results, len(alphas) > 1)
+        _print_directions(results, len(alphas) > 1, show_alpha=per_language is not None)
         return 0
     if len(results) > 1:
         _print_search(results, args)
@@ -275,6 +298,19 @@ def main(argv: list[str] | None = None) -> int:
               f"({wrong or 'none'}; py3langid choosing among {', '.join(result['off_target_among'])})")
     print(f"hypotheses: {result['hypotheses_file']}\nscores: {result['scores_file']}")
     return 0
+
+
+def _alpha_text(per_language: dict[str, float]) -> str:
+    return ",".join(f"{language}={alpha:g}" for language, alpha in per_language.items())
+
+
+def _check_alpha_languages(per_language: dict[str, float], translator) -> None:
+    """--alpha LANG=A: each LANG is a language the model translates into."""
+    known = translator.target_languages or [translator.config.data.tgt_lang]
+    unknown = [language for language in per_language if language not in known]
+    if unknown:
+        raise ValueError(f"--alpha {_alpha_text(per_language)}: the model does not translate into {unknown[0]}; "
+                         f"it translates into {', '.join(known)}")
 
 
 def _directions(given: str, translator) -> list[tuple[str, str]]:
@@ -299,7 +335,7 @@ def _search_line(result: dict, direction: bool = False, alpha: bool = True) -> s
             f"({result['seconds']:.1f} s)")
 
 
-def _print_directions(results: list[dict], searched: bool) -> None:
+def _print_directions(results: list[dict], searched: bool, show_alpha: bool = False) -> None:
     """Several directions: with a search, the best alpha of each target language (the mean BLEU of the
     directions into it) and the setting that makes them the model's defaults; then each direction's
     result (at its language's best alpha) and their mean."""
@@ -316,12 +352,14 @@ def _print_directions(results: list[dict], searched: bool) -> None:
             means = ", ".join(f"{a:g}: {sum(v) / len(v):.2f}" for a, v in by_language[language].items())
             print(f"into {language}: alpha {alpha:g} (mean BLEU of the directions into it at each alpha: {means})")
         print("as the model's defaults: decode.alpha_by_language='{"
-              + ", ".join(f"{language}: {alpha:g}" for language, alpha in sorted(best.items())) + "}' at training")
+              + ", ".join(f"{language}: {alpha:g}" for language, alpha in sorted(best.items())) + "}' at training; "
+              f"for this model: --alpha {_alpha_text(dict(sorted(best.items())))}")
         chosen = [r for r in results if r["alpha"] == best[r["tgt_lang"]]]
-    print(f"{'direction':10} {'BLEU':>6} {'chrF':>6}" + ("  alpha" if searched else ""))
+    show_alpha = show_alpha or searched
+    print(f"{'direction':10} {'BLEU':>6} {'chrF':>6}" + ("  alpha" if show_alpha else ""))
     for result in chosen:
         print(f"{direction(result):10} {result['bleu']:6.2f} {result['chrf']:6.2f}"
-              + (f"  {result['alpha']:g}" if searched else ""))
+              + (f"  {result['alpha']:g}" if show_alpha else ""))
     mean = sum(r["bleu"] for r in chosen) / len(chosen)
     print(f"{f'mean of {len(chosen)}':10} {mean:6.2f} {sum(r['chrf'] for r in chosen) / len(chosen):6.2f}")
     if searched and chosen[0]["split"].split(".")[0] == "test":
