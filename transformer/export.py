@@ -235,12 +235,29 @@ def save_pretrained(model: Transformer, tokenizer: Tokenizer, config: Config, ou
             save_model(model, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT_NAME})
         except SafetensorError as error:            # its writer's I/O errors (a full disk) come as these
             raise RuntimeError(str(error)) from None
+        canonical_safetensors_header(directory / WEIGHTS_FILE)
         meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tokenizer": sorted(tokenizer_files(tokenizer)),
                 "config": config.to_dict()}
         (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         (directory / CARD_FILE).write_text(card, encoding="utf-8")
 
     return _write_model_directory(out, overwrite, tokenizer, build, "safetensors")
+
+
+def canonical_safetensors_header(path: Path) -> None:
+    """Rewrite the JSON header of a safetensors file with its keys sorted, in place. save_model records
+    the tied weights it left out in the header's metadata, a hash map whose order changes from one
+    process to the next: without this, two exports of one checkpoint differ in their bytes and digests.
+    The header keeps its length (the same compact JSON, reordered; spaces pad, as the format allows), so
+    the tensor data does not move."""
+    with open(path, "r+b") as file:
+        length = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(length))
+        ordered = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(ordered) > length:             # not the compact JSON this was written with: leave it
+            return
+        file.seek(8)
+        file.write(ordered.ljust(length, b" "))
 
 
 def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: str, trained: dict) -> str:
