@@ -291,12 +291,23 @@ def test_evaluate_takes_a_length_penalty_per_target_language(multilingual, capsy
                  "--alpha", "de=1.25,en=3", "--max-len-b", "3"]) == 0             # one direction: its language's
     capsys.readouterr()
     assert json.loads(Path(f"{path.with_suffix('')}.validation.en-de.beam2.json").read_text())["alpha"] == 1.25
-    for flags, message in ((["--alpha", "fr=1"], "--alpha fr=1: the model does not translate into fr; it "
-                            "translates into de, en"),
-                           (["--alpha", "en=1", "--beam", "1"], "--alpha en=1: greedy search (--beam 1) has no "
-                            "length penalty")):
-        assert main([str(path), "--directions", "all", "--beam", "2", *flags]) == 2
-        assert capsys.readouterr().err.strip() == f"transformer-evaluate: error: {message}"
+    assert main([str(path), "--directions", "de-en", "--split", "validation", "--beam", "2", "--alpha",
+                 "de=1,en=2", "--max-len-b", "3"]) == 0
+    assert "note: --alpha de=1: no direction scored here translates into de" in capsys.readouterr().err
+    greedy = load_checkpoint(path)
+    greedy["config"]["decode"]["beam_size"] = 1
+    save_checkpoint(greedy, path.parent / "greedy.pt")
+    for checkpoint, flags, message in (
+            (path, ["--alpha", "fr=1"], "--alpha fr=1: the model does not translate into fr; it translates into "
+             "de, en"),
+            (path, ["--alpha", "en=1", "--beam", "1"], "--alpha en=1: a length penalty per language needs a beam "
+             "of 2 or more (--beam 5): greedy search has no length penalty"),
+            (path, ["--alpha", "en=1,de=-1"], "--alpha de=-1: must be a finite number >= 0 and <= 100"),
+            (path.parent / "greedy.pt", ["--alpha", "en=1"], "--alpha en=1: a length penalty per language needs "
+             "a beam of 2 or more")):       # the checkpoint's beam of 1: refused before anything is decoded
+        assert main([str(checkpoint), "--directions", "all", *flags]) == 2
+        assert capsys.readouterr().err.strip().startswith(f"transformer-evaluate: error: {message}")
+    assert not list(path.parent.glob("greedy.*.hyp"))
     for given in ("en=2,1.5", "=2", "en=x", "en=1,en=2"):
         with pytest.raises(SystemExit):
             main([str(path), "--directions", "all", "--beam", "2", "--alpha", given])

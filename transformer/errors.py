@@ -63,9 +63,9 @@ def next_interrupt_ends_at_once() -> None:
 
 def forget_unhandled_interrupt() -> None:
     """Tell CPython that the KeyboardInterrupt was handled. One that passed through code run by
-    `PyRun_String` (pybind11's `py::exec`, which torch calls) sets a flag that is never cleared, and at
-    exit the interpreter kills itself with SIGINT: status -2 in place of the 130 the command chose, after
-    its message. Running any string through the same function clears the flag before it runs it."""
+    `PyRun_String` (pybind11's `py::exec`, which torch calls) sets a flag that stays set until the next
+    `PyRun_*` call, and at exit `python -m` kills itself with SIGINT: status -2 in place of the 130 the
+    command chose, after its message. Running an empty string through the same function clears it."""
     try:
         import ctypes
         ctypes.pythonapi.PyRun_SimpleString(b"")

@@ -219,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     alphas = [None] if per_language is not None else args.alpha or [None]
     try:                                  # refused before the model is loaded
         others = {key: value for key, value in given_decoding_options(args).items() if key != "alpha"}
-        for alpha in list(per_language.values()) if per_language is not None else alphas:
+        for alpha in alphas:
             check_decode_options({**others, **({} if alpha is None else {"alpha": alpha})}, "cli")
-        if per_language is not None and args.beam == 1:
-            raise ValueError(f"--alpha {_alpha_text(per_language)}: greedy search (--beam 1) has no length penalty")
-        if len(alphas) > 1 and args.beam == 1:
-            raise ValueError(f"--alpha {','.join(f'{a:g}' for a in alphas)}: a length penalty search needs a beam "
-                             "of 2 or more (--beam 5): greedy search has no length penalty")
+        for language, alpha in (per_language or {}).items():
+            try:
+                check_decode_options({**others, "alpha": alpha}, "cli")
+            except ValueError as error:            # "--alpha -1.0: must be ...", named with its language
+                raise ValueError(f"--alpha {language}={alpha:g}: {str(error).split(': ', 1)[1]}") from None
+        _refuse_greedy(args.beam, alphas, per_language)
         if args.directions and (args.src_lang or args.tgt_lang or args.src or args.ref):
             raise ValueError("--directions scores the split in each direction: leave out --src-lang, --tgt-lang, "
                              "--src and --ref")
@@ -243,8 +244,11 @@ def main(argv: list[str] | None = None) -> int:
             translator = Translator.from_checkpoints(args.checkpoints, weights, device=args.device,
                                                      precision=args.precision, quantize=args.quantize)
         directions = _directions(args.directions, translator) if args.directions else [(args.src_lang, args.tgt_lang)]
+        if translator is not None:           # a checkpoint that decodes greedily unless told otherwise
+            _refuse_greedy(translator.config.decode.beam_size if args.beam is None else args.beam, alphas,
+                           per_language)
         if per_language is not None:
-            _check_alpha_languages(per_language, translator)
+            _check_alpha_languages(per_language, translator, {tgt for _, tgt in directions})
         if args.directions and args.tokenized_lc and "{tgt}" not in args.tokenized_lc \
                 and len({tgt for _, tgt in directions}) > 1:
             raise ValueError(f"--tokenized-lc {args.tokenized_lc}: the directions have several target languages; "
@@ -252,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for src_lang, tgt_lang in directions:
             if per_language is not None:       # the language's own, else the model's default for it
-                alphas = [per_language.get(tgt_lang or translator.tgt_lang or translator.config.data.tgt_lang)]
+                alphas = [per_language.get(_scored_language(tgt_lang, translator))]
             for alpha in alphas:
                 results.append(evaluate(
                     args.checkpoints, args.split, args.src, args.ref, args.beam, alpha, args.device, args.precision,
@@ -260,9 +264,6 @@ def main(argv: list[str] | None = None) -> int:
                     workers=args.workers, src_lang=src_lang, tgt_lang=tgt_lang, translator=translator,
                     tokenized_lc=args.tokenized_lc.replace("{tgt}", tgt_lang) if args.tokenized_lc and tgt_lang
                     else args.tokenized_lc, label=f"alpha{alpha:g}" if len(alphas) > 1 else None))
-                if (len(alphas) > 1 or per_language is not None) and "alpha" not in results[-1]:
-                    raise ValueError("the checkpoint decodes greedily (decode.beam_size=1): give --beam 5 for a "
-                                     "length penalty " + ("search" if per_language is None else "per language"))
                 if len(alphas) > 1 or args.directions:
                     print(_search_line(results[-1], bool(args.directions), len(alphas) > 1 or per_language is not None),
                           flush=True)
@@ -304,13 +305,36 @@ def _alpha_text(per_language: dict[str, float]) -> str:
     return ",".join(f"{language}={alpha:g}" for language, alpha in per_language.items())
 
 
-def _check_alpha_languages(per_language: dict[str, float], translator) -> None:
-    """--alpha LANG=A: each LANG is a language the model translates into."""
+def _refuse_greedy(beam: int | None, alphas: list, per_language: dict[str, float] | None) -> None:
+    """A length penalty search or one per language with a beam of 1: greedy search has none."""
+    if beam != 1:
+        return
+    if len(alphas) > 1:
+        raise ValueError(f"--alpha {','.join(f'{a:g}' for a in alphas)}: a length penalty search needs a beam "
+                         "of 2 or more (--beam 5): greedy search has no length penalty")
+    if per_language is not None:
+        raise ValueError(f"--alpha {_alpha_text(per_language)}: a length penalty per language needs a beam of 2 "
+                         "or more (--beam 5): greedy search has no length penalty")
+
+
+def _scored_language(tgt_lang: str | None, translator) -> str:
+    """The language a direction is scored in: --tgt-lang, else the checkpoint's (as `evaluate` does)."""
+    return tgt_lang or translator.config.data.tgt_lang
+
+
+def _check_alpha_languages(per_language: dict[str, float], translator, targets: set[str | None]) -> None:
+    """--alpha LANG=A: each LANG is a language the model translates into; one that no direction scored
+    here translates into is said (a typo, or the wrong direction)."""
     known = translator.target_languages or [translator.config.data.tgt_lang]
     unknown = [language for language in per_language if language not in known]
     if unknown:
         raise ValueError(f"--alpha {_alpha_text(per_language)}: the model does not translate into {unknown[0]}; "
                          f"it translates into {', '.join(known)}")
+    scored = {_scored_language(target, translator) for target in targets}
+    unused = [language for language in per_language if language not in scored]
+    if unused:
+        print(f"note: --alpha {', '.join(f'{lang}={per_language[lang]:g}' for lang in unused)}: no direction "
+              f"scored here translates into {' or '.join(unused)}", file=sys.stderr)
 
 
 def _directions(given: str, translator) -> list[tuple[str, str]]:

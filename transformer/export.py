@@ -255,6 +255,8 @@ def canonical_safetensors_header(path: Path) -> None:
         header = json.loads(file.read(length))
         ordered = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         if len(ordered) > length:             # not the compact JSON this was written with: leave it
+            print(f"warning: {path}: its header is not the compact JSON expected of safetensors' writer; it is "
+                  "left as written, so two exports of this checkpoint may differ in their bytes", file=sys.stderr)
             return
         file.seek(8)
         file.write(ordered.ljust(length, b" "))
