@@ -333,7 +333,7 @@ def _check_alpha_languages(per_language: dict[str, float], translator, targets: 
     scored = {_scored_language(target, translator) for target in targets}
     unused = [language for language in per_language if language not in scored]
     if unused:
-        print(f"note: --alpha {', '.join(f'{lang}={per_language[lang]:g}' for lang in unused)}: no direction "
+        print(f"note: --alpha {_alpha_text({lang: per_language[lang] for lang in unused})}: no direction "
               f"scored here translates into {' or '.join(unused)}", file=sys.stderr)
 
 

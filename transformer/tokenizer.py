@@ -7,6 +7,7 @@ inside every checkpoint.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -94,12 +95,17 @@ class Tokenizer:
         SentencePiece matches its user-defined pieces in raw text, so a sentence could choose the target
         language. A word joiner after the `<` breaks the match; SentencePiece's normalization drops it."""
         lines = list(lines)
-        if not hasattr(self, "_written_tag"):            # built once: this runs on every chunk encoded
-            self._written_tag = re.compile("<(?=2(?:" + "|".join(map(re.escape, self.target_languages)) + ")>)") \
-                if self.target_languages else None
         if self._written_tag is None:
             return lines
         return [self._written_tag.sub("<\u2060", line) if "<2" in line else line for line in lines]
+
+    @functools.cached_property
+    def _written_tag(self) -> re.Pattern | None:
+        """A language tag of this model written in text (`<2de>`); None for a bilingual model. Built once:
+        `_as_text` runs on every chunk encoded."""
+        if not self.target_languages:
+            return None
+        return re.compile("<(?=2(?:" + "|".join(map(re.escape, self.target_languages)) + ")>)")
 
     def fingerprint(self) -> str:
         """Identifies the model(s): part of the key of every corpus encoded with them."""
