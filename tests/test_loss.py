@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import transformer.loss as loss_module
 from transformer.batching import pad_sequences
 from transformer.config import ModelConfig
 from transformer.loss import (
@@ -52,10 +53,13 @@ def test_fused_loss_under_bf16_autocast_is_close():
 
 
 @pytest.mark.parametrize("rdrop", [0.0, 5.0])      # 5: the KL weight 2.5 on the products, not only its sign
-def test_bf16_gradients_taken_in_the_forward_pass_match_the_reference(rdrop):
-    # bf16 takes G W and Gᵀ H chunk by chunk in the forward pass and sums the weight's over the chunks in
-    # float32; 2100 tokens span several chunks. Nothing of N x V is kept for the backward pass. R-Drop:
-    # two passes of 1050 tokens that disagree a little, its KL term's gradient scaled on the products.
+@pytest.mark.parametrize("product_rows", [100, 300, 1024])   # chunks of 256 (R-Drop: 128 per pass) larger
+def test_bf16_gradients_taken_in_the_forward_pass_match_the_reference(rdrop, product_rows, monkeypatch):
+    # than the rows gathered for Gᵀ H, one chunk at a time (256 of 300), several chunks at a time
+    # bf16 takes G W chunk by chunk in the forward pass and Gᵀ H over WEIGHT_PRODUCT_ROWS rows at a time,
+    # summed in float32; 2100 tokens span several chunks. Nothing of N x V is kept for the backward pass.
+    # R-Drop: two passes of 1050 tokens that disagree a little, its KL term's gradient scaled on the products.
+    monkeypatch.setattr(loss_module, "WEIGHT_PRODUCT_ROWS", product_rows)
     torch.manual_seed(0)
     first = torch.randn(1050, 32)
     hidden, weight = torch.cat([first, first + 0.3 * torch.randn(1050, 32)]), torch.randn(300, 32) * 0.3
