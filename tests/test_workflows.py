@@ -42,8 +42,10 @@ def test_a_sweep_survives_a_failing_job_and_summarises_by_validation_bleu(tmp_pa
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_a_sweep_the_running_job_interrupted_the_rest_not_run(tmp_path, data_cache):
-    """Ctrl-C stopped the running job only: the next one started, and both were listed as ok."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_stops_a_sweep_the_running_job_interrupted_the_rest_not_run(tmp_path, data_cache, sig):
+    """Ctrl-C stopped the running job only: the next one started, and both were listed as ok. The sweep
+    exits 128 + the signal's number (130, 143)."""
     sweep_dir = tmp_path / "sweep"
     proc = subprocess.Popen(
         [sys.executable, "-m", "transformer.train", "--multirun", *FAST, "trainer.max_steps=100000",
@@ -53,14 +55,14 @@ def test_ctrl_c_stops_a_sweep_the_running_job_interrupted_the_rest_not_run(tmp_p
     deadline = time.time() + 120
     while time.time() < deadline and not list(sweep_dir.glob("0_*/checkpoints/last.pt")):
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-3000:]
+    assert proc.returncode == 128 + sig.value, err[-3000:]
     rows = read_summary(sweep_dir / "summary.tsv")
     assert [(r["job"], r["status"]) for r in rows] == [("0", "interrupted"), ("1", "not run"), ("2", "not run")]
-    assert rows[0]["error"].startswith("stopped by SIGINT; last.pt resumes it")
+    assert rows[0]["error"].startswith(f"stopped by {sig.name}; last.pt resumes it")
     assert not list(sweep_dir.glob("1_*/checkpoints/*.pt"))
-    assert "interrupted: the sweep was stopped by SIGINT" in err and "Traceback" not in err
+    assert f"interrupted: the sweep was stopped by {sig.name}" in err and "Traceback" not in err
     assert "jobs failed" not in out
 
 

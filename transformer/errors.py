@@ -52,6 +52,13 @@ def import_torch_holding_interrupts() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
+def signal_exit_status(signal_name: str) -> int:
+    """The exit status of a command that stopped on `signal_name` ("SIGINT", "SIGTERM") after saving
+    its work: 128 + the signal's number (130, 143), as a shell reports a process the signal ended, so that
+    `make train && make evaluate` or a job script does not go on as if the command had finished."""
+    return 128 + signal.Signals[signal_name].value
+
+
 def next_interrupt_ends_at_once() -> None:
     """After a command has said it was interrupted: a further Ctrl-C ends the process at once and
     quietly (Python would print a traceback from wherever the exit waits: a worker being joined), and

@@ -10,7 +10,7 @@ train.log) and the sweep goes on with the next one; a sweep in which some job fa
 its table (as xargs does, so that `make sweep ... && next-step` stops there), one whose every job failed
 with 2.
 Ctrl-C (or SIGTERM) stops the sweep: the job running saves last.pt and is recorded as interrupted, the
-jobs after it as not run, and the sweep exits with 130 after its table.
+jobs after it as not run, and the sweep exits with 130 (SIGTERM: 143) after its table.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from transformer.errors import signal_exit_status
 from transformer.run_dir import override_key
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class SweepSummary(Callback):
             print(f"interrupted: the sweep was stopped by {_interrupted}; an interrupted job resumes with "
                   f"trainer.resume=true and its hydra.run.dir (its train.log ends with the command)", file=sys.stderr,
                   flush=True)
-            sys.exit(130)
+            sys.exit(signal_exit_status(_interrupted))
         if rows and all(r["status"] != "ok" for r in rows):
             print(f"error: every job of the sweep failed ({len(rows)} of {len(rows)}); the reasons are above and "
                   f"in {path}", file=sys.stderr, flush=True)

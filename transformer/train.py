@@ -34,7 +34,7 @@ from transformer.checkpoint import (
 from transformer.config import CONF_DIR, Config, ConfigError, register_schema
 from transformer.corpus import prepare
 from transformer.data import DataError, load_split_text
-from transformer.errors import discard_stdout, next_interrupt_ends_at_once
+from transformer.errors import discard_stdout, next_interrupt_ends_at_once, signal_exit_status
 from transformer.loss import batch_loss
 from transformer.mixture import MixedCorpus
 from transformer.model import build_model, compile_layers
@@ -591,6 +591,11 @@ def main() -> None:
                 job_failed(f"stopped by {result['stopped_by']}; last.pt resumes it (trainer.resume=true)",
                            status="interrupted")
                 return None
+            if result.get("stopped_by") and rank == 0:
+                # Saved, not finished: 130 / 143, so that `make train && make evaluate` stops here. Rank 0
+                # alone: under torchrun, a rank that fails first would have the others killed while they
+                # still write their logs (every rank is past the barrier that follows last.pt by now).
+                sys.exit(signal_exit_status(result["stopped_by"]))
             return result["best_bleu"]
         except (ConfigError, DataError, CheckpointError, TrainingError) as error:
             logging.getLogger("transformer").error("%s", error)
