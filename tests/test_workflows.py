@@ -44,8 +44,8 @@ def test_a_sweep_survives_a_failing_job_and_summarises_by_validation_bleu(tmp_pa
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_stops_a_sweep_the_running_job_interrupted_the_rest_not_run(tmp_path, data_cache, sig):
-    """Ctrl-C stopped the running job only: the next one started, and both were listed as ok. The sweep
-    exits 128 + the signal's number (130, 143)."""
+    """Ctrl-C (or SIGTERM) stops the sweep: the running job is listed as interrupted, the jobs after it
+    as not run, and the sweep exits 128 + the signal's number (130, 143)."""
     sweep_dir = tmp_path / "sweep"
     proc = subprocess.Popen(
         [sys.executable, "-m", "transformer.train", "--multirun", *FAST, "trainer.max_steps=100000",

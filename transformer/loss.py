@@ -46,9 +46,11 @@ class _LogitGradient:
     the two products the backward pass needs of it: G W (N, D), the hidden states' gradient, and Gᵀ H
     (V, D), the output weight's.
 
-    Outside fp16 (float32, bfloat16) both products are taken at once, chunk by chunk, while the chunk is
-    still in the cache, and the (N, V) tensor never exists (on the 2-core Xeon, 4,096 tokens x 10k pieces,
-    the loss's forward and backward take 0.78x the time of storing G; and N x V fewer floats in memory).
+    Outside fp16 (float32, bfloat16) both products are taken in the forward pass and the (N, V) tensor
+    never exists (on the 2-core Xeon, 4,096 tokens x 10k pieces, the loss's forward and backward take 0.78x
+    the time of storing G; and N x V fewer floats in memory): G W chunk by chunk, while the chunk is still
+    in the cache; Gᵀ H chunk by chunk in float32, and in bfloat16 over WEIGHT_PRODUCT_ROWS rows of G
+    gathered from the chunks (a CPU's chunks are smaller than that).
     fp16 stores G in float32 instead: its range would flush the small probabilities of a large
     vocabulary to zero, so the backward pass scales G by the loss scale (only known then) before the
     fp16 matmuls. Without autograd (validation) nothing is kept.
@@ -64,11 +66,11 @@ class _LogitGradient:
         elif self.mode == "eager":
             self.hidden = torch.empty(n_tokens, dim, dtype=torch.float32, device=h.device)     # (N, D) G W
             self.weight = torch.zeros(vocab, dim, dtype=torch.float32, device=h.device)        # (V, D) Gᵀ H
-            if h.dtype != torch.float32:      # bf16: rows of G and of H (scaled) wait for their share of Gᵀ H
-                pending = min(WEIGHT_PRODUCT_ROWS, n_tokens)
-                self.pending_grad = torch.empty(pending, vocab, dtype=h.dtype, device=h.device)    # (P, V)
-                self.pending_h = torch.empty(pending, dim, dtype=h.dtype, device=h.device)         # (P, D)
-                self.pending_rows = 0
+            # bf16: rows of G and of H (scaled) wait in (P, V) and (P, D) buffers, made when a chunk is
+            # smaller than P, for their share of Gᵀ H
+            self.pending_capacity = min(WEIGHT_PRODUCT_ROWS, n_tokens)
+            self.pending_grad = self.pending_h = None
+            self.pending_rows = 0
 
     def add(self, rows: slice, grad: torch.Tensor, scale: float = 1.0) -> None:
         """Rows `rows` of G: `scale` x `grad` (n, V), float32 (the scale goes on the products, not on the
@@ -82,12 +84,15 @@ class _LogitGradient:
             self.weight.addmm_(grad.t(), self.h[rows], alpha=scale)
         elif self.mode == "eager":            # bfloat16 (or float64) products, summed in float32
             n = grad.size(0)
-            if n > self.pending_grad.size(0):                          # a chunk larger than the buffer
+            if n >= self.pending_capacity:                             # a chunk as large as the buffer
                 grad = grad.to(self.h.dtype)
                 self.hidden[rows] = (grad @ self.w).float() * scale
                 self.weight += (grad.t() @ self.h[rows]).float() * scale
                 return
-            if self.pending_rows + n > self.pending_grad.size(0):
+            if self.pending_grad is None:
+                self.pending_grad = self.h.new_empty(self.pending_capacity, self.w.size(0))     # (P, V)
+                self.pending_h = self.h.new_empty(self.pending_capacity, self.h.size(1))        # (P, D)
+            if self.pending_rows + n > self.pending_capacity:
                 self._flush()
             waiting = slice(self.pending_rows, self.pending_rows + n)
             grad = self.pending_grad[waiting].copy_(grad)                # (n, V) in the compute dtype

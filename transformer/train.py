@@ -591,10 +591,11 @@ def main() -> None:
                 job_failed(f"stopped by {result['stopped_by']}; last.pt resumes it (trainer.resume=true)",
                            status="interrupted")
                 return None
-            if result.get("stopped_by") and rank == 0:
-                # Saved, not finished: 130 / 143, so that `make train && make evaluate` stops here. Rank 0
-                # alone: under torchrun, a rank that fails first would have the others killed while they
-                # still write their logs (every rank is past the barrier that follows last.pt by now).
+            if result.get("stopped_by") and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+                # Saved, not finished: 130 / 143, so that `make train && make evaluate` stops here. Not
+                # under torchrun, which takes a worker's non-zero status for a crash (a ChildFailedError
+                # report; with --max-restarts, the workers started again), and whose ranks may not all
+                # have seen the signal.
                 sys.exit(signal_exit_status(result["stopped_by"]))
             return result["best_bleu"]
         except (ConfigError, DataError, CheckpointError, TrainingError) as error:
