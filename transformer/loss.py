@@ -84,21 +84,23 @@ class _LogitGradient:
             self.weight.addmm_(grad.t(), self.h[rows], alpha=scale)
         elif self.mode == "eager":            # bfloat16 (or float64) products, summed in float32
             n = grad.size(0)
-            if n >= self.pending_capacity:                             # a chunk as large as the buffer
+            gathered = n < self.pending_capacity                       # else: a chunk as large as the buffer
+            if gathered:
+                if self.pending_grad is None:
+                    self.pending_grad = self.h.new_empty(self.pending_capacity, self.w.size(0))     # (P, V)
+                    self.pending_h = self.h.new_empty(self.pending_capacity, self.h.size(1))        # (P, D)
+                if self.pending_rows + n > self.pending_capacity:
+                    self._flush()
+                waiting = slice(self.pending_rows, self.pending_rows + n)
+                grad = self.pending_grad[waiting].copy_(grad)            # (n, V) in the compute dtype
+            else:
                 grad = grad.to(self.h.dtype)
-                self.hidden[rows] = (grad @ self.w).float() * scale
-                self.weight += (grad.t() @ self.h[rows]).float() * scale
-                return
-            if self.pending_grad is None:
-                self.pending_grad = self.h.new_empty(self.pending_capacity, self.w.size(0))     # (P, V)
-                self.pending_h = self.h.new_empty(self.pending_capacity, self.h.size(1))        # (P, D)
-            if self.pending_rows + n > self.pending_capacity:
-                self._flush()
-            waiting = slice(self.pending_rows, self.pending_rows + n)
-            grad = self.pending_grad[waiting].copy_(grad)                # (n, V) in the compute dtype
             self.hidden[rows] = (grad @ self.w).float() * scale
-            torch.mul(self.h[rows], scale, out=self.pending_h[waiting])
-            self.pending_rows += n
+            if gathered:
+                torch.mul(self.h[rows], scale, out=self.pending_h[waiting])
+                self.pending_rows += n
+            else:
+                self.weight += (grad.t() @ self.h[rows]).float() * scale
 
     def _flush(self) -> None:
         """weight += Gᵀ H over the rows waiting (one product, summed in float32)."""
@@ -111,7 +113,7 @@ class _LogitGradient:
         """What the backward pass needs, for `ctx.save_for_backward` (which frees it after that pass)."""
         if self.mode == "stored":
             return self.logits, self.h, self.w
-        if self.mode == "eager" and self.h.dtype != torch.float32:
+        if self.mode == "eager":
             self._flush()
             del self.pending_grad, self.pending_h                        # (P, V): not kept for backward
         return (self.hidden, self.weight) if self.mode == "eager" else ()

@@ -556,6 +556,7 @@ def main() -> None:
     # other run is using it (a timestamped default directory is taken again inside `train`); a named
     # sweep directory must not hold an earlier sweep.
     rank = int(os.environ.get("RANK", "0"))
+    single_process = int(os.environ.get("WORLD_SIZE", "1")) == 1          # not under torchrun
     sweep = bool({"-m", "--multirun"} & set(sys.argv))
     named_dir = named_run_directory(sys.argv[1:], "hydra.sweep.dir" if sweep else "hydra.run.dir")
     try:
@@ -591,7 +592,7 @@ def main() -> None:
                 job_failed(f"stopped by {result['stopped_by']}; last.pt resumes it (trainer.resume=true)",
                            status="interrupted")
                 return None
-            if result.get("stopped_by") and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            if result.get("stopped_by") and single_process:
                 # Saved, not finished: 130 / 143, so that `make train && make evaluate` stops here. Not
                 # under torchrun, which takes a worker's non-zero status for a crash (a ChildFailedError
                 # report; with --max-restarts, the workers started again), and whose ranks may not all
@@ -602,7 +603,7 @@ def main() -> None:
             logging.getLogger("transformer").error("%s", error)
             if not in_sweep:
                 if not chooses_run_directory(sys.argv[1:]) and not cfg.get("run_dir") \
-                        and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+                        and single_process:
                     discard_unused_run_directory(Path(run_dir), started)      # the default, timestamped one
                 print(f"error: {error}", file=sys.stderr)
                 sys.exit(2)
