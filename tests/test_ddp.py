@@ -56,3 +56,33 @@ def test_ddp_resume_is_exact(tmp_path, data_cache):
     resumed = load_checkpoint(tmp_path / "split/checkpoints/last.pt")["model"]
     for name in full:
         assert torch.equal(full[name], resumed[name]), name
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_torchrun_saves_last_from_every_rank(tmp_path, data_cache):
+    # torchrun starts each worker in a session of its own, so a terminal's Ctrl-C reaches the agent alone;
+    # it passes SIGINT on to every worker once (and SIGKILLs those still running --shutdown-timeout later).
+    # The ranks must agree to stop after the same step and write last.pt with both ranks' random state.
+    import re
+    import signal
+    import time
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "transformer.train", *COMMON, f"data.cache_dir={data_cache}", "trainer.max_steps=100000",
+               "trainer.validate_every=100000", "trainer.log_every=1", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log = run_dir / "train.log"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (log.exists() and "step 5 |" in log.read_text()):
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.stdout.read()
+    os.killpg(proc.pid, signal.SIGINT)             # what Ctrl-C in the terminal does: the agent's group
+    out, _ = proc.communicate(timeout=120)
+    assert out.count("SIGINT received: finishing this step") == 2, out[-3000:]
+    stopped = re.search(r"stopped by SIGINT at step (\d+)", out)
+    assert stopped, out[-3000:]
+    state = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+    assert state["step"] == int(stopped.group(1)) >= 5
+    assert len(state["rng"]) == 2                   # both ranks got as far as the save
+    assert "trainer.resume=true" in out
