@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import struct
+import time
 import zipfile
 import zlib
 from pathlib import Path
@@ -35,6 +36,15 @@ def compose_config(overrides: list[str] = (), cache_dir: Path | None = None) -> 
     """The real conf/ tree composed with overrides, as `make train key=value` would see it."""
     extra = [f"data.cache_dir={cache_dir}"] if cache_dir is not None else []
     return compose(list(overrides) + extra)
+
+
+
+def wait_for_log(log: Path, text: str, seconds: float) -> None:
+    """Until the run's log `log` holds `text` (a step reached, a stage begun), or `seconds` have passed:
+    the caller then checks that the process is still running."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and not (log.exists() and text in log.read_text()):
+        time.sleep(0.1)
 
 
 def write_untrained_checkpoint(path: Path) -> Path:

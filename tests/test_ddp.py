@@ -1,13 +1,15 @@
 """torchrun + DDP on CPU with gloo: 2 ranks equal one process with update_freq=2; DDP resume is exact."""
 
 import os
+import re
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.helpers import FAST, ROOT
+from tests.helpers import FAST, ROOT, wait_for_log
 from transformer.checkpoint import load_checkpoint
 
 COMMON = FAST + ["trainer.precision=fp32", "trainer.device=cpu", "model.dropout=0.0", "trainer.validate_every=5",
@@ -63,19 +65,13 @@ def test_ctrl_c_to_torchrun_saves_last_from_every_rank(tmp_path, data_cache):
     # torchrun starts each worker in a session of its own, so a terminal's Ctrl-C reaches the agent alone;
     # it passes SIGINT on to every worker once (and SIGKILLs those still running --shutdown-timeout later).
     # The ranks must agree to stop after the same step and write last.pt with both ranks' random state.
-    import re
-    import signal
-    import time
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", "transformer.train", *COMMON, f"data.cache_dir={data_cache}", "trainer.max_steps=100000",
                "trainer.validate_every=100000", "trainer.log_every=1", f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    log = run_dir / "train.log"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (log.exists() and "step 5 |" in log.read_text()):
-        time.sleep(0.5)
+    wait_for_log(run_dir / "train.log", "step 5 |", 300)
     assert proc.poll() is None, proc.stdout.read()
     os.killpg(proc.pid, signal.SIGINT)             # what Ctrl-C in the terminal does: the agent's group
     out, _ = proc.communicate(timeout=120)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import FAST, ROOT, compose_config
+from tests.helpers import FAST, ROOT, compose_config, wait_for_log
 from transformer.average import main as average_main
 from transformer.checkpoint import load_checkpoint
 from transformer.evaluate import main as evaluate_main
@@ -242,10 +242,7 @@ def test_a_second_run_into_a_busy_run_directory_is_refused_and_the_first_is_unha
                               "trainer.validate_every=20", "trainer.val_max_sentences=4", "trainer.test_at_end=false",
                               f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    log = run_dir / "train.log"
-    while time.time() < deadline and not (log.exists() and "training pairs" in log.read_text()):
-        time.sleep(0.2)                      # Hydra has written .hydra/ and the run has started
+    wait_for_log(run_dir / "train.log", "training pairs", 120)     # Hydra has written .hydra/, the run started
     config_before = (run_dir / ".hydra" / "config.yaml").read_bytes()
     code, out, err = _train_cli("trainer.lr=1e-4", f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}")
     assert code == 2 and "Traceback" not in err
@@ -282,10 +279,7 @@ def test_sigterm_during_validation_saves_and_exits_within_seconds(tmp_path, data
                              "decode.max_len_a=3", "trainer.val_beam_size=4", "decode.batch_tokens=64",
                              f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = run_dir / "train.log"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (log.exists() and "validating at step 3" in log.read_text()):
-        time.sleep(0.1)
+    wait_for_log(run_dir / "train.log", "validating at step 3", 120)
     time.sleep(1.0)                                       # well inside the validation decode
     proc.send_signal(signal.SIGTERM)
     sent = time.time()
@@ -294,7 +288,7 @@ def test_sigterm_during_validation_saves_and_exits_within_seconds(tmp_path, data
     assert time.time() - sent < 15, "the run took too long to stop"
     assert "validation at step 3 interrupted by SIGTERM" in out
     assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"] == 3
-    assert "validation step 3 |" not in log.read_text()       # no half validation was reported
+    assert "validation step 3 |" not in (run_dir / "train.log").read_text()       # no half validation was reported
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FAST, ROOT, HostReads, compose_config
+from tests.helpers import FAST, ROOT, HostReads, compose_config, wait_for_log
 from transformer.checkpoint import load_checkpoint
 from transformer.config import ConfigError
 from transformer.data import DataError
@@ -181,10 +181,7 @@ def test_a_stop_signal_finishes_the_step_saves_last_and_exits_128_plus_its_numbe
     proc = _train_cli(FAST + ["trainer.max_steps=100000", "trainer.log_every=1", "trainer.validate_every=100000",
                               "trainer.num_workers=2", f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"],
                       ROOT, start_new_session=True)
-    deadline = time.time() + 180
-    log = run_dir / "train.log"
-    while time.time() < deadline and not (log.exists() and "step 5 |" in log.read_text()):
-        time.sleep(0.5)
+    wait_for_log(run_dir / "train.log", "step 5 |", 180)
     assert proc.poll() is None, proc.stdout.read()
     if whole_group:
         os.killpg(proc.pid, sig)
