@@ -56,7 +56,7 @@ class HostTensors(TorchDispatchMode):
 def meta_model(backend: str = "auto", dtype: torch.dtype = torch.float32, dropout: float = 0.1):
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=2, decoder_layers=2, dropout=dropout,
-                      attention_dropout=dropout, attention=backend)
+                      attention_dropout=dropout, src_word_dropout=dropout, tgt_word_dropout=dropout, attention=backend)
     return build_model(cfg, VOCAB, VOCAB, True).to(META, dtype)
 
 

@@ -7,11 +7,11 @@ from transformer.model import build_model
 from transformer.tokenizer import BOS_ID, PAD_ID
 
 
-def _model(pre_norm=True, shared=True, **kw):
+def _model(pre_norm=True, shared=True, protected=4, **kw):
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=2, decoder_layers=2, dropout=0.0,
                       pre_norm=pre_norm, **kw)
-    return build_model(cfg, 50, 50 if shared else 60, shared_vocab=shared).eval()
+    return build_model(cfg, 50, 50 if shared else 60, shared_vocab=shared, protected_ids=protected).eval()
 
 
 @pytest.mark.parametrize("pre_norm", [True, False])
@@ -154,3 +154,48 @@ def test_feed_forward_relu_after_dropout_matches_the_textbook_order():
     assert torch.equal(out, reference)
     for got, want in zip(grads, [x.grad] + [p.grad for p in ff.parameters()]):
         assert torch.allclose(got, want, atol=1e-6)
+
+
+def _embedded(model, ids, p):
+    """The encoder's embedding of `ids` with source word dropout `p` (embedding dropout off)."""
+    return model._embed(model.src_embed, ids, word_dropout=p)
+
+
+def test_word_dropout_zeroes_whole_tokens_at_its_rate_scales_the_rest_and_keeps_the_protected_ids():
+    model = _model(protected=6).train()                 # ids 0-5 protected: specials and two "language tags"
+    torch.manual_seed(1)
+    ids = torch.randint(1, 50, (64, 40))              # (B, S); no padding, whose embedding is zero anyway
+    plain = model._embed(model.src_embed, ids)                  # the reference: no word dropout (dropout=0)
+    positions = model.positions(ids.size(1))
+    torch.manual_seed(2)
+    dropped = _embedded(model, ids, 0.25)
+    token_part, plain_part = dropped - positions, plain - positions                   # (B, S, D) embeddings
+    zeroed = token_part.abs().sum(-1) == 0                                            # (B, S)
+    droppable = ids >= 6
+    assert not zeroed[~droppable].any()                                  # specials and tags never dropped
+    torch.testing.assert_close(token_part[~droppable], plain_part[~droppable])        # nor scaled
+    share = zeroed[droppable].float().mean().item()
+    assert abs(share - 0.25) < 0.02                                      # 2,400 droppable tokens: sd 0.009
+    kept = droppable & ~zeroed
+    torch.testing.assert_close(token_part[kept], plain_part[kept] / 0.75)            # inverted: 1 / (1 - p)
+    torch.manual_seed(2)
+    torch.testing.assert_close(_embedded(model, ids, 0.25), dropped)                  # the seed decides
+
+
+def test_word_dropout_is_off_in_eval_mode_and_changes_training_outputs():
+    src, tgt = torch.tensor([[7, 8, 9, 10, 3]]), torch.tensor([[2, 11, 12, 13]])
+    model = _model(src_word_dropout=0.5, tgt_word_dropout=0.5)
+    reference = _model()                                     # the same weights (seed 0), no word dropout
+    torch.testing.assert_close(model(src, tgt), reference(src, tgt))                  # eval: identity
+    model.train(), reference.train()
+    outputs = {tuple(model(src, tgt).flatten().tolist()) for _ in range(8)}
+    assert len(outputs) > 1                                    # dropout 0 otherwise: only word dropout varies
+    assert torch.allclose(reference(src, tgt), reference(src, tgt))
+
+
+@pytest.mark.parametrize("key", ["model.src_word_dropout", "model.tgt_word_dropout"])
+def test_word_dropout_outside_zero_to_one_is_refused(key):
+    from transformer.config import ConfigError
+    cfg = ModelConfig(**{key.split(".")[1]: 1.0})
+    with pytest.raises(ConfigError, match=rf"^{key}=1.0 must be in \[0, 1\)$"):
+        cfg.validate()

@@ -405,3 +405,19 @@ def test_evaluating_one_source_file_into_each_target_keeps_each_result(multiling
     for lang, result in results.items():
         assert Path(result["hypotheses_file"]).name == f"best.in.txt.to-{lang}.beam1.hyp"
         assert json.loads(Path(result["scores_file"]).read_text())["tgt_lang"] == lang
+
+
+def test_word_dropout_never_drops_a_language_tag(tmp_path):
+    from transformer.train import Trainer
+    cfg = compose_config(FAST + _overrides(_write_corpus(tmp_path / "toy", 300)) + ["model.src_word_dropout=0.5"],
+                         tmp_path / "cache")
+    trainer = Trainer(cfg, tmp_path / "run")
+    tok = trainer.data.tokenizer
+    tags = sorted(tok.tag_id(language) for language in tok.target_languages)
+    assert tags == [4, 5] and tok.protected_ids == 6                 # after pad, unk, bos, eos: never dropped
+    assert trainer.model.protected_ids == 6                          # the trainer builds the model with them
+    trainer.model.train()
+    tagged = torch.tensor([[4, 40, 41, 42, 3], [5, 43, 44, 45, 3]])
+    for _ in range(20):
+        keep = trainer.model._word_keep(tagged, 0.5).squeeze(-1)
+        assert (keep[:, 0] == 1).all() and (keep[:, -1] == 1).all()  # the tag and </s>: kept, unscaled

@@ -50,6 +50,10 @@ class ModelConfig:
     decoder_layers: int = setting(2, "decoder layers")
     dropout: float = setting(0.1, "residual, embedding and feed-forward dropout, in [0, 1)")
     attention_dropout: float = setting(0.0, "dropout on attention weights, in [0, 1)")
+    src_word_dropout: float = setting(0.0, "in training, drop this share of whole source tokens (the embedding "
+                                           "zeroed, the kept ones scaled up; Marian's --dropout-src), never the "
+                                           "special tokens or language tags; in [0, 1)")
+    tgt_word_dropout: float = setting(0.0, "the same for the decoder's input tokens (Marian's --dropout-trg)")
     pre_norm: bool = setting(True, "true: LayerNorm before each sublayer (stable); false: after (the paper)")
     tie_embeddings: bool = setting(True, "share target embeddings with the output layer (and the source, if "
                                          "joint)")
@@ -69,7 +73,7 @@ class ModelConfig:
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
                 "choose n_heads that divides d_model (e.g. model.n_heads=8 for d_model=512)"
             )
-        for key in ("dropout", "attention_dropout"):
+        for key in ("dropout", "attention_dropout", "src_word_dropout", "tgt_word_dropout"):
             value = getattr(self, key)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"model.{key}={value} must be in [0, 1)")

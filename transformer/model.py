@@ -14,7 +14,7 @@ from torch import nn
 from transformer.attention import DecoderCache, MultiHeadAttention, key_padding_allowed, padding_mask
 from transformer.config import ModelConfig
 from transformer.kernels import Dropout
-from transformer.special import PAD_ID
+from transformer.special import EOS_ID, PAD_ID
 
 
 class SinusoidalPositions(nn.Module):
@@ -102,9 +102,10 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool,
-                 initialize: bool = True):
+                 initialize: bool = True, protected_ids: int = EOS_ID + 1):
         super().__init__()
         self.cfg = cfg
+        self.protected_ids = protected_ids      # word dropout never drops ids below (specials, language tags)
         self.tgt_embed = nn.Embedding(tgt_vocab_size, cfg.d_model, padding_idx=PAD_ID)
         share = shared_vocab and cfg.tie_embeddings
         self.src_embed = self.tgt_embed if share else nn.Embedding(src_vocab_size, cfg.d_model, padding_idx=PAD_ID)
@@ -131,14 +132,24 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, std=self.cfg.d_model ** -0.5)
                 nn.init.zeros_(module.weight[PAD_ID])
 
-    def _embed(self, embedding: nn.Embedding, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def _embed(self, embedding: nn.Embedding, ids: torch.Tensor, offset: int = 0,
+               word_dropout: float = 0.0) -> torch.Tensor:
         x = embedding(ids) * math.sqrt(self.cfg.d_model)                  # (B, L, D)
+        if word_dropout and self.training:
+            x = x * self._word_keep(ids, word_dropout).to(x.dtype)
         return self.embed_dropout(x + self.positions(ids.size(1), offset))
+
+    def _word_keep(self, ids: torch.Tensor, p: float) -> torch.Tensor:
+        """Word dropout's factor per token, (B, L, 1): 0 for a dropped token, 1 / (1 - p) for a kept one
+        (the expected embedding unchanged, as in inverted dropout), 1 for the ids it never drops."""
+        kept = torch.rand(ids.shape, device=ids.device) >= p                         # (B, L)
+        factor = kept.float() / (1.0 - p)
+        return torch.where(ids < self.protected_ids, 1.0, factor).unsqueeze(-1)
 
     def encode(self, src: torch.Tensor) -> torch.Tensor:
         """src (B, S) -> memory (B, S, D)."""
         src_allowed = key_padding_allowed(padding_mask(src, PAD_ID))     # (B, 1, 1, S), once for every layer
-        x = self._embed(self.src_embed, src)
+        x = self._embed(self.src_embed, src, word_dropout=self.cfg.src_word_dropout)
         for layer in self.encoder_layers:
             x = layer(x, src_allowed)
         return self.encoder_norm(x)
@@ -147,7 +158,7 @@ class Transformer(nn.Module):
                       cache: DecoderCache | None = None) -> torch.Tensor:
         """tgt_in (B, T) -> decoder output (B, T, D). With a cache, tgt_in holds only the new positions."""
         offset = cache.length if cache is not None else 0
-        x = self._embed(self.tgt_embed, tgt_in, offset)
+        x = self._embed(self.tgt_embed, tgt_in, offset, word_dropout=self.cfg.tgt_word_dropout)
         if cache is None:
             memory_allowed = key_padding_allowed(src_pad_mask)                # (B, 1, 1, S), once for every layer
         for i, layer in enumerate(self.decoder_layers):
@@ -200,7 +211,9 @@ def eval_mode(model: nn.Module):
 
 
 def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool,
-                initialize: bool = True) -> Transformer:
+                initialize: bool = True, protected_ids: int = EOS_ID + 1) -> Transformer:
     """The model; `initialize=False` leaves the weights as PyTorch's layers made them, for a caller that
-    loads every one of them next (`load_model_weights` refuses a state dict that misses any)."""
-    return Transformer(cfg, src_vocab_size, tgt_vocab_size, shared_vocab, initialize)
+    loads every one of them next (`load_model_weights` refuses a state dict that misses any).
+    `protected_ids`: word dropout (model.src_word_dropout, tgt_word_dropout) keeps the ids below it
+    (`Tokenizer.protected_ids`: the special tokens and language tags)."""
+    return Transformer(cfg, src_vocab_size, tgt_vocab_size, shared_vocab, initialize, protected_ids)

@@ -72,6 +72,12 @@ class Tokenizer:
                     self._languages[match[1]] = i
         return sorted(self._languages)
 
+    @property
+    def protected_ids(self) -> int:
+        """Ids below this are the special tokens and a multilingual model's language tags (user-defined
+        pieces, which SentencePiece numbers right after the special ones): word dropout keeps them all."""
+        return 1 + max([EOS_ID, *(self.tag_id(language) for language in self.target_languages)])
+
     def tag_id(self, language: str) -> int:
         """The id of `language`'s tag; ValueError naming the languages there are."""
         if language not in self.target_languages:

@@ -91,7 +91,8 @@ class Trainer:
         tok = self.data.tokenizer
         if cfg.data.subword_sampling:
             self.data.train.enable_subword_sampling(tok, cfg.data.subword_sampling, cfg.data.subword_nbest, tc.seed)
-        self.model = build_model(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint).to(self.device)
+        self.model = build_model(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint,
+                                 protected_ids=tok.protected_ids).to(self.device)
         if init_state is not None:
             load_model_weights(self.model, init_state["model"], tc.init_from)
         self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device)
@@ -174,7 +175,8 @@ class Trainer:
                             "lower trainer.update_freq to %d or less, or trainer.max_tokens", tc.update_freq,
                             f" x {world} processes" if world > 1 else "", in_epoch, tc.max_tokens, in_epoch,
                             max(1, in_epoch // world))
-        if tc.rdrop and not (self.cfg.model.dropout or self.cfg.model.attention_dropout):
+        mc = self.cfg.model
+        if tc.rdrop and not (mc.dropout or mc.attention_dropout or mc.src_word_dropout or mc.tgt_word_dropout):
             log.warning("trainer.rdrop=%g with model.dropout=0 and model.attention_dropout=0: the two passes of each "
                         "batch are the same, R-Drop adds nothing and doubles the compute; set model.dropout (e.g. "
                         "0.3) or trainer.rdrop=0", tc.rdrop)
