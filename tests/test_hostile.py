@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import FAST, ROOT, compose_config, wait_for_log
+from tests.helpers import FAST, INTERRUPTIBLE, ROOT, compose_config, wait_for_log
 from transformer.average import main as average_main
 from transformer.checkpoint import load_checkpoint
 from transformer.evaluate import main as evaluate_main
@@ -343,7 +343,8 @@ def test_a_test_split_the_end_could_not_read_is_said_before_training(tmp_path, d
 
 def _python(code: str, *, path: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (path, ROOT) if p)}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
+                          **INTERRUPTIBLE)
 
 
 def test_a_ctrl_c_while_torch_loads_is_delivered_after_the_import_not_lost(tmp_path):
@@ -409,7 +410,7 @@ def test_ctrl_c_while_training_starts_is_one_line_and_exit_130(tmp_path):
     traceback of whatever was loading."""
     proc = subprocess.Popen([sys.executable, "-m", "transformer.train_cli", *FAST, "trainer.max_steps=3",
                              f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, **INTERRUPTIBLE)
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
