@@ -358,7 +358,9 @@ class TrainerConfig:
                                               "(none: drawing takes about a second per validation on a CPU)")
     keep_last: int = setting(3, "step_N.pt files kept (0 = keep all)")
     ema_decay: float = setting(0.0, "exponential moving average of the weights after every update (e.g. "
-                                    "0.999; 0 = off); validation scores it too, best.pt keeps the best set")
+                                    "0.999; 0 = off); validation scores it too, best.pt keeps the best set. "
+                                    "The decay warms up as min(D, (1+t)/(10+t)): it reaches 0.998 at step "
+                                    "4,490 and 0.999 at 8,990, so a shorter run is the same with either")
     average_last: int = setting(0, "at the end, average the last N step_N.pt (see checkpoint_every, "
                                    "keep_last; 0 = off); validation scores it too")
     patience: int = setting(0, "stop after this many validations without a BLEU improvement (0 = never)")
