@@ -51,6 +51,30 @@ def test_ema_update_matches_the_formula_by_hand():
     assert all(torch.equal(a, b) for a, b in zip(again.average, ema.average))
 
 
+def test_ema_warmup_sets_how_long_the_decay_warms_up():
+    model = _Tied()
+    ema = ExponentialMovingAverage(model, decay=0.9, warmup=4.0)
+    # d_t = min(0.9, (1 + t) / (4 + t)): reaches 0.9 at t = (4 * 0.9 - 1) / (1 - 0.9) = 26
+    assert [ema.decay_at(t) for t in (1, 5, 25)] == [2 / 5, 6 / 9, 26 / 29]
+    assert ema.decay_at(26) == pytest.approx(0.9) and ema.decay_at(27) == 0.9
+    start = model.bias.detach().clone()
+    with torch.no_grad():
+        model.bias.add_(1.0)
+    ema.update(1)
+    assert torch.allclose(dict(zip(ema.names, ema.average))["bias"], start + (1 - 2 / 5))
+    with pytest.raises(ValueError, match="above 1"):
+        ExponentialMovingAverage(model, decay=0.9, warmup=1.0)
+
+
+def test_the_run_state_builds_its_ema_from_the_config():
+    from transformer.run_state import TrainingState
+    cfg = compose_config(["trainer.ema_decay=0.99", "trainer.ema_warmup=3"])
+    state = TrainingState(cfg, _Tied(), None, None, None, None, None, "", None, torch.device("cpu"))
+    assert (state.ema.decay, state.ema.warmup) == (0.99, 3.0)
+    assert TrainingState(compose_config([]), _Tied(), None, None, None, None, None, "", None,
+                    torch.device("cpu")).ema is None
+
+
 def test_weights_swapped_restores_the_model_bit_for_bit():
     model = _Tied()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -64,6 +88,7 @@ def test_weights_swapped_restores_the_model_bit_for_bit():
 
 @pytest.mark.parametrize("overrides,message", [
     (["trainer.ema_decay=1.0"], "trainer.ema_decay=1.0 must be in"),
+    (["trainer.ema_warmup=1"], "trainer.ema_warmup=1.0 must be above 1"),
     (["trainer.average_last=1"], "trainer.average_last=1 must be 0"),
     (["trainer.average_last=5", "trainer.keep_last=3"], "set trainer.keep_last=5"),
 ])

@@ -11,18 +11,21 @@ from torch import nn
 
 
 class ExponentialMovingAverage:
-    """After update t: ema <- ema + (1 - d_t) * (weights - ema), with d_t = min(decay, (1 + t) / (10 + t)).
+    """After update t: ema <- ema + (1 - d_t) * (weights - ema), with d_t = min(decay, (1 + t) / (warmup + t)).
 
     The warm-up of d_t keeps the first updates from being dominated by the initial weights (a decay of
-    0.999 would otherwise remember them for thousands of steps). The average is float32 on the model's
+    0.999 would otherwise remember them for thousands of steps): until d_t reaches `decay`, at step
+    (warmup * decay - 1) / (1 - decay), the average covers about the last t / (warmup - 1) updates. The average is float32 on the model's
     device and is updated there without reading anything back to the host. Tied parameters are
     averaged once.
     """
 
-    def __init__(self, model: nn.Module, decay: float):
+    def __init__(self, model: nn.Module, decay: float, warmup: float = 10.0):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay {decay} must be in (0, 1)")
-        self.decay = decay
+        if not warmup > 1.0:
+            raise ValueError(f"EMA warm-up {warmup} must be above 1")
+        self.decay, self.warmup = decay, warmup
         named = list(model.named_parameters())               # a tied parameter appears once
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
@@ -32,7 +35,7 @@ class ExponentialMovingAverage:
         self._state_keys = {key: index[id(p)] for key, p in model.named_parameters(remove_duplicate=False)}
 
     def decay_at(self, step: int) -> float:
-        return min(self.decay, (1.0 + step) / (10.0 + step))
+        return min(self.decay, (1.0 + step) / (self.warmup + step))
 
     @torch.no_grad()
     def update(self, step: int) -> None:

@@ -359,8 +359,12 @@ class TrainerConfig:
     keep_last: int = setting(3, "step_N.pt files kept (0 = keep all)")
     ema_decay: float = setting(0.0, "exponential moving average of the weights after every update (e.g. "
                                     "0.999; 0 = off); validation scores it too, best.pt keeps the best set. "
-                                    "The decay warms up as min(D, (1+t)/(10+t)): it reaches 0.998 at step "
-                                    "4,490 and 0.999 at 8,990, so a shorter run is the same with either")
+                                    "The decay warms up as min(D, (1+t)/(W+t)), W = trainer.ema_warmup: at "
+                                    "W=10 it reaches 0.998 at step 4,490 and 0.999 at 8,990, so a shorter "
+                                    "run is the same with either")
+    ema_warmup: float = setting(10.0, "W of the EMA decay's warm-up min(D, (1+t)/(W+t)): until step "
+                                      "(W*D-1)/(1-D) the EMA averages about the last t/(W-1) updates; a "
+                                      "smaller W averages longer (must be above 1)")
     average_last: int = setting(0, "at the end, average the last N step_N.pt (see checkpoint_every, "
                                    "keep_last; 0 = off); validation scores it too")
     patience: int = setting(0, "stop after this many validations without a BLEU improvement (0 = never)")
@@ -409,6 +413,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.num_workers={self.num_workers} must be >= 0 (or null: 2 on CUDA, 0 on a CPU)")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"trainer.ema_decay={self.ema_decay} must be in [0, 1) (0 = no EMA; e.g. 0.999)")
+        if not self.ema_warmup > 1.0:
+            raise ConfigError(f"trainer.ema_warmup={self.ema_warmup} must be above 1 (the default is 10)")
         if self.average_last == 1 or self.average_last < 0:
             raise ConfigError(f"trainer.average_last={self.average_last} must be 0 (off) or at least 2")
         if self.average_last and self.keep_last and self.keep_last < self.average_last:

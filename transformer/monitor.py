@@ -44,7 +44,7 @@ def hyperparameters(cfg, precision: str) -> dict:
             "encoder_layers": m.encoder_layers, "decoder_layers": m.decoder_layers, "dropout": m.dropout,
             "lr": t.lr, "warmup": t.warmup, "schedule": t.schedule, "max_tokens": t.max_tokens,
             "update_freq": t.update_freq, "label_smoothing": t.label_smoothing, "rdrop": t.rdrop, "precision": precision,
-            "ema_decay": t.ema_decay, "seed": t.seed}
+            "ema_decay": t.ema_decay, "ema_warmup": t.ema_warmup, "seed": t.seed}
 
 
 def config_markdown(cfg) -> str:

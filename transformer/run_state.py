@@ -69,8 +69,8 @@ class TrainingState:
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.checkpoints, self.corpus_identity = checkpoints, corpus_identity
         self.dist, self.device, self.bad_in_a_row = dist, device, bad_in_a_row
-        decay = cfg.trainer.ema_decay
-        self.ema = ExponentialMovingAverage(model, decay) if decay else None
+        tc = cfg.trainer
+        self.ema = ExponentialMovingAverage(model, tc.ema_decay, tc.ema_warmup) if tc.ema_decay else None
         self.progress = Progress()
 
     def batching(self) -> dict:
@@ -111,7 +111,7 @@ class TrainingState:
             self.ema.load_state_dict(state["ema"])
         elif self.ema:
             log.warning("the checkpoint holds no EMA of the weights: the average starts from its weights")
-            self.ema = ExponentialMovingAverage(self.model, self.cfg.trainer.ema_decay)
+            self.ema = ExponentialMovingAverage(self.model, self.cfg.trainer.ema_decay, self.cfg.trainer.ema_warmup)
         # The settings the batch order depends on are compared with the checkpoint's config on resume
         # (adopt_resumed_config); what the config cannot show: the training text itself changed.
         saved, now = data_state.get("batching"), self.batching()
