@@ -71,8 +71,8 @@ def test_the_run_state_builds_its_ema_from_the_config():
     cfg = compose_config(["trainer.ema_decay=0.99", "trainer.ema_warmup=3"])
     state = TrainingState(cfg, _Tied(), None, None, None, None, None, "", None, torch.device("cpu"))
     assert (state.ema.decay, state.ema.warmup) == (0.99, 3.0)
-    assert TrainingState(compose_config([]), _Tied(), None, None, None, None, None, "", None,
-                    torch.device("cpu")).ema is None
+    without = TrainingState(compose_config([]), _Tied(), None, None, None, None, None, "", None, torch.device("cpu"))
+    assert without.ema is None
 
 
 def test_weights_swapped_restores_the_model_bit_for_bit():

@@ -15,9 +15,9 @@ class ExponentialMovingAverage:
 
     The warm-up of d_t keeps the first updates from being dominated by the initial weights (a decay of
     0.999 would otherwise remember them for thousands of steps): until d_t reaches `decay`, at step
-    (warmup * decay - 1) / (1 - decay), the average covers about the last t / (warmup - 1) updates. The average is float32 on the model's
-    device and is updated there without reading anything back to the host. Tied parameters are
-    averaged once.
+    (warmup * decay - 1) / (1 - decay), the average covers about the last t / (warmup - 1) updates.
+    The average is float32 on the model's device and is updated there without reading anything back
+    to the host. Tied parameters are averaged once.
     """
 
     def __init__(self, model: nn.Module, decay: float, warmup: float = 10.0):
