@@ -303,7 +303,8 @@ class Trainer:
         if not self.dist.enabled:
             return reason
         if agree and D.any_rank(reason is not None, self.dist, self.device):
-            return reason or "stopped on another rank"
+            # Ctrl-C reaches every rank, but this one's handler may run only once the collective returns.
+            return reason or (f"stopped by {self.stop_signal}" if self.stop_signal else "stopped on another rank")
         return None
 
     def fit(self) -> dict:
