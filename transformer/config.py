@@ -359,9 +359,8 @@ class TrainerConfig:
     keep_last: int = setting(3, "step_N.pt files kept (0 = keep all)")
     ema_decay: float = setting(0.0, "exponential moving average of the weights after every update (e.g. "
                                     "0.999; 0 = off); validation scores it too, best.pt keeps the best set. "
-                                    "The decay warms up as min(D, (1+t)/(W+t)), W = trainer.ema_warmup: at "
-                                    "W=10 it reaches 0.998 at step 4,490 and 0.999 at 8,990, so a shorter "
-                                    "run is the same with either")
+                                    "The decay warms up (trainer.ema_warmup): by default it reaches 0.998 at "
+                                    "step 4,490 and 0.999 at 8,990, so a shorter run is the same with either")
     ema_warmup: float = setting(10.0, "W of the EMA decay's warm-up min(D, (1+t)/(W+t)): until step "
                                       "(W*D-1)/(1-D) the EMA averages about the last t/(W-1) updates; a "
                                       "smaller W averages longer (must be above 1)")

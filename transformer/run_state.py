@@ -69,9 +69,13 @@ class TrainingState:
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.checkpoints, self.corpus_identity = checkpoints, corpus_identity
         self.dist, self.device, self.bad_in_a_row = dist, device, bad_in_a_row
-        tc = cfg.trainer
-        self.ema = ExponentialMovingAverage(model, tc.ema_decay, tc.ema_warmup) if tc.ema_decay else None
+        self.ema = self._fresh_ema()
         self.progress = Progress()
+
+    def _fresh_ema(self) -> ExponentialMovingAverage | None:
+        """An EMA of the model's weights as they are now, with the config's decay (None without one)."""
+        tc = self.cfg.trainer
+        return ExponentialMovingAverage(self.model, tc.ema_decay, tc.ema_warmup) if tc.ema_decay else None
 
     def batching(self) -> dict:
         """What the batch order depends on besides (seed, epoch): an exact resume needs all of it equal."""
@@ -111,7 +115,7 @@ class TrainingState:
             self.ema.load_state_dict(state["ema"])
         elif self.ema:
             log.warning("the checkpoint holds no EMA of the weights: the average starts from its weights")
-            self.ema = ExponentialMovingAverage(self.model, self.cfg.trainer.ema_decay, self.cfg.trainer.ema_warmup)
+            self.ema = self._fresh_ema()
         # The settings the batch order depends on are compared with the checkpoint's config on resume
         # (adopt_resumed_config); what the config cannot show: the training text itself changed.
         saved, now = data_state.get("batching"), self.batching()
