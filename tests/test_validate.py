@@ -55,6 +55,7 @@ def test_the_literature_bleu_tokenizes_and_lowercases_our_output_like_its_refere
     literature = tokenized_lowercased_bleu(hypotheses, literature_tokenize(raw, "en"), "en")
     assert literature["bleu_tokenized_lc"] != pytest.approx(score(hypotheses, raw, "en")["bleu"])
     assert "tok:none" in literature["bleu_tokenized_lc_signature"]
+    assert "case:lc" in literature["bleu_tokenized_lc_signature"]
 
 
 @pytest.mark.parametrize("lang", ["en", "de", "cs"])

@@ -102,7 +102,8 @@ def tokenized_lowercased_bleu(hypotheses: list[str], tokenized_references: list[
     and Moses-tokenized (`literature_tokenize`), scored against references tokenized the same way (the
     dataset's *.lc.norm.tok.* files) with sacreBLEU's tokenize=none. Always reported beside the cased
     detokenized score (`score`), never instead of it: the two are not comparable."""
-    bleu = sacrebleu.metrics.BLEU(tokenize="none", force=True)
+    # lowercase=True changes nothing (both sides are lowercased already) but makes the signature say case:lc
+    bleu = sacrebleu.metrics.BLEU(tokenize="none", lowercase=True, force=True)
     result = bleu.corpus_score(literature_tokenize(nfc(hypotheses), tgt_lang), [nfc(tokenized_references)])
     return {"bleu_tokenized_lc": result.score,
             "bleu_tokenized_lc_signature": f"{bleu.get_signature()}|hyp:moses-lc-norm-tok-{tgt_lang}"}
