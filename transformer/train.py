@@ -295,17 +295,18 @@ class Trainer:
             return f"reached trainer.max_epochs={tc.max_epochs}"
         if tc.patience and progress.bad_validations >= tc.patience:
             return f"no BLEU improvement in trainer.patience={tc.patience} validations"
-        reason = None
-        if self.stop_signal:
-            reason = f"stopped by {self.stop_signal}"
-        elif tc.max_minutes and (time.monotonic() - started) / 60 >= tc.max_minutes:
+        reason = self._signal_reason()
+        if reason is None and tc.max_minutes and (time.monotonic() - started) / 60 >= tc.max_minutes:
             reason = f"reached trainer.max_minutes={tc.max_minutes}"
         if not self.dist.enabled:
             return reason
         if agree and D.any_rank(reason is not None, self.dist, self.device):
             # Ctrl-C reaches every rank, but this one's handler may run only once the collective returns.
-            return reason or (f"stopped by {self.stop_signal}" if self.stop_signal else "stopped on another rank")
+            return reason or self._signal_reason() or "stopped on another rank"
         return None
+
+    def _signal_reason(self) -> str | None:
+        return f"stopped by {self.stop_signal}" if self.stop_signal else None
 
     def fit(self) -> dict:
         """The loop: updates until a stop reason, then a last validation and last.pt; returns the metrics."""
