@@ -55,7 +55,7 @@ sweep: $(STAMP)  ## one training job per combination: make sweep trainer.lr=1e-3
 	$(PY) -m transformer.train_cli --multirun $(HYDRA_ARGS)
 
 train-ddp: $(STAMP)  ## train with torchrun on NPROC processes (NPROC=2 by default)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m transformer.train_cli $(HYDRA_ARGS)
+	$(PY) -m transformer.launch --standalone --nproc_per_node=$(NPROC) $(HYDRA_ARGS)
 
 evaluate: $(STAMP)  ## BLEU/chrF of CKPT=path on split=test (writes hypotheses and scores beside CKPT)
 	@test -n "$(CKPT)" || { echo "usage: make evaluate CKPT=runs/.../checkpoints/best.pt [split=test]"; exit 2; }

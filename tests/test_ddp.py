@@ -1,7 +1,9 @@
-"""torchrun + DDP on CPU with gloo: 2 ranks equal one process with update_freq=2; DDP resume is exact."""
+"""torchrun + DDP on CPU with gloo: 2 ranks equal one process with update_freq=2; DDP resume is exact;
+transformer-train-ddp (`transformer.launch`) ends as transformer-train does, without torchrun's reports."""
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,9 +19,14 @@ COMMON = FAST + ["trainer.precision=fp32", "trainer.device=cpu", "model.dropout=
                  "trainer.num_threads=1", "trainer.test_at_end=false"]
 
 
-def _run(args, nproc=None):
+LAUNCHER = [sys.executable, "-m", "transformer.launch"]          # transformer-train-ddp
+
+
+def _run(args, nproc=None, launcher=False):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if nproc:
+    if nproc and launcher:
+        command = [*LAUNCHER, "--standalone", "--nproc_per_node", str(nproc), *args]
+    elif nproc:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    "-m", "transformer.train", *args]
     else:
@@ -52,8 +59,9 @@ def test_two_ranks_equal_one_process_with_update_freq_2(tmp_path, data_cache):
 def test_ddp_resume_is_exact(tmp_path, data_cache):
     common = COMMON + [f"data.cache_dir={data_cache}", "model.dropout=0.1", "trainer.num_workers=1"]
     _run(common + ["trainer.max_steps=12", f"hydra.run.dir={tmp_path / 'full'}"], nproc=2)
-    _run(common + ["trainer.max_steps=7", f"hydra.run.dir={tmp_path / 'split'}"], nproc=2)
-    _run(common + ["trainer.max_steps=12", "trainer.resume=true", f"hydra.run.dir={tmp_path / 'split'}"], nproc=2)
+    _run(common + ["trainer.max_steps=7", f"hydra.run.dir={tmp_path / 'split'}"], nproc=2, launcher=True)
+    _run(common + ["trainer.max_steps=12", "trainer.resume=true", f"hydra.run.dir={tmp_path / 'split'}"], nproc=2,
+         launcher=True)
     full = load_checkpoint(tmp_path / "full/checkpoints/last.pt")["model"]
     resumed = load_checkpoint(tmp_path / "split/checkpoints/last.pt")["model"]
     for name in full:
@@ -61,14 +69,15 @@ def test_ddp_resume_is_exact(tmp_path, data_cache):
 
 
 @pytest.mark.slow
-def test_ctrl_c_to_torchrun_saves_last_from_every_rank(tmp_path, data_cache):
+def test_ctrl_c_to_the_launcher_saves_last_from_every_rank_and_exits_130(tmp_path, data_cache):
     # torchrun starts each worker in a session of its own, so a terminal's Ctrl-C reaches the agent alone;
     # it passes SIGINT on to every worker once (and SIGKILLs those still running --shutdown-timeout later).
-    # The ranks must agree to stop after the same step and write last.pt with both ranks' random state.
+    # The ranks must agree to stop after the same step and write last.pt with both ranks' random state;
+    # the launcher then exits 130 where torchrun prints a traceback.
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "transformer.train", *COMMON, f"data.cache_dir={data_cache}", "trainer.max_steps=100000",
-               "trainer.validate_every=100000", "trainer.log_every=1", f"hydra.run.dir={run_dir}"]
+    overrides = [*COMMON, f"data.cache_dir={data_cache}", "trainer.max_steps=100000", "trainer.validate_every=100000",
+                 "trainer.log_every=1", f"hydra.run.dir={run_dir}"]
+    command = [*LAUNCHER, *overrides[:3], "--nproc_per_node=2", *overrides[3:], "--standalone"]   # any order
     proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for_log(run_dir / "train.log", "step 5 |", 300)
@@ -81,4 +90,20 @@ def test_ctrl_c_to_torchrun_saves_last_from_every_rank(tmp_path, data_cache):
     state = load_checkpoint(run_dir / "checkpoints" / "last.pt")
     assert state["step"] == int(stopped.group(1)) >= 5
     assert len(state["rng"]) == 2                   # both ranks got as far as the save
-    assert "trainer.resume=true" in out
+    assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
+    resume = re.search(r"continue from \S+ with: (.*)", out).group(1)
+    assert resume.endswith(" -m transformer.launch --nproc_per_node=2 --standalone " + shlex.join(
+        [*overrides[:-1], "trainer.resume=true", f"hydra.run.dir={run_dir}"])), resume
+
+
+@pytest.mark.slow
+def test_the_launcher_refuses_a_bad_command_line_once_and_a_bad_setting_once_per_machine(tmp_path, data_cache):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [*LAUNCHER, "--standalone", "--nproc_per_node=2", *COMMON, f"data.cache_dir={data_cache}"]
+    for extra, message in ((["model=bigg"], "error: In 'config': Could not find 'model/bigg'"),   # before any rank
+                           (["model.d_model=63"], "error: model.d_model=63 is not divisible by model.n_heads=4")):
+        proc = subprocess.run([*base, *extra, f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr and "FAILED" not in proc.stderr, proc.stderr[-3000:]

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from tests.helpers import FAST, ROOT, compose_config
 from transformer import tokenizer as tokenizer_module
-from transformer.run_dir import Launch
+from transformer.run_dir import LAUNCH_ENV, Launch
 from transformer.train_log import TrainingBar
 
 RUN = "runs/toy/tiny/x"
@@ -66,6 +66,10 @@ def test_the_bar_total_follows_max_minutes_when_it_binds_first():
     ("/repo/transformer/train.py", {"LOCAL_WORLD_SIZE": "4"},
      "torchrun --standalone --nproc_per_node=4 -m transformer.train --config-dir presets model=small "
      "'data.path=my data' trainer.resume=true hydra.run.dir=runs/toy/tiny/x"),
+    ("/repo/transformer/train_cli.py", {"LOCAL_WORLD_SIZE": "8", LAUNCH_ENV: "transformer-train-ddp --nnodes 2 "
+                                        "--nproc_per_node=8 --rdzv-endpoint=host0:29500"},
+     "transformer-train-ddp --nnodes 2 --nproc_per_node=8 --rdzv-endpoint=host0:29500 --config-dir presets "
+     "model=small 'data.path=my data' trainer.resume=true hydra.run.dir=runs/toy/tiny/x"),
 ])
 def test_the_resume_command_takes_the_form_the_run_was_started_with(argv0, environ, expected, monkeypatch):
     monkeypatch.chdir(ROOT)          # where the Makefile is, as under `make`

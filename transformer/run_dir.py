@@ -180,6 +180,10 @@ def check_sweep_directory(sweep_dir: Path, argv: list[str]) -> None:
                             "or add trainer.resume=true to continue that sweep's jobs")
 
 
+# Set by transformer-train-ddp (`transformer.launch`) for its ranks: the launcher and its torchrun options.
+LAUNCH_ENV = "TRANSFORMER_TRAIN_DDP"
+
+
 @dataclasses.dataclass
 class Launch:
     """How the run was started, so that the command continuing it takes the same form: `program`
@@ -192,9 +196,10 @@ class Launch:
     @classmethod
     def detect(cls, argv: list[str], environ, overrides: list[str]) -> Launch:
         """From this process: make exports MAKELEVEL to the commands of its recipes (the Makefile runs
-        `python -m transformer.train_cli`, or torchrun for train-ddp, from the directory holding it), torchrun
-        sets LOCAL_WORLD_SIZE, the console script is argv[0]. A Makefile target cannot be told apart
-        from the same command typed under some other make: both read as `make train`."""
+        `python -m transformer.train_cli`, or `transformer.launch` for train-ddp, from the directory holding
+        it), torchrun sets LOCAL_WORLD_SIZE, transformer-train-ddp LAUNCH_ENV (itself with its torchrun
+        options), the console script is argv[0]. A Makefile target cannot be told apart from the same
+        command typed under some other make: both read as `make train`."""
         flags, args = [], iter(argv[1:])
         for arg in args:
             if arg.split("=", 1)[0] in CONFIG_SOURCE_FLAGS:
@@ -202,12 +207,14 @@ class Launch:
         nproc = environ.get("LOCAL_WORLD_SIZE")
         if "MAKELEVEL" in environ and Path(argv[0]).name in ("train_cli.py", "train.py") and Path("Makefile").is_file():
             program = ["make", "train-ddp", f"NPROC={nproc}"] if nproc else ["make", "train"]
+        elif nproc and environ.get(LAUNCH_ENV):          # transformer-train-ddp, with its torchrun options
+            program = shlex.split(environ[LAUNCH_ENV])
         elif nproc:
             program = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m", "transformer.train"]
         elif Path(argv[0]).name == "transformer-train":
             program = ["transformer-train"]
         else:
-            program = [_python_command(), "-m", "transformer.train"]
+            program = [python_command(), "-m", "transformer.train"]
         return cls(program, list(overrides), flags)
 
     def resume_command(self, run_dir: Path) -> str:
@@ -221,7 +228,7 @@ class Launch:
         return shlex.join(self.program + self.flags + args)
 
 
-def _python_command() -> str:
+def python_command() -> str:
     """This interpreter as a user would type it: `python` when that is the one on PATH, else its path
     (relative to the working directory when inside it, e.g. .venv/bin/python)."""
     if shutil.which("python") and Path(shutil.which("python")).resolve() == Path(sys.executable).resolve():

@@ -1,0 +1,108 @@
+"""`transformer-train-ddp` (and `make train-ddp`): torchrun with this trainer as its program.
+
+One command line takes torchrun's options (`--nproc_per_node=8`, `--nnodes 2`, `--rdzv-endpoint=HOST:PORT`
+...) and the trainer's overrides and Hydra flags, in any order, and the command ends as `transformer-train`
+does: exit 2 after a rank's one-line refusal, 130 / 143 after Ctrl-C or SIGTERM (every rank finished its
+step and saved last.pt), without torchrun's traceback and failure report. torchrun itself keeps working
+(`torchrun ... -m transformer.train OVERRIDES`); this front door only reads how it ended."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+from transformer.errors import import_torch_holding_interrupts
+from transformer.run_dir import LAUNCH_ENV, python_command
+from transformer.train_cli import refuse_bare_words, refuse_uncomposable
+
+PROGRAM = ["-m", "transformer.train_cli"]
+# torchrun's options that pick the program (this launcher does) or are also Hydra's short flags (-m
+# multirun, -r run, -h help): these words go to the trainer; torchrun's long forms (--redirects) still work.
+NOT_TORCHRUN = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path", "-r", "-h", "--help"}
+USAGE = """usage: transformer-train-ddp [torchrun options] [overrides] [Hydra flags]
+
+torchrun with the trainer as its program, e.g.
+  transformer-train-ddp --standalone --nproc_per_node=8 model=big data=wmt14_en_de
+torchrun's options: torchrun --help (not -m, --no-python, --run-path: the program is the trainer);
+overrides and flags: transformer-train --help."""
+
+
+def torchrun_options() -> dict[str, bool]:
+    """torchrun's option words (both spellings), each with whether it takes a value."""
+    from torch.distributed.run import get_args_parser
+    return {word: action.nargs != 0 for action in get_args_parser()._actions
+            for word in action.option_strings if word not in NOT_TORCHRUN}
+
+
+def split_command_line(argv: list[str], options: dict[str, bool]) -> tuple[list[str], list[str]]:
+    """(torchrun's words, the trainer's words) of `argv`, each in the order typed: a torchrun option
+    brings its value along, whether written `--nnodes=2` or `--nnodes 2`."""
+    torchrun, trainer, words = [], [], iter(argv)
+    for word in words:
+        name = word.split("=", 1)[0]
+        if name not in options:
+            trainer.append(word)
+            continue
+        torchrun.append(word)
+        if options[name] and "=" not in word:
+            value = next(words, None)
+            if value is not None:            # none: torchrun's parser says the value is missing
+                torchrun.append(value)
+    return torchrun, trainer
+
+
+def failure_line(rank: int, exitcode: int) -> tuple[str | None, int]:
+    """(what to say, the exit status) for the rank whose exit stopped the run: a refusal (status 2) was
+    said by the ranks themselves; a status of its own is named; a rank a signal killed is named with its
+    signal (SIGKILL: most often the kernel's out-of-memory killer)."""
+    if exitcode == 2:
+        return None, 2
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
+        cause = " (the kernel's out-of-memory killer? see `dmesg`)" if name == "SIGKILL" else ""
+        return f"error: rank {rank} was killed by {name}{cause}", 128 - exitcode
+    return f"error: rank {rank} exited with status {exitcode} (its own message is above)", exitcode
+
+
+def launcher_name() -> list[str]:
+    """This launcher as a user would type it again."""
+    if Path(sys.argv[0]).name == "transformer-train-ddp":
+        return ["transformer-train-ddp"]
+    return [python_command(), "-m", "transformer.launch"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if {"-h", "--help"} & set(argv):
+        print(USAGE)
+        return 0
+    import_torch_holding_interrupts()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    torchrun, trainer = split_command_line(argv, torchrun_options())
+    refuse_bare_words(trainer)            # a command line the trainer refuses: one line, before any rank starts
+    refuse_uncomposable(trainer)
+    args = parse_args([*torchrun, *PROGRAM, *trainer])            # argparse: usage and exit 2 when wrong
+    os.environ[LAUNCH_ENV] = shlex.join([*launcher_name(), *torchrun])
+    try:
+        run(args)
+    except SignalException as stop:             # the ranks said where last.pt is and how to continue
+        return 128 + int(stop.sigval)
+    except ChildFailedError as failed:
+        rank, failure = failed.get_first_failure()
+        line, status = failure_line(rank, failure.exitcode)
+        if line:
+            print(line, file=sys.stderr)
+        return status
+    except KeyboardInterrupt:                   # before the agent's own handler was in place
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
