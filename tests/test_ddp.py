@@ -97,13 +97,19 @@ def test_ctrl_c_to_the_launcher_saves_last_from_every_rank_and_exits_130(tmp_pat
 
 
 @pytest.mark.slow
-def test_the_launcher_refuses_a_bad_command_line_once_and_a_bad_setting_once_per_machine(tmp_path, data_cache):
+def test_the_launcher_refuses_a_bad_command_line_or_setting_in_one_line_before_any_rank_starts(tmp_path, data_cache):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     base = [*LAUNCHER, "--standalone", "--nproc_per_node=2", *COMMON, f"data.cache_dir={data_cache}"]
-    for extra, message in ((["model=bigg"], "error: In 'config': Could not find 'model/bigg'"),   # before any rank
-                           (["model.d_model=63"], "error: model.d_model=63 is not divisible by model.n_heads=4")):
+    for extra, message in ((["model=bigg"], "error: In 'config': Could not find 'model/bigg'"),
+                           (["model.d_model=63"], "error: model.d_model=63 is not divisible by model.n_heads=4"),
+                           (["data.path=/nonexistent", "data.embedded=false"],      # said by each rank that reads it
+                            "error: data.path=/nonexistent: no such file or directory")):
         proc = subprocess.run([*base, *extra, f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2, proc.stderr[-3000:]
-        assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr and "FAILED" not in proc.stderr, proc.stderr[-3000:]
+        if "data.embedded=false" in extra:
+            assert proc.stderr.count(message) == 2, proc.stderr[-3000:]
+        else:
+            assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
+            assert "local_rank" not in proc.stderr and not (tmp_path / "run").exists()     # no rank started

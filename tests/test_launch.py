@@ -40,3 +40,18 @@ def test_help_says_what_goes_where(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: transformer-train-ddp [torchrun options] [overrides] [Hydra flags]")
     assert "torchrun --help" in out and "transformer-train --help" in out
+
+
+def test_more_processes_on_a_machine_than_gpus_is_one_line_from_the_ranks_without_a_device(monkeypatch):
+    import torch
+
+    from transformer.config import ConfigError
+    from transformer.distributed import DistInfo
+    from transformer.runtime import resolve_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert resolve_device("cuda", DistInfo(rank=11, local_rank=3, world_size=16)) == torch.device("cuda", 3)
+    with pytest.raises(ConfigError) as error:
+        resolve_device("cuda", DistInfo(rank=12, local_rank=4, world_size=16))
+    assert str(error.value) == ("rank 12 is process 5 on a machine with 4 CUDA device(s): start at most one per "
+                                "device (--nproc_per_node=4)")

@@ -2,7 +2,8 @@
 
 One command line takes torchrun's options (`--nproc_per_node=8`, `--nnodes 2`, `--rdzv-endpoint=HOST:PORT`
 ...) and the trainer's overrides and Hydra flags, in any order, and the command ends as `transformer-train`
-does: exit 2 after a rank's one-line refusal, 130 / 143 after Ctrl-C or SIGTERM (every rank finished its
+does: a command line or settings that every rank would refuse are refused in one line (exit 2) before
+any rank starts, a rank's own refusal exits 2 too, 130 / 143 after Ctrl-C or SIGTERM (every rank finished its
 step and saved last.pt), without torchrun's traceback and failure report. torchrun itself keeps working
 (`torchrun ... -m transformer.train OVERRIDES`); this front door only reads how it ended."""
 
@@ -14,9 +15,10 @@ import signal
 import sys
 from pathlib import Path
 
+from transformer.config import ConfigError, compose
 from transformer.errors import import_torch_holding_interrupts
 from transformer.run_dir import LAUNCH_ENV, python_command
-from transformer.train_cli import refuse_bare_words, refuse_uncomposable
+from transformer.train_cli import config_flags, refuse_bare_words, refuse_uncomposable
 
 PROGRAM = ["-m", "transformer.train_cli"]
 # torchrun's options that pick the program (this launcher does) or are also Hydra's short flags (-m
@@ -54,6 +56,22 @@ def split_command_line(argv: list[str], options: dict[str, bool]) -> tuple[list[
     return torchrun, trainer
 
 
+def refuse_invalid_settings(trainer: list[str]) -> None:
+    """Exit 2 with one line for settings every rank would refuse (model.d_model not divisible by
+    model.n_heads, a corpus list that cannot work), before any rank starts: composed and validated as
+    `transformer-prepare` does. A sweep and Hydra's flags (--cfg, --info ...) are left to the ranks."""
+    given, words = config_flags(trainer)
+    if set(given) - {"--config-dir"} or any(word.startswith("-") for word in words):
+        return
+    overrides = [word for word in words if not word.lstrip("+").startswith(("hydra.", "hydra/"))
+                 or word.lstrip("+").startswith("hydra.searchpath")]
+    try:
+        compose(overrides, config_dir=given.get("--config-dir", [None])[-1])
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
 def failure_line(rank: int, exitcode: int) -> tuple[str | None, int]:
     """(what to say, the exit status) for the rank whose exit stopped the run: a refusal (status 2) was
     said by the ranks themselves; a status of its own is named; a rank a signal killed is named with its
@@ -85,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     torchrun, trainer = split_command_line(argv, torchrun_options())
-    refuse_bare_words(trainer)            # a command line the trainer refuses: one line, before any rank starts
+    refuse_bare_words(trainer)            # what every rank would refuse: one line, before any rank starts
     refuse_uncomposable(trainer)
+    refuse_invalid_settings(trainer)
     args = parse_args([*torchrun, *PROGRAM, *trainer])            # argparse: usage and exit 2 when wrong
     os.environ[LAUNCH_ENV] = shlex.join([*launcher_name(), *torchrun])
     try:

@@ -99,6 +99,10 @@ def resolve_device(name: str, dist_info: DistInfo) -> torch.device:
         if not torch.cuda.is_available():
             raise ConfigError(f"trainer.device={name} but CUDA is not available; use trainer.device=cpu")
         if name == "cuda":
+            count = torch.cuda.device_count()
+            if dist_info.local_rank >= count:         # more processes on this machine than GPUs
+                raise ConfigError(f"rank {dist_info.rank} is process {dist_info.local_rank + 1} on a machine with "
+                                  f"{count} CUDA device(s): start at most one per device (--nproc_per_node={count})")
             return torch.device("cuda", dist_info.local_rank)
     return torch.device(name)
 

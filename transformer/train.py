@@ -604,8 +604,6 @@ def main() -> None:
                 sys.exit(signal_exit_status(result["stopped_by"]))
             return result["best_bleu"]
         except (ConfigError, DataError, CheckpointError, TrainingError) as error:
-            if isinstance(error, ConfigError) and int(os.environ.get("LOCAL_RANK", "0")):
-                sys.exit(2)     # every rank composed the same settings: the first of each machine says it
             logging.getLogger("transformer").error("%s", error)
             if not in_sweep:
                 if not chooses_run_directory(sys.argv[1:]) and not cfg.get("run_dir") \
