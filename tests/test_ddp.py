@@ -78,7 +78,9 @@ def test_ctrl_c_to_the_launcher_saves_last_from_every_rank_and_exits_130(tmp_pat
     overrides = [*COMMON, f"data.cache_dir={data_cache}", "trainer.max_steps=100000", "trainer.validate_every=100000",
                  "trainer.log_every=1", f"hydra.run.dir={run_dir}"]
     command = [*LAUNCHER, *overrides[:3], "--nproc_per_node=2", *overrides[3:], "--standalone"]   # any order
-    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("MAKELEVEL", None)      # under `make test` the resume command would read `make train-ddp ...`
+    proc = subprocess.Popen(command, cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for_log(run_dir / "train.log", "step 5 |", 300)
     assert proc.poll() is None, proc.stdout.read()
