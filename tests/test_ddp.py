@@ -110,8 +110,8 @@ def test_the_launcher_refuses_a_bad_command_line_or_setting_in_one_line_before_a
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr and "FAILED" not in proc.stderr, proc.stderr[-3000:]
-        if "data.embedded=false" in extra:
-            assert proc.stderr.count(message) == 2, proc.stderr[-3000:]
+        if "data.embedded=false" in extra:        # torchrun stops the other rank once one has failed: 1 or 2
+            assert proc.stderr.count(message) in (1, 2), proc.stderr[-3000:]
         else:
             assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
             assert "local_rank" not in proc.stderr and not (tmp_path / "run").exists()     # no rank started

@@ -15,10 +15,9 @@ import signal
 import sys
 from pathlib import Path
 
-from transformer.config import ConfigError, compose
 from transformer.errors import import_torch_holding_interrupts
 from transformer.run_dir import LAUNCH_ENV, python_command
-from transformer.train_cli import config_flags, refuse_bare_words, refuse_uncomposable
+from transformer.train_cli import refuse_bare_words, refuse_uncomposable
 
 PROGRAM = ["-m", "transformer.train_cli"]
 # torchrun's options that pick the program (this launcher does) or are also Hydra's short flags (-m
@@ -56,22 +55,6 @@ def split_command_line(argv: list[str], options: dict[str, bool]) -> tuple[list[
     return torchrun, trainer
 
 
-def refuse_invalid_settings(trainer: list[str]) -> None:
-    """Exit 2 with one line for settings every rank would refuse (model.d_model not divisible by
-    model.n_heads, a corpus list that cannot work), before any rank starts: composed and validated as
-    `transformer-prepare` does. A sweep and Hydra's flags (--cfg, --info ...) are left to the ranks."""
-    given, words = config_flags(trainer)
-    if set(given) - {"--config-dir"} or any(word.startswith("-") for word in words):
-        return
-    overrides = [word for word in words if not word.lstrip("+").startswith(("hydra.", "hydra/"))
-                 or word.lstrip("+").startswith("hydra.searchpath")]
-    try:
-        compose(overrides, config_dir=given.get("--config-dir", [None])[-1])
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-
-
 def failure_line(rank: int, exitcode: int) -> tuple[str | None, int]:
     """(what to say, the exit status) for the rank whose exit stopped the run: a refusal (status 2) was
     said by the ranks themselves; a status of its own is named; a rank a signal killed is named with its
@@ -104,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torchrun, trainer = split_command_line(argv, torchrun_options())
     refuse_bare_words(trainer)            # what every rank would refuse: one line, before any rank starts
-    refuse_uncomposable(trainer)
-    refuse_invalid_settings(trainer)
+    refuse_uncomposable(trainer, validate=True)
     args = parse_args([*torchrun, *PROGRAM, *trainer])            # argparse: usage and exit 2 when wrong
     os.environ[LAUNCH_ENV] = shlex.join([*launcher_name(), *torchrun])
     try:

@@ -14,6 +14,7 @@ from transformer.config import (
     ConfigError,
     bare_word,
     command_line_config,
+    compose,
     compose_tree,
 )
 from transformer.errors import discard_stdout, import_torch_holding_interrupts, next_interrupt_ends_at_once
@@ -82,11 +83,13 @@ def config_flags(argv: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     return given, rest
 
 
-def refuse_uncomposable(argv: list[str]) -> None:
+def refuse_uncomposable(argv: list[str], validate: bool = False) -> None:
     """Exit 2 with one line (a misspelt preset with the group's options, a misspelt key with the nearest
     one, a value of the wrong type) where Hydra's own answer is several lines and exit 1. Composes the
     config once more before hydra.main (a fraction of a second), a sweep's once per value of its choices
-    (`sweep_jobs_to_check`); --help, --cfg, --info and the flags it does not follow are left to Hydra."""
+    (`sweep_jobs_to_check`); --help, --cfg, --info and the flags it does not follow are left to Hydra.
+    `validate`: a run that is no sweep is also checked value by value (`config.compose`), as
+    transformer-train-ddp does before it starts the ranks that would each refuse it."""
     given, words = config_flags(argv)
     if "--config-name" in given or "--config-path" in given:
         return      # compose() finds a primary config in conf/ only
@@ -101,8 +104,12 @@ def refuse_uncomposable(argv: list[str]) -> None:
             overrides.append(word)
     config_dir = given["--config-dir"][-1] if "--config-dir" in given else None
     try:
-        for job in sweep_jobs_to_check(overrides):
-            compose_tree(job, config_dir=config_dir)
+        jobs = sweep_jobs_to_check(overrides)
+        for job in jobs:
+            if validate and jobs == [overrides]:
+                compose(job, config_dir=config_dir)
+            else:
+                compose_tree(job, config_dir=config_dir)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
