@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import FAST, ROOT
+from transformer.checkpoint import load_checkpoint
 
 
 def _run(*args, cwd, timeout=300):
@@ -57,6 +58,11 @@ def test_the_wheel_installs_and_trains_outside_the_checkout(tmp_path):
          "trainer.test_at_end=false", "data.embedded_pairs=300", "hydra.run.dir=run", cwd=work)
     checkpoint = work / "run" / "checkpoints" / "last.pt"
     assert checkpoint.is_file() and (work / "data" / "spm").is_dir()     # relative paths: the working directory
+    # the torchrun front door is installed too: one rank continues the run
+    _run(env_dir / "bin" / "transformer-train-ddp", "--standalone", "--nproc_per_node=1", *FAST,
+         "trainer.max_steps=4", "trainer.validate_every=2", "trainer.test_at_end=false", "data.embedded_pairs=300",
+         "trainer.resume=true", "hydra.run.dir=run", cwd=work)
+    assert load_checkpoint(checkpoint)["step"] == 4
     proc = subprocess.run([str(env_dir / "bin" / "transformer-translate"), str(checkpoint), "--beam", "2"],
                           input="Der Hund.\nDie Katze.\n", cwd=work, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 2, proc.stderr
