@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from transformer.errors import import_torch_holding_interrupts
+from transformer.errors import import_torch_holding_interrupts, signal_exit_status
 from transformer.run_dir import LAUNCH_ENV, python_command
 from transformer.train_cli import refuse_bare_words, refuse_uncomposable
 
@@ -64,7 +64,7 @@ def failure_line(rank: int, exitcode: int) -> tuple[str | None, int]:
     if exitcode < 0:
         name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
         cause = " (the kernel's out-of-memory killer? see `dmesg`)" if name == "SIGKILL" else ""
-        return f"error: rank {rank} was killed by {name}{cause}", 128 - exitcode
+        return f"error: rank {rank} was killed by {name}{cause}", 128 - exitcode    # as a shell reports it
     return f"error: rank {rank} exited with status {exitcode} (its own message is above)", exitcode
 
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except SignalException as stop:             # the ranks said where last.pt is and how to continue
-        return 128 + int(stop.sigval)
+        return signal_exit_status(signal.Signals(stop.sigval).name)
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
         line, status = failure_line(rank, failure.exitcode)

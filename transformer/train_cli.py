@@ -103,13 +103,11 @@ def refuse_uncomposable(argv: list[str], validate: bool = False) -> None:
         if name.lstrip("+") == "hydra.searchpath" or not name.startswith(("hydra.", "+hydra.", "hydra/")):
             overrides.append(word)
     config_dir = given["--config-dir"][-1] if "--config-dir" in given else None
+    sweep = bool({"-m", "--multirun"} & set(words))
+    check = compose if validate and not sweep else compose_tree     # a sweep's job may fail alone, as a row
     try:
-        jobs = sweep_jobs_to_check(overrides)
-        for job in jobs:
-            if validate and jobs == [overrides]:
-                compose(job, config_dir=config_dir)
-            else:
-                compose_tree(job, config_dir=config_dir)
+        for job in sweep_jobs_to_check(overrides):
+            check(job, config_dir=config_dir)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
