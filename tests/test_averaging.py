@@ -122,6 +122,8 @@ def test_a_run_validates_raw_ema_and_average_and_keeps_the_best(tmp_path, data_c
         assert all(torch.equal(expected[k], best["model"][k]) for k in expected)
     last = load_checkpoint(tmp_path / "checkpoints/last.pt")
     assert last["weights"] == "raw" and "ema" in last
+    # step_24.pt and last.pt were saved before the average was validated: last.pt was saved again with it
+    assert last["step"] == 24 and last["metrics"]["val_history"] == history
     if best["weights"] == "ema" and best["step"] == last["step"]:
         assert torch.equal(best["model"]["tgt_embed.weight"], last["ema"]["weights"]["tgt_embed.weight"])
     # FAST's trainer.attention_heatmaps=off: the validations wrote their numbers and no picture

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from tests.helpers import FAST, ROOT, compose_config
 from transformer import tokenizer as tokenizer_module
+from transformer.checkpoint import load_checkpoint
 from transformer.run_dir import LAUNCH_ENV, Launch
 from transformer.train_log import TrainingBar
 
@@ -137,7 +138,9 @@ def test_train_log_has_the_banner_every_checkpoint_and_every_new_best(tmp_path, 
     assert re.search(r"device cpu \| precision \w+ \| world size 1 \| model tiny: [\d,]+ parameters", text), text
     for step in (10, 20):
         assert f"saved checkpoint {ckpt}/step_{step}.pt and {ckpt}/last.pt (step {step}, " in text
-    assert f"saved checkpoint {ckpt}/last.pt (step 20, " in text
+    # The run ended at step 20, just saved with its validation: last.pt is not written (or logged) again.
+    assert f"saved checkpoint {ckpt}/last.pt (step 20, " not in text
+    assert load_checkpoint(ckpt / "last.pt")["metrics"]["val_history"] == metrics["val_history"]
     # One new-best line per improvement, with the best before it; each followed by best.pt.
     best, step_of_best, expected = -1.0, None, []
     for result in metrics["val_history"]:
@@ -154,6 +157,7 @@ def test_train_log_has_the_banner_every_checkpoint_and_every_new_best(tmp_path, 
     train(compose_config(common + ["trainer.max_steps=25", "trainer.resume=true"], data_cache), run_dir)
     text = (run_dir / "train.log").read_text()
     assert f"start: resuming from {ckpt}/last.pt (step 20)" in text
+    assert f"saved checkpoint {ckpt}/last.pt (step 25, " in text      # between periodic saves: saved at the end
 
     train(compose_config(common + ["trainer.max_steps=5", f"trainer.init_from={ckpt}/last.pt"], data_cache),
           tmp_path / "tuned")

@@ -71,6 +71,7 @@ class TrainingState:
         self.dist, self.device, self.bad_in_a_row = dist, device, bad_in_a_row
         self.ema = self._fresh_ema()
         self.progress = Progress()
+        self.last_written: tuple[int, str] | None = None     # (step, metrics) of the newest last.pt written here
 
     def _fresh_ema(self) -> ExponentialMovingAverage | None:
         """An EMA of the model's weights as they are now, with the config's decay (None without one)."""
@@ -143,6 +144,8 @@ class TrainingState:
         files pruned) and log it once written (on the checkpoint writer's thread: `flush` waits)."""
         step = self.progress.step
         names = [f"step_{step}.pt", "last.pt"] if periodic else [name]
+        if "last.pt" in names:
+            self.last_written = (step, repr(state["metrics"]))
         paths = " and ".join(str(self.checkpoints.directory / n) for n in names)
 
         def written(seconds: float) -> None:
@@ -155,6 +158,11 @@ class TrainingState:
                 self.checkpoints.save(state, name, written)
         except CheckpointError as error:
             raise TrainingError(str(error)) from None
+
+    def last_is_current(self) -> bool:
+        """True when the newest last.pt written by this process holds this step and these metrics: written
+        again, it would hold the same run (nothing but a validation changes the state between steps)."""
+        return self.last_written == (self.progress.step, repr(self.progress.metrics()))
 
     def flush(self) -> None:
         """Wait until every checkpoint saved so far is on disk; a failed write raises here."""

@@ -332,7 +332,9 @@ class Trainer:
             self.validate()
         if tc.average_last and not by_signal:
             self.average_last()         # before last.pt, so that its metrics (best score, patience) count it
-        self.state.save("last.pt")            # non-finite updates were skipped: the weights are finite
+        # Not twice at one step: unless a validation since the periodic save changed the metrics.
+        if D.any_rank(not self.state.last_is_current(), self.dist, self.device):
+            self.state.save("last.pt")        # non-finite updates were skipped: the weights are finite
         self.state.flush()                    # the test reads best.pt; the hint names last.pt
         if self.dist.is_main:
             log.info("%s", resume_hint(self.run_dir, self.launch, reason))
