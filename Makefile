@@ -77,8 +77,9 @@ test-fast: $(STAMP)  ## the tests without the end-to-end training runs
 bench: $(STAMP)  ## speed/memory benchmark: writes bench.json and prints a table
 	$(PY) scripts/bench.py $(ARGS)
 
-lint: $(STAMP)  ## ruff check
+lint: $(STAMP)  ## ruff check and ruff format --check (CI runs it beside the tests)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:  ## remove .venv, caches and data/ (tokenizers, prepared corpora; keeps runs/)
 	rm -rf $(VENV) .pytest_cache .ruff_cache data/spm data/cache data/corpus data/.prepare.*.lock

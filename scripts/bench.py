@@ -55,10 +55,23 @@ from transformer.special import PAD_ID  # noqa: E402
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets, matched
 # against torch.cuda.get_device_name() in this order: the first key contained in the name wins.
 PEAK_BF16_TFLOPS = [
-    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),       # H100 SXM5 ("H100 80GB HBM3")
-    ("GH200", 989.0), ("H200", 989.0), ("H800", 989.0), ("B200", 2250.0), ("B100", 1750.0),
-    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0),
-    ("A10", 125.0), ("RTX 4090", 165.0), ("RTX 3090", 71.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),  # H100 SXM5 ("H100 80GB HBM3")
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("H800", 989.0),
+    ("B200", 2250.0),
+    ("B100", 1750.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("RTX 4090", 165.0),
+    ("RTX 3090", 71.0),
 ]
 
 
@@ -69,8 +82,16 @@ class ReferenceTransformer(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, cfg.d_model, padding_idx=PAD_ID)
         self.positions = SinusoidalPositions(cfg.d_model, cfg.max_positions)
-        self.core = nn.Transformer(cfg.d_model, cfg.n_heads, cfg.encoder_layers, cfg.decoder_layers, cfg.d_ff,
-                                   cfg.dropout, batch_first=True, norm_first=cfg.pre_norm)
+        self.core = nn.Transformer(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.encoder_layers,
+            cfg.decoder_layers,
+            cfg.d_ff,
+            cfg.dropout,
+            batch_first=True,
+            norm_first=cfg.pre_norm,
+        )
         self.scale = math.sqrt(cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -79,12 +100,14 @@ class ReferenceTransformer(nn.Module):
         tgt = self.dropout(self.embed(batch.tgt_in) * self.scale + self.positions(batch.tgt_in.size(1)))
         causal = nn.Transformer.generate_square_subsequent_mask(batch.tgt_in.size(1), device=src.device)
         src_pad = padding_mask(batch.src, PAD_ID)
-        hidden = self.core(src, tgt, tgt_mask=causal, src_key_padding_mask=src_pad,
-                           memory_key_padding_mask=src_pad, tgt_is_causal=True)
+        hidden = self.core(
+            src, tgt, tgt_mask=causal, src_key_padding_mask=src_pad, memory_key_padding_mask=src_pad, tgt_is_causal=True
+        )
         real = batch.tgt_out != PAD_ID
         logits = hidden[real] @ self.embed.weight.t()
-        return nn.functional.cross_entropy(logits.float(), batch.tgt_out[real], label_smoothing=smoothing,
-                                           reduction="sum")
+        return nn.functional.cross_entropy(
+            logits.float(), batch.tgt_out[real], label_smoothing=smoothing, reduction="sum"
+        )
 
 
 class OurModel(nn.Module):
@@ -93,7 +116,7 @@ class OurModel(nn.Module):
         self.model = model
 
     def loss(self, batch, smoothing: float):
-        return batch_loss(self.model, batch, smoothing)[0]          # the trainer's own loss
+        return batch_loss(self.model, batch, smoothing)[0]  # the trainer's own loss
 
 
 def train_flops(cfg, batch, vocab: int) -> float:
@@ -103,15 +126,17 @@ def train_flops(cfg, batch, vocab: int) -> float:
     tgt_tokens = int((batch.tgt_out != PAD_ID).sum())
     S, T = batch.src.size(1), batch.tgt_in.size(1)
     enc = cfg.encoder_layers * src_tokens * (2 * 4 * D * D + 2 * 2 * D * F + 2 * 2 * S * D)
-    dec = cfg.decoder_layers * (tgt_tokens * (2 * 6 * D * D + 2 * 2 * D * F + 2 * 2 * T * D + 2 * 2 * S * D)
-                                + src_tokens * 2 * 2 * D * D)
+    dec = cfg.decoder_layers * (
+        tgt_tokens * (2 * 6 * D * D + 2 * 2 * D * F + 2 * 2 * T * D + 2 * 2 * S * D) + src_tokens * 2 * 2 * D * D
+    )
     out = tgt_tokens * 2 * D * vocab
     return 3.0 * (enc + dec + out)
 
 
 def time_training(models: dict, batches, device, dtype, repeats: int, smoothing: float = 0.1) -> dict:
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.98), fused=True)
-                  for name, m in models.items()}
+    optimizers = {
+        name: torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.98), fused=True) for name, m in models.items()
+    }
     autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else None
     times = {name: [] for name in models}
     losses = {name: [] for name in models}
@@ -131,11 +156,11 @@ def time_training(models: dict, batches, device, dtype, repeats: int, smoothing:
         optimizer.zero_grad(set_to_none=True)
         return loss.item() / batch.num_tgt_tokens
 
-    for name in models:                           # warm-up: allocator, kernels, compile
+    for name in models:  # warm-up: allocator, kernels, compile
         for batch in batches[:2]:
             step(name, batch)
     for _ in range(repeats):
-        for name in models:                       # interleaved, so drift hits both alike
+        for name in models:  # interleaved, so drift hits both alike
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -149,9 +174,12 @@ def time_training(models: dict, batches, device, dtype, repeats: int, smoothing:
     result = {}
     for name in models:
         first, last = losses[name][0], losses[name][-1]
-        result[name] = {"tokens_per_s": tokens / statistics.median(times[name]),
-                        "loss_first_repeat": first, "loss_last_repeat": last,
-                        "loss_ok": all(math.isfinite(x) for x in losses[name]) and last < first}
+        result[name] = {
+            "tokens_per_s": tokens / statistics.median(times[name]),
+            "loss_first_repeat": first,
+            "loss_last_repeat": last,
+            "loss_ok": all(math.isfinite(x) for x in losses[name]) and last < first,
+        }
         if device.type == "cuda":
             result[name]["peak_memory_mb"] = peak[name] / 2**20
     return result
@@ -167,7 +195,7 @@ def bench_train(cfg, data, device, args) -> list[dict]:
         precisions.append("bf16")
     rows = []
     for precision in precisions:
-        for compiled in ([False, True] if args.compile else [False]):
+        for compiled in [False, True] if args.compile else [False]:
             torch.manual_seed(0)
             ours = OurModel(build_model(cfg.model, vocab, vocab, True)).to(device)
             torch.manual_seed(0)
@@ -176,12 +204,19 @@ def bench_train(cfg, data, device, args) -> list[dict]:
             if compiled:
                 models = {k: _compiled(v) for k, v in models.items()}
             result = time_training(models, batches, device, DTYPES[precision], args.repeats)
-            row = {"section": "train", "precision": precision, "compiled": compiled, "preset": cfg.model.name,
-                   "max_tokens": args.max_tokens, "batches": len(batches),
-                   "ours_tokens_per_s": result["ours"]["tokens_per_s"],
-                   "reference_tokens_per_s": result["nn.Transformer"]["tokens_per_s"],
-                   "speedup_vs_reference": result["ours"]["tokens_per_s"] / result["nn.Transformer"]["tokens_per_s"],
-                   "loss_ok": result["ours"]["loss_ok"] and result["nn.Transformer"]["loss_ok"], "detail": result}
+            row = {
+                "section": "train",
+                "precision": precision,
+                "compiled": compiled,
+                "preset": cfg.model.name,
+                "max_tokens": args.max_tokens,
+                "batches": len(batches),
+                "ours_tokens_per_s": result["ours"]["tokens_per_s"],
+                "reference_tokens_per_s": result["nn.Transformer"]["tokens_per_s"],
+                "speedup_vs_reference": result["ours"]["tokens_per_s"] / result["nn.Transformer"]["tokens_per_s"],
+                "loss_ok": result["ours"]["loss_ok"] and result["nn.Transformer"]["loss_ok"],
+                "detail": result,
+            }
             if device.type == "cuda":
                 row["ours_peak_memory_mb"] = result["ours"]["peak_memory_mb"]
                 row["reference_peak_memory_mb"] = result["nn.Transformer"]["peak_memory_mb"]
@@ -199,12 +234,20 @@ def bench_trainer(overrides: list[str], device, args) -> list[dict]:
     import tempfile
 
     from transformer.train import Trainer
+
     precisions = ["fp32"] + (["bf16"] if device.type == "cuda" or cpu_has_native_bf16() else [])
     rows = []
     for precision in precisions:
-        for compiled in ([False, True] if args.compile else [False]):
-            cfg = compose(overrides + [f"trainer.precision={precision}", f"trainer.compile={compiled}",
-                                       f"trainer.device={device}", "trainer.log_every=100000"])
+        for compiled in [False, True] if args.compile else [False]:
+            cfg = compose(
+                overrides
+                + [
+                    f"trainer.precision={precision}",
+                    f"trainer.compile={compiled}",
+                    f"trainer.device={device}",
+                    "trainer.log_every=100000",
+                ]
+            )
             with tempfile.TemporaryDirectory() as run_dir:
                 trainer = Trainer(cfg, Path(run_dir))
                 try:
@@ -217,8 +260,9 @@ def bench_trainer(overrides: list[str], device, args) -> list[dict]:
 
 def _time_trainer(trainer, cfg, device, steps: int, precision: str, compiled: bool) -> dict:
     from transformer.train_log import TrainLog
+
     loader = _epochs(trainer)
-    for _ in range(5):                                   # warm-up: allocator, kernels, compile, workers
+    for _ in range(5):  # warm-up: allocator, kernels, compile, workers
         micro, _ = next(loader)
         trainer.log.add(trainer.train_step(micro), micro)
     trainer.log.read()
@@ -231,12 +275,19 @@ def _time_trainer(trainer, cfg, device, steps: int, precision: str, compiled: bo
         micro, _ = next(loader)
         trainer.log.add(trainer.train_step(micro), micro)
         seen.extend(batch for batch, _ in micro)
-    numbers = trainer.log.read()                         # waits for the device
+    numbers = trainer.log.read()  # waits for the device
     seconds = time.perf_counter() - start
-    row = {"section": "trainer", "precision": precision, "compiled": compiled, "preset": cfg.model.name,
-           "max_tokens": cfg.trainer.max_tokens, "steps": steps, "tokens_per_s": numbers["tokens"] / seconds,
-           "loss": numbers["loss_sum"] / max(numbers["finite_tokens"], 1),
-           "loss_ok": numbers["skipped"] == 0 and math.isfinite(numbers["loss_sum"])}
+    row = {
+        "section": "trainer",
+        "precision": precision,
+        "compiled": compiled,
+        "preset": cfg.model.name,
+        "max_tokens": cfg.trainer.max_tokens,
+        "steps": steps,
+        "tokens_per_s": numbers["tokens"] / seconds,
+        "loss": numbers["loss_sum"] / max(numbers["finite_tokens"], 1),
+        "loss_ok": numbers["skipped"] == 0 and math.isfinite(numbers["loss_sum"]),
+    }
     if device.type == "cuda":
         row["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
         peak = _peak_tflops(device)
@@ -282,6 +333,7 @@ def bench_decode(model, tokenizer, cfg, sources: list[str], device, repeats: int
     """Decoding inside this process through `Translator` (tokenizing included) at the precision
     `transformer-translate` picks (auto), with the key/value cache and without."""
     from transformer.translator import Translator
+
     precision = resolve_precision("auto", device)
     translator = Translator(model.to(device).eval(), tokenizer, cfg, device, precision)
     rows = []
@@ -294,10 +346,17 @@ def bench_decode(model, tokenizer, cfg, sources: list[str], device, repeats: int
                 translator.hypotheses(sources, beam_size=beam, alpha=0.6, use_cache=use_cache)
                 times.append(time.perf_counter() - start)
             timings[use_cache] = statistics.median(times)
-        rows.append({"section": "decode", "beam": beam, "precision": precision, "sentences": len(sources),
-                     "cached_sentences_per_s": len(sources) / timings[True],
-                     "uncached_sentences_per_s": len(sources) / timings[False],
-                     "cache_speedup": timings[False] / timings[True]})
+        rows.append(
+            {
+                "section": "decode",
+                "beam": beam,
+                "precision": precision,
+                "sentences": len(sources),
+                "cached_sentences_per_s": len(sources) / timings[True],
+                "uncached_sentences_per_s": len(sources) / timings[False],
+                "cache_speedup": timings[False] / timings[True],
+            }
+        )
     return rows
 
 
@@ -311,20 +370,34 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--checkpoint", help="trained checkpoint for the decode section (default: train a tiny one)")
     parser.add_argument("--decode-sentences", type=int, default=0, help="limit decode sentences (0 = all)")
-    parser.add_argument("--cli-repeats", type=int, default=3,
-                        help="whole-process transformer-translate runs per beam (needs --checkpoint and "
-                             "MULTI30K_DIR; 0 = skip)")
-    parser.add_argument("--large-file-lines", type=int, default=10000,
-                        help="with --checkpoint: also translate the first N lines of Multi30k train (0 = skip)")
-    parser.add_argument("--ensemble", nargs="*", default=[],
-                        help="with --checkpoint: more checkpoints of its vocabulary for the ensemble rows")
-    parser.add_argument("--data-scale", default="1000000,4500000",
-                        help="corpus sizes (pairs) for the data-scale section, needs MULTI30K_DIR; 0 = skip")
+    parser.add_argument(
+        "--cli-repeats",
+        type=int,
+        default=3,
+        help="whole-process transformer-translate runs per beam (needs --checkpoint and MULTI30K_DIR; 0 = skip)",
+    )
+    parser.add_argument(
+        "--large-file-lines",
+        type=int,
+        default=10000,
+        help="with --checkpoint: also translate the first N lines of Multi30k train (0 = skip)",
+    )
+    parser.add_argument(
+        "--ensemble",
+        nargs="*",
+        default=[],
+        help="with --checkpoint: more checkpoints of its vocabulary for the ensemble rows",
+    )
+    parser.add_argument(
+        "--data-scale",
+        default="1000000,4500000",
+        help="corpus sizes (pairs) for the data-scale section, needs MULTI30K_DIR; 0 = skip",
+    )
     parser.add_argument("--data-scale-dir", default="/tmp/bench-data-scale", help="where its corpora are written")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--output", default="bench.json")
     args = parser.parse_args()
-    tune_cpu_process()                                    # as the training and translation CLIs do
+    tune_cpu_process()  # as the training and translation CLIs do
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     multi30k = os.environ.get("MULTI30K_DIR")
     if multi30k:
@@ -332,23 +405,31 @@ def main() -> int:
     else:
         data_overrides = ["data=toy"]
     cfg = compose(data_overrides + [f"model={args.preset}", f"trainer.max_tokens={args.max_tokens}"])
-    info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "data": cfg.data.name,
-            "model": {k: getattr(cfg.model, k) for k in ("name", "d_model", "n_heads", "d_ff", "encoder_layers",
-                                                          "decoder_layers")}}
+    info = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "data": cfg.data.name,
+        "model": {
+            k: getattr(cfg.model, k) for k in ("name", "d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers")
+        },
+    }
     from bench_data import bench_data, bench_data_scale
+
     rows = [bench_data(cfg)]
     data = prepare(cfg.data)
     rows += bench_train(cfg, data, device, args)
-    rows += bench_trainer(data_overrides + [f"model={args.preset}", f"trainer.max_tokens={args.max_tokens}"],
-                          device, args)
+    rows += bench_trainer(
+        data_overrides + [f"model={args.preset}", f"trainer.max_tokens={args.max_tokens}"], device, args
+    )
 
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
     from transformer.data import load_split_text
+
     if args.checkpoint:
         model, tokenizer, ckpt_cfg = model_from_checkpoint(load_checkpoint(args.checkpoint), args.checkpoint)
         data_cfg = ckpt_cfg.data
-        if multi30k and data_cfg.name.startswith("multi30k"):   # MULTI30K_DIR, wherever it was trained
+        if multi30k and data_cfg.name.startswith("multi30k"):  # MULTI30K_DIR, wherever it was trained
             data_cfg = dataclasses.replace(data_cfg, path=multi30k)
         sources, _ = load_split_text(data_cfg, "test")
     else:
@@ -361,11 +442,16 @@ def main() -> int:
         import tempfile
 
         from bench_ctranslate2 import bench_translation, first_lines
+
         with tempfile.TemporaryDirectory(prefix="bench-lines-") as tmp:
             files = [(test_file, test_file.with_suffix(".en"))]
             if args.large_file_lines:
-                files.append(tuple(first_lines(Path(multi30k) / name, args.large_file_lines, Path(tmp))
-                                   for name in ("train.de", "train.en")))
+                files.append(
+                    tuple(
+                        first_lines(Path(multi30k) / name, args.large_file_lines, Path(tmp))
+                        for name in ("train.de", "train.en")
+                    )
+                )
             rows += bench_translation(args.checkpoint, files, args.cli_repeats, args.ensemble)
     sizes = [int(x) for x in args.data_scale.split(",") if int(x) > 0]
     if multi30k and sizes:
@@ -387,6 +473,7 @@ def _quick_model():
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
     from transformer.data import load_split_text
     from transformer.train import train
+
     run_dir = Path(tempfile.mkdtemp(prefix="bench-"))
     cfg = compose(["trainer.max_steps=300", "trainer.validate_every=300", "trainer.max_minutes=0"])
     train(cfg, run_dir)
@@ -396,32 +483,46 @@ def _quick_model():
 
 
 def _print_table(info: dict, rows: list[dict]) -> None:
-    print(f"\ndevice: {info['device']} | torch {info['torch']} | threads {info['threads']} | data {info['data']} | "
-          f"model {info['model']}")
+    print(
+        f"\ndevice: {info['device']} | torch {info['torch']} | threads {info['threads']} | data {info['data']} | "
+        f"model {info['model']}"
+    )
     for row in rows:
         if row["section"] == "train":
-            memory = (f" | peak MB ours {row['ours_peak_memory_mb']:.0f} vs ref {row['reference_peak_memory_mb']:.0f}"
-                      if "ours_peak_memory_mb" in row else "")
+            memory = (
+                f" | peak MB ours {row['ours_peak_memory_mb']:.0f} vs ref {row['reference_peak_memory_mb']:.0f}"
+                if "ours_peak_memory_mb" in row
+                else ""
+            )
             mfu = f" | MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
-            print(f"train  {row['precision']:4s} {'compiled' if row['compiled'] else 'eager   '} | ours "
-                  f"{row['ours_tokens_per_s']:8.0f} tgt tok/s | nn.Transformer {row['reference_tokens_per_s']:8.0f} | "
-                  f"ratio {row['speedup_vs_reference']:.2f}x | loss falls: {row['loss_ok']}{memory}{mfu}")
+            print(
+                f"train  {row['precision']:4s} {'compiled' if row['compiled'] else 'eager   '} | ours "
+                f"{row['ours_tokens_per_s']:8.0f} tgt tok/s | nn.Transformer {row['reference_tokens_per_s']:8.0f} | "
+                f"ratio {row['speedup_vs_reference']:.2f}x | loss falls: {row['loss_ok']}{memory}{mfu}"
+            )
         elif row["section"] == "trainer":
-            extra = (f" | peak MB {row['peak_memory_mb']:.0f}" if "peak_memory_mb" in row else "") + \
-                (f" | MFU {100 * row['mfu']:.1f}%" if "mfu" in row else "")
-            print(f"trainer {row['precision']:4s} {'compiled' if row['compiled'] else 'eager   '} | "
-                  f"{row['tokens_per_s']:8.0f} tgt tok/s, Trainer.train_step on DataLoader batches "
-                  f"({row['steps']} steps, max_tokens {row['max_tokens']}) | loss {row['loss']:.2f}{extra}")
+            extra = (f" | peak MB {row['peak_memory_mb']:.0f}" if "peak_memory_mb" in row else "") + (
+                f" | MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
+            )
+            print(
+                f"trainer {row['precision']:4s} {'compiled' if row['compiled'] else 'eager   '} | "
+                f"{row['tokens_per_s']:8.0f} tgt tok/s, Trainer.train_step on DataLoader batches "
+                f"({row['steps']} steps, max_tokens {row['max_tokens']}) | loss {row['loss']:.2f}{extra}"
+            )
         elif row["section"] in ("data", "data_scale"):
             from bench_data import print_row
+
             print_row(row)
         elif row["section"] in ("ctranslate2", "translate_cli", "translate_startup"):
             from bench_ctranslate2 import print_row as print_translation
+
             print_translation(row)
         else:
-            print(f"decode beam {row['beam']} {row['precision']} | {row['sentences']} sentences | cached "
-                  f"{row['cached_sentences_per_s']:.1f} sent/s | uncached {row['uncached_sentences_per_s']:.1f} "
-                  f"sent/s | cache speedup {row['cache_speedup']:.2f}x")
+            print(
+                f"decode beam {row['beam']} {row['precision']} | {row['sentences']} sentences | cached "
+                f"{row['cached_sentences_per_s']:.1f} sent/s | uncached {row['uncached_sentences_per_s']:.1f} "
+                f"sent/s | cache speedup {row['cache_speedup']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -44,19 +44,29 @@ def translate_main(argv: list[str]) -> int:
     parser.add_argument("--inter-threads", type=int, default=1)
     parser.add_argument("--intra-threads", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
-    parser.add_argument("--length-penalty", type=float, default=1.0,
-                        help="CTranslate2's length_penalty (the bench passes the checkpoint's decode.alpha)")
+    parser.add_argument(
+        "--length-penalty",
+        type=float,
+        default=1.0,
+        help="CTranslate2's length_penalty (the bench passes the checkpoint's decode.alpha)",
+    )
     args = parser.parse_args(argv)
     folder = Path(args.model_dir)
     joint = (folder / "spm.model").exists()
     src = spm.SentencePieceProcessor(model_file=str(folder / ("spm.model" if joint else "src.spm.model")))
     tgt = src if joint else spm.SentencePieceProcessor(model_file=str(folder / "tgt.spm.model"))
     lines = sys.stdin.buffer.read().decode("utf-8").splitlines()
-    translator = ctranslate2.Translator(str(folder), device="cpu", compute_type=args.compute_type,
-                                        inter_threads=args.inter_threads, intra_threads=args.intra_threads)
+    translator = ctranslate2.Translator(
+        str(folder),
+        device="cpu",
+        compute_type=args.compute_type,
+        inter_threads=args.inter_threads,
+        intra_threads=args.intra_threads,
+    )
     pieces = src.encode([line.strip() for line in lines], out_type=str)
-    results = translator.translate_iterable(pieces, max_batch_size=args.batch_size, beam_size=args.beam,
-                                            length_penalty=args.length_penalty)
+    results = translator.translate_iterable(
+        pieces, max_batch_size=args.batch_size, beam_size=args.beam, length_penalty=args.length_penalty
+    )
     out = [tgt.decode(result.hypotheses[0]) for result in results]
     sys.stdout.buffer.write("".join(text + "\n" for text in out).encode("utf-8"))
     return 0
@@ -97,7 +107,7 @@ def _with_startup(row: dict, command: list[str], repeats: int, known: dict) -> d
     seconds it spent translating, its median time less that start-up (at least a millisecond: on a
     file of a few lines the two medians may cross, and the ratios divide by it)."""
     at = command.index("--beam")
-    startup = _startup_seconds(command[:at] + command[at + 2:], repeats, known)
+    startup = _startup_seconds(command[:at] + command[at + 2 :], repeats, known)
     return {**row, "startup_seconds": startup, "translating_seconds": max(row["seconds_median"] - startup, 1e-3)}
 
 
@@ -105,6 +115,7 @@ def _bleu(lines: list[str], reference_file: Path, checkpoint: str) -> float:
     """BLEU the way validation and transformer-evaluate compute it (`validate.score`: NFC, the target
     language's tokenizer)."""
     from transformer.validate import score
+
     references = reference_file.read_text(encoding="utf-8").splitlines()
     return round(score(lines, references, _target_language(checkpoint))["bleu"], 2)
 
@@ -112,6 +123,7 @@ def _bleu(lines: list[str], reference_file: Path, checkpoint: str) -> float:
 @functools.cache
 def _target_language(checkpoint: str) -> str:
     from transformer.checkpoint import load_checkpoint
+
     return load_checkpoint(checkpoint, mmap=True)["config"]["data"]["tgt_lang"]
 
 
@@ -120,9 +132,15 @@ def _target_language(checkpoint: str) -> str:
 OURS_SETTINGS = {"default": [], "--workers 1": ["--workers", "1"], "--quantize int8": ["--quantize", "int8"]}
 
 
-def bench_translate_cli(checkpoints: list[str], source_file: Path, reference_file: Path, repeats: int,
-                        settings: dict[str, list[str]] = OURS_SETTINGS, beams=(5, 1),
-                        startups: dict | None = None) -> list[dict]:
+def bench_translate_cli(
+    checkpoints: list[str],
+    source_file: Path,
+    reference_file: Path,
+    repeats: int,
+    settings: dict[str, list[str]] = OURS_SETTINGS,
+    beams=(5, 1),
+    startups: dict | None = None,
+) -> list[dict]:
     """`transformer-translate CKPT... --beam N [flags] < source_file` as whole processes, model load
     included; each row with its start-up (`_with_startup`; `startups` keeps them across calls)."""
     rows, startups = [], {} if startups is None else startups
@@ -130,11 +148,20 @@ def bench_translate_cli(checkpoints: list[str], source_file: Path, reference_fil
         for setting, flags in settings.items():
             command = [sys.executable, "-m", "transformer.translate", *checkpoints, "--beam", str(beam), *flags]
             times, lines = _timed(command, source_file, repeats)
-            row = {"section": "translate_cli", "engine": "transformer-translate", "setting": setting,
-                   "checkpoints": len(checkpoints), "beam": beam, "file": str(source_file),
-                   "sentences": len(lines), "seconds_median": statistics.median(times),
-                   "seconds_min": min(times), "seconds_max": max(times), "repeats": repeats,
-                   "bleu": _bleu(lines, reference_file, checkpoints[0])}
+            row = {
+                "section": "translate_cli",
+                "engine": "transformer-translate",
+                "setting": setting,
+                "checkpoints": len(checkpoints),
+                "beam": beam,
+                "file": str(source_file),
+                "sentences": len(lines),
+                "seconds_median": statistics.median(times),
+                "seconds_min": min(times),
+                "seconds_max": max(times),
+                "repeats": repeats,
+                "bleu": _bleu(lines, reference_file, checkpoints[0]),
+            }
             rows.append(_with_startup(row, command, repeats, startups))
     return rows
 
@@ -146,8 +173,14 @@ def bench_startup(checkpoint: str, repeats: int) -> dict:
     return {"section": "translate_startup", "seconds_median": statistics.median(times), "repeats": repeats}
 
 
-def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, repeats: int,
-                      startups: dict | None = None, fastest: bool = False) -> list[dict]:
+def bench_ctranslate2(
+    checkpoint: str,
+    source_file: Path,
+    reference_file: Path,
+    repeats: int,
+    startups: dict | None = None,
+    fastest: bool = False,
+) -> list[dict]:
     """The same file through CTranslate2 (the checkpoint exported in float32 and int8, every thread
     setting), as whole processes, each row with its start-up (`_with_startup`); the fp32 greedy rows say
     how many lines equal ours. `fastest`: only its fastest setting here (int8, two single-thread workers)."""
@@ -160,10 +193,15 @@ def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, 
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
     from transformer.export import export_ctranslate2
 
-    quantizations, thread_settings = (("int8",), THREAD_SETTINGS[:1]) if fastest else (("float32", "int8"), THREAD_SETTINGS)
+    quantizations, thread_settings = (
+        (("int8",), THREAD_SETTINGS[:1]) if fastest else (("float32", "int8"), THREAD_SETTINGS)
+    )
     if not fastest:
-        _, ours_fp32_greedy = _timed([sys.executable, "-m", "transformer.translate", checkpoint, "--beam", "1",
-                                      "--precision", "fp32"], source_file, 1)
+        _, ours_fp32_greedy = _timed(
+            [sys.executable, "-m", "transformer.translate", checkpoint, "--beam", "1", "--precision", "fp32"],
+            source_file,
+            1,
+        )
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-ct2-") as tmp:
         model, tokenizer, config = model_from_checkpoint(load_checkpoint(checkpoint), checkpoint)
@@ -171,16 +209,34 @@ def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, 
             directory = export_ctranslate2(model, tokenizer, Path(tmp) / quantization, quantization)
             for beam in (5, 1):
                 for inter, intra in thread_settings:
-                    command = [sys.executable, str(Path(__file__).resolve()), "translate", str(directory),
-                               "--beam", str(beam), "--compute-type", quantization,
-                               "--inter-threads", str(inter), "--intra-threads", str(intra),
-                               "--length-penalty", str(config.decode.alpha)]
+                    command = [
+                        sys.executable,
+                        str(Path(__file__).resolve()),
+                        "translate",
+                        str(directory),
+                        "--beam",
+                        str(beam),
+                        "--compute-type",
+                        quantization,
+                        "--inter-threads",
+                        str(inter),
+                        "--intra-threads",
+                        str(intra),
+                        "--length-penalty",
+                        str(config.decode.alpha),
+                    ]
                     times, lines = _timed(command, source_file, repeats)
-                    row = {"section": "ctranslate2", "engine": "ctranslate2",
-                           "setting": f"{quantization}, {inter} worker(s) x {intra} thread(s)", "beam": beam,
-                           "file": str(source_file), "sentences": len(lines),
-                           "seconds_median": statistics.median(times), "repeats": repeats,
-                           "bleu": _bleu(lines, reference_file, checkpoint)}
+                    row = {
+                        "section": "ctranslate2",
+                        "engine": "ctranslate2",
+                        "setting": f"{quantization}, {inter} worker(s) x {intra} thread(s)",
+                        "beam": beam,
+                        "file": str(source_file),
+                        "sentences": len(lines),
+                        "seconds_median": statistics.median(times),
+                        "repeats": repeats,
+                        "bleu": _bleu(lines, reference_file, checkpoint),
+                    }
                     if quantization == "float32" and beam == 1:
                         same = sum(a == b for a, b in zip(lines, ours_fp32_greedy))
                         row["identical_to_ours_fp32_greedy"] = same / max(1, len(lines))
@@ -188,8 +244,9 @@ def bench_ctranslate2(checkpoint: str, source_file: Path, reference_file: Path, 
     return rows
 
 
-def bench_translation(checkpoint: str, files: list[tuple[Path, Path]], repeats: int,
-                      ensemble: list[str] = (), fastest: bool = False) -> list[dict]:
+def bench_translation(
+    checkpoint: str, files: list[tuple[Path, Path]], repeats: int, ensemble: list[str] = (), fastest: bool = False
+) -> list[dict]:
     """For each (source, reference) file: our settings and CTranslate2's side by side, each row with its
     ratio to CTranslate2's fastest at the same beam, with and without start-up; start-up; and, given
     `ensemble` (more checkpoints of the same vocabulary), each model alone and all together on the first
@@ -214,27 +271,32 @@ def bench_translation(checkpoint: str, files: list[tuple[Path, Path]], repeats: 
         source_file, reference_file = files[0]
         members = [checkpoint, *ensemble]
         for each in members:
-            rows += bench_translate_cli([each], source_file, reference_file, repeats, {"ensemble member": []}, (5,),
-                                        startups)
+            rows += bench_translate_cli(
+                [each], source_file, reference_file, repeats, {"ensemble member": []}, (5,), startups
+            )
         rows += bench_translate_cli(members, source_file, reference_file, repeats, {"ensemble": []}, (5,), startups)
     return rows
 
 
 def print_row(row: dict) -> None:
     if row["section"] == "translate_startup":
-        print(f"transformer-translate start-up (empty input: Python, torch, the model) | "
-              f"{row['seconds_median']:.2f} s")
+        print(f"transformer-translate start-up (empty input: Python, torch, the model) | {row['seconds_median']:.2f} s")
         return
-    same = (f" | identical to ours (fp32 greedy) {100 * row['identical_to_ours_fp32_greedy']:.1f}%"
-            if "identical_to_ours_fp32_greedy" in row else "")
+    same = (
+        f" | identical to ours (fp32 greedy) {100 * row['identical_to_ours_fp32_greedy']:.1f}%"
+        if "identical_to_ours_fp32_greedy" in row
+        else ""
+    )
     ratio = f" | {row['over_ctranslate2_best']:.2f}x CTranslate2's fastest" if "over_ctranslate2_best" in row else ""
     if "translating_seconds" in row:
         ratio += f" | start-up {row['startup_seconds']:.2f} s, translating {row['translating_seconds']:.2f} s"
         if "translating_over_ctranslate2_best" in row:
             ratio += f" ({row['translating_over_ctranslate2_best']:.2f}x)"
     models = f" ({row['checkpoints']} models)" if row.get("checkpoints", 1) > 1 else ""
-    print(f"{row['engine']:21s} {row['setting']:36s}{models} beam {row['beam']} | {Path(row['file']).name} "
-          f"{row['sentences']} lines | {row['seconds_median']:6.2f} s | BLEU {row['bleu']:.2f}{ratio}{same}")
+    print(
+        f"{row['engine']:21s} {row['setting']:36s}{models} beam {row['beam']} | {Path(row['file']).name} "
+        f"{row['sentences']} lines | {row['seconds_median']:6.2f} s | BLEU {row['bleu']:.2f}{ratio}{same}"
+    )
 
 
 if __name__ == "__main__":
@@ -247,8 +309,11 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lines", type=int, default=0, help="only the first N lines of source and reference")
     parser.add_argument("--ensemble", nargs="*", default=[], help="more checkpoints: ensemble rows on this file")
-    parser.add_argument("--fastest", action="store_true",
-                        help="only each engine's fastest settings (CTranslate2 int8 2x1; ours defaults and int8)")
+    parser.add_argument(
+        "--fastest",
+        action="store_true",
+        help="only each engine's fastest settings (CTranslate2 int8 2x1; ours defaults and int8)",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     files = [(Path(args.source), Path(args.reference))]

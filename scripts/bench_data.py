@@ -49,16 +49,17 @@ def _loop_collate(corpus, positions):
 
 def bench_data(cfg) -> dict:
     data_cfg = cfg.data
-    prepare(data_cfg)                                   # make sure the SentencePiece model is cached
+    prepare(data_cfg)  # make sure the SentencePiece model is cached
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(Path(data_cfg.cache_dir) / "spm", Path(tmp) / "spm")
         data_cfg.cache_dir = tmp
         timings = {}
-        for name in ("spm_cached", "all_cached"):       # first pass encodes, second reads the cache
+        for name in ("spm_cached", "all_cached"):  # first pass encodes, second reads the cache
             started = time.perf_counter()
             prepared = prepare(data_cfg)
-            batches = TokenBatchSampler(prepared.train.src_lens, prepared.train.tgt_lens,
-                                        cfg.trainer.max_tokens, seed=1).batches(0)
+            batches = TokenBatchSampler(
+                prepared.train.src_lens, prepared.train.tgt_lens, cfg.trainer.max_tokens, seed=1
+            ).batches(0)
             timings[name] = time.perf_counter() - started
         train = prepared.train
         real = padded = 0
@@ -76,11 +77,17 @@ def bench_data(cfg) -> dict:
             start = time.perf_counter()
             _loop_collate(train, indices)
             loop_ms.append(1000 * (time.perf_counter() - start))
-    return {"section": "data", "prepare_spm_cached_s": timings["spm_cached"],
-            "prepare_all_cached_s": timings["all_cached"], "batches": len(batches),
-            "max_tokens": cfg.trainer.max_tokens, "padding_share": 1 - real / padded,
-            "collate_8k_ms_median": statistics.median(collate_ms), "collate_8k_loop_ms_median": statistics.median(loop_ms),
-            "collate_8k_sentences_mean": float(np.mean([len(b) for b in sample]))}
+    return {
+        "section": "data",
+        "prepare_spm_cached_s": timings["spm_cached"],
+        "prepare_all_cached_s": timings["all_cached"],
+        "batches": len(batches),
+        "max_tokens": cfg.trainer.max_tokens,
+        "padding_share": 1 - real / padded,
+        "collate_8k_ms_median": statistics.median(collate_ms),
+        "collate_8k_loop_ms_median": statistics.median(loop_ms),
+        "collate_8k_sentences_mean": float(np.mean([len(b) for b in sample])),
+    }
 
 
 def _repeat_corpus(multi30k: Path, pairs: int, folder: Path) -> None:
@@ -99,17 +106,20 @@ def _repeat_corpus(multi30k: Path, pairs: int, folder: Path) -> None:
             shutil.copy(multi30k / f"{split}.{lang}", folder / f"{split}.{lang}")
 
 
-_MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); rc = subprocess.call(sys.argv[2:]); "
-            "open(sys.argv[1], 'w').write('%d %.2f %d' % (rc, time.perf_counter() - t, "
-            "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))")
+_MEASURE = (
+    "import resource, subprocess, sys, time; t = time.perf_counter(); rc = subprocess.call(sys.argv[2:]); "
+    "open(sys.argv[1], 'w').write('%d %.2f %d' % (rc, time.perf_counter() - t, "
+    "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))"
+)
 
 
 def _timed(command: list[str], log: Path) -> tuple[float, float]:
     """(wall seconds, peak RSS in MB of the largest descendant) of a command run to completion."""
     result = log.with_suffix(".measure")
     with open(log, "w") as out:
-        subprocess.run([sys.executable, "-c", _MEASURE, str(result), *command], cwd=ROOT, stdout=out,
-                       stderr=subprocess.STDOUT)
+        subprocess.run(
+            [sys.executable, "-c", _MEASURE, str(result), *command], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+        )
     rc, seconds, rss_kb = result.read_text().split()
     if rc != "0":
         raise RuntimeError(f"{' '.join(command)} failed (exit {rc}); see {log}")
@@ -131,10 +141,22 @@ def bench_data_scale(multi30k: Path, sizes: list[int], folder: Path) -> list[dic
         shutil.rmtree(cache, ignore_errors=True)
         # The run validates once at its end: on one sentence and without EMA, since an untrained model
         # decodes every sentence to its length limit (a minute of decoding, not of starting up).
-        args = ["-m", "transformer.train", "data=multi30k_de_en", f"data.path={corpus}", f"data.cache_dir={cache}",
-                "model=tiny", "trainer.max_steps=1", "trainer.test_at_end=false", "trainer.validate_every=1000000",
-                "trainer.val_max_sentences=1", "trainer.ema_decay=0", "trainer.average_last=0",
-                "trainer.overwrite=true", f"hydra.run.dir={corpus / 'run'}"]
+        args = [
+            "-m",
+            "transformer.train",
+            "data=multi30k_de_en",
+            f"data.path={corpus}",
+            f"data.cache_dir={cache}",
+            "model=tiny",
+            "trainer.max_steps=1",
+            "trainer.test_at_end=false",
+            "trainer.validate_every=1000000",
+            "trainer.val_max_sentences=1",
+            "trainer.ema_decay=0",
+            "trainer.average_last=0",
+            "trainer.overwrite=true",
+            f"hydra.run.dir={corpus / 'run'}",
+        ]
         row = {"section": "data_scale", "pairs": pairs}
         for run in ("cold", "warm"):
             started = time.time()
@@ -157,22 +179,31 @@ def bench_data_scale(multi30k: Path, sizes: list[int], folder: Path) -> list[dic
 
 def print_row(row: dict) -> None:
     if row["section"] == "data":
-        print(f"data   prepare Multi30k (SentencePiece cached) {row['prepare_spm_cached_s']:.1f} s | all cached "
-              f"{row['prepare_all_cached_s']:.2f} s | {row['batches']} batches of max_tokens={row['max_tokens']} | "
-              f"padding {100 * row['padding_share']:.1f}% | collate 8k-token batch {row['collate_8k_ms_median']:.2f} ms "
-              f"(per-sentence loop {row['collate_8k_loop_ms_median']:.2f} ms)")
+        print(
+            f"data   prepare Multi30k (SentencePiece cached) {row['prepare_spm_cached_s']:.1f} s | all cached "
+            f"{row['prepare_all_cached_s']:.2f} s | {row['batches']} batches of max_tokens={row['max_tokens']} | "
+            f"padding {100 * row['padding_share']:.1f}% | collate 8k-token batch {row['collate_8k_ms_median']:.2f} ms "
+            f"(per-sentence loop {row['collate_8k_loop_ms_median']:.2f} ms)"
+        )
     else:
-        ddp = (f" | torchrun x2 cold {row['ddp2_cold_s']:.0f} s, largest process {row['ddp2_max_rss_mb']:.0f} MB, "
-               f"{row['ddp2_corpus_dirs']} corpus dirs" if "ddp2_cold_s" in row else "")
-        print(f"scale  {row['pairs']:>9,} pairs | cold {row['cold_s']:6.1f} s (first step after "
-              f"{row['cold_first_step_s']:.1f} s), {row['cold_rss_mb']:5.0f} MB | warm {row['warm_s']:5.1f} s (first step "
-              f"after {row['warm_first_step_s']:.1f} s), {row['warm_rss_mb']:5.0f} MB, checking the "
-              f"{row['train_split_mb']:.0f} MB training split {row['check_s']:.2f} s{ddp}")
+        ddp = (
+            f" | torchrun x2 cold {row['ddp2_cold_s']:.0f} s, largest process {row['ddp2_max_rss_mb']:.0f} MB, "
+            f"{row['ddp2_corpus_dirs']} corpus dirs"
+            if "ddp2_cold_s" in row
+            else ""
+        )
+        print(
+            f"scale  {row['pairs']:>9,} pairs | cold {row['cold_s']:6.1f} s (first step after "
+            f"{row['cold_first_step_s']:.1f} s), {row['cold_rss_mb']:5.0f} MB | warm {row['warm_s']:5.1f} s "
+            f"(first step after {row['warm_first_step_s']:.1f} s), {row['warm_rss_mb']:5.0f} MB, checking the "
+            f"{row['train_split_mb']:.0f} MB training split {row['check_s']:.2f} s{ddp}"
+        )
 
 
 if __name__ == "__main__":
     import argparse
     import os
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1000000,4500000")
     parser.add_argument("--folder", default="/tmp/bench-data-scale")

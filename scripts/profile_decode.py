@@ -22,11 +22,22 @@ import torch
 
 GROUPS = {
     "linear layers": ("aten::addmm", "aten::mm", "quantized::linear_dynamic", "aten::linear"),
-    "attention": ("aten::bmm", "aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu",
-                  "aten::masked_fill_", "aten::baddbmm"),
+    "attention": (
+        "aten::bmm",
+        "aten::_softmax",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::masked_fill_",
+        "aten::baddbmm",
+    ),
     "key/value cache": ("aten::index_select", "aten::copy_", "aten::cat"),
-    "output distribution, top-k": ("aten::_log_softmax", "aten::topk", "aten::amax", "aten::gather",
-                                   "aten::max", "aten::sort"),
+    "output distribution, top-k": (
+        "aten::_log_softmax",
+        "aten::topk",
+        "aten::amax",
+        "aten::gather",
+        "aten::max",
+        "aten::sort",
+    ),
     "layer norm": ("aten::native_layer_norm",),
 }
 
@@ -50,10 +61,11 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     source = Path(args.source or Path(os.environ.get("MULTI30K_DIR", ".")) / "val.de")
-    lines = source.read_text(encoding="utf-8").splitlines()[:args.sentences]
-    translator = Translator.from_checkpoint(args.checkpoint, device="cpu", precision=args.precision,
-                                            quantize=args.quantize)
-    translator.translate(lines[:20], beam_size=args.beam, workers=1)                    # warm up
+    lines = source.read_text(encoding="utf-8").splitlines()[: args.sentences]
+    translator = Translator.from_checkpoint(
+        args.checkpoint, device="cpu", precision=args.precision, quantize=args.quantize
+    )
+    translator.translate(lines[:20], beam_size=args.beam, workers=1)  # warm up
     started = time.perf_counter()
     translator.translate(lines, beam_size=args.beam, workers=1)
     plain = time.perf_counter() - started
@@ -65,8 +77,10 @@ def main() -> int:
     for event in profile.key_averages():
         seconds[group_of(event.key)] = seconds.get(group_of(event.key), 0.0) + event.self_cpu_time_total / 1e6
     seconds["Python and dispatch between operators"] = max(0.0, profiled - sum(seconds.values()))
-    print(f"{len(lines)} sentences, beam {args.beam}, precision {args.precision}, quantize {args.quantize}, "
-          f"{args.threads} thread(s): {plain:.2f} s unprofiled, {profiled:.2f} s profiled")
+    print(
+        f"{len(lines)} sentences, beam {args.beam}, precision {args.precision}, quantize {args.quantize}, "
+        f"{args.threads} thread(s): {plain:.2f} s unprofiled, {profiled:.2f} s profiled"
+    )
     for group, value in sorted(seconds.items(), key=lambda item: -item[1]):
         print(f"  {group:40s} {100 * value / profiled:5.1f}%  {value:6.2f} s")
     return 0

@@ -29,6 +29,7 @@ def _fast_tests_train_nothing(request, monkeypatch):
 
         def refuse(*args, **kwargs):
             raise AssertionError(f"{request.node.nodeid} trains a model but is not marked slow")
+
         monkeypatch.setattr(train_module.Trainer, "fit", refuse)
 
 
@@ -44,10 +45,21 @@ def trained_run(tmp_path_factory, data_cache):
     from transformer.train import train
 
     run_dir = tmp_path_factory.mktemp("trained-run")
-    cfg = compose_config(FAST + ["trainer.attention_heatmaps=mean", "model.d_model=96", "model.d_ff=256",
-                                 "data.embedded_pairs=4000", "trainer.max_steps=240", "trainer.validate_every=80",
-                                 "trainer.warmup=60", "trainer.lr=3e-3", "trainer.max_minutes=0"],
-                         cache_dir=data_cache)
+    cfg = compose_config(
+        FAST
+        + [
+            "trainer.attention_heatmaps=mean",
+            "model.d_model=96",
+            "model.d_ff=256",
+            "data.embedded_pairs=4000",
+            "trainer.max_steps=240",
+            "trainer.validate_every=80",
+            "trainer.warmup=60",
+            "trainer.lr=3e-3",
+            "trainer.max_minutes=0",
+        ],
+        cache_dir=data_cache,
+    )
     metrics = train(cfg, run_dir)
     return run_dir, metrics
 

@@ -1,5 +1,6 @@
 """Plain helpers for the tests (conftest.py keeps the fixtures and hooks): the repository root, the
-tiny training configuration, composing the real config, an untrained checkpoint, a bit flipped in a checkpoint, and the counter of tensor
+tiny training configuration, composing the real config, an untrained checkpoint, a bit flipped in a checkpoint,
+and the counter of tensor
 values read back to the host."""
 
 from __future__ import annotations
@@ -25,9 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # No attention pictures (drawing them took three quarters of a small test run's validations): the tests
 # of the pictures ask for them (trainer.attention_heatmaps=mean or heads).
 FAST = [
-    "model.d_model=64", "model.n_heads=4", "model.d_ff=128", "model.encoder_layers=2",
-    "model.decoder_layers=2", "data.embedded_pairs=2000", "data.vocab_size=200",
-    "trainer.max_tokens=1024", "trainer.log_every=10", "trainer.val_max_sentences=50",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.d_ff=128",
+    "model.encoder_layers=2",
+    "model.decoder_layers=2",
+    "data.embedded_pairs=2000",
+    "data.vocab_size=200",
+    "trainer.max_tokens=1024",
+    "trainer.log_every=10",
+    "trainer.val_max_sentences=50",
     "trainer.attention_heatmaps=off",
 ]
 
@@ -36,7 +44,6 @@ def compose_config(overrides: list[str] = (), cache_dir: Path | None = None) -> 
     """The real conf/ tree composed with overrides, as `make train key=value` would see it."""
     extra = [f"data.cache_dir={cache_dir}"] if cache_dir is not None else []
     return compose(list(overrides) + extra)
-
 
 
 def wait_for_log(log: Path, text: str, seconds: float) -> None:
@@ -52,14 +59,26 @@ def write_untrained_checkpoint(path: Path) -> Path:
     every test that does not need sensible translations: refusals, file handling, shapes, equivalences."""
     config = compose_config(FAST)
     src, tgt = generate(400, 10, 10)["train"]
-    tokenizer = Tokenizer(train_sentencepiece(src + tgt, vocab_size=120, model_type="bpe", character_coverage=1.0,
-                                              sample=10_000))
+    tokenizer = Tokenizer(
+        train_sentencepiece(src + tgt, vocab_size=120, model_type="bpe", character_coverage=1.0, sample=10_000)
+    )
     torch.manual_seed(0)
     model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
-    metrics = {"val_history": [{"step": 10, "loss": 4.0, "bleu": 12.345, "chrf": 40.5, "weights": "raw"}],
-               "best_bleu": 12.345, "best_step": 10}
-    save_checkpoint({"model": model.state_dict(), "config": config.to_dict(), "tokenizer": tokenizer.state_dict(),
-                     "step": 10, "metrics": metrics}, path)
+    metrics = {
+        "val_history": [{"step": 10, "loss": 4.0, "bleu": 12.345, "chrf": 40.5, "weights": "raw"}],
+        "best_bleu": 12.345,
+        "best_step": 10,
+    }
+    save_checkpoint(
+        {
+            "model": model.state_dict(),
+            "config": config.to_dict(),
+            "tokenizer": tokenizer.state_dict(),
+            "step": 10,
+            "metrics": metrics,
+        },
+        path,
+    )
     return path
 
 
@@ -74,8 +93,16 @@ INTERRUPTIBLE = {"preexec_fn": _sigint_as_at_a_terminal}
 
 
 # Operations that make a GPU report a value to the host (the step then waits for the device).
-HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique",
-              "aten.repeat_interleave", "aten.equal", "aten.is_nonzero")
+HOST_READS = (
+    "aten._local_scalar_dense",
+    "aten.nonzero",
+    "aten.masked_select",
+    "aten.unique",
+    "aten._unique",
+    "aten.repeat_interleave",
+    "aten.equal",
+    "aten.is_nonzero",
+)
 
 
 class HostReads:
@@ -94,13 +121,15 @@ class HostReads:
 
     def __enter__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
+
         reads = self
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 name = str(func.overloadpacket)
                 bool_index = name == "aten.index" and any(
-                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())
+                )
                 if name.startswith(HOST_READS) or bool_index:
                     reads.seen.append(name)
                     if name == "aten._local_scalar_dense" and args[0].is_meta:
@@ -127,6 +156,7 @@ class HostReads:
             if name == "tolist" and tensor.is_meta:
                 return _nested_list(tuple(tensor.shape), self._placeholder(tensor.dtype))
             return original(tensor, *args, **kwargs)
+
         return wrapper
 
     def __exit__(self, *exc):
@@ -144,10 +174,11 @@ def flip_a_byte_of(path: Path, tensor: torch.Tensor) -> None:
     its CRC-32), as a disk or a copy would."""
     as_bytes = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy()
     with zipfile.ZipFile(path) as archive:
-        record = next(info for info in archive.infolist() if info.CRC == zlib.crc32(as_bytes)
-                      and info.file_size == as_bytes.size)
+        record = next(
+            info for info in archive.infolist() if info.CRC == zlib.crc32(as_bytes) and info.file_size == as_bytes.size
+        )
     data = bytearray(path.read_bytes())
-    header = record.header_offset                       # local header: 30 bytes, then the name and the extra field
-    name_length, extra_length = struct.unpack("<HH", data[header + 26:header + 30])
+    header = record.header_offset  # local header: 30 bytes, then the name and the extra field
+    name_length, extra_length = struct.unpack("<HH", data[header + 26 : header + 30])
     data[header + 30 + name_length + extra_length + record.file_size // 2] ^= 0x04
     path.write_bytes(data)

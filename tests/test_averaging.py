@@ -17,7 +17,7 @@ class _Tied(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(3, 2)
         self.out = nn.Linear(2, 3, bias=False)
-        self.out.weight = self.embed.weight          # tied: one parameter under two names
+        self.out.weight = self.embed.weight  # tied: one parameter under two names
         self.bias = nn.Parameter(torch.zeros(3))
 
 
@@ -27,7 +27,7 @@ def test_ema_update_matches_the_formula_by_hand():
         model.embed.weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))
         model.bias.copy_(torch.tensor([1.0, 0.0, -1.0]))
     ema = ExponentialMovingAverage(model, decay=0.9)
-    assert sorted(ema.names) == ["bias", "embed.weight"]              # the tied matrix once
+    assert sorted(ema.names) == ["bias", "embed.weight"]  # the tied matrix once
     expected_embed, expected_bias = model.embed.weight.detach().clone(), model.bias.detach().clone()
     for step, shift in ((1, 1.0), (2, -2.0), (50, 0.5), (200, 0.25)):
         with torch.no_grad():
@@ -42,7 +42,7 @@ def test_ema_update_matches_the_formula_by_hand():
         assert torch.allclose(average["embed.weight"], expected_embed, atol=1e-6)
         assert torch.allclose(average["bias"], expected_bias, atol=1e-6)
     state = ema.model_state(model)
-    assert set(state) == set(model.state_dict())                      # both names of the tied matrix
+    assert set(state) == set(model.state_dict())  # both names of the tied matrix
     assert torch.equal(state["embed.weight"], state["out.weight"])
     assert torch.allclose(state["embed.weight"], expected_embed, atol=1e-6)
 
@@ -68,6 +68,7 @@ def test_ema_warmup_sets_how_long_the_decay_warms_up():
 
 def test_the_run_state_builds_its_ema_from_the_config():
     from transformer.run_state import TrainingState
+
     cfg = compose_config(["trainer.ema_decay=0.99", "trainer.ema_warmup=3"])
     state = TrainingState(cfg, _Tied(), None, None, None, None, None, "", None, torch.device("cpu"))
     assert (state.ema.decay, state.ema.warmup) == (0.99, 3.0)
@@ -86,12 +87,15 @@ def test_weights_swapped_restores_the_model_bit_for_bit():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["trainer.ema_decay=1.0"], "trainer.ema_decay=1.0 must be in"),
-    (["trainer.ema_warmup=1"], "trainer.ema_warmup=1.0 must be above 1"),
-    (["trainer.average_last=1"], "trainer.average_last=1 must be 0"),
-    (["trainer.average_last=5", "trainer.keep_last=3"], "set trainer.keep_last=5"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["trainer.ema_decay=1.0"], "trainer.ema_decay=1.0 must be in"),
+        (["trainer.ema_warmup=1"], "trainer.ema_warmup=1.0 must be above 1"),
+        (["trainer.average_last=1"], "trainer.average_last=1 must be 0"),
+        (["trainer.average_last=5", "trainer.keep_last=3"], "set trainer.keep_last=5"),
+    ],
+)
 def test_averaging_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
         compose_config(overrides)
@@ -100,10 +104,25 @@ def test_averaging_settings_are_checked(overrides, message):
 @pytest.mark.slow
 def test_a_run_validates_raw_ema_and_average_and_keeps_the_best(tmp_path, data_cache):
     from transformer.train import train
-    cfg = compose_config(FAST + ["data.embedded_pairs=800", "trainer.max_steps=24", "trainer.validate_every=8",
-                                 "trainer.checkpoint_every=4", "trainer.keep_last=3", "trainer.average_last=3",
-                                 "trainer.ema_decay=0.9", "trainer.val_max_sentences=16", "decode.beam_size=1",
-                                 "trainer.lr=3e-3", "trainer.warmup=8", "trainer.test_at_end=false"], data_cache)
+
+    cfg = compose_config(
+        FAST
+        + [
+            "data.embedded_pairs=800",
+            "trainer.max_steps=24",
+            "trainer.validate_every=8",
+            "trainer.checkpoint_every=4",
+            "trainer.keep_last=3",
+            "trainer.average_last=3",
+            "trainer.ema_decay=0.9",
+            "trainer.val_max_sentences=16",
+            "decode.beam_size=1",
+            "trainer.lr=3e-3",
+            "trainer.warmup=8",
+            "trainer.test_at_end=false",
+        ],
+        data_cache,
+    )
     metrics = train(cfg, tmp_path)
     history = metrics["val_history"]
     # Every validation scored the raw weights and the EMA; the average was validated once, at the end.
@@ -115,7 +134,7 @@ def test_a_run_validates_raw_ema_and_average_and_keeps_the_best(tmp_path, data_c
     if best["weights"].startswith("average"):
         expected = average_checkpoints(step_checkpoints(tmp_path)[-3:])["model"]
     elif best["weights"] == "ema":
-        expected = None    # the EMA at best_step: compared through last.pt below when that is the last step
+        expected = None  # the EMA at best_step: compared through last.pt below when that is the last step
     else:
         expected = load_checkpoint(tmp_path / f"checkpoints/step_{best['step']}.pt")["model"]
     if expected is not None:
@@ -128,6 +147,7 @@ def test_a_run_validates_raw_ema_and_average_and_keeps_the_best(tmp_path, data_c
         assert torch.equal(best["model"]["tgt_embed.weight"], last["ema"]["weights"]["tgt_embed.weight"])
     # FAST's trainer.attention_heatmaps=off: the validations wrote their numbers and no picture
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert {"val/bleu", "val_ema/bleu"} <= set(events.Tags()["scalars"]) and events.Tags()["images"] == []
@@ -135,6 +155,7 @@ def test_a_run_validates_raw_ema_and_average_and_keeps_the_best(tmp_path, data_c
 
 def test_a_checkpoint_holding_averaged_weights_cannot_resume_a_run():
     from transformer.run_state import TrainingError, _resumable
+
     full = {"optimizer": {}, "scheduler": {}, "scaler": {}, "rng": [], "data_state": {}}
     assert _resumable({**full, "weights": "raw"}, "last.pt")
     with pytest.raises(TrainingError, match="best.pt: holds the ema weights .* resume from last.pt"):

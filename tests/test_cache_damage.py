@@ -25,7 +25,7 @@ from transformer.corpus import DATA_FILES, prepare
 from transformer.data import DataError
 
 SETTINGS = dict(name="unit", embedded=True, embedded_pairs=300, vocab_size=80)
-OVERRIDES = ["data=toy", "data.embedded_pairs=300", "data.vocab_size=80"]       # the same, for the CLI
+OVERRIDES = ["data=toy", "data.embedded_pairs=300", "data.vocab_size=80"]  # the same, for the CLI
 
 
 def _prepare(cache: Path):
@@ -34,8 +34,11 @@ def _prepare(cache: Path):
 
 def _contents(cache: Path) -> dict[str, bytes]:
     """Every file of the cache (lock files aside: taking a lock is not a change)."""
-    return {str(p.relative_to(cache)): p.read_bytes() for p in sorted(cache.rglob("*"))
-            if p.is_file() and not p.name.endswith(".lock")}
+    return {
+        str(p.relative_to(cache)): p.read_bytes()
+        for p in sorted(cache.rglob("*"))
+        if p.is_file() and not p.name.endswith(".lock")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +66,13 @@ def _same_size_other_content(path: Path) -> None:
         np.roll(np.fromfile(path, dtype=np.uint16), 1).tofile(path)
     elif path.name.endswith("offsets.npy"):
         offsets = np.load(path)
-        offsets[1] += 1                                   # pair 0 one id longer, pair 1 one shorter
+        offsets[1] += 1  # pair 0 one id longer, pair 1 one shorter
         np.save(path, offsets)
     elif path.name == "flags.npy":
         flags = np.load(path)
         flags[0] ^= corpus_module.FLAG_BLANK
         np.save(path, flags)
-    else:                                                 # meta.json, or a SentencePiece model's record
+    else:  # meta.json, or a SentencePiece model's record
         text = path.read_text()
         edited = text.replace('"dtype": "uint16"', '"dtype": "uint32"').replace('"vocab_size": 80', '"vocab_size": 81')
         assert len(edited) == len(text) and edited != text
@@ -80,10 +83,14 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-DAMAGES = {"truncated": _truncate, "other content": _same_size_other_content, "deleted": Path.unlink,
-           "garbage": lambda path: path.write_bytes(b"\x00\xff not what was written {"),
-           "empty": lambda path: path.write_bytes(b"")}
-EXPECTED = {   # damage -> what the warning says, for a data file / for a metadata file
+DAMAGES = {
+    "truncated": _truncate,
+    "other content": _same_size_other_content,
+    "deleted": Path.unlink,
+    "garbage": lambda path: path.write_bytes(b"\x00\xff not what was written {"),
+    "empty": lambda path: path.write_bytes(b""),
+}
+EXPECTED = {  # damage -> what the warning says, for a data file / for a metadata file
     "truncated": (r"truncated \(\d+ of \d+ bytes\)", r"unreadable metadata \(not JSON\)"),
     "other content": (r"checksum mismatch", r"unreadable metadata \(checksum mismatch\)"),
     "deleted": (r"missing", r"missing"),
@@ -102,7 +109,7 @@ def _one_warning(caplog, path: Path, problem: str) -> str:
 def test_the_pristine_cache_is_prepared_without_warnings(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         _prepare(tmp_path)
-        _prepare(tmp_path)                                # the second run reads and checks it
+        _prepare(tmp_path)  # the second run reads and checks it
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert caplog.text.count("prepared corpus") == 2
 
@@ -115,7 +122,7 @@ def test_a_damaged_prepared_file_is_rebuilt_with_one_warning(cache, pristine, ca
     with caplog.at_level(logging.INFO):
         prepared = _prepare(cache)
     _one_warning(caplog, path, EXPECTED[damage][name == "meta.json"])
-    assert _contents(cache) == _contents(pristine)        # the same files, and nothing moved aside left over
+    assert _contents(cache) == _contents(pristine)  # the same files, and nothing moved aside left over
     expected = prepare(DataConfig(**SETTINGS, cache_dir=str(pristine))).train
     assert [prepared.train.ids(i) for i in range(len(expected))] == [expected.ids(i) for i in range(len(expected))]
 
@@ -136,7 +143,7 @@ def test_a_damaged_sentencepiece_model_is_trained_again_with_one_warning(cache, 
     path = model if which == "model" else model.with_name(model.name.split(".")[0] + ".json")
     if damage == "other content" and which == "model":
         data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0xFF                      # one byte flipped inside the model
+        data[len(data) // 2] ^= 0xFF  # one byte flipped inside the model
         path.write_bytes(bytes(data))
     else:
         DAMAGES[damage](path)
@@ -145,7 +152,7 @@ def test_a_damaged_sentencepiece_model_is_trained_again_with_one_warning(cache, 
         _prepare(cache)
     _one_warning(caplog, path, expected[which == "record"])
     assert "training SentencePiece again" in caplog.text
-    assert _contents(cache) == _contents(pristine)        # the same model again, the corpus still valid
+    assert _contents(cache) == _contents(pristine)  # the same model again, the corpus still valid
 
 
 def test_a_split_that_cannot_be_moved_aside_is_refused_with_one_line(cache, monkeypatch):
@@ -154,21 +161,28 @@ def test_a_split_that_cannot_be_moved_aside_is_refused_with_one_line(cache, monk
 
     def refuse(*args):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
     monkeypatch.setattr(corpus_module.os, "rename", refuse)
     with pytest.raises(DataError) as error:
         _prepare(cache)
     message = str(error.value)
     assert "\n" not in message
-    assert re.fullmatch(rf"{re.escape(str(path))}: truncated \(\d+ of \d+ bytes\), and {re.escape(str(path.parent))} "
-                        r"cannot be moved aside to prepare it again \(Permission denied\); delete it", message)
+    assert re.fullmatch(
+        rf"{re.escape(str(path))}: truncated \(\d+ of \d+ bytes\), and {re.escape(str(path.parent))} "
+        r"cannot be moved aside to prepare it again \(Permission denied\); delete it",
+        message,
+    )
 
 
 def test_damage_after_the_check_is_refused_where_it_cannot_be_repaired(cache):
     train = _prepare(cache).train
     _truncate(_train_dir(cache) / "tgt.ids")
-    with pytest.raises(DataError, match=r"tgt.ids: truncated \(\d+ of \d+ bytes\): the prepared corpus was damaged "
-                                        r"after it was checked; run `make prepare` again"):
-        pickle.loads(pickle.dumps(train))                # what a DataLoader worker does
+    with pytest.raises(
+        DataError,
+        match=r"tgt.ids: truncated \(\d+ of \d+ bytes\): the prepared corpus was damaged "
+        r"after it was checked; run `make prepare` again",
+    ):
+        pickle.loads(pickle.dumps(train))  # what a DataLoader worker does
 
 
 REPAIR = """
@@ -182,8 +196,16 @@ print("pairs", len(prepare(DataConfig(**eval(sys.argv[2]), cache_dir=sys.argv[1]
 
 def test_concurrent_processes_repair_a_damaged_split_once(cache, pristine):
     _same_size_other_content(_train_dir(cache) / "src.ids")
-    procs = [subprocess.Popen([sys.executable, "-c", REPAIR, str(cache), repr(SETTINGS)], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", REPAIR, str(cache), repr(SETTINGS)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     assert all("pairs 300" in out for out in outputs)
@@ -206,16 +228,19 @@ def test_a_full_disk_while_encoding_is_one_line_and_leaves_nothing_half_written(
     cache = tmp_path / "cache"
 
     def save_part_then_fail(path, array):
-        Path(path).write_bytes(b"\x93NUMPY part")         # what a write that runs out of room leaves
+        Path(path).write_bytes(b"\x93NUMPY part")  # what a write that runs out of room leaves
         _no_space()
+
     monkeypatch.setattr(corpus_module.np, "save", save_part_then_fail)
     code, err = _prepare_cli(capsys, cache)
     assert code == 2 and "Traceback" not in err
-    assert re.fullmatch(rf"error: {re.escape(str(cache))}/corpus/toy.train.\w+: cannot write the prepared corpus: "
-                        r"No space left on device; free some space or point data.cache_dir at a disk with room\n",
-                        err), err
-    assert list((cache / "corpus").iterdir()) == []      # no temporary directory left
-    assert len(list((cache / "spm").iterdir())) == 2     # the SentencePiece model and its record are whole
+    assert re.fullmatch(
+        rf"error: {re.escape(str(cache))}/corpus/toy.train.\w+: cannot write the prepared corpus: "
+        r"No space left on device; free some space or point data.cache_dir at a disk with room\n",
+        err,
+    ), err
+    assert list((cache / "corpus").iterdir()) == []  # no temporary directory left
+    assert len(list((cache / "spm").iterdir())) == 2  # the SentencePiece model and its record are whole
 
 
 def test_a_full_disk_while_saving_the_sentencepiece_model_is_one_line(tmp_path, capsys, monkeypatch):
@@ -225,11 +250,15 @@ def test_a_full_disk_while_saving_the_sentencepiece_model_is_one_line(tmp_path, 
     def write_part_then_fail(path, data):
         real_write(path, data[:100])
         _no_space()
+
     monkeypatch.setattr(Path, "write_bytes", write_part_then_fail)
     code, err = _prepare_cli(capsys, cache)
     assert code == 2 and "Traceback" not in err
-    assert re.fullmatch(rf"error: {re.escape(str(cache))}/spm: cannot write the SentencePiece model: No space left "
-                        r"on device; .*\n", err), err
+    assert re.fullmatch(
+        rf"error: {re.escape(str(cache))}/spm: cannot write the SentencePiece model: No space left "
+        r"on device; .*\n",
+        err,
+    ), err
     assert list((cache / "spm").iterdir()) == []
 
 
@@ -247,8 +276,14 @@ corpus.main(sys.argv[1:])
 
 def test_ctrl_c_while_preparing_is_one_line_exit_130_and_leaves_nothing_half_written(tmp_path):
     cache = tmp_path / "cache"
-    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED, *OVERRIDES, f"data.cache_dir={cache}"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **INTERRUPTIBLE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED, *OVERRIDES, f"data.cache_dir={cache}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **INTERRUPTIBLE,
+    )
     for line in proc.stdout:
         if line.strip() == "encoding":
             break
@@ -256,17 +291,23 @@ def test_ctrl_c_while_preparing_is_one_line_exit_130_and_leaves_nothing_half_wri
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in err
-    assert re.fullmatch(r"interrupted: preparation stopped; what was finished is kept, nothing half-written is left "
-                        r"\(run it again to finish\)\n", err), err
+    assert re.fullmatch(
+        r"interrupted: preparation stopped; what was finished is kept, nothing half-written is left "
+        r"\(run it again to finish\)\n",
+        err,
+    ), err
     assert list((cache / "corpus").iterdir()) == []
     assert len(list((cache / "spm").iterdir())) == 2
 
 
-@pytest.mark.parametrize("cache_dir, words", [
-    ("a_file", "a file stands where the cache needs a directory: move it, or point data.cache_dir elsewhere"),
-    ("a_file/below", "a file stands where the cache needs a directory"),
-    ("read_only/cache", "point data.cache_dir at a directory you can write to"),
-])
+@pytest.mark.parametrize(
+    "cache_dir, words",
+    [
+        ("a_file", "a file stands where the cache needs a directory: move it, or point data.cache_dir elsewhere"),
+        ("a_file/below", "a file stands where the cache needs a directory"),
+        ("read_only/cache", "point data.cache_dir at a directory you can write to"),
+    ],
+)
 def test_a_cache_directory_that_cannot_be_made_gets_the_fix_for_its_cause(tmp_path, capsys, cache_dir, words):
     """Every write failure advised "free some space", also for a file in the way or no permission."""
     (tmp_path / "a_file").write_text("x\n")

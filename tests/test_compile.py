@@ -14,7 +14,7 @@ from transformer.loss import output_cross_entropy
 from transformer.model import build_model, compile_layers
 from transformer.search import translate_ids
 
-SHAPES = [(6, 9, 7), (5, 11, 13), (7, 4, 6), (6, 16, 9), (6, 9, 7)]          # (sentences, source, target)
+SHAPES = [(6, 9, 7), (5, 11, 13), (7, 4, 6), (6, 16, 9), (6, 9, 7)]  # (sentences, source, target)
 
 
 def batches(vocab: int = 60):
@@ -25,8 +25,9 @@ def batches(vocab: int = 60):
 
 def tiny(dropout: float):
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=2, decoder_layers=2, dropout=dropout,
-                      attention_dropout=dropout)
+    cfg = ModelConfig(
+        d_model=32, n_heads=4, d_ff=64, encoder_layers=2, decoder_layers=2, dropout=dropout, attention_dropout=dropout
+    )
     return build_model(cfg, 60, 60, True)
 
 
@@ -49,11 +50,11 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.slow          # compiles with inductor: ~15 s each
+@pytest.mark.slow  # compiles with inductor: ~15 s each
 def test_compiled_layers_train_like_eager_and_compile_once_per_mode(fresh_dynamo):
     eager, compiled = tiny(0.0), tiny(0.0)
     compile_layers(compiled)
-    assert compiled.state_dict().keys() == eager.state_dict().keys()          # checkpoints stay loadable
+    assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints stay loadable
     for (loss_e, grads_e), (loss_c, grads_c) in zip(losses_and_grads(eager), losses_and_grads(compiled)):
         assert torch.allclose(loss_c, loss_e, rtol=1e-5)
         assert all(torch.allclose(c, e, atol=1e-5) for c, e in zip(grads_c, grads_e))
@@ -61,7 +62,7 @@ def test_compiled_layers_train_like_eager_and_compile_once_per_mode(fresh_dynamo
     assert counters["stats"]["unique_graphs"] <= 2
 
 
-@pytest.mark.slow          # compiles with inductor: ~15 s each
+@pytest.mark.slow  # compiles with inductor: ~15 s each
 def test_the_cpu_dropout_mask_does_not_break_the_compiled_graph(fresh_dynamo):
     model = tiny(0.1).train()
     compile_layers(model)
@@ -70,7 +71,7 @@ def test_the_cpu_dropout_mask_does_not_break_the_compiled_graph(fresh_dynamo):
     assert counters["stats"]["unique_graphs"] <= 2 and not counters["graph_break"]
 
 
-@pytest.mark.slow          # compiles with inductor: ~15 s each
+@pytest.mark.slow  # compiles with inductor: ~15 s each
 def test_cached_decoding_stays_eager_and_unchanged(fresh_dynamo):
     eager, compiled = tiny(0.0).eval(), tiny(0.0).eval()
     compile_layers(compiled)
@@ -79,7 +80,7 @@ def test_cached_decoding_stays_eager_and_unchanged(fresh_dynamo):
         expected = translate_ids(eager, sources, beam_size=beam, max_len_b=6)
         got = translate_ids(compiled, sources, beam_size=beam, max_len_b=6)
         assert [h[0].tokens for h in got] == [h[0].tokens for h in expected]
-    assert counters["stats"].get("unique_graphs", 0) <= 1          # the encoder's eval graph, nothing per step
+    assert counters["stats"].get("unique_graphs", 0) <= 1  # the encoder's eval graph, nothing per step
 
 
 def test_the_inference_side_does_not_load_the_compiler():
@@ -87,6 +88,7 @@ def test_the_inference_side_does_not_load_the_compiler():
     (a `torch.compiler.disable` decorator on the fused loss once did)."""
     import subprocess
     import sys
+
     code = "import sys, transformer.translate, transformer.loss; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

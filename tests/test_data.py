@@ -45,9 +45,12 @@ def test_invalid_utf8_names_file_and_line(tmp_path):
     _write(tmp_path / "train.en", b"one\ntwo\nthree\n")
     with pytest.raises(DataError, match=r"train\.de:3: invalid UTF-8 \(byte 0xe9 at column 3\); .*`iconv -f latin1 "):
         load_split_text(DataConfig(path=str(tmp_path)), "train")
-    _write(tmp_path / "train.de", "eins\nzwei\ndrei\n".encode("utf-16"))       # with its byte-order mark
-    with pytest.raises(DataError, match=r"train\.de:1: invalid UTF-8 \(byte 0xff at column 1; the file is UTF-16\); "
-                                        r"re-encode the file as UTF-8, e.g. `iconv -f utf-16 -t utf-8`"):
+    _write(tmp_path / "train.de", "eins\nzwei\ndrei\n".encode("utf-16"))  # with its byte-order mark
+    with pytest.raises(
+        DataError,
+        match=r"train\.de:1: invalid UTF-8 \(byte 0xff at column 1; the file is UTF-16\); "
+        r"re-encode the file as UTF-8, e.g. `iconv -f utf-16 -t utf-8`",
+    ):
         load_split_text(DataConfig(path=str(tmp_path)), "train")
 
 
@@ -67,11 +70,17 @@ def test_missing_path_and_split_name_the_key(tmp_path):
 @pytest.mark.parametrize("kind", ["a FIFO", "a character device", "a directory"])
 def test_a_split_file_that_is_not_a_regular_file_is_named_as_such(tmp_path, kind):
     (tmp_path / "train.en").write_text("a dog\n")
-    make = {"a FIFO": os.mkfifo, "a character device": lambda path: path.symlink_to("/dev/null"),
-            "a directory": Path.mkdir}[kind]
+    make = {
+        "a FIFO": os.mkfifo,
+        "a character device": lambda path: path.symlink_to("/dev/null"),
+        "a directory": Path.mkdir,
+    }[kind]
     make(tmp_path / "train.de")
-    with pytest.raises(DataError, match=rf"^{tmp_path}/train.de: is not a regular file \(it is {kind}\); "
-                                        "give the text in a regular file$"):
+    with pytest.raises(
+        DataError,
+        match=rf"^{tmp_path}/train.de: is not a regular file \(it is {kind}\); "
+        "give the text in a regular file$",
+    ):
         open_split(DataConfig(path=str(tmp_path)), "train")
 
 
@@ -79,8 +88,11 @@ def test_a_data_path_or_tsv_that_is_not_a_regular_file_is_named_as_such(tmp_path
     (tmp_path / "train.tsv").mkdir()
     with pytest.raises(DataError, match=r"train.tsv: is not a regular file \(it is a directory\)"):
         open_split(DataConfig(path=str(tmp_path)), "train")
-    with pytest.raises(DataError, match=r"^data.path=/dev/null: is not a regular file or a directory \(it is a "
-                                        r"character device\); point it at the directory of your corpus files$"):
+    with pytest.raises(
+        DataError,
+        match=r"^data.path=/dev/null: is not a regular file or a directory \(it is a "
+        r"character device\); point it at the directory of your corpus files$",
+    ):
         open_split(DataConfig(path="/dev/null"), "train")
 
 
@@ -101,24 +113,29 @@ def test_without_network_the_hub_is_not_retried_for_half_a_minute(monkeypatch):
     from huggingface_hub import constants
 
     from transformer.hub import cache_only_without_network
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)          # restored after the test
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # restored after the test
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     asked = []
     monkeypatch.setattr(socket, "getaddrinfo", lambda host, port: asked.append(host) or [("resolved",)])
-    assert cache_only_without_network() is None and not constants.HF_HUB_OFFLINE       # a network: as before
+    assert cache_only_without_network() is None and not constants.HF_HUB_OFFLINE  # a network: as before
 
     def unresolvable(host, port):
         asked.append(host)
         raise socket.gaierror(-2, "Name or service not known")
+
     monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
     started = time.monotonic()
-    with pytest.raises(DataError, match=r"^data.hub_id=no-such/dataset: cannot load split 'train' from the "
-                                        r"HuggingFace hub \(no network: huggingface.co does not resolve, so only "
-                                        r"the local HuggingFace cache was searched\)"):
+    with pytest.raises(
+        DataError,
+        match=r"^data.hub_id=no-such/dataset: cannot load split 'train' from the "
+        r"HuggingFace hub \(no network: huggingface.co does not resolve, so only "
+        r"the local HuggingFace cache was searched\)",
+    ):
         load_split_text(DataConfig(hub_id="no-such/dataset"), "train")
     assert time.monotonic() - started < 15 and asked == ["huggingface.co", "huggingface.co"]
     assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
-    assert cache_only_without_network() is None and len(asked) == 2     # offline already: not asked again
+    assert cache_only_without_network() is None and len(asked) == 2  # offline already: not asked again
 
 
 def test_tsv_and_jsonl_sources(tmp_path):
@@ -140,24 +157,29 @@ def test_a_tsv_header_is_skipped_and_csv_quoting_is_said_not_guessed(tmp_path, c
         with caplog.at_level(logging.INFO, logger="transformer.data"):
             assert load_split_text(DataConfig(path=str(tmp_path)), "train") == (["Hallo"], ["Hello"])
         assert "line 1 (" in caplog.text and "is a header, not a pair: skipped" in caplog.text
-    _write(tmp_path / "train.tsv", b"Hallo\tHello\nde\ten\n")          # not on line 1: a pair like any other
+    _write(tmp_path / "train.tsv", b"Hallo\tHello\nde\ten\n")  # not on line 1: a pair like any other
     assert load_split_text(DataConfig(path=str(tmp_path)), "train") == (["Hallo", "de"], ["Hello", "en"])
     caplog.clear()
     _write(tmp_path / "train.tsv", b'"Er sagte ""ja"""\t"He said ""yes"""\n"Hallo"\tHello\n')
     with caplog.at_level(logging.WARNING, logger="transformer.data"):
         for _ in range(2):
             assert load_split_text(DataConfig(path=str(tmp_path)), "train") == (
-                ['"Er sagte ""ja"""', '"Hallo"'], ['"He said ""yes"""', "Hello"])
+                ['"Er sagte ""ja"""', '"Hallo"'],
+                ['"He said ""yes"""', "Hello"],
+            )
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "train.tsv:1: a field in CSV quotes" in warnings[0] and "QUOTE_NONE" in warnings[0]
     caplog.clear()
-    _write(tmp_path / "validation.tsv", b'"Hallo"\tHello\n"Ja" und "Nein"\tYes and no\n')   # quotes in text
+    _write(tmp_path / "validation.tsv", b'"Hallo"\tHello\n"Ja" und "Nein"\tYes and no\n')  # quotes in text
     with caplog.at_level(logging.WARNING, logger="transformer.data"):
         load_split_text(DataConfig(path=str(tmp_path)), "validation")
     assert not caplog.records
     _write(tmp_path / "test.tsv", b'"Ein\tTab"\tA tab\n')
-    with pytest.raises(DataError, match=r"test.tsv:1: expected 2 tab-separated fields .*found 3; a field in CSV "
-                                        r"quotes holding a TAB"):
+    with pytest.raises(
+        DataError,
+        match=r"test.tsv:1: expected 2 tab-separated fields .*found 3; a field in CSV "
+        r"quotes holding a TAB",
+    ):
         load_split_text(DataConfig(path=str(tmp_path)), "test")
 
 
@@ -167,15 +189,24 @@ def test_a_single_file_is_a_training_split_only(tmp_path):
     cfg = DataConfig(path=str(tmp_path / "train.tsv"))
     assert load_split_text(cfg, "train") == (["Hallo", "Ja"], ["Hello", "Yes"])
     _write(tmp_path / "train.de", b"Hallo\n")
-    with pytest.raises(DataError, match=r"data.path=.*train.de: one file must be .tsv, .jsonl or .parquet, holding "
-                                        r"both sides; plain text comes as two files \(train.de \+ train.en\)"):
+    with pytest.raises(
+        DataError,
+        match=r"data.path=.*train.de: one file must be .tsv, .jsonl or .parquet, holding "
+        r"both sides; plain text comes as two files \(train.de \+ train.en\)",
+    ):
         load_split_text(DataConfig(path=str(tmp_path / "train.de")), "train")
-    with pytest.raises(ConfigError, match=r"data.path=.*train.tsv: one file can be a training split only, and a run "
-                                          r"needs a validation split too"):      # refused before a run starts
+    with pytest.raises(
+        ConfigError,
+        match=r"data.path=.*train.tsv: one file can be a training split only, and a run "
+        r"needs a validation split too",
+    ):  # refused before a run starts
         DataConfig(path=str(tmp_path / "train.tsv")).validate_for_training()
     for split in ("validation", "test"):
-        with pytest.raises(DataError, match=rf"data.path=.*train.tsv: one file is a training split only \(the {split} "
-                                            r"split would be the training data itself"):
+        with pytest.raises(
+            DataError,
+            match=rf"data.path=.*train.tsv: one file is a training split only \(the {split} "
+            r"split would be the training data itself",
+        ):
             load_split_text(cfg, split)
 
 
@@ -208,12 +239,17 @@ def test_cleaning_rules_are_counted_and_change_nothing_prepared(tmp_path, caplog
     with caplog.at_level(logging.INFO):
         corpus.report()
     assert "dropped 3 of 7 pairs (duplicate: 1, copy: 1, length ratio: 1;" in caplog.text
-    assert "WARNING" not in caplog.text                                  # cleaning is information
-    assert tokenizer.decode_tgt([corpus.ids(i)[1] for i in range(len(corpus))]) == ["a dog", "a cat", "the house",
-                                                                                    "the dog"]
+    assert "WARNING" not in caplog.text  # cleaning is information
+    assert tokenizer.decode_tgt([corpus.ids(i)[1] for i in range(len(corpus))]) == [
+        "a dog",
+        "a cat",
+        "the house",
+        "the dog",
+    ]
     # the rules apply at load time: off, the same prepared files give every pair back
-    off = DataConfig(name="unit", embedded=True, cache_dir=str(tmp_path), drop_duplicates=False, drop_copies=False,
-                     max_len_ratio=0.0)
+    off = DataConfig(
+        name="unit", embedded=True, cache_dir=str(tmp_path), drop_duplicates=False, drop_copies=False, max_len_ratio=0.0
+    )
     again = encoded_split(InMemory(src, tgt, "unit"), tokenizer, off, "train")
     assert again.directory == corpus.directory and len(again) == 7
     # and never on the validation split
@@ -222,18 +258,21 @@ def test_cleaning_rules_are_counted_and_change_nothing_prepared(tmp_path, caplog
         DataConfig(max_len_ratio=0.5).validate()
 
 
-@pytest.mark.parametrize("setting, message", [
-    ({"character_coverage": 0.9}, r"data.character_coverage=0.9 must be in \[0.98, 1\]"),
-    ({"character_coverage": 1.5}, r"data.character_coverage=1.5 must be in \[0.98, 1\]"),
-    ({"tokenizer_sample": 50}, r"data.tokenizer_sample=50 must be above 100 sentences .*or 0 for every sentence"),
-    ({"tokenizer_sample": -1}, r"data.tokenizer_sample=-1 must be above 100"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"character_coverage": 0.9}, r"data.character_coverage=0.9 must be in \[0.98, 1\]"),
+        ({"character_coverage": 1.5}, r"data.character_coverage=1.5 must be in \[0.98, 1\]"),
+        ({"tokenizer_sample": 50}, r"data.tokenizer_sample=50 must be above 100 sentences .*or 0 for every sentence"),
+        ({"tokenizer_sample": -1}, r"data.tokenizer_sample=-1 must be above 100"),
+    ],
+)
 def test_sentencepiece_settings_outside_its_bounds_are_refused_before_reading_the_corpus(setting, message):
     """SentencePiece checks them only after the whole corpus is read, with its own INTERNAL error."""
     with pytest.raises(ConfigError, match=message):
         DataConfig(path="/corpus", **setting).validate_for_training()
-    DataConfig(path="/corpus", **setting).validate()        # a saved config (an older checkpoint's) still loads
-    DataConfig(path="/corpus", character_coverage=0.9995, tokenizer_sample=0).validate_for_training()   # both valid
+    DataConfig(path="/corpus", **setting).validate()  # a saved config (an older checkpoint's) still loads
+    DataConfig(path="/corpus", character_coverage=0.9995, tokenizer_sample=0).validate_for_training()  # both valid
 
 
 def test_a_split_with_no_usable_pair_names_its_source(tmp_path):
@@ -251,16 +290,19 @@ def test_a_split_with_no_usable_pair_names_its_source(tmp_path):
 
 def test_prepared_corpus_round_trips_and_pickles_as_its_directory(tmp_path):
     import pickle
+
     src, tgt = toy.generate(300, 5, 5)["train"]
     corpus, tokenizer = _corpus(tmp_path, src, tgt, max_len=100, vocab=120)
     assert len(corpus) == 300
     assert [corpus.ids(i) for i in range(300)] == list(zip(tokenizer.encode_src(src), tokenizer.encode_tgt(tgt)))
     blob = pickle.dumps(corpus)
-    assert len(blob) < 1000                                   # a path, not the arrays
+    assert len(blob) < 1000  # a path, not the arrays
     again = pickle.loads(blob)
-    assert all(torch.equal(a, b) for a, b in zip(vars(again.collate([3, 1, 2])).values(),
-                                                 vars(corpus.collate([3, 1, 2])).values())
-               if isinstance(a, torch.Tensor))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(vars(again.collate([3, 1, 2])).values(), vars(corpus.collate([3, 1, 2])).values())
+        if isinstance(a, torch.Tensor)
+    )
 
 
 RACE = """
@@ -282,12 +324,15 @@ print("pairs", len(prepared.train))
 def test_concurrent_preparations_encode_once_and_share_the_files(tmp_path):
     import subprocess
     import sys
-    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     encoded = [out.count("tokens ->") for out in outputs]
-    assert sorted(encoded) == [0, 2], outputs            # one process encoded train and validation
+    assert sorted(encoded) == [0, 2], outputs  # one process encoded train and validation
     assert all("pairs 300" in out for out in outputs)
     assert len(list((tmp_path / "corpus").iterdir())) == 2
     assert len(list((tmp_path / "spm").glob("*.model"))) == 1
@@ -298,23 +343,26 @@ def test_a_failed_preparation_leaves_no_temporary_files_and_its_own_error(tmp_pa
         (tmp_path / f"train.{lang}").write_text(lines)
         (tmp_path / f"validation.{lang}").write_text(lines)
     cfg = DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache"), vocab_size=30)
-    with pytest.raises(DataError, match=r"^line counts differ: .*train.de has 3 lines"):   # not wrapped by SentencePiece
+    with pytest.raises(DataError, match=r"^line counts differ: .*train.de has 3 lines"):  # not wrapped by SentencePiece
         prepare(cfg)
     from transformer.tokenizer import Tokenizer
-    tokenizer = build_tokenizer(InMemory(["ein Hund"] * 5, ["a dog"] * 5, "unit"), vocab_size=30, cache_dir=tmp_path / "cache")
+
+    tokenizer = build_tokenizer(
+        InMemory(["ein Hund"] * 5, ["a dog"] * 5, "unit"), vocab_size=30, cache_dir=tmp_path / "cache"
+    )
     assert isinstance(tokenizer, Tokenizer)
-    (tmp_path / "train.en").write_text("a dog\na cat\na house\n")            # train fine, validation not
+    (tmp_path / "train.en").write_text("a dog\na cat\na house\n")  # train fine, validation not
     with pytest.raises(DataError, match=r"line counts differ: .*validation.de has 3 lines"):
         prepare(cfg, tokenizer)
     assert not [p for p in (tmp_path / "cache" / "corpus").iterdir() if ".tmp" in p.name]
 
 
 def test_streaming_across_blocks_keeps_line_numbers_and_alignment(tmp_path, monkeypatch):
-    monkeypatch.setattr(data_module, "_BLOCK_BYTES", 16)          # many tiny blocks
+    monkeypatch.setattr(data_module, "_BLOCK_BYTES", 16)  # many tiny blocks
     de = [f"Zeile {i} " + "ä" * (i % 7) for i in range(200)]
     en = [f"line {i}" for i in range(200)]
     (tmp_path / "train.de").write_text("\ufeff" + "\r\n".join(de) + "\r\n")
-    (tmp_path / "train.en").write_text("\n".join(en))              # no final newline
+    (tmp_path / "train.en").write_text("\n".join(en))  # no final newline
     source = ParallelFiles(tmp_path / "train.de", tmp_path / "train.en")
     chunks = list(source.chunks(size=37))
     assert [len(s) for s, _ in chunks] == [37] * 5 + [15]
@@ -331,7 +379,9 @@ def test_arrow_sources_stream_in_chunks(tmp_path):
     source = open_split(DataConfig(path=str(tmp_path)), "train")
     assert [len(s) for s, _ in source.chunks(size=10)] == [10, 10, 5]
     assert source.read_all() == ([f"Haus {i}" for i in range(25)], [f"house {i}" for i in range(25)])
-    with pytest.raises(DataError, match=r"'translation' column must map 'fr' and 'en' to text \(found keys \['de', 'en'\]\)"):
+    with pytest.raises(
+        DataError, match=r"'translation' column must map 'fr' and 'en' to text \(found keys \['de', 'en'\]\)"
+    ):
         open_split(DataConfig(path=str(tmp_path), src_lang="fr"), "train")
     (tmp_path / "test.jsonl").write_text(json.dumps({"translation": "Haus -> house"}) + "\n")
     with pytest.raises(DataError, match=r"test.jsonl: the 'translation' column must map .* \(found type string\)"):
@@ -344,21 +394,27 @@ def test_a_jsonl_or_parquet_value_that_is_not_text_is_refused_and_utf8_bytes_are
     the record. A Parquet binary column is UTF-8 text, decoded (str() gave "b'Zwei wei\\xc3\\x9fe'")."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     rows = [{"de": "weiße Häuser", "en": "white houses"}, {"de": "eine Maus", "en": 1999}]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    with pytest.raises(DataError, match=r"train.jsonl: column 'en' must hold text in every record \(record 2 holds 1999\)"):
+    with pytest.raises(
+        DataError, match=r"train.jsonl: column 'en' must hold text in every record \(record 2 holds 1999\)"
+    ):
         open_split(DataConfig(path=str(tmp_path)), "train")
     nested = [{"translation": {"de": "Haus", "en": "house"}}, {"translation": {"de": ["Maus"], "en": "mouse"}}]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in nested) + "\n")
     with pytest.raises(DataError, match=r"column 'translation.de' must hold text .*record 2 holds \['Maus'\]"):
         open_split(DataConfig(path=str(tmp_path)), "train")
-    nulls = [{"de": "weiße Häuser", "en": None}, {"de": None, "en": "a mouse"}]        # null: an empty side
+    nulls = [{"de": "weiße Häuser", "en": None}, {"de": None, "en": "a mouse"}]  # null: an empty side
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in nulls) + "\n")
     assert open_split(DataConfig(path=str(tmp_path)), "train").read_all() == (["weiße Häuser", ""], ["", "a mouse"])
     (tmp_path / "train.jsonl").unlink()
     table = pa.table({"de": pa.array(["weiße Häuser".encode(), None], pa.binary()), "en": ["white houses", "x"]})
     pq.write_table(table, tmp_path / "train.parquet")
-    assert open_split(DataConfig(path=str(tmp_path)), "train").read_all() == (["weiße Häuser", ""], ["white houses", "x"])
+    assert open_split(DataConfig(path=str(tmp_path)), "train").read_all() == (
+        ["weiße Häuser", ""],
+        ["white houses", "x"],
+    )
     bad = pa.table({"de": pa.array([b"gut", b"wei\xdfe"], pa.binary()), "en": ["good", "white"]})
     pq.write_table(bad, tmp_path / "train.parquet")
     with pytest.raises(DataError, match=r"column 'de', record 2: bytes that are not UTF-8"):
@@ -369,6 +425,7 @@ def test_a_jsonl_file_rewritten_with_its_old_modification_time_is_read_again(tmp
     """datasets keys its Arrow copy by path and modification time: `cp -p`, `rsync -a` or `touch -r` of
     a new version brought the old rows back, and the prepared corpus (keyed on datasets' fingerprint) too."""
     import os
+
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({"de": f"Haus {i}", "en": f"house {i}"}) + "\n" for i in range(20)))
     old = os.stat(path)
@@ -379,7 +436,7 @@ def test_a_jsonl_file_rewritten_with_its_old_modification_time_is_read_again(tmp
     again = open_split(DataConfig(path=str(tmp_path)), "train")
     assert again.read_all() == ([f"Maus {i}" for i in range(10)], [f"mouse {i}" for i in range(10)])
     assert again.fingerprint() != first.fingerprint()
-    assert open_split(DataConfig(path=str(tmp_path)), "train").fingerprint() == again.fingerprint()    # stable
+    assert open_split(DataConfig(path=str(tmp_path)), "train").fingerprint() == again.fingerprint()  # stable
 
 
 def test_embedded_corpus_is_a_real_translation_task():
@@ -395,11 +452,12 @@ def test_embedded_corpus_is_a_real_translation_task():
     # reordering: German subordinate clauses put the verb last, English does not
     pair = next((s, t) for s, t in zip(train_src, train_tgt) if ", dass" in s and "hat." in s)
     assert pair[0].endswith("hat.") and " has " in pair[1]
-    assert toy.generate(50, 10, 10) == toy.generate(50, 10, 10)       # deterministic
+    assert toy.generate(50, 10, 10) == toy.generate(50, 10, 10)  # deterministic
 
 
 def _lengths(n=600, seed=0):
     import random
+
     rng = random.Random(seed)
     src_lens = [rng.randint(1, 30) for _ in range(n)]
     tgt_lens = [max(1, s + rng.randint(-3, 3)) for s in src_lens]
@@ -416,26 +474,33 @@ def test_batches_respect_the_token_budget_and_cover_every_pair_once():
     for epoch in range(3):
         batches = sampler.batches(epoch).tolist()
         flat = [i for b in batches for i in b]
-        assert sorted(flat) == list(range(len(src_lens)))                 # each pair exactly once
+        assert sorted(flat) == list(range(len(src_lens)))  # each pair exactly once
         for batch in batches:
             width = max(max(src_lens[i], tgt_lens[i]) + 1 for i in batch)
             assert len(batch) * width <= 120
-    assert sampler.batches(1).tolist() == _sampler()[0].batches(1).tolist()   # same seed and epoch: same
-    assert sampler.batches(1).tolist() != sampler.batches(2).tolist()         # reshuffled per epoch
+    assert sampler.batches(1).tolist() == _sampler()[0].batches(1).tolist()  # same seed and epoch: same
+    assert sampler.batches(1).tolist() != sampler.batches(2).tolist()  # reshuffled per epoch
     assert _sampler(seed=4)[0].batches(1).tolist() != sampler.batches(1).tolist()
 
 
 def _reference_batches(src_lens, tgt_lens, flags, max_len, max_tokens, seed, epoch, max_len_ratio=0.0):
     """The slow, obvious version of filtering + bucketing: a loop over pairs, Python sorting, one
     sentence at a time into the open batch. `flags[i]`: pair i is dropped whatever its lengths."""
-    kept = [i for i in range(len(src_lens)) if not flags[i] and 0 < src_lens[i] <= max_len
-            and 0 < tgt_lens[i] <= max_len
-            and not (max_len_ratio and max(src_lens[i], tgt_lens[i]) > max_len_ratio * min(src_lens[i], tgt_lens[i]))]
+    kept = [
+        i
+        for i in range(len(src_lens))
+        if not flags[i]
+        and 0 < src_lens[i] <= max_len
+        and 0 < tgt_lens[i] <= max_len
+        and not (max_len_ratio and max(src_lens[i], tgt_lens[i]) > max_len_ratio * min(src_lens[i], tgt_lens[i]))
+    ]
     rng = np.random.default_rng([seed, epoch])
     tie = rng.random(len(kept))
+
     def key(k):
         s, t = src_lens[kept[k]] + 1, tgt_lens[kept[k]] + 1
         return (max(s, t), s, t, tie[k])
+
     order = sorted(range(len(kept)), key=key)
     batches, current, width = [], [], 0
     for k in order:
@@ -451,15 +516,16 @@ def _reference_batches(src_lens, tgt_lens, flags, max_len, max_tokens, seed, epo
 
 def test_vectorised_filtering_and_batching_equal_the_slow_reference(tmp_path):
     import random
+
     rng = random.Random(5)
     words = ["Hund", "Katze", "Haus", "rot", "läuft", "schnell", "ein", "der", "über", "Brücke"]
     src = [" ".join(rng.choices(words, k=rng.randint(0, 25))) for _ in range(700)]
     tgt = [" ".join(rng.choices(words, k=rng.randint(0, 25))) for _ in range(700)]
     for i in rng.sample(range(700), 20):
         src[i] = src[i] + "\0"
-    for i in rng.sample(range(700), 30):             # copies, some with other spaces at the ends
+    for i in rng.sample(range(700), 30):  # copies, some with other spaces at the ends
         tgt[i] = src[i] + (" " if i % 2 else "")
-    for i in rng.sample(range(1, 700), 40):          # repeats of an earlier pair
+    for i in rng.sample(range(1, 700), 40):  # repeats of an earlier pair
         j = rng.randrange(i)
         src[i], tgt[i] = " " + src[j], tgt[j]
     corpus, tokenizer = _corpus(tmp_path, src, tgt, max_len=40, vocab=80)
@@ -471,7 +537,7 @@ def test_vectorised_filtering_and_batching_equal_the_slow_reference(tmp_path):
         flags.append("\0" in s or not pair[0] or not pair[1] or pair in seen or pair[0] == pair[1])
         seen.add(pair)
     ratio_dropped = [not f and max(a, b) > 3 * max(min(a, b), 1) for f, a, b in zip(flags, src_all, tgt_all)]
-    assert sum(ratio_dropped) > 20 and sum(flags) > 80                   # every rule has work to do
+    assert sum(ratio_dropped) > 20 and sum(flags) > 80  # every rule has work to do
     corpus = EncodedCorpus(corpus.directory, 40, "unit", Cleaning(duplicates=True, copies=True, max_len_ratio=3.0))
     sampler = TokenBatchSampler(corpus.src_lens, corpus.tgt_lens, max_tokens=300, seed=7)
     for epoch in range(3):
@@ -532,19 +598,19 @@ def test_update_plan_splits_global_batches_over_ranks_and_micro_batches():
     batches = sampler.batches(0).tolist()
     n = len(batches)
     one = list(UpdateSampler(sampler, update_freq=2))
-    assert [[b.tolist() for b, *_ in plan] for plan, _ in one] == [batches[i:i + 2] for i in range(0, n, 2)]
-    assert [key for plan, _ in one for *_, key in plan] == [(0, i) for i in range(n)]      # (epoch, batch)
+    assert [[b.tolist() for b, *_ in plan] for plan, _ in one] == [batches[i : i + 2] for i in range(0, n, 2)]
+    assert [key for plan, _ in one for *_, key in plan] == [(0, i) for i in range(n)]  # (epoch, batch)
     ranks = [list(UpdateSampler(sampler, update_freq=1, rank=r, world=2)) for r in (0, 1)]
     for k, ((plan0, used0), (plan1, used1)) in enumerate(zip(*ranks)):
         assert used0 == used1 == min(2, n - 2 * k)
         assert plan0[0][0].tolist() == batches[2 * k]
         if 2 * k + 1 < n:
             assert plan1 == [(plan1[0][0], 1.0, (0, 2 * k + 1))] and plan1[0][0].tolist() == batches[2 * k + 1]
-        else:                     # past the end: a weight-0 repeat keeps the ranks' backward passes equal
+        else:  # past the end: a weight-0 repeat keeps the ranks' backward passes equal
             assert plan1[0][1] == 0.0
     resumed = UpdateSampler(sampler, update_freq=2)
     resumed.start(0, 4)
-    assert [[b.tolist() for b, *_ in p] for p, _ in resumed] == [batches[i:i + 2] for i in range(4, n, 2)]
+    assert [[b.tolist() for b, *_ in p] for p, _ in resumed] == [batches[i : i + 2] for i in range(4, n, 2)]
 
 
 def test_max_tokens_smaller_than_a_sentence_is_refused():
@@ -553,17 +619,28 @@ def test_max_tokens_smaller_than_a_sentence_is_refused():
 
 
 def test_pad_sequences_and_batches_in_order():
-    assert pad_sequences([[7, 8, 9], [10]], suffix=[EOS_ID]).tolist() == [[7, 8, 9, EOS_ID], [10, EOS_ID, PAD_ID, PAD_ID]]
-    assert pad_sequences([[11, 12], [13, 14, 15]], prefix=[BOS_ID]).tolist() == \
-        [[BOS_ID, 11, 12, PAD_ID], [BOS_ID, 13, 14, 15]]
+    assert pad_sequences([[7, 8, 9], [10]], suffix=[EOS_ID]).tolist() == [
+        [7, 8, 9, EOS_ID],
+        [10, EOS_ID, PAD_ID, PAD_ID],
+    ]
+    assert pad_sequences([[11, 12], [13, 14, 15]], prefix=[BOS_ID]).tolist() == [
+        [BOS_ID, 11, 12, PAD_ID],
+        [BOS_ID, 13, 14, 15],
+    ]
     assert batches_in_order([5, 1, 3], max_tokens=100) == [[1, 2, 0]]
     assert batches_in_order([5, 1, 3, 1], max_tokens=6) == [[1, 3], [2], [0]]
 
 
 def test_multi30k_loads_from_local_files(multi30k_dir):
-    cfg = DataConfig(name="multi30k_de_en", path=str(multi30k_dir), src_lang="de", tgt_lang="en",
-                     valid_split="validation", test_split="test",
-                     local_splits={"validation": "val", "test": "test_2016_flickr"})
+    cfg = DataConfig(
+        name="multi30k_de_en",
+        path=str(multi30k_dir),
+        src_lang="de",
+        tgt_lang="en",
+        valid_split="validation",
+        test_split="test",
+        local_splits={"validation": "val", "test": "test_2016_flickr"},
+    )
     src, tgt = load_split_text(cfg, "train")
     assert len(src) == len(tgt) == 29000
     assert len(load_split_text(cfg, "test")[0]) == 1000
@@ -572,6 +649,7 @@ def test_multi30k_loads_from_local_files(multi30k_dir):
 
 def _sampled_corpus(tmp_path, sampling=0.1):
     import random
+
     rng = random.Random(3)
     words = ["Hund", "Katze", "Haus", "rot", "läuft", "schnell", "ein", "der", "über", "Brücke", "Straße"]
     src = [" ".join(rng.choices(words, k=rng.randint(3, 12))) for _ in range(300)]
@@ -583,24 +661,29 @@ def _sampled_corpus(tmp_path, sampling=0.1):
 
 def test_subword_sampling_is_fresh_per_epoch_fixed_per_key_and_keeps_the_text(tmp_path):
     import pickle
+
     corpus, tokenizer, src, tgt = _sampled_corpus(tmp_path)
     plain = corpus.collate(range(40))
     corpus.enable_subword_sampling(tokenizer, 0.1, -1, seed=1)
-    assert torch.equal(corpus.collate(range(40)).src, plain.src)           # no key: validation, the fixed segmentation
+    assert torch.equal(corpus.collate(range(40)).src, plain.src)  # no key: validation, the fixed segmentation
     first = corpus.collate(range(40), (0, 3))
     again = corpus.collate(range(40), (0, 3))
     worker = pickle.loads(pickle.dumps(corpus)).collate(range(40), (0, 3))  # as a DataLoader worker collates it
-    assert all(torch.equal(getattr(first, k), getattr(b, k)) for b in (again, worker) for k in ("src", "tgt_in", "tgt_out"))
+    assert all(
+        torch.equal(getattr(first, k), getattr(b, k)) for b in (again, worker) for k in ("src", "tgt_in", "tgt_out")
+    )
     next_epoch = corpus.collate(range(40), (1, 3))
     assert first.src.shape != plain.src.shape or not torch.equal(first.src, plain.src)
     assert first.src.shape != next_epoch.src.shape or not torch.equal(first.src, next_epoch.src)
     # other pieces, the same sentences
     pairs = corpus.pair_index[np.arange(40)]
+
     def rows(t, eos):
         return [[i for i in row if i not in (PAD_ID, eos)] for row in t.tolist()]
+
     assert tokenizer.src.decode(rows(first.src, EOS_ID)) == [src[p] for p in pairs]
     assert tokenizer.decode_tgt(rows(first.tgt_out, EOS_ID)) == [tgt[p] for p in pairs]
-    assert first.num_tgt_tokens > plain.num_tgt_tokens                    # BPE-dropout: more, smaller pieces
+    assert first.num_tgt_tokens > plain.num_tgt_tokens  # BPE-dropout: more, smaller pieces
 
 
 def test_subword_sampling_needs_the_kept_text_and_valid_settings(tmp_path):
@@ -612,7 +695,7 @@ def test_subword_sampling_needs_the_kept_text_and_valid_settings(tmp_path):
     with pytest.raises(ConfigError, match="data.subword_nbest=0 must be -1"):
         DataConfig(subword_nbest=0).validate()
     with pytest.raises(ConfigError, match="data.subword_nbest=4 applies to unigram sampling only"):
-        DataConfig(subword_sampling=0.1, subword_nbest=4).validate_for_training()   # BPE-dropout has no n-best
+        DataConfig(subword_sampling=0.1, subword_nbest=4).validate_for_training()  # BPE-dropout has no n-best
     DataConfig(subword_sampling=0.1, subword_nbest=4, tokenizer_type="unigram").validate_for_training()
 
 
@@ -627,14 +710,15 @@ def test_sampled_epochs_are_packed_by_their_own_lengths(tmp_path):
     keeps to the token budget (packing by the fixed lengths did not: a third of it was padding)."""
     corpus, tokenizer, _, _ = _sampled_corpus(tmp_path)
     corpus.enable_subword_sampling(tokenizer, 0.1, -1, seed=1)
-    sampler = TokenBatchSampler(corpus.src_lens, corpus.tgt_lens, max_tokens=400, seed=7,
-                                epoch_lengths=corpus.sampled_lengths)
+    sampler = TokenBatchSampler(
+        corpus.src_lens, corpus.tgt_lens, max_tokens=400, seed=7, epoch_lengths=corpus.sampled_lengths
+    )
     for epoch in (0, 1):
         src_lens, tgt_lens = corpus.sampled_lengths(epoch)
-        assert not np.array_equal(src_lens, corpus.src_lens)                  # not the fixed segmentation
+        assert not np.array_equal(src_lens, corpus.src_lens)  # not the fixed segmentation
         for number, positions in enumerate(sampler.batches(epoch)):
             batch = corpus.collate(positions, (epoch, number))
-            real_src = (batch.src != PAD_ID).sum(dim=1).numpy() - 1            # without EOS
+            real_src = (batch.src != PAD_ID).sum(dim=1).numpy() - 1  # without EOS
             assert real_src.tolist() == src_lens[positions].tolist()
             assert ((batch.tgt_out != PAD_ID).sum(dim=1).numpy() - 1).tolist() == tgt_lens[positions].tolist()
             width = max(batch.src.size(1), batch.tgt_in.size(1))
@@ -645,6 +729,7 @@ def test_a_corpus_file_written_to_while_it_is_prepared_leaves_nothing_in_the_cac
     """A file rewritten in place during `transformer-prepare` left a prepared corpus mixing old and new
     lines under the old content's key, reused by every later run on that file."""
     from transformer import corpus as corpus_module
+
     (tmp_path / "train.de").write_text("".join(f"Haus {i}\n" for i in range(50)))
     (tmp_path / "train.en").write_text("".join(f"house {i}\n" for i in range(50)))
     source = ParallelFiles(tmp_path / "train.de", tmp_path / "train.en")
@@ -654,16 +739,19 @@ def test_a_corpus_file_written_to_while_it_is_prepared_leaves_nothing_in_the_cac
 
     def written_to_meanwhile(*args, **kwargs):
         meta = write_split(*args, **kwargs)
-        (tmp_path / "train.en").write_text("".join(f"home {i}\n" for i in range(50)))   # same line count
+        (tmp_path / "train.en").write_text("".join(f"home {i}\n" for i in range(50)))  # same line count
         return meta
 
     monkeypatch.setattr(corpus_module, "_write_split", written_to_meanwhile)
-    with pytest.raises(DataError, match=r"train.en: changed while it was being prepared .* nothing was kept: run "
-                                        "again once it is written"):
+    with pytest.raises(
+        DataError,
+        match=r"train.en: changed while it was being prepared .* nothing was kept: run "
+        "again once it is written",
+    ):
         encoded_split(source, tokenizer, cfg, "train")
     assert not list((tmp_path / "corpus").glob("unit.train.*"))
     monkeypatch.setattr(corpus_module, "_write_split", write_split)
-    fresh = ParallelFiles(tmp_path / "train.de", tmp_path / "train.en")          # the file as it is now
+    fresh = ParallelFiles(tmp_path / "train.de", tmp_path / "train.en")  # the file as it is now
     assert len(encoded_split(fresh, tokenizer, cfg, "train")) == 50
 
 

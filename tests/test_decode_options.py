@@ -44,7 +44,7 @@ def _cli_error(main, capsys, *args) -> str:
     """The one stderr line of a command line that refuses `args` with exit code 2, writing nothing."""
     try:
         code = main([str(arg) for arg in args])
-    except SystemExit as stop:                  # argparse's own refusals
+    except SystemExit as stop:  # argparse's own refusals
         code = stop.code
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and "Traceback" not in err, (code, out, err)
@@ -74,8 +74,9 @@ def test_the_config_refuses_a_non_finite_option_naming_its_key(key, value):
 @pytest.mark.parametrize("program", COMMAND_LINES)
 @pytest.mark.parametrize("value", NON_FINITE)
 @pytest.mark.parametrize("key", [option.key for option in FLOAT_OPTIONS])
-def test_the_command_lines_refuse_a_non_finite_option_naming_its_flag(key, value, program, untrained_checkpoint,
-                                                                       tmp_path, capsys):
+def test_the_command_lines_refuse_a_non_finite_option_naming_its_flag(
+    key, value, program, untrained_checkpoint, tmp_path, capsys
+):
     flag = OPTIONS[key].flag
     source = tmp_path / "in.de"
     source.write_text("Der Hund.\n")
@@ -98,24 +99,30 @@ def test_the_api_refuses_a_non_finite_option_naming_its_keyword(key, value, tran
 
 # One bad value per option (below its smallest) and nbest above the beam: the three refuse it with the same
 # words after the option's name.
-BAD = [{option.key: option.low - (1 if option.whole else 0.5)} for option in DECODE_OPTIONS] + \
-      [{"alpha": 1e300}, {"beam_size": 2, "nbest": 3}]     # alpha 1e300: the length penalty overflowed
+BAD = [{option.key: option.low - (1 if option.whole else 0.5)} for option in DECODE_OPTIONS] + [
+    {"alpha": 1e300},
+    {"beam_size": 2, "nbest": 3},
+]  # alpha 1e300: the length penalty overflowed
 
 
 @pytest.mark.parametrize("values", BAD, ids=lambda values: ",".join(f"{k}={v}" for k, v in values.items()))
 def test_the_config_the_command_lines_and_the_api_say_the_same(values, translator, untrained_checkpoint, capsys):
-    refused = list(values)[-1]                             # the option in question: nbest, not the beam
+    refused = list(values)[-1]  # the option in question: nbest, not the beam
     with pytest.raises(ConfigError) as error:
         compose_config([f"decode.{key}={value}" for key, value in values.items()])
     config = str(error.value)
     api = _api_error(translator, **values)
     flags = [text for key, value in values.items() for text in (OPTIONS[key].flag, value)]
-    cli = _cli_error(translate_main, capsys, untrained_checkpoint, *flags).removeprefix("transformer-translate: error: ")
+    cli = _cli_error(translate_main, capsys, untrained_checkpoint, *flags).removeprefix(
+        "transformer-translate: error: "
+    )
     names = {"config": f"decode.{refused}=", "api": f"{refused}=", "cli": f"{OPTIONS[refused].flag} "}
     for where, message in (("config", config), ("api", api), ("cli", cli)):
         assert message.startswith(names[where] + str(values[refused]) + ": "), (where, message)
-    words = {message.partition(": ")[2].replace("decode.beam_size=", "").replace("beam_size=", "")
-             .replace("--beam ", "") for message in (config, api, cli)}
+    words = {
+        message.partition(": ")[2].replace("decode.beam_size=", "").replace("beam_size=", "").replace("--beam ", "")
+        for message in (config, api, cli)
+    }
     assert len(words) == 1, (config, api, cli)
 
 
@@ -132,13 +139,14 @@ def test_the_command_lines_offer_the_options_the_config_defines():
     assert set(OPTIONS) == keys
     everywhere = {option.flag for option in DECODE_OPTIONS}
     assert set(_decoding_flags(translate_parser())) == everywhere
-    assert set(_decoding_flags(evaluate_parser())) == everywhere - {"--nbest"}      # it scores the best one
+    assert set(_decoding_flags(evaluate_parser())) == everywhere - {"--nbest"}  # it scores the best one
     for parser in (translate_parser(), evaluate_parser()):
         flagged = _decoding_flags(parser)
         for flag, action in flagged.items():
             option = next(option for option in DECODE_OPTIONS if option.flag == flag)
-            assert action.default is None and action.help.startswith(option.meaning) and \
-                str(option.default) in action.help, (flag, action.help)
+            assert (
+                action.default is None and action.help.startswith(option.meaning) and str(option.default) in action.help
+            ), (flag, action.help)
         # No second, hand-written flag for an option outside the group.
         others = [action for action in parser._actions if action not in flagged.values()]
         assert not {action.dest for action in others} & {action.dest for action in flagged.values()}
@@ -148,17 +156,21 @@ def test_the_command_lines_offer_the_options_the_config_defines():
 
 def test_options_left_out_come_from_the_checkpoint_or_the_schema():
     saved = DecodeConfig(beam_size=3, alpha=1.5, max_len_a=2.0, max_len_b=4, batch_tokens=99, nbest=2)
-    chosen = saved.for_translation(beam_size=None, alpha=0.0, nbest=None, max_len_a=None, max_len_b=None,
-                                   batch_tokens=None)
+    chosen = saved.for_translation(
+        beam_size=None, alpha=0.0, nbest=None, max_len_a=None, max_len_b=None, batch_tokens=None
+    )
     assert (chosen.beam_size, chosen.alpha, chosen.max_len_a, chosen.max_len_b) == (3, 0.0, 2.0, 4)
     assert (chosen.nbest, chosen.batch_tokens) == (OPTIONS["nbest"].default, OPTIONS["batch_tokens"].default)
 
 
 @pytest.mark.parametrize("key", [option.key for option in DECODE_OPTIONS if option.whole])
-def test_a_fraction_for_a_whole_option_is_refused_alike_by_the_command_line_and_the_api(key, translator,
-                                                                                     untrained_checkpoint, capsys):
+def test_a_fraction_for_a_whole_option_is_refused_alike_by_the_command_line_and_the_api(
+    key, translator, untrained_checkpoint, capsys
+):
     flag = OPTIONS[key].flag
     rule = f"must be a whole number >= {OPTIONS[key].low}"
-    assert _cli_error(translate_main, capsys, untrained_checkpoint, flag, "2.5") == \
-        f"transformer-translate: error: {flag} 2.5: {rule}"
+    assert (
+        _cli_error(translate_main, capsys, untrained_checkpoint, flag, "2.5")
+        == f"transformer-translate: error: {flag} 2.5: {rule}"
+    )
     assert _api_error(translator, **{key: 2.5}) == f"{key}=2.5: {rule}"

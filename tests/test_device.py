@@ -39,6 +39,7 @@ class HostTensors(TorchDispatchMode):
         def tensor(*args, **kwargs):
             self.seen.append("torch.tensor")
             return self.original_tensor(*args, **kwargs)
+
         torch.tensor = tensor
         return super().__enter__()
 
@@ -55,8 +56,18 @@ class HostTensors(TorchDispatchMode):
 
 def meta_model(backend: str = "auto", dtype: torch.dtype = torch.float32, dropout: float = 0.1):
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=2, decoder_layers=2, dropout=dropout,
-                      attention_dropout=dropout, src_word_dropout=dropout, tgt_word_dropout=dropout, attention=backend)
+    cfg = ModelConfig(
+        d_model=32,
+        n_heads=4,
+        d_ff=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        dropout=dropout,
+        attention_dropout=dropout,
+        src_word_dropout=dropout,
+        tgt_word_dropout=dropout,
+        attention=backend,
+    )
     return build_model(cfg, VOCAB, VOCAB, True).to(META, dtype)
 
 
@@ -71,8 +82,13 @@ def test_a_training_step_runs_on_meta(backend, dtype):
     # has no meta version; the half-precision models take the loss's bf16 and fp16 (float32-stored) paths.
     model = meta_model(backend, dtype)
     rows, tgt_len = 3, 6
-    batch = Batch(meta_ids(rows, 7), meta_ids(rows, tgt_len), meta_ids(rows, tgt_len), rows * tgt_len - 2,
-                  tgt_positions=torch.arange(rows * tgt_len - 2, device=META))      # made by collate, moved
+    batch = Batch(
+        meta_ids(rows, 7),
+        meta_ids(rows, tgt_len),
+        meta_ids(rows, tgt_len),
+        rows * tgt_len - 2,
+        tgt_positions=torch.arange(rows * tgt_len - 2, device=META),
+    )  # made by collate, moved
     with HostTensors() as host:
         loss, nll, correct = batch_loss(model, batch, smoothing=0.1)
         (loss / batch.num_tgt_tokens).backward()
@@ -94,16 +110,16 @@ def test_cached_decoding_with_prefixes_and_reordering_runs_on_meta(backend):
     with torch.no_grad(), HostTensors() as host:
         memory = model.encode(src)
         cache = model.new_cache(memory, padding_mask(src, PAD_ID))
-        tokens = meta_ids(sentences * beams, 2)                 # a forced prefix: two positions at once
+        tokens = meta_ids(sentences * beams, 2)  # a forced prefix: two positions at once
         steps = [model.decode(tokens, None, None, cache)]
-        for _ in range(3):                                      # one position per step, hypotheses reordered
+        for _ in range(3):  # one position per step, hypotheses reordered
             cache.reorder_hypotheses(torch.arange(sentences * beams, device=META).flip(0))
             tokens = torch.cat([tokens, meta_ids(sentences * beams, 1)], dim=1)
             steps.append(model.decode(tokens[:, -1:], None, None, cache))
-        cache.keep_sentences(kept_sentences)                    # the middle sentence finished
+        cache.keep_sentences(kept_sentences)  # the middle sentence finished
         cache.reorder_hypotheses(kept_rows)
         tokens = torch.cat([tokens[kept_rows], meta_ids(4, 2)], dim=1)
-        steps.append(model.decode(tokens[:, -2:], None, None, cache))   # two positions after a past
+        steps.append(model.decode(tokens[:, -2:], None, None, cache))  # two positions after a past
         uncached = model.decode(tokens, memory[kept_sentences], padding_mask(src[kept_sentences], PAD_ID))
     assert host.seen == []
     assert [tuple(step.shape) for step in steps] == [(6, 2, VOCAB)] + [(6, 1, VOCAB)] * 3 + [(4, 2, VOCAB)]
@@ -115,7 +131,7 @@ def test_cached_decoding_with_prefixes_and_reordering_runs_on_meta(backend):
         assert self_kv.keys.device == keys.device == cache.memory_allowed.device == META
 
 
-@pytest.mark.parametrize("width, k", [(VOCAB, 4), (5000, 4)])          # torch.topk, then ranked blocks
+@pytest.mark.parametrize("width, k", [(VOCAB, 4), (5000, 4)])  # torch.topk, then ranked blocks
 def test_row_topk_runs_on_meta(width, k):
     with HostTensors() as host:
         values, ids = row_topk(torch.randn(6, width, device=META), k)
@@ -143,7 +159,7 @@ def test_candidates_and_length_limits_run_on_meta():
         lens = max_lengths(src, 1.2, 10, model.cfg.max_positions - 1)
         decoder = ModelDecoder(model, src)
         tokens = torch.full((3, 1), BOS_ID, device=META)
-        candidates = top_candidates(decoder, tokens, 4)                   # from logits, in one block on meta
+        candidates = top_candidates(decoder, tokens, 4)  # from logits, in one block on meta
 
         from_logprobs = top_candidates(LogprobsOnly(decoder), tokens, 4)
     assert host.seen == []
@@ -186,8 +202,10 @@ def reads_per_step(seen: list[str]) -> list[list[str]]:
 # one packed tensor), greedy search once (whether any sentence ended).
 BEAM_STEP_READS = ["Tensor.tolist"]
 GREEDY_STEP_READS = ["aten._local_scalar_dense"]  # `if not done.any()`
-BATCH_READS = {"beam": ["Tensor.tolist"],                 # the length limits, kept on the host
-               "greedy": ["aten._local_scalar_dense"]}    # `int(max_lens.max())`
+BATCH_READS = {
+    "beam": ["Tensor.tolist"],  # the length limits, kept on the host
+    "greedy": ["aten._local_scalar_dense"],
+}  # `int(max_lens.max())`
 
 
 @pytest.mark.parametrize("search", ["beam", "greedy"])
@@ -203,7 +221,7 @@ def test_search_steps_run_on_meta_and_their_host_reads_are_counted(search):
         else:
             greedy_search(decoder, lens)
     per_step = reads_per_step(reads.seen)
-    assert per_step[0] == BATCH_READS[search]                    # once per batch
+    assert per_step[0] == BATCH_READS[search]  # once per batch
     step_reads = BEAM_STEP_READS if search == "beam" else GREEDY_STEP_READS
     assert per_step[1:] == [step_reads] * steps
     # Nothing is copied from the host but, in beam search, which sentences are at their length limit

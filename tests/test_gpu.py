@@ -27,8 +27,8 @@ def test_sdpa_matches_the_reference_formula(dtype, tol, causal):
     torch.manual_seed(0)
     q, k, v = (torch.randn(3, 4, 9, 16, device="cuda", dtype=dtype) for _ in range(3))
     allowed = torch.ones(3, 1, 1, 9, dtype=torch.bool, device="cuda")
-    allowed[0, ..., 6:] = False                                    # padding in the first sentence
-    if causal:                 # decoder self-attention: SDPA's is_causal, no padding mask
+    allowed[0, ..., 6:] = False  # padding in the first sentence
+    if causal:  # decoder self-attention: SDPA's is_causal, no padding mask
         out, _ = attend(q, k, v, None, causal=True)
         mask = causal_allowed(9, 9, q.device)
     else:
@@ -38,7 +38,7 @@ def test_sdpa_matches_the_reference_formula(dtype, tol, causal):
     assert torch.allclose(out.float(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("n_tokens", [300, 9000])       # 9000: three chunks, the weight's gradient summed over them
+@pytest.mark.parametrize("n_tokens", [300, 9000])  # 9000: three chunks, the weight's gradient summed over them
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_loss_under_autocast_on_cuda(dtype, n_tokens):
     torch.manual_seed(0)
@@ -92,14 +92,16 @@ def test_a_training_step_never_waits_for_the_gpu(precision, tmp_path, data_cache
     """On CUDA, PyTorch itself can refuse every operation that makes the host wait for the device."""
     from tests.helpers import FAST, compose_config
     from transformer.train import Trainer
-    cfg = compose_config(FAST + ["trainer.device=cuda", f"trainer.precision={precision}", "trainer.update_freq=2"],
-                         data_cache)
+
+    cfg = compose_config(
+        FAST + ["trainer.device=cuda", f"trainer.precision={precision}", "trainer.update_freq=2"], data_cache
+    )
     trainer = Trainer(cfg, tmp_path)
     try:
         trainer.updates.start(0, 0)
         loader = iter(trainer.loader)
         micro, _ = next(loader)
-        trainer.log.add(trainer.train_step(micro), micro)            # warm-up: allocator, kernels
+        trainer.log.add(trainer.train_step(micro), micro)  # warm-up: allocator, kernels
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -118,6 +120,7 @@ def test_a_training_step_never_waits_for_the_gpu(precision, tmp_path, data_cache
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "matmul"])
 def test_every_backend_matches_the_formula_on_cuda(backend):
     from transformer.attention import MultiHeadAttention, SelfAttentionCache
+
     torch.manual_seed(0)
     x = torch.randn(3, 7, 32, device="cuda")
     pad = torch.zeros(3, 7, dtype=torch.bool, device="cuda")
@@ -128,7 +131,7 @@ def test_every_backend_matches_the_formula_on_cuda(backend):
     real = ~pad
     assert torch.allclose(attn(x, key_pad_mask=pad)[real], reference(x, key_pad_mask=pad)[real], atol=1e-4)
     cache = SelfAttentionCache()
-    steps = torch.cat([attn(x[:, t:t + 1], causal=True, cache=cache) for t in range(7)], 1)
+    steps = torch.cat([attn(x[:, t : t + 1], causal=True, cache=cache) for t in range(7)], 1)
     assert torch.allclose(steps, reference(x, causal=True), atol=1e-4)
 
 
@@ -151,14 +154,22 @@ def test_a_decoding_batch_out_of_memory_is_split_and_retried(memory_limit):
     """512 sentences x beam 5 over a 32k vocabulary need about 2 GB at once; capped at 1 GB, the batch
     runs out of memory, is halved until the halves fit, and the results are those of small batches."""
     torch.manual_seed(0)
-    model = build_model(ModelConfig(d_model=256, n_heads=4, d_ff=512, encoder_layers=2, decoder_layers=2,
-                                    dropout=0.0), 32000, 32000, True).cuda().eval()
+    model = (
+        build_model(
+            ModelConfig(d_model=256, n_heads=4, d_ff=512, encoder_layers=2, decoder_layers=2, dropout=0.0),
+            32000,
+            32000,
+            True,
+        )
+        .cuda()
+        .eval()
+    )
     sources = [[5 + (i * 31 + j * 7) % 31000 for j in range(40 + i % 20)] for i in range(512)]
     settings = dict(beam_size=5, device="cuda", max_len_a=0.0, max_len_b=30)
-    reference = translate_ids(model, sources, batch_tokens=20_000, **settings)        # small batches
+    reference = translate_ids(model, sources, batch_tokens=20_000, **settings)  # small batches
     ooms = torch.cuda.memory_stats().get("num_ooms", 0)
     memory_limit(1 << 30)
-    limited = translate_ids(model, sources, batch_tokens=10_000_000, **settings)      # one batch asked
+    limited = translate_ids(model, sources, batch_tokens=10_000_000, **settings)  # one batch asked
     assert torch.cuda.memory_stats().get("num_ooms", 0) > ooms, "the batch fit: the test tests nothing"
     same = sum(a[0].tokens == b[0].tokens for a, b in zip(limited, reference))
     assert same >= 0.99 * len(sources)
@@ -170,14 +181,17 @@ def test_training_batches_too_large_for_the_gpu_stop_with_one_line(memory_limit,
     from tests.helpers import FAST, compose_config
     from transformer.run_dir import TrainingError
     from transformer.train import OOM_SKIP_LIMIT, Trainer
-    cfg = compose_config(FAST + ["trainer.device=cuda", "trainer.precision=fp32", "trainer.max_tokens=40000",
-                                 "trainer.num_workers=0"], data_cache)          # no worker left behind on failure
+
+    cfg = compose_config(
+        FAST + ["trainer.device=cuda", "trainer.precision=fp32", "trainer.max_tokens=40000", "trainer.num_workers=0"],
+        data_cache,
+    )  # no worker left behind on failure
     trainer = Trainer(cfg, tmp_path)
     try:
         before = [p.detach().clone() for p in trainer.model.parameters()]
         trainer.updates.start(0, 0)
-        micro, _ = next(iter(trainer.loader))               # ~40k tokens: hundreds of MB of activations
-        memory_limit(torch.cuda.memory_allocated() + (8 << 20))       # 8 MB beyond the weights
+        micro, _ = next(iter(trainer.loader))  # ~40k tokens: hundreds of MB of activations
+        memory_limit(torch.cuda.memory_allocated() + (8 << 20))  # 8 MB beyond the weights
         with pytest.raises(TrainingError, match="trainer.max_tokens=40000 is too large") as stopped:
             for _ in range(OOM_SKIP_LIMIT):
                 assert trainer.train_step(micro) == {"oom": True}

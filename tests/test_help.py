@@ -34,8 +34,14 @@ def as_override(value) -> str:
 
 
 def run(module: str, *args: str, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +57,8 @@ def preset_dir(tmp_path):
     (tmp_path / "presets" / "data").mkdir(parents=True)
     (tmp_path / "presets" / "data" / "mypreset.yaml").write_text(
         "# @package _global_\ndata:\n  name: mypreset\n  embedded: true\n  embedded_pairs: 300\n"
-        "  vocab_size: 120\n  max_len: 64\n")
+        "  vocab_size: 120\n  max_len: 64\n"
+    )
     return tmp_path / "presets"
 
 
@@ -63,15 +70,19 @@ def test_every_schema_key_is_in_the_train_help_with_its_type_default_and_meaning
         assert meaning.strip(), f"{key} has no meaning in the schema"
         kind = spec.metadata.get("type", spec.type)
         # KEY: TYPE = DEFAULT, then the meaning on the lines below (wrapped, indented)
-        block = re.search(rf"^  {re.escape(key)}: {re.escape(kind)} = {re.escape(as_override(default))}"
-                          rf"(?: -> .*)?\n((?:      .*\n?)+)", train_help, re.MULTILINE)
+        block = re.search(
+            rf"^  {re.escape(key)}: {re.escape(kind)} = {re.escape(as_override(default))}"
+            rf"(?: -> .*)?\n((?:      .*\n?)+)",
+            train_help,
+            re.MULTILINE,
+        )
         assert block, f"{key}: {kind} = {as_override(default)} is not in --help"
         assert " ".join(block[1].split()) == " ".join(meaning.split()), key
 
 
 def test_the_help_lists_every_preset_and_marks_the_picked_one(train_help):
-    presets = {}                 # group -> its options, wrapped lines joined
-    for line in train_help[train_help.index("\nPresets"):train_help.index("\nKeys")].splitlines():
+    presets = {}  # group -> its options, wrapped lines joined
+    for line in train_help[train_help.index("\nPresets") : train_help.index("\nKeys")].splitlines():
         if re.match(r"  [a-z]+=", line):
             group = line.strip().split("=", 1)[0]
             presets[group] = line
@@ -88,7 +99,7 @@ def test_the_help_lists_every_preset_and_marks_the_picked_one(train_help):
 
 def test_the_help_fits_100_columns_and_starts_with_the_usage(train_help):
     assert max(len(line) for line in train_help.splitlines()) <= 100
-    head = train_help[:train_help.index("Presets")]
+    head = train_help[: train_help.index("Presets")]
     for usage in ("make train", "--config-dir DIR", "--cfg job", "key=value".upper(), "GROUP=OPTION"):
         assert usage in head
 
@@ -97,25 +108,26 @@ def test_prepare_help_exits_0_with_the_same_presets_and_keys(train_help):
     proc = run("transformer.corpus", "--help")
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert proc.stdout.startswith("transformer-prepare: ")
-    assert proc.stdout[proc.stdout.index("\nPresets"):] == train_help[train_help.index("\nPresets"):]
+    assert proc.stdout[proc.stdout.index("\nPresets") :] == train_help[train_help.index("\nPresets") :]
 
 
 def test_help_with_overrides_shows_the_values_they_give(capsys):
     corpus.main(["--help", "model=small", "trainer.lr=0.01"])
     out = capsys.readouterr().out
     assert "  model.d_model: int = 128 -> 256\n" in out and "  trainer.lr: float = 0.0007 -> 0.01\n" in out
-    assert "  model.n_heads: int = 4\n" in out                  # unchanged by model=small: no arrow
+    assert "  model.n_heads: int = 4\n" in out  # unchanged by model=small: no arrow
     assert "model=tiny | base | big | small*" in out
 
 
-def test_prepare_uses_a_user_preset_from_config_dir_and_makes_no_run_directory(preset_dir, tmp_path, capsys,
-                                                                               monkeypatch):
+def test_prepare_uses_a_user_preset_from_config_dir_and_makes_no_run_directory(
+    preset_dir, tmp_path, capsys, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     cache = tmp_path / "cache"
     corpus.main(["--config-dir", str(preset_dir), "data=mypreset", f"data.cache_dir={cache}"])
     assert "prepared mypreset: 300 training pairs" in capsys.readouterr().out
     assert any(path.name.startswith("mypreset.train.") for path in (cache / "corpus").iterdir())
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["cache", "presets"]     # no runs/, no outputs/
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["cache", "presets"]  # no runs/, no outputs/
 
 
 def test_cfg_job_prints_the_composed_config_the_same_for_train_and_prepare(preset_dir, capsys):
@@ -124,7 +136,7 @@ def test_cfg_job_prints_the_composed_config_the_same_for_train_and_prepare(prese
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["data"]["name"] == "mypreset" and printed["data"]["embedded_pairs"] == 300
     assert printed["model"]["d_model"] == 256 and printed["trainer"]["lr"] == 0.01
-    assert set(printed) == {"model", "data", "trainer", "decode", "run_dir"}      # the job's config, no hydra node
+    assert set(printed) == {"model", "data", "trainer", "decode", "run_dir"}  # the job's config, no hydra node
     train = run("transformer.train", *args)
     assert train.returncode == 0 and yaml.safe_load(train.stdout) == printed
 
@@ -136,18 +148,29 @@ def test_cfg_job_resolve_resolves_interpolations(capsys):
     assert re.search(r"run_dir: runs/x-20\d\d\n", capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--multirun"], "error: transformer-prepare: unrecognized arguments: --multirun; it takes key=value "
-                     "overrides, --config-dir DIR, --cfg job [--resolve] and --help"),
-    (["--cfg", "hydra"], "error: transformer-prepare: argument --cfg/-c: invalid choice: 'hydra'"),
-    (["--config-dir"], "error: transformer-prepare: argument --config-dir/-cd: expected one argument"),
-    (["--config-dir", "no/such/dir"], "error: --config-dir no/such/dir: no such directory; give the directory "
-                                      "that holds your presets (DIR/data/NAME.yaml, then data=NAME)"),
-    (["data=mypresett"], "error: In 'config': Could not find 'data/mypresett'; available options in 'data': "
-                         "custom, iwslt17_de_en, multi30k_de_en, multi30k_en_de, multi30k_multi, mypreset, toy"),
-])
-def test_prepare_refuses_what_it_cannot_take_in_one_line(args, message, preset_dir, tmp_path, capsys,
-                                                         monkeypatch):
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--multirun"],
+            "error: transformer-prepare: unrecognized arguments: --multirun; it takes key=value "
+            "overrides, --config-dir DIR, --cfg job [--resolve] and --help",
+        ),
+        (["--cfg", "hydra"], "error: transformer-prepare: argument --cfg/-c: invalid choice: 'hydra'"),
+        (["--config-dir"], "error: transformer-prepare: argument --config-dir/-cd: expected one argument"),
+        (
+            ["--config-dir", "no/such/dir"],
+            "error: --config-dir no/such/dir: no such directory; give the directory "
+            "that holds your presets (DIR/data/NAME.yaml, then data=NAME)",
+        ),
+        (
+            ["data=mypresett"],
+            "error: In 'config': Could not find 'data/mypresett'; available options in 'data': "
+            "custom, iwslt17_de_en, multi30k_de_en, multi30k_en_de, multi30k_multi, mypreset, toy",
+        ),
+    ],
+)
+def test_prepare_refuses_what_it_cannot_take_in_one_line(args, message, preset_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stop:
         corpus.main(["--config-dir", str(preset_dir), *args] if "--config-dir" not in args else args)

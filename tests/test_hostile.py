@@ -30,8 +30,11 @@ from transformer.translator import Translator
 
 def _snapshot(root: Path) -> dict:
     # `.lock` files are the run-directory locks a refused run may take and release: not content.
-    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != ".lock"}
+    return {
+        p: (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 @pytest.fixture
@@ -42,8 +45,12 @@ def workspace(tmp_path, untrained_checkpoint):
     (run / "checkpoints").mkdir(parents=True)
     for name in ("best.pt", "last.pt"):
         shutil.copy(untrained_checkpoint, run / "checkpoints" / name)
-    assert average_main([str(run / "checkpoints" / "best.pt"), str(run / "checkpoints" / "last.pt"),
-                         "-o", str(tmp_path / "avg.pt")]) == 0
+    assert (
+        average_main(
+            [str(run / "checkpoints" / "best.pt"), str(run / "checkpoints" / "last.pt"), "-o", str(tmp_path / "avg.pt")]
+        )
+        == 0
+    )
     (tmp_path / "folder").mkdir()
     (tmp_path / "blank").mkdir()
     for split, text in (("train", "\n  \n\n"), ("val", "Hallo\n")):
@@ -55,8 +62,13 @@ def workspace(tmp_path, untrained_checkpoint):
 
 
 def _train_cli(*args, timeout=180):
-    proc = subprocess.run([sys.executable, "-m", "transformer.train", *FAST, "trainer.max_steps=2", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer.train", *FAST, "trainer.max_steps=2", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -65,6 +77,7 @@ def _in_process(main):
         code = main([str(a) for a in args])
         out, err = capsys.readouterr()
         return code, out, err
+
     return run
 
 
@@ -74,101 +87,270 @@ BEST = "{ws}/run/checkpoints/best.pt"
 # (id, runner, arguments with {ws} for the workspace, the one-line message expected on stderr)
 CASES = [
     ("beam-0", "translate", [BEST, "--beam", "0", "--input", "{ws}/in.de"], r"--beam 0: must be a whole number >= 1"),
-    ("nbest>beam", "translate", [BEST, "--beam", "2", "--nbest", "3", "--input", "{ws}/in.de"], r"--nbest 3: must be between 1"),
-    ("max-len-a<0", "translate", [BEST, "--max-len-a", "-5", "--input", "{ws}/in.de"],
-     r"--max-len-a -5.0: must be a finite number >= 0"),
-    ("max-len-b<0", "translate", [BEST, "--max-len-b", "-1", "--input", "{ws}/in.de"], r"--max-len-b -1: must be a whole"),
-    ("alpha-nan", "translate", [BEST, "--alpha", "nan", "--input", "{ws}/in.de"], r"--alpha nan: must be a finite number"),
-    ("alpha-inf", "translate", [BEST, "--alpha", "inf", "--input", "{ws}/in.de"], r"--alpha inf: must be a finite number"),
-    ("batch-tokens-0", "translate", [BEST, "--batch-tokens", "0", "--input", "{ws}/in.de"], r"--batch-tokens 0: must be"),
-    ("output-is-dir", "translate", [BEST, "--input", "{ws}/in.de", "--output", "{ws}/folder"],
-     r"--output .*/folder: is a directory; give a file name"),
-    ("ckpt-is-dir", "translate", ["{ws}/run", "--input", "{ws}/in.de"], r".*/run: is a directory, not a checkpoint file"),
+    (
+        "nbest>beam",
+        "translate",
+        [BEST, "--beam", "2", "--nbest", "3", "--input", "{ws}/in.de"],
+        r"--nbest 3: must be between 1",
+    ),
+    (
+        "max-len-a<0",
+        "translate",
+        [BEST, "--max-len-a", "-5", "--input", "{ws}/in.de"],
+        r"--max-len-a -5.0: must be a finite number >= 0",
+    ),
+    (
+        "max-len-b<0",
+        "translate",
+        [BEST, "--max-len-b", "-1", "--input", "{ws}/in.de"],
+        r"--max-len-b -1: must be a whole",
+    ),
+    (
+        "alpha-nan",
+        "translate",
+        [BEST, "--alpha", "nan", "--input", "{ws}/in.de"],
+        r"--alpha nan: must be a finite number",
+    ),
+    (
+        "alpha-inf",
+        "translate",
+        [BEST, "--alpha", "inf", "--input", "{ws}/in.de"],
+        r"--alpha inf: must be a finite number",
+    ),
+    (
+        "batch-tokens-0",
+        "translate",
+        [BEST, "--batch-tokens", "0", "--input", "{ws}/in.de"],
+        r"--batch-tokens 0: must be",
+    ),
+    (
+        "output-is-dir",
+        "translate",
+        [BEST, "--input", "{ws}/in.de", "--output", "{ws}/folder"],
+        r"--output .*/folder: is a directory; give a file name",
+    ),
+    (
+        "ckpt-is-dir",
+        "translate",
+        ["{ws}/run", "--input", "{ws}/in.de"],
+        r".*/run: is a directory, not a checkpoint file",
+    ),
     ("ckpt-missing", "translate", ["{ws}/nope.pt", "--input", "{ws}/in.de"], r".*/nope.pt: no such checkpoint file"),
     ("input-missing", "translate", [BEST, "--input", "{ws}/nope.de"], r".*/nope.de: No such file or directory"),
-    ("device-unknown", "translate", [BEST, "--device", "gpu0", "--input", "{ws}/in.de"],
-     r"--device gpu0: must be auto, cpu, cuda or cuda:N"),
-    ("nbest>checkpoint-beam", "translate", [BEST, "--nbest", "7", "--input", "{ws}/in.de"],
-     r"--nbest 7: the checkpoint's beam size is 5; add --beam 7"),
-    ("average-onto-input", "average", ["{ws}/run/checkpoints/best.pt", "{ws}/run/checkpoints/last.pt",
-                                       "-o", "{ws}/run/checkpoints/last.pt"], r"-o .*last.pt: is one of the checkpoints"),
-    ("average-into-dir", "average", ["{ws}/run/checkpoints/best.pt", "-o", "{ws}/folder"], r"-o .*/folder: is a directory"),
+    (
+        "device-unknown",
+        "translate",
+        [BEST, "--device", "gpu0", "--input", "{ws}/in.de"],
+        r"--device gpu0: must be auto, cpu, cuda or cuda:N",
+    ),
+    (
+        "nbest>checkpoint-beam",
+        "translate",
+        [BEST, "--nbest", "7", "--input", "{ws}/in.de"],
+        r"--nbest 7: the checkpoint's beam size is 5; add --beam 7",
+    ),
+    (
+        "average-onto-input",
+        "average",
+        ["{ws}/run/checkpoints/best.pt", "{ws}/run/checkpoints/last.pt", "-o", "{ws}/run/checkpoints/last.pt"],
+        r"-o .*last.pt: is one of the checkpoints",
+    ),
+    (
+        "average-into-dir",
+        "average",
+        ["{ws}/run/checkpoints/best.pt", "-o", "{ws}/folder"],
+        r"-o .*/folder: is a directory",
+    ),
     ("average-nothing", "average", ["{ws}/folder", "-o", "{ws}/x.pt"], r".*/folder: no checkpoints/step_N.pt files"),
-    ("evaluate-src-missing", "evaluate", [BEST, "--src", "{ws}/nope.de", "--ref", "{ws}/in.de"], r".*/nope.de: no such file"),
+    (
+        "evaluate-src-missing",
+        "evaluate",
+        [BEST, "--src", "{ws}/nope.de", "--ref", "{ws}/in.de"],
+        r".*/nope.de: no such file",
+    ),
     ("evaluate-half-pair", "evaluate", [BEST, "--src", "{ws}/in.de"], r"give both --src and --ref"),
-    ("evaluate-src-directory", "evaluate", [BEST, "--src", "{ws}/folder", "--ref", "{ws}/in.de"],
-     r"--src .*/folder: is a directory; give a file of one sentence per line"),
-    ("resume-averaged", "train", ["trainer.resume={ws}/avg.pt", "hydra.run.dir={ws}/new"],
-     r".*avg.pt: holds weights only .* trainer.init_from="),
+    (
+        "evaluate-src-directory",
+        "evaluate",
+        [BEST, "--src", "{ws}/folder", "--ref", "{ws}/in.de"],
+        r"--src .*/folder: is a directory; give a file of one sentence per line",
+    ),
+    (
+        "resume-averaged",
+        "train",
+        ["trainer.resume={ws}/avg.pt", "hydra.run.dir={ws}/new"],
+        r".*avg.pt: holds weights only .* trainer.init_from=",
+    ),
     ("run-dir-is-file", "train", ["hydra.run.dir={ws}/a_file"], r"hydra.run.dir=.*/a_file: is a file, not a directory"),
-    ("blank-training-split", "train", ["data=multi30k_de_en", "data.path={ws}/blank", "data.cache_dir={ws}/cache",
-                                       "hydra.run.dir={ws}/new"],
-     r".*blank/train.de \+ train.en: no usable sentence to train the tokenizer on"),
-    ("init-from-other-shape", "train", ["model.d_model=32", "trainer.init_from=" + BEST, "hydra.run.dir={ws}/new"],
-     r".*best.pt: weights do not fit this model"),
+    (
+        "blank-training-split",
+        "train",
+        ["data=multi30k_de_en", "data.path={ws}/blank", "data.cache_dir={ws}/cache", "hydra.run.dir={ws}/new"],
+        r".*blank/train.de \+ train.en: no usable sentence to train the tokenizer on",
+    ),
+    (
+        "init-from-other-shape",
+        "train",
+        ["model.d_model=32", "trainer.init_from=" + BEST, "hydra.run.dir={ws}/new"],
+        r".*best.pt: weights do not fit this model",
+    ),
     ("run-dir-of-another-run", "train", ["hydra.run.dir={ws}/run"], r".*/run/checkpoints already holds checkpoints"),
-    ("own-corpus-with-toy", "train", ["data.path={ws}/blank", "hydra.run.dir={ws}/new"],
-     r"data.path=.*/blank is set but data=toy is the embedded corpus.*make train data=custom data.path="),
+    (
+        "own-corpus-with-toy",
+        "train",
+        ["data.path={ws}/blank", "hydra.run.dir={ws}/new"],
+        r"data.path=.*/blank is set but data=toy is the embedded corpus.*make train data=custom data.path=",
+    ),
     # --- issue 27: export and average (--force, damaged checkpoints, full disks: tests/test_misuse_export.py)
-    ("average-onto-a-run-checkpoint", "average", [BEST, "-o", "{ws}/run/checkpoints/last.pt"],
-     r"-o .*/last.pt: exists and is not an averaged checkpoint written by transformer-average; .* pass --force"),
-    ("average-onto-a-text-file", "average", [BEST, "-o", "{ws}/a_file"],
-     r"-o .*/a_file: exists and is not an averaged checkpoint written by transformer-average"),
-    ("average-under-a-file", "average", [BEST, "-o", "{ws}/a_file/avg.pt"],
-     r".*/a_file/avg.pt: cannot write the checkpoint: a part of .*/a_file is a file, not a directory"),
+    (
+        "average-onto-a-run-checkpoint",
+        "average",
+        [BEST, "-o", "{ws}/run/checkpoints/last.pt"],
+        r"-o .*/last.pt: exists and is not an averaged checkpoint written by transformer-average; .* pass --force",
+    ),
+    (
+        "average-onto-a-text-file",
+        "average",
+        [BEST, "-o", "{ws}/a_file"],
+        r"-o .*/a_file: exists and is not an averaged checkpoint written by transformer-average",
+    ),
+    (
+        "average-under-a-file",
+        "average",
+        [BEST, "-o", "{ws}/a_file/avg.pt"],
+        r".*/a_file/avg.pt: cannot write the checkpoint: a part of .*/a_file is a file, not a directory",
+    ),
     # --- issue 27: prepared data and caches
-    ("data-path-is-a-device", "train", ["data=multi30k_de_en", "data.path=/dev/null", "hydra.run.dir={ws}/new"],
-     r"data.path=/dev/null: is not a regular file or a directory \(it is a character device\)"),
+    (
+        "data-path-is-a-device",
+        "train",
+        ["data=multi30k_de_en", "data.path=/dev/null", "hydra.run.dir={ws}/new"],
+        r"data.path=/dev/null: is not a regular file or a directory \(it is a character device\)",
+    ),
     # --- issue 27: training (values that cannot work are refused before training; non-finite weights unsaved)
-    ("lr-inf", "train", ["trainer.lr=inf", "hydra.run.dir={ws}/new"],
-     r"^error: trainer.lr=inf is not finite; give a finite number \(the default is 0.0007\)$"),
+    (
+        "lr-inf",
+        "train",
+        ["trainer.lr=inf", "hydra.run.dir={ws}/new"],
+        r"^error: trainer.lr=inf is not finite; give a finite number \(the default is 0.0007\)$",
+    ),
     ("lr-nan", "train", ["trainer.lr=nan", "hydra.run.dir={ws}/new"], r"^error: trainer.lr=nan is not finite"),
-    ("max-minutes-nan", "train", ["trainer.max_minutes=nan", "hydra.run.dir={ws}/new"],
-     r"^error: trainer.max_minutes=nan is not finite"),
-    ("decode-alpha-nan", "train", ["decode.alpha=nan", "hydra.run.dir={ws}/new"], r"^error: decode.alpha=nan is not finite"),
-    ("max-positions-below-max-len", "train", ["model.max_positions=32", "hydra.run.dir={ws}/new"],
-     r"model.max_positions=32 is too small for data.max_len=64: .* set model.max_positions=65 or more"),
-    ("lr-overflows-the-weights", "train", ["trainer.lr=1e300", "trainer.warmup=1", "hydra.run.dir={ws}/new"],
-     r"^error: step 2: the weights are not finite \(.*\), so nothing was saved; .* no checkpoint was written before"),
+    (
+        "max-minutes-nan",
+        "train",
+        ["trainer.max_minutes=nan", "hydra.run.dir={ws}/new"],
+        r"^error: trainer.max_minutes=nan is not finite",
+    ),
+    (
+        "decode-alpha-nan",
+        "train",
+        ["decode.alpha=nan", "hydra.run.dir={ws}/new"],
+        r"^error: decode.alpha=nan is not finite",
+    ),
+    (
+        "max-positions-below-max-len",
+        "train",
+        ["model.max_positions=32", "hydra.run.dir={ws}/new"],
+        r"model.max_positions=32 is too small for data.max_len=64: .* set model.max_positions=65 or more",
+    ),
+    (
+        "lr-overflows-the-weights",
+        "train",
+        ["trainer.lr=1e300", "trainer.warmup=1", "hydra.run.dir={ws}/new"],
+        r"^error: step 2: the weights are not finite \(.*\), so nothing was saved; .* no checkpoint was written before",
+    ),
     # --- issue 27: translate and evaluate
-    ("output-is-input", "translate", [BEST, "--input", "{ws}/in.de", "--output", "{ws}/in.de"],
-     r"--output .*/in.de: is the --input file .*/in.de; writing the translations there would destroy it; choose another"),
-    ("output-is-input-via-dotdot", "translate", [BEST, "--input", "{ws}/in.de", "--output", "{ws}/folder/../in.de"],
-     r"--output .*/folder/../in.de: is the --input file .*/in.de; writing the translations there would destroy it"),
-    ("output-is-checkpoint", "translate", [BEST, "--input", "{ws}/in.de", "--output", BEST],
-     r"--output .*/best.pt: is the checkpoint .*/best.pt; writing the translations there would destroy it"),
-    ("output-is-score-reference", "translate", [BEST, "--input", "{ws}/in.de", "--score-reference", "{ws}/a_file",
-                                                "--output", "{ws}/a_file"], r"--output .*/a_file: is the --score-reference file"),
-    ("temperature-nan", "translate", [BEST, "--sampling", "topk:3", "--temperature", "nan", "--input", "{ws}/in.de"],
-     r"--temperature nan: must be between 1e-6 and 1e6"),
-    ("temperature-inf", "translate", [BEST, "--temperature", "inf", "--input", "{ws}/in.de"],
-     r"--temperature inf: must be between 1e-6 and 1e6"),
-    ("temperature-overflows", "translate", [BEST, "--sampling", "topk:2", "--temperature", "1e308", "--input",
-                                            "{ws}/in.de"], r"--temperature 1e\+308: must be between 1e-6 and 1e6"),
-    ("seed-overflows", "translate", [BEST, "--sampling", "topk:2", "--seed", "99999999999999999999", "--input",
-                                     "{ws}/in.de"], r"--seed 99999999999999999999: must be a whole number from 0"),
-    ("output-in-a-missing-directory", "translate", [BEST, "--input", "{ws}/in.de", "--output", "{ws}/no/such/out.txt"],
-     r"--output .*/no/such/out.txt: no directory .*/no/such; create it first"),
+    (
+        "output-is-input",
+        "translate",
+        [BEST, "--input", "{ws}/in.de", "--output", "{ws}/in.de"],
+        r"--output .*/in.de: is the --input file .*/in.de; writing the translations there would destroy it; "
+        r"choose another",
+    ),
+    (
+        "output-is-input-via-dotdot",
+        "translate",
+        [BEST, "--input", "{ws}/in.de", "--output", "{ws}/folder/../in.de"],
+        r"--output .*/folder/../in.de: is the --input file .*/in.de; writing the translations there would destroy it",
+    ),
+    (
+        "output-is-checkpoint",
+        "translate",
+        [BEST, "--input", "{ws}/in.de", "--output", BEST],
+        r"--output .*/best.pt: is the checkpoint .*/best.pt; writing the translations there would destroy it",
+    ),
+    (
+        "output-is-score-reference",
+        "translate",
+        [BEST, "--input", "{ws}/in.de", "--score-reference", "{ws}/a_file", "--output", "{ws}/a_file"],
+        r"--output .*/a_file: is the --score-reference file",
+    ),
+    (
+        "temperature-nan",
+        "translate",
+        [BEST, "--sampling", "topk:3", "--temperature", "nan", "--input", "{ws}/in.de"],
+        r"--temperature nan: must be between 1e-6 and 1e6",
+    ),
+    (
+        "temperature-inf",
+        "translate",
+        [BEST, "--temperature", "inf", "--input", "{ws}/in.de"],
+        r"--temperature inf: must be between 1e-6 and 1e6",
+    ),
+    (
+        "temperature-overflows",
+        "translate",
+        [BEST, "--sampling", "topk:2", "--temperature", "1e308", "--input", "{ws}/in.de"],
+        r"--temperature 1e\+308: must be between 1e-6 and 1e6",
+    ),
+    (
+        "seed-overflows",
+        "translate",
+        [BEST, "--sampling", "topk:2", "--seed", "99999999999999999999", "--input", "{ws}/in.de"],
+        r"--seed 99999999999999999999: must be a whole number from 0",
+    ),
+    (
+        "output-in-a-missing-directory",
+        "translate",
+        [BEST, "--input", "{ws}/in.de", "--output", "{ws}/no/such/out.txt"],
+        r"--output .*/no/such/out.txt: no directory .*/no/such; create it first",
+    ),
     ("empty-input-name", "translate", [BEST, "--input", ""], r"--input is empty \(an unset shell variable\?\)"),
-    ("beam-beyond-the-vocabulary", "translate", [BEST, "--input", "{ws}/in.de", "--beam", "1000000"],
-     r"--beam 1000000: the model's target vocabulary has \d+ pieces; give at most that"),
-    ("max-len-a-inf", "translate", [BEST, "--max-len-a", "inf", "--input", "{ws}/in.de"],
-     r"--max-len-a inf: must be a finite number >= 0"),
-    ("evaluate-alpha-nan", "evaluate", [BEST, "--src", "{ws}/in.de", "--ref", "{ws}/in.de", "--alpha", "nan"],
-     r"--alpha nan: must be a finite number >= 0"),
+    (
+        "beam-beyond-the-vocabulary",
+        "translate",
+        [BEST, "--input", "{ws}/in.de", "--beam", "1000000"],
+        r"--beam 1000000: the model's target vocabulary has \d+ pieces; give at most that",
+    ),
+    (
+        "max-len-a-inf",
+        "translate",
+        [BEST, "--max-len-a", "inf", "--input", "{ws}/in.de"],
+        r"--max-len-a inf: must be a finite number >= 0",
+    ),
+    (
+        "evaluate-alpha-nan",
+        "evaluate",
+        [BEST, "--src", "{ws}/in.de", "--ref", "{ws}/in.de", "--alpha", "nan"],
+        r"--alpha nan: must be a finite number >= 0",
+    ),
 ]
 
 
 # The cases that run the training command line are slow; the others refuse in a second.
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c[1] == "train" else c for c in CASES],
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.slow) if c[1] == "train" else c for c in CASES],
+    ids=[c[0] for c in CASES],
+)
 def test_hostile_input_table(case, workspace, capsys, data_cache):
     _, runner, args, pattern = case
     args = [a.format(ws=workspace) for a in args]
     before = _snapshot(workspace)
     if runner == "train":
-        code, out, err = _train_cli(*args, f"data.cache_dir={data_cache}" if "data.cache_dir" not in " ".join(args)
-                                    else "trainer.seed=1")
+        code, out, err = _train_cli(
+            *args, f"data.cache_dir={data_cache}" if "data.cache_dir" not in " ".join(args) else "trainer.seed=1"
+        )
     else:
         code, out, err = {"translate": translate, "average": average, "evaluate": evaluate}[runner](capsys, *args)
     assert code == 2, (out, err)
@@ -187,9 +369,10 @@ def test_resume_true_passes_over_a_weights_only_checkpoint(trained_run, tmp_path
     from transformer.config import TrainerConfig
     from transformer.distributed import DistInfo
     from transformer.run_state import find_resume_state
-    checkpoints = tmp_path / "checkpoints"                # a run's checkpoints: last.pt can resume it
+
+    checkpoints = tmp_path / "checkpoints"  # a run's checkpoints: last.pt can resume it
     shutil.copytree(trained_run[0] / "checkpoints", checkpoints)
-    assert average_main([str(checkpoints / "last.pt"), "-o", str(checkpoints / "avg.pt")]) == 0   # same step
+    assert average_main([str(checkpoints / "last.pt"), "-o", str(checkpoints / "avg.pt")]) == 0  # same step
     state = find_resume_state(TrainerConfig(resume=True, max_steps=1), checkpoints, DistInfo())
     assert "optimizer" in state and state["step"] == load_checkpoint(checkpoints / "last.pt")["step"]
 
@@ -202,12 +385,18 @@ def test_the_table_covers_every_defect_class():
 def test_translator_api_refuses_what_the_cli_refuses(untrained_checkpoint):
     translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu")
     assert translator.translate(iter(["Der Hund.", ""])) == translator.translate(["Der Hund.", ""])
-    assert translator.translate(["Der Hund."], beam_size=np.int64(2)) == translator.translate(["Der Hund."], beam_size=2)
+    assert translator.translate(["Der Hund."], beam_size=np.int64(2)) == translator.translate(
+        ["Der Hund."], beam_size=2
+    )
     for bad in ("Der Hund.", [None], [5], [b"Der Hund."], iter(["ok", 5])):
         with pytest.raises(TypeError, match=r"sentences must be a list of str \(got \w+\)"):
             translator.translate(bad)
-    for options, name in (({"alpha": math.nan}, "alpha"), ({"max_len_a": -5}, "max_len_a"),
-                          ({"beam_size": 0}, "beam_size"), ({"batch_tokens": 0}, "batch_tokens")):
+    for options, name in (
+        ({"alpha": math.nan}, "alpha"),
+        ({"max_len_a": -5}, "max_len_a"),
+        ({"beam_size": 0}, "beam_size"),
+        ({"batch_tokens": 0}, "batch_tokens"),
+    ):
         with pytest.raises(ValueError, match=name):
             translator.translate(["Der Hund."], **options)
 
@@ -215,8 +404,9 @@ def test_translator_api_refuses_what_the_cli_refuses(untrained_checkpoint):
 @pytest.mark.slow
 def test_beam_sizes_up_to_and_beyond_the_vocabulary(trained_checkpoint):
     from tests.test_search import A, B, TableDecoder
+
     best = {}
-    for beam in range(1, 12):                      # the table has 6 entries (4 that can be generated)
+    for beam in range(1, 12):  # the table has 6 entries (4 that can be generated)
         (hyps,) = beam_search(TableDecoder(), torch.tensor([6]), beam_size=beam, nbest=1)
         assert math.isfinite(hyps[0].score)
         best[beam] = hyps[0].tokens
@@ -225,9 +415,10 @@ def test_beam_sizes_up_to_and_beyond_the_vocabulary(trained_checkpoint):
     vocab = translator.tokenizer.tgt_vocab_size
     reference = translator.translate(["Der Hund.", "Die Katze sieht den Hund."], beam_size=5)
     assert all(reference)
-    for beam in (vocab // 2 + 1, vocab):           # beyond the vocabulary: refused (the search copes: above)
-        for hyps in translator.translate_hypotheses(["Der Hund.", "Die Katze sieht den Hund."], beam_size=beam,
-                                                    nbest=3):
+    for beam in (vocab // 2 + 1, vocab):  # beyond the vocabulary: refused (the search copes: above)
+        for hyps in translator.translate_hypotheses(
+            ["Der Hund.", "Die Katze sieht den Hund."], beam_size=beam, nbest=3
+        ):
             scores = [score for _, score in hyps]
             assert len(hyps) == 3 and all(text for text, _ in hyps)
             assert all(math.isfinite(s) for s in scores) and scores == sorted(scores, reverse=True)
@@ -238,33 +429,59 @@ def test_beam_sizes_up_to_and_beyond_the_vocabulary(trained_checkpoint):
 @pytest.mark.slow
 def test_a_second_run_into_a_busy_run_directory_is_refused_and_the_first_is_unharmed(tmp_path, data_cache):
     run_dir = tmp_path / "shared"
-    first = subprocess.Popen([sys.executable, "-m", "transformer.train", *FAST, "trainer.max_steps=40",
-                              "trainer.validate_every=20", "trainer.val_max_sentences=4", "trainer.test_at_end=false",
-                              f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_for_log(run_dir / "train.log", "training pairs", 120)     # Hydra has written .hydra/, the run started
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "transformer.train",
+            *FAST,
+            "trainer.max_steps=40",
+            "trainer.validate_every=20",
+            "trainer.val_max_sentences=4",
+            "trainer.test_at_end=false",
+            f"data.cache_dir={data_cache}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for_log(run_dir / "train.log", "training pairs", 120)  # Hydra has written .hydra/, the run started
     config_before = (run_dir / ".hydra" / "config.yaml").read_bytes()
     code, out, err = _train_cli("trainer.lr=1e-4", f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}")
     assert code == 2 and "Traceback" not in err
-    assert re.fullmatch(rf"error: {re.escape(str(run_dir))} is in use by another training run \(pid {first.pid} on "
-                        r"\S+ since [\d: -]+\); wait for it to end or choose another hydra.run.dir", err.strip()), err
-    assert (run_dir / ".hydra" / "config.yaml").read_bytes() == config_before        # its config untouched
+    assert re.fullmatch(
+        rf"error: {re.escape(str(run_dir))} is in use by another training run \(pid {first.pid} on "
+        r"\S+ since [\d: -]+\); wait for it to end or choose another hydra.run.dir",
+        err.strip(),
+    ), err
+    assert (run_dir / ".hydra" / "config.yaml").read_bytes() == config_before  # its config untouched
     assert first.wait(timeout=300) == 0, first.stdout.read()
     assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"] == 40
     assert "lr: 0.0001" not in (run_dir / ".hydra" / "config.yaml").read_text()
 
 
 def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from transformer.run_dir import RunDirectoryLock as L; "
-                               "L.acquire(Path(sys.argv[1])); print('held', flush=True); time.sleep(60)",
-                               str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from transformer.run_dir import RunDirectoryLock as L; "
+            "L.acquire(Path(sys.argv[1])); print('held', flush=True); time.sleep(60)",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(TrainingError, match=f"in use by another training run \\(pid {holder.pid} "):
         RunDirectoryLock.acquire(tmp_path)
     holder.send_signal(signal.SIGKILL)
     holder.wait()
-    assert "pid" in (tmp_path / ".lock").read_text()            # the file stays; the lock went with the process
+    assert "pid" in (tmp_path / ".lock").read_text()  # the file stays; the lock went with the process
     lock = RunDirectoryLock.acquire(tmp_path)
     assert f"pid {os.getpid()}" in (tmp_path / ".lock").read_text()
     lock.release()
@@ -274,13 +491,29 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
 def test_sigterm_during_validation_saves_and_exits_within_seconds(tmp_path, data_cache):
     # An untrained model decodes every validation sentence to its length limit: a long validation.
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "transformer.train", *FAST, "trainer.max_steps=1000",
-                             "trainer.validate_every=3", "trainer.val_max_sentences=0", "decode.max_len_b=200",
-                             "decode.max_len_a=3", "trainer.val_beam_size=4", "decode.batch_tokens=64",
-                             f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "transformer.train",
+            *FAST,
+            "trainer.max_steps=1000",
+            "trainer.validate_every=3",
+            "trainer.val_max_sentences=0",
+            "decode.max_len_b=200",
+            "decode.max_len_a=3",
+            "trainer.val_beam_size=4",
+            "decode.batch_tokens=64",
+            f"data.cache_dir={data_cache}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_for_log(run_dir / "train.log", "validating at step 3", 120)
-    time.sleep(1.0)                                       # well inside the validation decode
+    time.sleep(1.0)  # well inside the validation decode
     proc.send_signal(signal.SIGTERM)
     sent = time.time()
     out, _ = proc.communicate(timeout=120)
@@ -288,35 +521,47 @@ def test_sigterm_during_validation_saves_and_exits_within_seconds(tmp_path, data
     assert time.time() - sent < 15, "the run took too long to stop"
     assert "validation at step 3 interrupted by SIGTERM" in out
     assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"] == 3
-    assert "validation step 3 |" not in (run_dir / "train.log").read_text()       # no half validation was reported
+    assert "validation step 3 |" not in (run_dir / "train.log").read_text()  # no half validation was reported
 
 
 @pytest.mark.slow
 def test_disk_full_while_saving_names_the_file_and_the_last_good_checkpoint(tmp_path, data_cache, monkeypatch):
     import transformer.checkpoint as checkpoint
     from transformer.train import train
+
     real_save, calls = torch.save, {"n": 0}
 
     def save_until_full(obj, handle, *args, **kwargs):
         calls["n"] += 1
-        if calls["n"] <= 1:                               # step_2.pt fits (last.pt is a second name for it)
+        if calls["n"] <= 1:  # step_2.pt fits (last.pt is a second name for it)
             return real_save(obj, handle, *args, **kwargs)
         handle.write(b"partial")
-        try:                                              # what torch does: ENOSPC only in the chain
+        try:  # what torch does: ENOSPC only in the chain
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except OSError as error:
             raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4096 vs 0") from error
 
     monkeypatch.setattr(checkpoint.torch, "save", save_until_full)
-    cfg = compose_config(FAST + ["trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.validate_every=100",
-                                 "trainer.test_at_end=false"], data_cache)
+    cfg = compose_config(
+        FAST
+        + [
+            "trainer.max_steps=6",
+            "trainer.checkpoint_every=2",
+            "trainer.validate_every=100",
+            "trainer.test_at_end=false",
+        ],
+        data_cache,
+    )
     with pytest.raises(TrainingError) as error:
         train(cfg, tmp_path)
     message = str(error.value)
-    assert re.fullmatch(r".*/checkpoints/step_4.pt: cannot write the checkpoint: No space left on device; "
-                        r"the last good checkpoint is .*/checkpoints/(last|step_2).pt", message), message
+    assert re.fullmatch(
+        r".*/checkpoints/step_4.pt: cannot write the checkpoint: No space left on device; "
+        r"the last good checkpoint is .*/checkpoints/(last|step_2).pt",
+        message,
+    ), message
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert names == ["last.pt", "step_2.pt"]              # no temporary file left behind
+    assert names == ["last.pt", "step_2.pt"]  # no temporary file left behind
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 2
 
 
@@ -324,15 +569,28 @@ def test_disk_full_while_saving_names_the_file_and_the_last_good_checkpoint(tmp_
 def test_a_test_split_the_end_could_not_read_is_said_before_training(tmp_path, data_cache, caplog):
     """A corpus without a test split (or a broken one) was found out only after the whole run."""
     from transformer.train import train
+
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for split, count in (("train", 300), ("validation", 20)):
-        (corpus / f"{split}.tsv").write_text("".join(f"Satz {i} über Haus {i % 17} .\tSentence {i} about house "
-                                                     f"{i % 17} .\n" for i in range(count)), encoding="utf-8")
+        (corpus / f"{split}.tsv").write_text(
+            "".join(f"Satz {i} über Haus {i % 17} .\tSentence {i} about house {i % 17} .\n" for i in range(count)),
+            encoding="utf-8",
+        )
     (corpus / "test.de").write_text("eins\nzwei\n", encoding="utf-8")
     (corpus / "test.en").write_text("one\n", encoding="utf-8")
-    cfg = compose_config(FAST + ["data=custom", f"data.path={corpus}", "data.vocab_size=100", "trainer.max_steps=2",
-                                 "trainer.validate_every=100", "trainer.test_at_end=true"], data_cache)
+    cfg = compose_config(
+        FAST
+        + [
+            "data=custom",
+            f"data.path={corpus}",
+            "data.vocab_size=100",
+            "trainer.max_steps=2",
+            "trainer.validate_every=100",
+            "trainer.test_at_end=true",
+        ],
+        data_cache,
+    )
     with caplog.at_level(logging.INFO, logger="transformer"):
         train(cfg, tmp_path / "run")
     messages = [r.getMessage() for r in caplog.records]
@@ -343,8 +601,9 @@ def test_a_test_split_the_end_could_not_read_is_said_before_training(tmp_path, d
 
 def _python(code: str, *, path: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (path, ROOT) if p)}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
-                          **INTERRUPTIBLE)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, **INTERRUPTIBLE
+    )
 
 
 def test_a_ctrl_c_while_torch_loads_is_delivered_after_the_import_not_lost(tmp_path):
@@ -359,20 +618,26 @@ def test_a_ctrl_c_while_torch_loads_is_delivered_after_the_import_not_lost(tmp_p
         "    time.sleep(0.2)\n"
         "except KeyboardInterrupt:\n"
         "    pass       # lost, as in the C library's load\n"
-        "LOADED = True\n")
-    held = ("import sys\nfrom transformer.errors import import_torch_holding_interrupts\n"
-            "try:\n    import_torch_holding_interrupts()\n"
-            "except KeyboardInterrupt:\n    print('interrupted after the import:', sys.modules['torch'].LOADED)\n"
-            "else:\n    print('ran on')\n")
+        "LOADED = True\n"
+    )
+    held = (
+        "import sys\nfrom transformer.errors import import_torch_holding_interrupts\n"
+        "try:\n    import_torch_holding_interrupts()\n"
+        "except KeyboardInterrupt:\n    print('interrupted after the import:', sys.modules['torch'].LOADED)\n"
+        "else:\n    print('ran on')\n"
+    )
     assert _python(held, path=tmp_path).stdout == "interrupted after the import: True\n"
-    assert _python(held.replace("import_torch_holding_interrupts()", "import torch"), path=tmp_path).stdout == \
-        "ran on\n"                                                               # what happened before
+    assert (
+        _python(held.replace("import_torch_holding_interrupts()", "import torch"), path=tmp_path).stdout == "ran on\n"
+    )  # what happened before
 
 
 def test_after_the_interrupted_message_a_second_ctrl_c_ends_the_process_quietly():
-    proc = _python("import os, signal, time\nfrom transformer.errors import next_interrupt_ends_at_once\n"
-                   "next_interrupt_ends_at_once()\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(10)\n"
-                   "print('still running')\n")
+    proc = _python(
+        "import os, signal, time\nfrom transformer.errors import next_interrupt_ends_at_once\n"
+        "next_interrupt_ends_at_once()\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(10)\n"
+        "print('still running')\n"
+    )
     assert proc.returncode == -signal.SIGINT and proc.stdout == "" and proc.stderr == ""
 
 
@@ -395,10 +660,12 @@ def test_an_interrupt_that_passed_through_embedded_code_still_exits_130(tmp_path
         f"    if {handled}:\n"
         "        next_interrupt_ends_at_once()\n"
         "    print('interrupted', file=sys.stderr)\n"
-        "    sys.exit(130)\n")
+        "    sys.exit(130)\n"
+    )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-    proc = subprocess.run([sys.executable, "-m", "interrupted_inside"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "interrupted_inside"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.stderr.strip() == "interrupted", proc.stderr
     if not handled and proc.returncode == 130:
         pytest.skip("this Python does not kill itself for an interrupt that passed through PyRun_String")
@@ -408,9 +675,21 @@ def test_an_interrupt_that_passed_through_embedded_code_still_exits_130(tmp_path
 def test_ctrl_c_while_training_starts_is_one_line_and_exit_130(tmp_path):
     """Ctrl-C in the first seconds of `make train` (imports, Hydra, the run directory's checks) printed a
     traceback of whatever was loading."""
-    proc = subprocess.Popen([sys.executable, "-m", "transformer.train_cli", *FAST, "trainer.max_steps=3",
-                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **INTERRUPTIBLE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "transformer.train_cli",
+            *FAST,
+            "trainer.max_steps=3",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **INTERRUPTIBLE,
+    )
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

@@ -21,8 +21,9 @@ def other_vocabulary_checkpoint(untrained_checkpoint, tmp_path_factory):
     """The untrained checkpoint with another SentencePiece model of the same size."""
     state = load_checkpoint(untrained_checkpoint)
     src, tgt = generate(300, 10, 10, seed=7)["train"]
-    state["tokenizer"] = Tokenizer(train_sentencepiece(src + tgt, vocab_size=120, model_type="unigram",
-                                                       character_coverage=1.0, sample=10_000)).state_dict()
+    state["tokenizer"] = Tokenizer(
+        train_sentencepiece(src + tgt, vocab_size=120, model_type="unigram", character_coverage=1.0, sample=10_000)
+    ).state_dict()
     path = tmp_path_factory.mktemp("other-vocab") / "best.pt"
     save_checkpoint(state, path)
     return path
@@ -30,12 +31,14 @@ def other_vocabulary_checkpoint(untrained_checkpoint, tmp_path_factory):
 
 def test_an_ensemble_of_a_checkpoint_with_itself_translates_as_the_checkpoint(untrained_checkpoint):
     alone = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
-    pair = Translator.from_checkpoints([untrained_checkpoint, untrained_checkpoint], weights=[1, 2], device="cpu",
-                                       precision="fp32")
+    pair = Translator.from_checkpoints(
+        [untrained_checkpoint, untrained_checkpoint], weights=[1, 2], device="cpu", precision="fp32"
+    )
     assert len(pair.models) == 2 and pair.models[0] is not pair.models[1]
     for beam in (1, 3):
-        assert pair.translate(SENTENCES, beam_size=beam, max_len_b=6) == alone.translate(SENTENCES, beam_size=beam,
-                                                                                         max_len_b=6)
+        assert pair.translate(SENTENCES, beam_size=beam, max_len_b=6) == alone.translate(
+            SENTENCES, beam_size=beam, max_len_b=6
+        )
 
 
 def test_an_ensembles_reference_score_is_the_weighted_mean_of_its_models(untrained_checkpoint, tmp_path):
@@ -44,17 +47,20 @@ def test_an_ensembles_reference_score_is_the_weighted_mean_of_its_models(untrain
     reference's score is the weighted mean of their scores."""
     state = load_checkpoint(untrained_checkpoint)
     generator = torch.Generator().manual_seed(3)
-    state["model"] = {name: value + 0.05 * torch.randn(value.shape, generator=generator)
-                      if value.is_floating_point() else value for name, value in state["model"].items()}
+    state["model"] = {
+        name: value + 0.05 * torch.randn(value.shape, generator=generator) if value.is_floating_point() else value
+        for name, value in state["model"].items()
+    }
     other = tmp_path / "other.pt"
     save_checkpoint(state, other)
     references = ["The dog sees the cat.", "The cow.", "The child often calls the bird."]
-    alone = [Translator.from_checkpoint(path, device="cpu", precision="fp32").score(SENTENCES, references)
-             for path in (untrained_checkpoint, other)]
+    alone = [
+        Translator.from_checkpoint(path, device="cpu", precision="fp32").score(SENTENCES, references)
+        for path in (untrained_checkpoint, other)
+    ]
     assert all(abs(a - b) > 1e-3 for a, b in zip(*alone))
     pair = Translator.from_checkpoints([untrained_checkpoint, other], weights=[1, 3], device="cpu", precision="fp32")
-    assert pair.score(SENTENCES, references) == pytest.approx([0.25 * a + 0.75 * b for a, b in zip(*alone)],
-                                                              rel=1e-5)
+    assert pair.score(SENTENCES, references) == pytest.approx([0.25 * a + 0.75 * b for a, b in zip(*alone)], rel=1e-5)
     pair.weights = [0, 1]
     assert pair.score(SENTENCES, references) == pytest.approx(alone[1], rel=1e-6)
 
@@ -78,7 +84,7 @@ def test_a_prefix_starts_the_translation_and_empty_means_none(untrained_checkpoi
     assert prefixed[0].startswith("the dog") and prefixed[2].startswith("a cat sees")
     assert prefixed[1] == plain[1]
     empty = translator.translate(["", "", SENTENCES[0]], beam_size=1, max_len_b=6, prefixes=["the dog", "", ""])
-    assert empty[0].startswith("the dog") and empty[1] == "" and empty[2] == plain[0]    # the prefix was dropped
+    assert empty[0].startswith("the dog") and empty[1] == "" and empty[2] == plain[0]  # the prefix was dropped
     beam = translator.translate_hypotheses(SENTENCES, beam_size=3, nbest=3, max_len_b=6, prefixes=["the dog"] * 3)
     assert all(text.startswith("the dog") for hyps in beam for text, _ in hyps)
 
@@ -114,19 +120,23 @@ def test_int8_weights_keep_the_search_equivalences(untrained_checkpoint):
         beam1 = beam_search(ModelDecoder(translator.model, src), max_lengths(src, 1.2, 8, 1000), beam_size=1)
     assert [h[0].tokens for h in beam1] == [h[0].tokens for h in greedy]
     float_model = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32").model
-    assert not torch.equal(translator.model.encode(src[:1]), float_model.encode(src[:1]))   # int8 really ran
+    assert not torch.equal(translator.model.encode(src[:1]), float_model.encode(src[:1]))  # int8 really ran
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"quantize": "int4"}, "quantize='int4': must be int8"),
-    ({"quantize": "int8", "precision": "bf16"}, "leave precision=bf16 out"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"quantize": "int4"}, "quantize='int4': must be int8"),
+        ({"quantize": "int8", "precision": "bf16"}, "leave precision=bf16 out"),
+    ],
+)
 def test_int8_settings_that_do_not_fit_are_refused(untrained_checkpoint, options, message):
     with pytest.raises(ValueError, match=message):
         Translator.from_checkpoint(untrained_checkpoint, device="cpu", **options)
 
 
 # --- the command lines --------------------------------------------------------------------------------
+
 
 def _cli(main, capsys, *argv):
     """rc, stdout, stderr lines of a command line's main(argv)."""
@@ -144,6 +154,7 @@ def source_file(tmp_path):
 
 def test_translate_takes_an_ensemble_weights_and_workers(untrained_checkpoint, source_file, capsys):
     from transformer.translate import main
+
     common = ["--input", source_file, "--beam", 2, "--max-len-b", 6, "--precision", "fp32"]
     rc, alone, _ = _cli(main, capsys, untrained_checkpoint, *common)
     assert rc == 0 and len(alone.splitlines()) == 3
@@ -153,27 +164,34 @@ def test_translate_takes_an_ensemble_weights_and_workers(untrained_checkpoint, s
     assert rc == 0 and parallel == alone
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--weights", "1"], "--weights 1: give 2 comma-separated numbers >= 0, one per checkpoint"),
-    (["--weights", "1,nan"], "--weights 1,nan: give 2"),
-    (["--workers", "0"], "--workers 0: must be a whole number >= 1"),
-    (["--quantize", "int8", "--precision", "bf16"], "--quantize int8 runs float32 around its int8 layers"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--weights", "1"], "--weights 1: give 2 comma-separated numbers >= 0, one per checkpoint"),
+        (["--weights", "1,nan"], "--weights 1,nan: give 2"),
+        (["--workers", "0"], "--workers 0: must be a whole number >= 1"),
+        (["--quantize", "int8", "--precision", "bf16"], "--quantize int8 runs float32 around its int8 layers"),
+    ],
+)
 def test_translate_refuses_ensemble_settings_that_do_not_fit(untrained_checkpoint, source_file, capsys, extra, message):
     from transformer.translate import main
+
     rc, out, err = _cli(main, capsys, untrained_checkpoint, untrained_checkpoint, "--input", source_file, *extra)
     assert rc == 2 and out == "" and len(err) == 1 and message in err[0], err
 
 
-def test_translate_refuses_an_ensemble_over_two_vocabularies(untrained_checkpoint, other_vocabulary_checkpoint,
-                                                             source_file, capsys):
+def test_translate_refuses_an_ensemble_over_two_vocabularies(
+    untrained_checkpoint, other_vocabulary_checkpoint, source_file, capsys
+):
     from transformer.translate import main
+
     rc, out, err = _cli(main, capsys, untrained_checkpoint, other_vocabulary_checkpoint, "--input", source_file)
     assert rc == 2 and out == "" and len(err) == 1 and "vocabulary differs" in err[0], err
 
 
 def test_translate_keeps_the_prefixes_of_a_prefix_file(untrained_checkpoint, source_file, tmp_path, capsys):
     from transformer.translate import main
+
     prefixes = tmp_path / "prefix.en"
     prefixes.write_text("the dog\n\na cat sees\n", encoding="utf-8")
     common = ["--input", source_file, "--beam", 1, "--max-len-b", 6, "--precision", "fp32"]
@@ -184,10 +202,17 @@ def test_translate_keeps_the_prefixes_of_a_prefix_file(untrained_checkpoint, sou
     assert lines[1] == plain.splitlines()[1]
     prefixes.write_text("the dog\n", encoding="utf-8")
     rc, out, err = _cli(main, capsys, untrained_checkpoint, *common, "--prefix", prefixes)
-    assert rc == 2 and out == "" and err == [f"transformer-translate: error: --prefix {prefixes}: 1 lines for 3 "
-                                             "input lines; give one prefix per input line (an empty line for none)"]
+    assert (
+        rc == 2
+        and out == ""
+        and err
+        == [
+            f"transformer-translate: error: --prefix {prefixes}: 1 lines for 3 "
+            "input lines; give one prefix per input line (an empty line for none)"
+        ]
+    )
     rc, out, err = _cli(main, capsys, untrained_checkpoint, *common, "--prefix", prefixes, "--output", prefixes)
-    assert rc == 2 and "is the --prefix file" in err[0] and prefixes.read_text() == "the dog\n"   # never overwritten
+    assert rc == 2 and "is the --prefix file" in err[0] and prefixes.read_text() == "the dog\n"  # never overwritten
 
 
 def test_evaluate_takes_an_ensemble(untrained_checkpoint, source_file, tmp_path, capsys):
@@ -195,46 +220,78 @@ def test_evaluate_takes_an_ensemble(untrained_checkpoint, source_file, tmp_path,
     import shutil
 
     from transformer.evaluate import main
+
     first = tmp_path / "a.pt"
     shutil.copy(untrained_checkpoint, first)
-    rc, out, err = _cli(main, capsys, first, untrained_checkpoint, "--src", source_file, "--ref", source_file,
-                        "--beam", 1, "--max-len-b", 4)
+    rc, out, err = _cli(
+        main,
+        capsys,
+        first,
+        untrained_checkpoint,
+        "--src",
+        source_file,
+        "--ref",
+        source_file,
+        "--beam",
+        1,
+        "--max-len-b",
+        4,
+    )
     assert rc == 0, err
     scores = json.loads((tmp_path / "a.in.de.ensemble2.beam1.json").read_text())
     assert scores["ensemble"] == [str(first), str(untrained_checkpoint)]
     assert (tmp_path / "a.in.de.ensemble2.beam1.hyp").read_text().count("\n") == 3
 
 
-def test_evaluate_searches_the_length_penalty_over_several_alphas(untrained_checkpoint, source_file, tmp_path,
-                                                                  capsys):
+def test_evaluate_searches_the_length_penalty_over_several_alphas(untrained_checkpoint, source_file, tmp_path, capsys):
     import json
     import shutil
 
     from transformer.evaluate import main
+
     checkpoint = tmp_path / "m.pt"
     shutil.copy(untrained_checkpoint, checkpoint)
-    rc, out, err = _cli(main, capsys, checkpoint, "--src", source_file, "--ref", source_file, "--beam", 2,
-                        "--alpha", "0.5,3", "--max-len-b", 4)
+    rc, out, err = _cli(
+        main,
+        capsys,
+        checkpoint,
+        "--src",
+        source_file,
+        "--ref",
+        source_file,
+        "--beam",
+        2,
+        "--alpha",
+        "0.5,3",
+        "--max-len-b",
+        4,
+    )
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0].startswith("alpha 0.5: BLEU ") and lines[1].startswith("alpha 3: BLEU ")
     recorded = [json.loads((tmp_path / f"m.in.de.alpha{a}.beam2.json").read_text()) for a in ("0.5", "3")]
-    assert [r["alpha"] for r in recorded] == [0.5, 3.0]          # each scored with its own, in its own files
+    assert [r["alpha"] for r in recorded] == [0.5, 3.0]  # each scored with its own, in its own files
     best = max(recorded, key=lambda r: (r["bleu"], r["chrf"]))
     assert lines[2] == f"best on in.de (beam 2): --alpha {best['alpha']:g} (BLEU {best['bleu']:.2f})"
     assert lines[3] == f"as the model's default: decode.alpha={best['alpha']:g} at training"
     rc, out, err = _cli(main, capsys, checkpoint, "--alpha", "1,1.5", "--beam", 1)
-    assert rc == 2 and err == ["transformer-evaluate: error: --alpha 1,1.5: a length penalty search needs a beam "
-                               "of 2 or more (--beam 5): greedy search has no length penalty"]
+    assert rc == 2 and err == [
+        "transformer-evaluate: error: --alpha 1,1.5: a length penalty search needs a beam "
+        "of 2 or more (--beam 5): greedy search has no length penalty"
+    ]
 
 
 def test_sampling_refuses_search_options_and_alpha_without_a_beam_is_warned(untrained_checkpoint):
     """Through the API, sampling silently dropped beam_size and alpha, and nbest gave one hypothesis per
     sentence but nbest placeholders per empty one."""
     from transformer.search import Sampling
+
     translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
-    for options, named in (({"beam_size": 4}, "beam_size=4"), ({"nbest": 3}, "nbest=3"),
-                           ({"beam_size": 2, "nbest": 2}, "beam_size=2 and nbest=2")):
+    for options, named in (
+        ({"beam_size": 4}, "beam_size=4"),
+        ({"nbest": 3}, "nbest=3"),
+        ({"beam_size": 2, "nbest": 2}, "beam_size=2 and nbest=2"),
+    ):
         with pytest.raises(ValueError, match=f"^sampling draws one translation per sentence: leave out {named}$"):
             translator.hypotheses(SENTENCES + [""], sampling=Sampling(top_k=5), max_len_b=4, **options)
     hyps = translator.hypotheses(SENTENCES + [""], sampling=Sampling(top_k=5), beam_size=1, nbest=1, max_len_b=4)
@@ -242,7 +299,7 @@ def test_sampling_refuses_search_options_and_alpha_without_a_beam_is_warned(untr
     for options in ({"sampling": Sampling(top_k=5)}, {"beam_size": 1}):
         with pytest.warns(UserWarning, match="alpha=2.0 is ignored by greedy search and sampling"):
             translator.translate(SENTENCES, alpha=2.0, max_len_b=4, **options)
-    s = Sampling(top_k=50, seed=3)        # a new Sampling of the same seed repeats the call
+    s = Sampling(top_k=50, seed=3)  # a new Sampling of the same seed repeats the call
     first = translator.translate(SENTENCES, sampling=s, max_len_b=6)
     assert translator.translate(SENTENCES, sampling=Sampling(top_k=50, seed=3), max_len_b=6) == first
 
@@ -251,10 +308,13 @@ def test_the_api_refuses_what_the_command_lines_refuse_in_its_own_words(untraine
     """The command lines checked devices and beams before the Python API did: there, torch's errors
     ("Expected one of cpu, cuda, ipu, xpu, ...", "Torch not compiled with CUDA enabled") or a search of
     10**9 hypotheses per sentence that ran for good."""
-    for device, problem in (("gpu", "must be auto, cpu, cuda or cuda:N"), ("CPU", "must be auto, cpu, cuda or cuda:N"),
-                            (None, "must be auto, cpu, cuda or cuda:N"), (0, "must be auto, cpu, cuda or cuda:N"),
-                            ("meta", "must be auto, cpu, cuda or cuda:N")) + \
-            ((("cuda", "CUDA is not available"),) if not torch.cuda.is_available() else ()):
+    for device, problem in (
+        ("gpu", "must be auto, cpu, cuda or cuda:N"),
+        ("CPU", "must be auto, cpu, cuda or cuda:N"),
+        (None, "must be auto, cpu, cuda or cuda:N"),
+        (0, "must be auto, cpu, cuda or cuda:N"),
+        ("meta", "must be auto, cpu, cuda or cuda:N"),
+    ) + ((("cuda", "CUDA is not available"),) if not torch.cuda.is_available() else ()):
         with pytest.raises(ValueError, match=f"^device={device!r}: {problem}$"):
             Translator.from_checkpoint(untrained_checkpoint, device=device)
     translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu")
@@ -262,8 +322,10 @@ def test_the_api_refuses_what_the_command_lines_refuse_in_its_own_words(untraine
     with pytest.raises(ValueError, match=f"^beam_size={10**9}: the model's target vocabulary has {vocabulary} pieces"):
         translator.translate(SENTENCES, beam_size=10**9)
     assert len(translator.translate(SENTENCES, beam_size=vocabulary, max_len_b=2)) == 3
-    one = Translator.from_checkpoints(str(untrained_checkpoint), device="cpu")       # a path, not its characters
-    assert len(one.models) == 1 and one.translate(SENTENCES, max_len_b=4) == translator.translate(SENTENCES, max_len_b=4)
+    one = Translator.from_checkpoints(str(untrained_checkpoint), device="cpu")  # a path, not its characters
+    assert len(one.models) == 1 and one.translate(SENTENCES, max_len_b=4) == translator.translate(
+        SENTENCES, max_len_b=4
+    )
     with pytest.raises(ValueError, match=r"^weights='1,2': give a list of numbers, one per model"):
         Translator.from_checkpoints([untrained_checkpoint] * 2, weights="1,2", device="cpu")
     for workers in ("2", 2.5, 0, True):
@@ -271,7 +333,7 @@ def test_the_api_refuses_what_the_command_lines_refuse_in_its_own_words(untraine
             translator.translate(SENTENCES, workers=workers)
     with pytest.raises(TypeError, match="^stop=True: must be a function"):
         translator.translate(SENTENCES, stop=True)
-    direct = Translator(translator.model, translator.tokenizer, translator.config, "cpu")      # a device name
+    direct = Translator(translator.model, translator.tokenizer, translator.config, "cpu")  # a device name
     assert direct.translate(SENTENCES, max_len_b=4) == translator.translate(SENTENCES, max_len_b=4)
     with pytest.raises(ValueError, match="precision='fp64' must be one of"):
         Translator(translator.model, translator.tokenizer, translator.config, "cpu", precision="fp64")
@@ -284,15 +346,18 @@ def test_exported_directories_that_cannot_load_say_why_in_one_line(untrained_che
     import json
 
     from transformer.export import load_pretrained, save_pretrained
+
     translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu")
     out = save_pretrained(translator.model, translator.tokenizer, translator.config, tmp_path / "m")
     meta = json.loads((out / "config.json").read_text())
-    for change, message in (({"config": "x"}, 'its "config" is not a mapping of settings'),
-                            ({"config": None}, 'its "config" is not a mapping of settings'),
-                            ({"tokenizer": "spm.model"}, r"unknown tokenizer files 'spm.model' \(an export lists"),
-                            ({"tokenizer": ["foo.model"]}, r"unknown tokenizer files \['foo.model'\]"),
-                            ({"format_version": True}, "format_version True is not a whole number >= 0"),
-                            ({"format_version": -5}, "format_version -5 is not a whole number >= 0")):
+    for change, message in (
+        ({"config": "x"}, 'its "config" is not a mapping of settings'),
+        ({"config": None}, 'its "config" is not a mapping of settings'),
+        ({"tokenizer": "spm.model"}, r"unknown tokenizer files 'spm.model' \(an export lists"),
+        ({"tokenizer": ["foo.model"]}, r"unknown tokenizer files \['foo.model'\]"),
+        ({"format_version": True}, "format_version True is not a whole number >= 0"),
+        ({"format_version": -5}, "format_version -5 is not a whole number >= 0"),
+    ):
         (out / "config.json").write_text(json.dumps({**meta, **change}))
         with pytest.raises(CheckpointError, match=message) as error:
             load_pretrained(out)
@@ -301,7 +366,9 @@ def test_exported_directories_that_cannot_load_say_why_in_one_line(untrained_che
     (out / "config.json").mkdir()
     with pytest.raises(CheckpointError, match="config.json: Is a directory"):
         load_pretrained(out)
-    with pytest.raises(CheckpointError, match="best.pt: a file, not an exported directory; .* Translator.from_checkpoint"):
+    with pytest.raises(
+        CheckpointError, match="best.pt: a file, not an exported directory; .* Translator.from_checkpoint"
+    ):
         Translator.from_pretrained(untrained_checkpoint)
     int8 = Translator.from_checkpoint(untrained_checkpoint, device="cpu", quantize="int8")
     with pytest.raises(ValueError, match="save_pretrained takes the float model, not an int8 one"):
@@ -312,6 +379,7 @@ def test_exported_directories_that_cannot_load_say_why_in_one_line(untrained_che
 def test_workers_beyond_the_batches_fork_no_more_processes_than_batches(untrained_checkpoint, monkeypatch):
     """workers=100 forked 100 decoding processes for a handful of batches."""
     from transformer import search
+
     translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
     expected = translator.translate(SENTENCES, beam_size=1, max_len_b=4, workers=1)
     forked = []

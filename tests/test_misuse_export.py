@@ -31,8 +31,9 @@ from transformer.translate import main as translate_main
 
 try:
     import ctranslate2  # noqa: F401
+
     FORMATS = ["safetensors", "ctranslate2"]
-except ImportError:                     # the [export] extra is not installed: the safetensors format only
+except ImportError:  # the [export] extra is not installed: the safetensors format only
     FORMATS = ["safetensors"]
 
 
@@ -65,6 +66,7 @@ def _export(capsys, checkpoint, out, fmt, *extra):
 
 # ----- 1. --force replaces a previous export and nothing else ------------------------------------------
 
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_force_refuses_a_directory_that_merely_holds_a_config_json(fmt, checkpoint, tmp_path, capsys):
     project = tmp_path / "p"
@@ -76,7 +78,7 @@ def test_force_refuses_a_directory_that_merely_holds_a_config_json(fmt, checkpoi
     assert code == 2
     assert "is not an exported model (it holds config.json, src)" in _one_line(err)
     assert _tree(project) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]          # no staging directory left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]  # no staging directory left behind
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -127,7 +129,7 @@ def test_reexport_into_an_export_holding_user_files_keeps_them(fmt, checkpoint, 
     for name in ("notes.md", "best.pt"):
         (out / name).unlink()
     shutil.rmtree(out / "extra")
-    (out / "config.json").write_text("edited\n")       # an export's own file, edited: replaced with --force
+    (out / "config.json").write_text("edited\n")  # an export's own file, edited: replaced with --force
     code, out_text, err = _export(capsys, checkpoint, out, fmt, "--force")
     assert code == 0, err
     assert (out / "config.json").read_text() != "edited\n"
@@ -137,7 +139,7 @@ def test_reexport_into_an_export_holding_user_files_keeps_them(fmt, checkpoint, 
 def test_force_replaces_an_hf_export_from_before_manifests(checkpoint, tmp_path, capsys):
     out = tmp_path / "model"
     assert _export(capsys, checkpoint, out, "hf")[0] == 0
-    for name in (export.MANIFEST_FILE, export.CARD_FILE):    # as exports were written before the manifest
+    for name in (export.MANIFEST_FILE, export.CARD_FILE):  # as exports were written before the manifest
         (out / name).unlink()
     assert _export(capsys, checkpoint, out, "hf", "--force")[0] == 0
     assert (out / export.MANIFEST_FILE).is_file()
@@ -160,12 +162,13 @@ def test_force_refuses_a_file_and_a_checkpoint_directory(fmt, checkpoint, tmp_pa
     assert _tree(checkpoint.parent) == before
     code, _, err = _export(capsys, checkpoint, tmp_path / "notes.txt" / "model", fmt)
     assert code == 2 and "a part of" in _one_line(err) and "is a file, not a directory" in err
-    for target in (tmp_path / "notes.txt", checkpoint.parent):     # without --force: no advice --force refuses
+    for target in (tmp_path / "notes.txt", checkpoint.parent):  # without --force: no advice --force refuses
         code, _, err = _export(capsys, checkpoint, target, fmt)
         assert code == 2 and "--force to replace" not in err and "choose a new directory" in _one_line(err)
 
 
 # ----- 6. a full disk while exporting ------------------------------------------------------------------
+
 
 def _disk_full(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -173,8 +176,9 @@ def _disk_full(*args, **kwargs):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("failure", ["enospc", "bare-oserror", "runtime-error"])
-def test_a_failed_write_says_what_failed_and_keeps_the_previous_export(fmt, failure, checkpoint, tmp_path, capsys,
-                                                                       monkeypatch):
+def test_a_failed_write_says_what_failed_and_keeps_the_previous_export(
+    fmt, failure, checkpoint, tmp_path, capsys, monkeypatch
+):
     out = tmp_path / "model"
     assert _export(capsys, checkpoint, out, fmt)[0] == 0
     previous = _tree(out)
@@ -182,25 +186,27 @@ def test_a_failed_write_says_what_failed_and_keeps_the_previous_export(fmt, fail
     def fail(*args, **kwargs):
         if failure == "enospc":
             _disk_full()
-        if failure == "bare-oserror":             # CTranslate2's: no errno, no filename, no strerror
+        if failure == "bare-oserror":  # CTranslate2's: no errno, no filename, no strerror
             raise OSError()
-        try:                                       # a writer that wraps the OSError (as torch does)
+        try:  # a writer that wraps the OSError (as torch does)
             _disk_full()
         except OSError as error:
             raise RuntimeError("write failed") from error
 
     if fmt == "safetensors":
         import safetensors.torch
+
         monkeypatch.setattr(safetensors.torch, "save_model", fail)
     else:
         from ctranslate2.specs import model_spec
+
         monkeypatch.setattr(model_spec.ModelSpec, "_serialize", fail)
     code, _, err = _export(capsys, checkpoint, out, fmt, "--force")
     assert code == 2
     reason = "OSError" if failure == "bare-oserror" else "No space left on device"
     assert _one_line(err) == f"transformer-export: error: {out}: cannot write the export: {reason}"
     assert _tree(out) == previous
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]      # no staging directory left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging directory left behind
 
     code, _, err = _export(capsys, checkpoint, tmp_path / "new", fmt)
     assert code == 2 and "cannot write the export" in _one_line(err)
@@ -212,8 +218,10 @@ def test_a_full_disk_in_safetensors_own_words(checkpoint, tmp_path, capsys, monk
     from safetensors import SafetensorError
 
     def full(*args, **kwargs):
-        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
-                              'message: "No space left on device" })')
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        )
+
     monkeypatch.setattr(safetensors.torch, "save_model", full)
     code, _, err = _export(capsys, checkpoint, tmp_path / "model", "hf")
     assert code == 2 and _one_line(err).endswith("model: cannot write the export: No space left on device")
@@ -236,11 +244,12 @@ def test_interrupted_export_keeps_the_previous_one(checkpoint, tmp_path, capsys,
     previous = _tree(out)
     real_replace, renames = os.replace, []
 
-    def interrupt_second_rename(src, dst):        # Ctrl-C once the previous export was moved aside
+    def interrupt_second_rename(src, dst):  # Ctrl-C once the previous export was moved aside
         renames.append(dst)
         if len(renames) == 2:
             raise KeyboardInterrupt
         real_replace(src, dst)
+
     monkeypatch.setattr(export.os, "replace", interrupt_second_rename)
     code, _, err = _export(capsys, checkpoint, out, "hf", "--force")
     monkeypatch.setattr(export.os, "replace", real_replace)
@@ -250,10 +259,11 @@ def test_interrupted_export_keeps_the_previous_one(checkpoint, tmp_path, capsys,
 
 # ----- 2. transformer-average -o replaces only an earlier average --------------------------------------
 
+
 def test_average_replaces_an_earlier_average_and_with_force_anything(checkpoint, tmp_path, capsys):
     avg = tmp_path / "avg.pt"
     assert _run(average_main, capsys, checkpoint, "-o", avg)[0] == 0
-    assert _run(average_main, capsys, checkpoint, "-o", avg)[0] == 0           # an earlier average: replaced
+    assert _run(average_main, capsys, checkpoint, "-o", avg)[0] == 0  # an earlier average: replaced
     notes = tmp_path / "notes.txt"
     notes.write_text("mine\n")
     code, _, err = _run(average_main, capsys, checkpoint, "-o", notes)
@@ -261,7 +271,7 @@ def test_average_replaces_an_earlier_average_and_with_force_anything(checkpoint,
     assert notes.read_text() == "mine\n"
     assert _run(average_main, capsys, checkpoint, "-o", notes, "--force")[0] == 0
     assert load_checkpoint(notes)["metrics"]["averaged_from"] == [str(checkpoint)]
-    code, _, err = _run(average_main, capsys, checkpoint, "-o", checkpoint, "--force")   # never an input
+    code, _, err = _run(average_main, capsys, checkpoint, "-o", checkpoint, "--force")  # never an input
     assert code == 2 and "is one of the checkpoints being averaged" in _one_line(err)
     code, _, err = _run(average_main, capsys, checkpoint, "-o", tmp_path / "typo" / "avg.pt")
     assert code == 2 and "the directory " in _one_line(err) and "typo does not exist; create it first" in err
@@ -284,8 +294,10 @@ def test_average_refuses_a_checkpoint_given_twice_and_a_resume_point_as_output(c
     code, _, err = _run(average_main, capsys, checkpoint, "-o", last, "--force")
     assert code == 2 and "holds a run's training state (it resumes the run)" in _one_line(err)
     assert last.read_bytes() == before
-    for directory in (checkpoint.parent, checkpoint.parent.parent):     # was: .../checkpoints/checkpoints/best.pt
-        with pytest.raises(CheckpointError, match=f"is a directory, not a checkpoint file; did you mean {checkpoint}\\?"):
+    for directory in (checkpoint.parent, checkpoint.parent.parent):  # was: .../checkpoints/checkpoints/best.pt
+        with pytest.raises(
+            CheckpointError, match=f"is a directory, not a checkpoint file; did you mean {checkpoint}\\?"
+        ):
             load_checkpoint(directory)
     (tmp_path / "folder").mkdir()
     with pytest.raises(CheckpointError, match="is a directory, not a checkpoint file; a checkpoint is a run's "):
@@ -302,10 +314,9 @@ def test_average_refuses_to_write_a_non_finite_average(checkpoint, tmp_path, cap
     assert not (tmp_path / "avg.pt").exists()
 
 
-def test_average_refuses_checkpoints_of_another_vocabulary_and_a_last_that_picks_nothing(checkpoint, tmp_path,
-                                                                                         capsys):
+def test_average_refuses_checkpoints_of_another_vocabulary_and_a_last_that_picks_nothing(checkpoint, tmp_path, capsys):
     state = load_checkpoint(checkpoint)
-    other = tmp_path / "other.pt"                  # the same shapes, another SentencePiece model
+    other = tmp_path / "other.pt"  # the same shapes, another SentencePiece model
     save_checkpoint({**state, "tokenizer": {**state["tokenizer"], "src": state["tokenizer"]["src"] + b"x"}}, other)
     code, _, err = _run(average_main, capsys, other, checkpoint, "-o", tmp_path / "avg.pt")
     assert code == 2 and "other.pt: its SentencePiece vocabulary differs from that of" in _one_line(err)
@@ -319,10 +330,12 @@ def test_average_refuses_checkpoints_of_another_vocabulary_and_a_last_that_picks
     code, _, err = _run(average_main, capsys, checkpoint, checkpoint, "--last", "1", "-o", tmp_path / "avg.pt")
     assert code == 2 and "--last picks step checkpoints from a run directory" in _one_line(err)
     assert _run(average_main, capsys, run, "--last", "2", "-o", tmp_path / "avg.pt")[1].startswith(
-        "averaged 2 checkpoints (step_2.pt, step_3.pt)")
+        "averaged 2 checkpoints (step_2.pt, step_3.pt)"
+    )
 
 
 # ----- 3. the checkpoint format version ----------------------------------------------------------------
+
 
 def test_a_checkpoint_from_a_newer_release_is_refused_and_an_old_one_loads(checkpoint, tmp_path, capsys):
     state = torch.load(checkpoint, weights_only=True)
@@ -331,8 +344,11 @@ def test_a_checkpoint_from_a_newer_release_is_refused_and_an_old_one_loads(check
     torch.save({**state, "format_version": CHECKPOINT_FORMAT_VERSION + 1}, newer)
     with pytest.raises(CheckpointError, match=r"newer.pt: written by a newer version of this package .*; upgrade"):
         load_checkpoint(newer)
-    for main, args in ((translate_main, [newer, "--input", checkpoint]), (export.main, [newer, tmp_path / "x", "--format", "hf"]),
-                       (average_main, [newer, "-o", tmp_path / "avg.pt"])):
+    for main, args in (
+        (translate_main, [newer, "--input", checkpoint]),
+        (export.main, [newer, tmp_path / "x", "--format", "hf"]),
+        (average_main, [newer, "-o", tmp_path / "avg.pt"]),
+    ):
         code, _, err = _run(main, capsys, *args)
         assert code == 2 and "written by a newer version of this package" in _one_line(err)
     old = tmp_path / "old.pt"
@@ -347,6 +363,7 @@ def test_a_checkpoint_from_a_newer_release_is_refused_and_an_old_one_loads(check
 
 # ----- 4 and 5. a damaged tokenizer, non-finite weights ------------------------------------------------
 
+
 def _damaged(checkpoint, directory, **changes) -> Path:
     state = load_checkpoint(checkpoint)
     state.update(changes)
@@ -355,20 +372,25 @@ def _damaged(checkpoint, directory, **changes) -> Path:
     return path
 
 
-@pytest.mark.parametrize("tokenizer,problem", [
-    ({"src": b"\x00garbage\xff" * 8, "tgt": None}, "is not a SentencePiece model"),
-    ({}, "is missing"),
-    ("spm", "is missing"),
-    ({"src": None}, "is missing"),
-])
+@pytest.mark.parametrize(
+    "tokenizer,problem",
+    [
+        ({"src": b"\x00garbage\xff" * 8, "tgt": None}, "is not a SentencePiece model"),
+        ({}, "is missing"),
+        ("spm", "is missing"),
+        ({"src": None}, "is missing"),
+    ],
+)
 def test_a_damaged_embedded_tokenizer_is_one_line(tokenizer, problem, checkpoint, tmp_path, capsys):
     path = _damaged(checkpoint, tmp_path, tokenizer=tokenizer)
     with pytest.raises(CheckpointError, match=f"damaged.pt: its embedded tokenizer {problem}"):
         model_from_checkpoint(load_checkpoint(path), path)
     (tmp_path / "in.de").write_text("Der Hund.\n")
-    for main, args in ((translate_main, [path, "--input", tmp_path / "in.de"]),
-                       (export.main, [path, tmp_path / "x", "--format", "hf"]),
-                       (evaluate_main, [path, "--src", tmp_path / "in.de", "--ref", tmp_path / "in.de"])):
+    for main, args in (
+        (translate_main, [path, "--input", tmp_path / "in.de"]),
+        (export.main, [path, tmp_path / "x", "--format", "hf"]),
+        (evaluate_main, [path, "--src", tmp_path / "in.de", "--ref", tmp_path / "in.de"]),
+    ):
         code, out, err = _run(main, capsys, *args)
         assert code == 2 and f"its embedded tokenizer {problem}" in _one_line(err), (main, err)
     assert not (tmp_path / "x").exists()
@@ -380,7 +402,7 @@ def test_an_empty_tokenizer_is_named_before_sentencepiece_sees_it(checkpoint, ca
     for entry in ({"src": b"", "tgt": None}, {"src": state["tokenizer"]["src"], "tgt": b""}):
         with pytest.raises(CheckpointError, match="best.pt: its embedded tokenizer is empty"):
             model_from_checkpoint({**state, "tokenizer": entry}, checkpoint)
-    assert capfd.readouterr().err == ""                 # no SentencePiece log lines
+    assert capfd.readouterr().err == ""  # no SentencePiece log lines
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
@@ -394,9 +416,11 @@ def test_non_finite_weights_are_refused_naming_the_tensor(value, checkpoint, tmp
     with pytest.raises(CheckpointError, match=f"damaged.pt: weight {name} holds NaN or infinite values"):
         model_from_checkpoint(load_checkpoint(path), path)
     (tmp_path / "in.de").write_text("Der Hund.\n")
-    for main, args in ((translate_main, [path, "--input", tmp_path / "in.de"]),
-                       (export.main, [path, tmp_path / "x", "--format", FORMATS[-1]]),
-                       (evaluate_main, [path, "--src", tmp_path / "in.de", "--ref", tmp_path / "in.de"])):
+    for main, args in (
+        (translate_main, [path, "--input", tmp_path / "in.de"]),
+        (export.main, [path, tmp_path / "x", "--format", FORMATS[-1]]),
+        (evaluate_main, [path, "--src", tmp_path / "in.de", "--ref", tmp_path / "in.de"]),
+    ):
         code, _, err = _run(main, capsys, *args)
         assert code == 2 and f"weight {name} holds NaN or infinite values" in _one_line(err)
     assert not (tmp_path / "x").exists()
@@ -404,6 +428,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(value, checkpoint, tmp
 
 def test_an_exported_directory_with_non_finite_weights_is_refused(checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
+
     model, tokenizer, config = model_from_checkpoint(load_checkpoint(checkpoint))
     out = export.save_pretrained(model, tokenizer, config, tmp_path / "hf")
     weights = load_file(out / export.WEIGHTS_FILE)
@@ -411,7 +436,7 @@ def test_an_exported_directory_with_non_finite_weights_is_refused(checkpoint, tm
     weights[name].view(-1)[0] = float("nan")
     save_file(weights, out / export.WEIGHTS_FILE, metadata={"format": export.FORMAT_NAME})
     manifest = json.loads((out / export.MANIFEST_FILE).read_text())
-    manifest["sha256"][export.WEIGHTS_FILE] = export.file_sha256(out / export.WEIGHTS_FILE)   # NaN as exported
+    manifest["sha256"][export.WEIGHTS_FILE] = export.file_sha256(out / export.WEIGHTS_FILE)  # NaN as exported
     (out / export.MANIFEST_FILE).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=f"model.safetensors: weight {name} holds NaN"):
         export.load_pretrained(out)
@@ -423,8 +448,10 @@ def test_an_exported_directory_with_non_finite_weights_is_refused(checkpoint, tm
 
 
 def test_a_damaged_config_or_model_entry_is_one_line(checkpoint, tmp_path):
-    for changes, problem in (({"config": "x"}, "its stored config is not a mapping"),
-                             ({"model": {"w": "not a tensor"}}, "its model entry is not a set of named tensors")):
+    for changes, problem in (
+        ({"config": "x"}, "its stored config is not a mapping"),
+        ({"model": {"w": "not a tensor"}}, "its model entry is not a set of named tensors"),
+    ):
         path = _damaged(checkpoint, tmp_path, **changes)
         with pytest.raises(CheckpointError, match=problem):
             model_from_checkpoint(load_checkpoint(path), path)
@@ -434,8 +461,12 @@ def test_a_checkpoint_whose_config_a_new_run_would_refuse_still_loads(checkpoint
     """Checks added for new runs (subword_nbest with BPE, a test direction no corpus trains) do not lock
     out checkpoints saved before them."""
     state = load_checkpoint(checkpoint)
-    data = {**state["config"]["data"], "subword_nbest": 4, "tokenizer_type": "bpe",
-            "corpora": [{"path": "/somewhere", "src_lang": "fr", "tgt_lang": "en"}]}
+    data = {
+        **state["config"]["data"],
+        "subword_nbest": 4,
+        "tokenizer_type": "bpe",
+        "corpora": [{"path": "/somewhere", "src_lang": "fr", "tgt_lang": "en"}],
+    }
     older = tmp_path / "older.pt"
     save_checkpoint({**state, "config": {**state["config"], "data": data}}, older)
     _, _, config = model_from_checkpoint(load_checkpoint(older), older)

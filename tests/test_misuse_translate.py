@@ -41,8 +41,14 @@ def _one_line(err: str) -> str:
 
 
 def _cli(*args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE):
-    proc = subprocess.run([sys.executable, "-m", "transformer.translate", *map(str, args)], cwd=ROOT, stdin=stdin,
-                          stdout=stdout, stderr=subprocess.PIPE, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer.translate", *map(str, args)],
+        cwd=ROOT,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        timeout=300,
+    )
     return proc.returncode, proc.stderr.decode("utf-8")
 
 
@@ -55,13 +61,20 @@ def source(tmp_path) -> Path:
 
 # --- an output over an input: refused before anything is written, the input untouched
 
+
 @pytest.mark.parametrize("spelling", ["same", "dot-dot", "relative", "symlink", "hard-link"])
-def test_an_output_that_is_the_input_however_spelled_is_refused(untrained_checkpoint, source, tmp_path, capsys,
-                                                                 monkeypatch, spelling):
+def test_an_output_that_is_the_input_however_spelled_is_refused(
+    untrained_checkpoint, source, tmp_path, capsys, monkeypatch, spelling
+):
     (tmp_path / "sub").mkdir()
     monkeypatch.chdir(tmp_path / "sub")
-    output = {"same": source, "dot-dot": tmp_path / "sub" / ".." / "in.de", "relative": Path("../in.de"),
-              "symlink": tmp_path / "link.de", "hard-link": tmp_path / "hard.de"}[spelling]
+    output = {
+        "same": source,
+        "dot-dot": tmp_path / "sub" / ".." / "in.de",
+        "relative": Path("../in.de"),
+        "symlink": tmp_path / "link.de",
+        "hard-link": tmp_path / "hard.de",
+    }[spelling]
     if spelling == "symlink":
         output.symlink_to(source)
     if spelling == "hard-link":
@@ -69,39 +82,50 @@ def test_an_output_that_is_the_input_however_spelled_is_refused(untrained_checkp
     before = source.stat().st_mtime_ns
     code, out, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source, "--output", output)
     assert code == 2 and out == ""
-    assert re.fullmatch(rf"transformer-translate: error: --output {re.escape(str(output))}: is the --input file "
-                        rf"{re.escape(str(source))}; writing the translations there would destroy it; choose another "
-                        r"file", _one_line(err))
+    assert re.fullmatch(
+        rf"transformer-translate: error: --output {re.escape(str(output))}: is the --input file "
+        rf"{re.escape(str(source))}; writing the translations there would destroy it; choose another "
+        r"file",
+        _one_line(err),
+    )
     assert source.read_text() == SOURCE and source.stat().st_mtime_ns == before
 
 
-def test_an_output_over_the_reference_the_checkpoint_or_a_model_file_is_refused(untrained_checkpoint, source,
-                                                                                 tmp_path, capsys):
+def test_an_output_over_the_reference_the_checkpoint_or_a_model_file_is_refused(
+    untrained_checkpoint, source, tmp_path, capsys
+):
     reference = tmp_path / "ref.en"
     reference.write_text("The dog sees the cat.\nThe woman gives the man the book.\n")
     checkpoint_bytes = untrained_checkpoint.read_bytes()
-    model_dir = tmp_path / "exported"                         # refused before the directory is even read
+    model_dir = tmp_path / "exported"  # refused before the directory is even read
     (model_dir / "tokenizer").mkdir(parents=True)
     (model_dir / "tokenizer" / "spm.model").write_bytes(b"pieces")
     for args, output, what in (
-            (["--score-reference", reference], reference, "the --score-reference file"),
-            ([], untrained_checkpoint, "the checkpoint"),
-            ([], model_dir / "tokenizer" / "spm.model", f"the checkpoint {model_dir}")):
+        (["--score-reference", reference], reference, "the --score-reference file"),
+        ([], untrained_checkpoint, "the checkpoint"),
+        ([], model_dir / "tokenizer" / "spm.model", f"the checkpoint {model_dir}"),
+    ):
         checkpoint = model_dir if what.endswith(str(model_dir)) else untrained_checkpoint
         code, _, err = _run(translate_main, capsys, checkpoint, "--input", source, *args, "--output", output)
         assert code == 2 and f"--output {output}: is {what}" in _one_line(err)
     assert untrained_checkpoint.read_bytes() == checkpoint_bytes
-    assert reference.read_text().startswith("The dog") and (model_dir / "tokenizer" / "spm.model").read_bytes() == b"pieces"
+    assert (
+        reference.read_text().startswith("The dog")
+        and (model_dir / "tokenizer" / "spm.model").read_bytes() == b"pieces"
+    )
 
 
 def test_redirections_onto_the_input_are_refused(untrained_checkpoint, source):
-    with open(source, "rb") as stdin:                          # transformer-translate CK --output in.de < in.de
+    with open(source, "rb") as stdin:  # transformer-translate CK --output in.de < in.de
         code, err = _cli(untrained_checkpoint, "--output", source, stdin=stdin)
     assert code == 2 and "--output" in _one_line(err) and "is the file on stdin" in err
-    with open(source, "ab") as stdout:                         # transformer-translate CK --input in.de >> in.de
+    with open(source, "ab") as stdout:  # transformer-translate CK --input in.de >> in.de
         code, err = _cli(untrained_checkpoint, "--input", source, stdout=stdout)
-    assert code == 2 and re.fullmatch(r"transformer-translate: error: stdout is the --input file .*in.de; redirect "
-                                      r"the output to another file .*", _one_line(err))
+    assert code == 2 and re.fullmatch(
+        r"transformer-translate: error: stdout is the --input file .*in.de; redirect "
+        r"the output to another file .*",
+        _one_line(err),
+    )
     assert source.read_text() == SOURCE
 
 
@@ -110,40 +134,49 @@ def test_evaluate_refuses_to_write_its_results_over_its_reference(untrained_chec
     checkpoint.symlink_to(untrained_checkpoint)
     hypotheses, scores = output_paths(checkpoint, source.name, 5)
     assert hypotheses == tmp_path / "best.in.de.beam5.hyp" and scores == tmp_path / "best.in.de.beam5.json"
-    hypotheses.write_text("The dog sees the cat.\nThe woman gives the man the book.\n")   # an earlier run's, say
+    hypotheses.write_text("The dog sees the cat.\nThe woman gives the man the book.\n")  # an earlier run's, say
     code, out, err = _run(evaluate_main, capsys, checkpoint, "--src", source, "--ref", hypotheses, "--beam", "5")
     assert code == 2 and out == ""
-    assert re.fullmatch(r"transformer-evaluate: error: .*best.in.de.beam5.hyp: is the --ref file .*best.in.de.beam5"
-                        r".hyp; evaluate writes its results there, which would destroy it; move or rename that file",
-                        _one_line(err))
+    assert re.fullmatch(
+        r"transformer-evaluate: error: .*best.in.de.beam5.hyp: is the --ref file .*best.in.de.beam5"
+        r".hyp; evaluate writes its results there, which would destroy it; move or rename that file",
+        _one_line(err),
+    )
     assert hypotheses.read_text().startswith("The dog sees") and not scores.exists()
 
 
 def test_evaluate_writes_a_hub_models_results_in_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert output_paths("owner/name", "test", 4) == (Path("owner--name.test.beam4.hyp"),
-                                                     Path("owner--name.test.beam4.json"))
+    assert output_paths("owner/name", "test", 4) == (
+        Path("owner--name.test.beam4.hyp"),
+        Path("owner--name.test.beam4.json"),
+    )
 
 
 # --- a full disk, a reader that went away, Ctrl-C: one line, no traceback
 
+
 def test_a_full_disk_on_stdout_is_one_line_that_says_writing(untrained_checkpoint, source):
     with open("/dev/full", "wb") as full:
-        code, err = _cli(untrained_checkpoint, "--input", source, stdout=full)              # read whole
+        code, err = _cli(untrained_checkpoint, "--input", source, stdout=full)  # read whole
         assert code == 2
-        assert _one_line(err) == "transformer-translate: error: stdout: cannot write the output: No space left " \
-                                 "on device"
+        assert (
+            _one_line(err) == "transformer-translate: error: stdout: cannot write the output: No space left on device"
+        )
         with open(source, "rb") as text:
             pipe = subprocess.Popen(["cat"], stdin=text, stdout=subprocess.PIPE)
-            code, err = _cli(untrained_checkpoint, stdin=pipe.stdout, stdout=full)           # streamed
+            code, err = _cli(untrained_checkpoint, stdin=pipe.stdout, stdout=full)  # streamed
             pipe.wait()
         assert code == 2 and "stdout: cannot write the output: No space left on device" in _one_line(err)
     with open(source, "rb") as text:
         pipe = subprocess.Popen(["cat"], stdin=text, stdout=subprocess.PIPE)
-        code, err = _cli(untrained_checkpoint, "--output", "/dev/full", stdin=pipe.stdout)    # streamed to --output
+        code, err = _cli(untrained_checkpoint, "--output", "/dev/full", stdin=pipe.stdout)  # streamed to --output
         pipe.wait()
-    assert code == 2 and _one_line(err) == "transformer-translate: error: --output /dev/full: cannot write the " \
-                                           "output: No space left on device"
+    assert (
+        code == 2
+        and _one_line(err)
+        == "transformer-translate: error: --output /dev/full: cannot write the output: No space left on device"
+    )
 
 
 def test_a_full_disk_on_the_output_file_is_one_line(untrained_checkpoint, source, tmp_path, capsys, monkeypatch):
@@ -161,20 +194,29 @@ def test_a_full_disk_on_the_output_file_is_one_line(untrained_checkpoint, source
     monkeypatch.setattr(translate_module, "open", open_on_a_full_disk, raising=False)
     output = tmp_path / "out.en"
     for extra in ([], ["--score-reference", source]):
-        code, out, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source, "--output", output, *extra)
+        code, out, err = _run(
+            translate_main, capsys, untrained_checkpoint, "--input", source, "--output", output, *extra
+        )
         assert code == 2 and out == ""
-        assert _one_line(err) == f"transformer-translate: error: --output {output}: cannot write the output: " \
-                                 "No space left on device"
+        assert (
+            _one_line(err) == f"transformer-translate: error: --output {output}: cannot write the output: "
+            "No space left on device"
+        )
 
 
 def test_ctrl_c_while_streaming_keeps_what_was_translated_and_exits_130(untrained_checkpoint):
-    proc = subprocess.Popen([sys.executable, "-m", "transformer.translate", str(untrained_checkpoint), "--beam", "1"],
-                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            **INTERRUPTIBLE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transformer.translate", str(untrained_checkpoint), "--beam", "1"],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **INTERRUPTIBLE,
+    )
     try:
         proc.stdin.write(b"Der Hund.\n")
         proc.stdin.flush()
-        first = proc.stdout.readline()              # translated; now waiting for the next line of the pipe
+        first = proc.stdout.readline()  # translated; now waiting for the next line of the pipe
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -197,32 +239,53 @@ def test_ctrl_c_in_translate_and_evaluate_is_one_line_and_130(untrained_checkpoi
 
 # --- options the run would not use: one warning line, the run goes on
 
-@pytest.mark.parametrize("args, same_as, warning", [
-    (["--temperature", "0.5"], [], "--temperature is ignored without --sampling"),
-    (["--seed", "3"], [], "--seed is ignored without --sampling"),
-    (["--beam", "1", "--alpha", "0.6"], ["--beam", "1"], "--alpha is ignored by greedy search and sampling"),
-    (["--sampling", "topk:3", "--alpha", "0.6"], None, "--alpha is ignored by greedy search and sampling"),
-    (["--score-reference", "{ref}", "--nbest", "3", "--beam", "4"], ["--score-reference", "{ref}"],
-     "--beam, --nbest are ignored with --score-reference (it scores the given translations; nothing is decoded)"),
-    (["--score-reference", "{ref}", "--sampling", "topk:3", "--temperature", "0.7", "--seed", "4"],
-     ["--score-reference", "{ref}"], "--sampling, --temperature, --seed are ignored with --score-reference"),
-    (["--beam", "1", "--alpha", "0.6", "--temperature", "2"], ["--beam", "1"],
-     "--temperature is ignored without --sampling; --alpha is ignored by greedy search"),
-])
+
+@pytest.mark.parametrize(
+    "args, same_as, warning",
+    [
+        (["--temperature", "0.5"], [], "--temperature is ignored without --sampling"),
+        (["--seed", "3"], [], "--seed is ignored without --sampling"),
+        (["--beam", "1", "--alpha", "0.6"], ["--beam", "1"], "--alpha is ignored by greedy search and sampling"),
+        (["--sampling", "topk:3", "--alpha", "0.6"], None, "--alpha is ignored by greedy search and sampling"),
+        (
+            ["--score-reference", "{ref}", "--nbest", "3", "--beam", "4"],
+            ["--score-reference", "{ref}"],
+            "--beam, --nbest are ignored with --score-reference (it scores the given translations; nothing is decoded)",
+        ),
+        (
+            ["--score-reference", "{ref}", "--sampling", "topk:3", "--temperature", "0.7", "--seed", "4"],
+            ["--score-reference", "{ref}"],
+            "--sampling, --temperature, --seed are ignored with --score-reference",
+        ),
+        (
+            ["--beam", "1", "--alpha", "0.6", "--temperature", "2"],
+            ["--beam", "1"],
+            "--temperature is ignored without --sampling; --alpha is ignored by greedy search",
+        ),
+    ],
+)
 def test_an_option_the_run_does_not_use_is_said_once(untrained_checkpoint, source, capsys, args, same_as, warning):
-    code, out, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source,
-                          *[a.format(ref=source) for a in args])
+    code, out, err = _run(
+        translate_main, capsys, untrained_checkpoint, "--input", source, *[a.format(ref=source) for a in args]
+    )
     assert code == 0 and out
     line = _one_line(err)
     assert line.startswith("transformer-translate: warning: ") and warning in line
-    if same_as is not None:                              # the ignored options changed nothing
-        code, expected, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source,
-                                   *[a.format(ref=source) for a in same_as])
+    if same_as is not None:  # the ignored options changed nothing
+        code, expected, err = _run(
+            translate_main, capsys, untrained_checkpoint, "--input", source, *[a.format(ref=source) for a in same_as]
+        )
         assert code == 0 and err == "" and out == expected
 
 
-@pytest.mark.parametrize("args", [["--sampling", "topk:3", "--temperature", "0.7", "--seed", "2"],
-                                  ["--beam", "2", "--alpha", "0.6", "--nbest", "2"], []])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--sampling", "topk:3", "--temperature", "0.7", "--seed", "2"],
+        ["--beam", "2", "--alpha", "0.6", "--nbest", "2"],
+        [],
+    ],
+)
 def test_options_in_use_give_no_warning(untrained_checkpoint, source, capsys, args):
     code, out, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source, *args)
     assert code == 0 and out and err == ""
@@ -230,14 +293,23 @@ def test_options_in_use_give_no_warning(untrained_checkpoint, source, capsys, ar
 
 # --- the API: the same refusals as the command line
 
+
 def test_score_refuses_what_translate_refuses(untrained_checkpoint):
     translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu")
     assert translator.score(iter(["Der Hund."]), ("The dog.",)) == translator.score(["Der Hund."], ["The dog."])
-    for sentences, references, name, kind in (("Hund", "dogs", "sentences", "str"), ([None], ["x"], "sentences", "NoneType"),
-                                              (["Hund"], "dogs", "references", "str"), (["Hund"], [b"x"], "references", "bytes"),
-                                              (None, ["x"], "sentences", "NoneType"), (["x"], 5, "references", "int")):
-        with pytest.raises(TypeError, match=rf"^{name} must be a list of str \(got {kind}\); for one sentence write "
-                                            r"score\(\[source\], \[reference\]\)$"):
+    for sentences, references, name, kind in (
+        ("Hund", "dogs", "sentences", "str"),
+        ([None], ["x"], "sentences", "NoneType"),
+        (["Hund"], "dogs", "references", "str"),
+        (["Hund"], [b"x"], "references", "bytes"),
+        (None, ["x"], "sentences", "NoneType"),
+        (["x"], 5, "references", "int"),
+    ):
+        with pytest.raises(
+            TypeError,
+            match=rf"^{name} must be a list of str \(got {kind}\); for one sentence write "
+            r"score\(\[source\], \[reference\]\)$",
+        ):
             translator.score(sentences, references)
     with pytest.raises(ValueError, match="2 sources but 1 references"):
         translator.score(["Der Hund.", "Die Katze."], ["The dog."])
@@ -258,8 +330,9 @@ def test_non_finite_decoding_options_are_refused_by_the_api(untrained_checkpoint
 
 # --- scores compare like with like: the references' Unicode form does not count
 
+
 def test_evaluate_scores_references_in_nfd_as_in_nfc_and_says_so(untrained_checkpoint, tmp_path, capsys, monkeypatch):
-    checkpoint = tmp_path / "best.pt"                       # its results are written beside it
+    checkpoint = tmp_path / "best.pt"  # its results are written beside it
     checkpoint.symlink_to(untrained_checkpoint)
     hypotheses = ["Ein Café in Köln öffnet früh.", "Der Mann fährt über die Brücke."]
     monkeypatch.setattr(Translator, "translate", lambda self, sentences, **options: list(hypotheses))
@@ -273,7 +346,8 @@ def test_evaluate_scores_references_in_nfd_as_in_nfc_and_says_so(untrained_check
         reports.append(out.splitlines())
     assert (tmp_path / "ref.NFC").read_bytes() != (tmp_path / "ref.NFD").read_bytes()
     assert reports[0][0].startswith("src: BLEU 100.00  chrF 100.00") and reports[1][0].startswith(
-        "src: BLEU 100.00  chrF 100.00")
+        "src: BLEU 100.00  chrF 100.00"
+    )
     assert reports[0][1].startswith("BLEU signature: ") and reports[0][1].endswith("|norm:nfc")
     assert reports[0][2].startswith("chrF signature: ") and reports[0][2].endswith("|norm:nfc")
 
@@ -281,6 +355,7 @@ def test_evaluate_scores_references_in_nfd_as_in_nfc_and_says_so(untrained_check
 def test_the_bench_scores_through_the_same_function(untrained_checkpoint, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     from bench_ctranslate2 import _bleu
+
     hypotheses = ["Ein Café in Köln öffnet früh.", "Der Mann fährt über die Brücke."]
     reference = tmp_path / "ref"
     reference.write_text("".join(unicodedata.normalize("NFD", h) + "\n" for h in hypotheses), encoding="utf-8")
@@ -303,59 +378,108 @@ def test_the_bench_takes_each_commands_own_start_up_out_once(tmp_path, monkeypat
     known = {}
     command = ["translate", "MODEL", "--beam", "5", "--quantize", "int8"]
     row = bench_ctranslate2._with_startup({"beam": 5, "seconds_median": 3.0}, command, 3, known)
-    again = bench_ctranslate2._with_startup({"beam": 1, "seconds_median": 2.0},
-                                            ["translate", "MODEL", "--beam", "1", "--quantize", "int8"], 3, known)
-    assert calls == [(["translate", "MODEL", "--quantize", "int8"], "")]      # once, on empty input, no --beam
+    again = bench_ctranslate2._with_startup(
+        {"beam": 1, "seconds_median": 2.0}, ["translate", "MODEL", "--beam", "1", "--quantize", "int8"], 3, known
+    )
+    assert calls == [(["translate", "MODEL", "--quantize", "int8"], "")]  # once, on empty input, no --beam
     assert row["startup_seconds"] == again["startup_seconds"] == 0.5
     assert row["translating_seconds"] == 2.5 and again["translating_seconds"] == 1.5
 
 
-@pytest.mark.parametrize("device, message", [
-    ("cuda:7" if torch.cuda.is_available() else "cuda", "--device cuda"), ("meta", "--device meta: must be auto, cpu"),
-    ("CPU", "--device CPU: must be auto, cpu, cuda or cuda:N"), ("mps", "--device mps: must be")])
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("cuda:7" if torch.cuda.is_available() else "cuda", "--device cuda"),
+        ("meta", "--device meta: must be auto, cpu"),
+        ("CPU", "--device CPU: must be auto, cpu, cuda or cuda:N"),
+        ("mps", "--device mps: must be"),
+    ],
+)
 def test_evaluate_refuses_a_device_it_cannot_use_in_one_line(untrained_checkpoint, source, device, message, capsys):
     """It gave 30-40-line tracebacks (an AssertionError from torch, a meta tensor that cannot be copied)."""
-    code, out, err = _run(evaluate_main, capsys, untrained_checkpoint, "--src", source, "--ref", source,
-                          "--device", device)
+    code, out, err = _run(
+        evaluate_main, capsys, untrained_checkpoint, "--src", source, "--ref", source, "--device", device
+    )
     assert code == 2 and out == "" and _one_line(err).startswith(f"transformer-evaluate: error: {message}")
 
 
 def test_evaluate_refuses_empty_files_and_keeps_the_results_of_another_file_of_the_same_name(
-        untrained_checkpoint, tmp_path, capsys):
+    untrained_checkpoint, tmp_path, capsys
+):
     import json
+
     checkpoint = tmp_path / "best.pt"
     checkpoint.symlink_to(untrained_checkpoint)
     (tmp_path / "empty.de").write_text("")
-    code, out, err = _run(evaluate_main, capsys, checkpoint, "--src", tmp_path / "empty.de", "--ref",
-                          tmp_path / "empty.de")
-    assert code == 2 and _one_line(err) == f"transformer-evaluate: error: {tmp_path / 'empty.de'}: no sentences to " \
-                                           "translate and score"
+    code, out, err = _run(
+        evaluate_main, capsys, checkpoint, "--src", tmp_path / "empty.de", "--ref", tmp_path / "empty.de"
+    )
+    assert (
+        code == 2
+        and _one_line(err)
+        == f"transformer-evaluate: error: {tmp_path / 'empty.de'}: no sentences to translate and score"
+    )
     files = {}
     for folder, text in (("a", "Der Hund.\n"), ("b", "Die Katze.\nDer Mann.\n")):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "test.de").write_text(text)
-        code, out, err = _run(evaluate_main, capsys, checkpoint, "--src", tmp_path / folder / "test.de", "--ref",
-                              tmp_path / folder / "test.de", "--beam", "1", "--max-len-b", "3")
+        code, out, err = _run(
+            evaluate_main,
+            capsys,
+            checkpoint,
+            "--src",
+            tmp_path / folder / "test.de",
+            "--ref",
+            tmp_path / folder / "test.de",
+            "--beam",
+            "1",
+            "--max-len-b",
+            "3",
+        )
         assert code == 0, err
         files[folder] = Path(re.search(r"scores: (.*)", out)[1])
-    assert files["a"] == tmp_path / "best.test.de.beam1.json" and files["b"] != files["a"]     # not overwritten
+    assert files["a"] == tmp_path / "best.test.de.beam1.json" and files["b"] != files["a"]  # not overwritten
     for folder, count in (("a", 1), ("b", 2)):
         scores = json.loads(files[folder].read_text())
         assert scores["src"] == str(tmp_path / folder / "test.de") and scores["sentences"] == count
-    code, out, err = _run(evaluate_main, capsys, checkpoint, "--src", tmp_path / "a" / "test.de", "--ref",
-                          tmp_path / "a" / "test.de", "--beam", "1", "--max-len-b", "3")
-    assert Path(re.search(r"scores: (.*)", out)[1]) == files["a"]                  # the same file again: its name
+    code, out, err = _run(
+        evaluate_main,
+        capsys,
+        checkpoint,
+        "--src",
+        tmp_path / "a" / "test.de",
+        "--ref",
+        tmp_path / "a" / "test.de",
+        "--beam",
+        "1",
+        "--max-len-b",
+        "3",
+    )
+    assert Path(re.search(r"scores: (.*)", out)[1]) == files["a"]  # the same file again: its name
 
 
-@pytest.mark.parametrize("closed, args, message", [
-    (0, [], "stdin is closed; give --input FILE"),
-    (1, ["--input", "{source}"], "stdout is closed; give --output FILE"),
-])
+@pytest.mark.parametrize(
+    "closed, args, message",
+    [
+        (0, [], "stdin is closed; give --input FILE"),
+        (1, ["--input", "{source}"], "stdout is closed; give --output FILE"),
+    ],
+)
 def test_a_closed_stdin_or_stdout_is_said_in_one_line(untrained_checkpoint, source, closed, args, message):
     """`transformer-translate CK <&-` and `>&-` ended in an AttributeError traceback (after translating)."""
-    proc = subprocess.run([sys.executable, "-m", "transformer.translate", str(untrained_checkpoint),
-                           *[a.format(source=source) for a in args]], cwd=ROOT, stderr=subprocess.PIPE,
-                          preexec_fn=lambda: os.close(closed), timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "transformer.translate",
+            str(untrained_checkpoint),
+            *[a.format(source=source) for a in args],
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: os.close(closed),
+        timeout=300,
+    )
     assert proc.returncode == 2 and _one_line(proc.stderr.decode()) == f"transformer-translate: error: {message}"
 
 
@@ -364,9 +488,25 @@ def test_scoring_a_reference_longer_than_the_model_says_it_was_cut(untrained_che
     source, reference = tmp_path / "in.de", tmp_path / "ref.en"
     source.write_text("der Hund .\nder Hund .\nder Hund .\n")
     reference.write_text("the dog .\n" + "dog " * 3000 + "\n" + "dog " * 6000 + "\n")
-    proc = subprocess.run([sys.executable, "-m", "transformer.translate", str(untrained_checkpoint), "--input",
-                           str(source), "--score-reference", str(reference)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "transformer.translate",
+            str(untrained_checkpoint),
+            "--input",
+            str(source),
+            "--score-reference",
+            str(reference),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 3
-    assert re.fullmatch(r"transformer-translate: warning: 2 reference\(s\) longer than \d+ tokens were cut to the "
-                        r"model's maximum length: their scores cover only their beginning", _one_line(proc.stderr))
+    assert re.fullmatch(
+        r"transformer-translate: warning: 2 reference\(s\) longer than \d+ tokens were cut to the "
+        r"model's maximum length: their scores cover only their beginning",
+        _one_line(proc.stderr),
+    )

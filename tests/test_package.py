@@ -17,7 +17,7 @@ from transformer.data import DataError, open_split
 
 try:
     import tomllib
-except ModuleNotFoundError:             # Python 3.10
+except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 DATA_STACK = ("datasets", "pyarrow", "pandas")
@@ -49,8 +49,10 @@ def _distribution(requirement: str) -> str:
 
 def _declared() -> tuple[set[str], dict[str, set[str]]]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    extras = {extra: {_distribution(r) for r in requirements}
-              for extra, requirements in project["optional-dependencies"].items()}
+    extras = {
+        extra: {_distribution(r) for r in requirements}
+        for extra, requirements in project["optional-dependencies"].items()
+    }
     return {_distribution(r) for r in project["dependencies"]} | IMPORTED_INDIRECTLY, extras
 
 
@@ -67,23 +69,30 @@ def test_the_data_stack_is_an_extra_that_make_install_includes():
     dependencies, extras = _declared()
     assert not dependencies & set(DATA_STACK)
     assert {"datasets", "pyarrow"} <= extras["data"]
-    assert "transformer" in extras["dev"]           # `make install` is pip install -e '.[dev]'
+    assert "transformer" in extras["dev"]  # `make install` is pip install -e '.[dev]'
     dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
     assert any(r.replace(" ", "").startswith("transformer[") and "data" in r for r in dev)
 
 
 def _loaded_data_stack(code: str) -> list[str]:
     """The data-stack modules loaded after running `code` (one blocked by WITHOUT_DATA_STACK is None: not loaded)."""
-    probe = (f"{code}\nimport sys, json\nprint(json.dumps(sorted(name for name, module in sys.modules.items() "
-             f"if name.split('.')[0] in {DATA_STACK!r} and module is not None)))")
+    probe = (
+        f"{code}\nimport sys, json\nprint(json.dumps(sorted(name for name, module in sys.modules.items() "
+        f"if name.split('.')[0] in {DATA_STACK!r} and module is not None)))"
+    )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.splitlines()[-1])
 
 
 def test_importing_the_commands_loads_no_data_stack():
-    assert _loaded_data_stack("import transformer.translate, transformer.export, transformer.evaluate, "
-                              "transformer.corpus, transformer.train") == []
+    assert (
+        _loaded_data_stack(
+            "import transformer.translate, transformer.export, transformer.evaluate, "
+            "transformer.corpus, transformer.train"
+        )
+        == []
+    )
 
 
 # Run with the data stack made unimportable, as in an install without the [data] extra.
@@ -95,7 +104,9 @@ def test_translating_and_exporting_need_no_data_stack(tmp_path):
     source = tmp_path / "in.txt"
     source.write_text("Der Hund.\nDie Katze.\n")
     out = tmp_path / "exported"
-    code = WITHOUT_DATA_STACK + f"""
+    code = (
+        WITHOUT_DATA_STACK
+        + f"""
 from transformer import Translator
 from transformer.export import main as export
 from transformer.translate import main as translate
@@ -106,6 +117,7 @@ for model in ({str(checkpoint)!r}, {str(out)!r}):
     assert translate([model, "--input", {str(source)!r}, "--output", {str(tmp_path / "out.txt")!r},
                       "--max-len-b", "5"]) in (0, None)
 """
+    )
     assert _loaded_data_stack(code) == []
     assert len((tmp_path / "out.txt").read_text().splitlines()) == 2
 
@@ -116,10 +128,13 @@ def test_preparing_a_plain_text_corpus_needs_no_data_stack(tmp_path):
     for split, n in (("train", 300), ("validation", 20), ("test", 20)):
         (corpus / f"{split}.de").write_text("".join(f"Satz Nummer {i} hier.\n" for i in range(n)))
         (corpus / f"{split}.en").write_text("".join(f"Sentence number {i} here.\n" for i in range(n)))
-    code = WITHOUT_DATA_STACK + f"""
+    code = (
+        WITHOUT_DATA_STACK
+        + f"""
 from transformer.corpus import main
-main(["data=custom", "data.path={corpus}", "data.vocab_size=60", "data.cache_dir={tmp_path / 'cache'}"])
+main(["data=custom", "data.path={corpus}", "data.vocab_size=60", "data.cache_dir={tmp_path / "cache"}"])
 """
+    )
     assert _loaded_data_stack(code) == []
     assert (tmp_path / "cache" / "corpus").is_dir()
 
@@ -127,7 +142,7 @@ main(["data=custom", "data.path={corpus}", "data.vocab_size=60", "data.cache_dir
 @pytest.mark.parametrize("source", ["hub", "parquet", "jsonl"])
 def test_a_source_that_needs_the_data_extra_says_so_in_one_line(source, tmp_path, monkeypatch):
     for name in DATA_STACK:
-        monkeypatch.setitem(sys.modules, name, None)          # `import datasets` raises ImportError
+        monkeypatch.setitem(sys.modules, name, None)  # `import datasets` raises ImportError
     if source == "hub":
         cfg, where = DataConfig(name="wmt", hub_id="wmt/wmt14"), "data.hub_id=wmt/wmt14"
     else:
@@ -139,9 +154,11 @@ def test_a_source_that_needs_the_data_extra_says_so_in_one_line(source, tmp_path
 
 
 def test_importing_the_model_loads_neither_the_tokenizer_nor_the_corpus_readers():
-    code = ("import sys, transformer.model; "
-            "print(sorted(m for m in sys.modules if m in ('transformer.tokenizer', 'transformer.data', "
-            "'transformer.corpus', 'sentencepiece')))")
+    code = (
+        "import sys, transformer.model; "
+        "print(sorted(m for m in sys.modules if m in ('transformer.tokenizer', 'transformer.data', "
+        "'transformer.corpus', 'sentencepiece')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 
@@ -150,14 +167,17 @@ def test_importing_the_model_loads_neither_the_tokenizer_nor_the_corpus_readers(
 def test_the_inference_side_does_not_load_the_corpus_readers(module):
     """Only what reads corpora (data, corpus, train, evaluate) imports transformer.data; the rest raise
     DataError from its leaf module, transformer.errors."""
-    code = (f"import sys, transformer.{module}; "
-            "print(sorted(m for m in sys.modules if m in ('transformer.data', 'transformer.corpus', 'hydra')))")
+    code = (
+        f"import sys, transformer.{module}; "
+        "print(sorted(m for m in sys.modules if m in ('transformer.data', 'transformer.corpus', 'hydra')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 
 
 def test_data_error_has_one_home():
     from transformer import data, errors
+
     assert data.DataError is errors.DataError
 
 
@@ -173,23 +193,30 @@ ANSWERED_WITHOUT_TORCH = [
     ("transformer.evaluate", ["best.pt", "--alpha", "nan"], 2, "--alpha nan: must be a finite number"),
     ("transformer.evaluate", ["a.pt", "b.pt", "--weights", "1"], 2, "--weights 1: give 2 comma-separated numbers"),
     ("transformer.export", ["--help"], 0, "usage: transformer-export"),
-    ("transformer.export", ["best.pt", "out", "--format", "safetensors", "--quantization", "int8"], 2,
-     "--quantization applies to --format ctranslate2 only"),
+    (
+        "transformer.export",
+        ["best.pt", "out", "--format", "safetensors", "--quantization", "int8"],
+        2,
+        "--quantization applies to --format ctranslate2 only",
+    ),
     ("transformer.average", ["--help"], 0, "usage: transformer-average"),
     ("transformer.average", ["best.pt"], 2, "the following arguments are required: --output/-o"),
     ("transformer.corpus", ["--help"], 0, "transformer-prepare: train the tokenizer"),
     ("transformer.corpus", ["--bogus"], 2, "transformer-prepare: unrecognized arguments: --bogus"),
     ("transformer.train_cli", ["--help"], 0, "transformer-train: train a Transformer"),
     ("transformer.train_cli", ["--help", "model.d_model=64"], 0, "-> 64"),
-    ("transformer.train_cli", ["model", "small"], 2, "error: transformer-train: 'model' is not an override: write "
-                                                     "KEY=VALUE or GROUP=OPTION (e.g. model=NAME)"),
+    (
+        "transformer.train_cli",
+        ["model", "small"],
+        2,
+        "error: transformer-train: 'model' is not an override: write KEY=VALUE or GROUP=OPTION (e.g. model=NAME)",
+    ),
     ("transformer.corpus", ["data=toy", "trainer.lr"], 2, "'trainer.lr' is not an override"),
 ]
 
 
 @pytest.mark.parametrize("module,arguments,exit_code,answer", ANSWERED_WITHOUT_TORCH)
-def test_a_command_answers_help_and_bad_arguments_without_loading_torch(module, arguments, exit_code, answer,
-                                                                         tmp_path):
+def test_a_command_answers_help_and_bad_arguments_without_loading_torch(module, arguments, exit_code, answer, tmp_path):
     probe = f"""
 import json, sys
 sys.argv = ["command", *{arguments!r}]
@@ -200,10 +227,16 @@ except SystemExit as exit:
     code = exit.code
 print(json.dumps([code or 0, "torch" in sys.modules]))
 """
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     code, loaded_torch = json.loads(result.stdout.splitlines()[-1])
     assert (code, loaded_torch) == (exit_code, False), result.stderr
     assert answer in (result.stdout if exit_code == 0 else result.stderr)
-    if exit_code:                         # a refusal is one line, without argparse's usage block
+    if exit_code:  # a refusal is one line, without argparse's usage block
         assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr

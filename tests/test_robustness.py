@@ -30,25 +30,30 @@ def test_translate_cli_survives_random_bytes_and_unicode(untrained_checkpoint, t
     payload = b"\n".join(lines + [text.replace("\n", " ").replace("\r", " ").encode("utf-8", "surrogatepass")])
     source.write_bytes(payload + b"\n")
     output = tmp_path / "out.txt"
-    assert translate_main([str(untrained_checkpoint), "--input", str(source), "--output", str(output),
-                           "--beam", "2"]) == 0
+    assert (
+        translate_main([str(untrained_checkpoint), "--input", str(source), "--output", str(output), "--beam", "2"]) == 0
+    )
     expected = payload.count(b"\n") + 1
     assert output.read_text(encoding="utf-8").count("\n") == expected
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(src=st.binary(max_size=200), tgt=st.binary(max_size=200))
-@example(src=b"", tgt=b"\xfe\xff")                 # a UTF-16 byte-order mark: the message says so
+@example(src=b"", tgt=b"\xfe\xff")  # a UTF-16 byte-order mark: the message says so
 def test_corpus_loader_aligns_or_refuses_with_a_message(tmp_path, src, tgt):
     (tmp_path / "train.de").write_bytes(src)
     (tmp_path / "train.en").write_bytes(tgt)
     try:
         de, en = load_split_text(DataConfig(path=str(tmp_path)), "train")
-    except DataError as error:      # the only two ways bytes can be refused, each naming file(s) and line
+    except DataError as error:  # the only two ways bytes can be refused, each naming file(s) and line
         message = str(error)
-        utf8 = r".*/train\.(de|en):\d+: invalid UTF-8 \(byte 0x[0-9a-f]{2} at column \d+(; the file is UTF-16)?\); re-encode .*"
-        assert re.fullmatch(utf8, message) or \
-            re.fullmatch(r"line counts differ: .*/train\.de has \d+ lines, .*/train\.en has \d+; .*", message), message
+        utf8 = (
+            r".*/train\.(de|en):\d+: invalid UTF-8 \(byte 0x[0-9a-f]{2} at column \d+(; the file is UTF-16)?\); "
+            r"re-encode .*"
+        )
+        assert re.fullmatch(utf8, message) or re.fullmatch(
+            r"line counts differ: .*/train\.de has \d+ lines, .*/train\.en has \d+; .*", message
+        ), message
         return
     assert len(de) == len(en)
     assert all("\n" not in line for line in de + en)
@@ -70,19 +75,33 @@ main()
 
 def _start(args):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", SLOW_SAVE, *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-c", SLOW_SAVE, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_path, data_cache):
-    common = FAST + ["trainer.precision=fp32", "trainer.device=cpu", "trainer.validate_every=1000",
-                     "trainer.checkpoint_every=2", "trainer.keep_last=2", "trainer.test_at_end=false",
-                     "trainer.max_minutes=0", "trainer.num_threads=1", "model.dropout=0.1",
-                     "trainer.max_steps=16", f"data.cache_dir={data_cache}"]
+    common = FAST + [
+        "trainer.precision=fp32",
+        "trainer.device=cpu",
+        "trainer.validate_every=1000",
+        "trainer.checkpoint_every=2",
+        "trainer.keep_last=2",
+        "trainer.test_at_end=false",
+        "trainer.max_minutes=0",
+        "trainer.num_threads=1",
+        "model.dropout=0.1",
+        "trainer.max_steps=16",
+        f"data.cache_dir={data_cache}",
+    ]
     reference = tmp_path / "reference"
     assert _start(common + [f"hydra.run.dir={reference}"]).wait(timeout=300) == 0
-    common.append("trainer.num_workers=2")       # killed and resumed runs collate in DataLoader workers
+    common.append("trainer.num_workers=2")  # killed and resumed runs collate in DataLoader workers
     expected = load_checkpoint(reference / "checkpoints" / "last.pt")["model"]
     rng = random.Random(7)
     for attempt in range(3):
@@ -96,7 +115,7 @@ def test_sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         survivors = sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt"))
-        for name in survivors:                     # whatever is there is complete and loadable
+        for name in survivors:  # whatever is there is complete and loadable
             load_checkpoint(run_dir / "checkpoints" / name)
         resumed = _start(common + [f"hydra.run.dir={run_dir}", "trainer.resume=true"])
         assert resumed.wait(timeout=300) == 0

@@ -30,8 +30,19 @@ def _state(untrained_checkpoint, tmp_path, seed: int, world_size: int = 1, corpu
     optimizer, scheduler = build_optimizer(model, cfg.trainer, torch.device("cpu"))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     checkpoints = CheckpointDirectory(tmp_path / "checkpoints", cfg.trainer.keep_last, is_main=True)
-    return TrainingState(cfg, model, tokenizer, optimizer, scheduler, scaler, checkpoints, corpus,
-                         D.DistInfo(world_size=world_size), torch.device("cpu"), bad_in_a_row=lambda: 2)
+    return TrainingState(
+        cfg,
+        model,
+        tokenizer,
+        optimizer,
+        scheduler,
+        scaler,
+        checkpoints,
+        corpus,
+        D.DistInfo(world_size=world_size),
+        torch.device("cpu"),
+        bad_in_a_row=lambda: 2,
+    )
 
 
 def _update(state: TrainingState) -> None:
@@ -47,7 +58,8 @@ def _update(state: TrainingState) -> None:
 
 
 def test_loading_a_saved_state_restores_weights_optimizer_schedule_ema_progress_and_random_streams(
-        untrained_checkpoint, tmp_path):
+    untrained_checkpoint, tmp_path
+):
     saved = _state(untrained_checkpoint, tmp_path, seed=0)
     for step in range(1, 6):
         _update(saved)
@@ -55,16 +67,16 @@ def test_loading_a_saved_state_restores_weights_optimizer_schedule_ema_progress_
             saved.progress.record_validation({"loss": 3.0, "bleu": 7.5, "weights": "raw"})
         saved.save("last.pt", periodic=True)
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt"))
-    assert names == ["last.pt", "step_4.pt", "step_5.pt"]                      # trainer.keep_last=2
+    assert names == ["last.pt", "step_4.pt", "step_5.pt"]  # trainer.keep_last=2
     saved.save("best.pt", weights="ema")
     best = load_checkpoint(tmp_path / "checkpoints" / "best.pt")
     ema_weights = saved.ema.model_state(saved.model)
     assert best["weights"] == "ema"
     assert all(torch.equal(best["model"][k], ema_weights[k]) for k in ema_weights)
     assert not all(torch.equal(best["model"][k], v) for k, v in saved.model.state_dict().items())
-    after_save = torch.rand(4)                  # the stream the interrupted run would have drawn next
+    after_save = torch.rand(4)  # the stream the interrupted run would have drawn next
 
-    torch.manual_seed(99)                       # a new process: other random streams, other weights
+    torch.manual_seed(99)  # a new process: other random streams, other weights
     resumed = _state(untrained_checkpoint, tmp_path, seed=1)
     resumed.load(load_checkpoint(tmp_path / "checkpoints" / "last.pt"))
     assert torch.equal(torch.rand(4), after_save)
@@ -84,8 +96,7 @@ def test_loading_a_saved_state_restores_weights_optimizer_schedule_ema_progress_
     assert all(torch.equal(a, b) for a, b in zip(saved.model.parameters(), resumed.model.parameters()))
 
 
-def test_non_finite_weights_are_not_saved_and_the_error_names_the_last_good_checkpoint(untrained_checkpoint,
-                                                                                        tmp_path):
+def test_non_finite_weights_are_not_saved_and_the_error_names_the_last_good_checkpoint(untrained_checkpoint, tmp_path):
     state = _state(untrained_checkpoint, tmp_path, seed=0)
     _update(state)
     state.save("last.pt", periodic=True)
@@ -97,7 +108,7 @@ def test_non_finite_weights_are_not_saved_and_the_error_names_the_last_good_chec
         state.save("last.pt", periodic=True)
     message = str(error.value)
     assert "step 2: the weights are not finite" in message
-    assert "not been finite since step 1" in message                              # bad_in_a_row() = 2
+    assert "not been finite since step 1" in message  # bad_in_a_row() = 2
     assert f"last good checkpoint is {tmp_path / 'checkpoints' / 'last.pt'} (step 1)" in message
     assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == before
     assert not (tmp_path / "checkpoints" / "step_2.pt").exists()

@@ -24,7 +24,7 @@ from transformer.search import (
 from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 A, B = 4, 5
-VOCAB = 6      # PAD UNK BOS EOS A B
+VOCAB = 6  # PAD UNK BOS EOS A B
 # Next-token probabilities after each prefix (tokens after BOS); unlisted prefixes end with certainty.
 TABLE = {
     (): {A: 0.5, B: 0.4, EOS_ID: 0.1},
@@ -85,7 +85,8 @@ def test_max_length_forces_eos():
 def test_a_length_limit_beyond_int64_is_the_models_limit_not_one_token():
     """max_len_a=1e30 ("no limit") went past int64 and wrapped to the minimum: every output was empty."""
     from transformer.search import max_lengths
-    src = torch.tensor([[5, 6, 7, EOS_ID], [5, EOS_ID, PAD_ID, PAD_ID]])                   # 3 and 1 tokens
+
+    src = torch.tensor([[5, 6, 7, EOS_ID], [5, EOS_ID, PAD_ID, PAD_ID]])  # 3 and 1 tokens
     assert max_lengths(src, 1.2, 10, 1000).tolist() == [13, 11]
     assert max_lengths(src, 0.0, 0, 1000).tolist() == [1, 1]
     for a, b in ((1e30, 0), (0.0, 2**63 - 1), (0.0, 10**30), (1e300, 10**30)):
@@ -100,7 +101,7 @@ def test_sentences_in_one_batch_do_not_interact():
 def test_beam_stops_once_no_open_hypothesis_can_win():
     decoder = TableDecoder()
     beam_search(decoder, torch.tensor([50]), beam_size=2, alpha=0.0, nbest=1)
-    assert decoder.steps == 2          # "B" finished at step 2 and both open beams already score lower
+    assert decoder.steps == 2  # "B" finished at step 2 and both open beams already score lower
 
 
 def test_nbest_larger_than_beam_is_refused():
@@ -113,7 +114,7 @@ class CountdownDecoder:
     so a wrong row kept at a compaction changes what that row says next."""
 
     def __init__(self, lengths):
-        self.sentence = torch.arange(len(lengths))        # the sentence of each row
+        self.sentence = torch.arange(len(lengths))  # the sentence of each row
         self.lengths = torch.tensor(lengths)
         self.compactions = 0
 
@@ -132,9 +133,10 @@ class CountdownDecoder:
 
 def test_greedy_drops_finished_sentences_in_batches_with_the_same_results(monkeypatch):
     import transformer.search as search
+
     lengths = [3, 0, 7, 1, 1, 5, 2, 9, 4, 6, 2, 8]
     results = {}
-    for share in (0.0, 0.25, 1.0):         # at every finish, a quarter of the rows, never until the end
+    for share in (0.0, 0.25, 1.0):  # at every finish, a quarter of the rows, never until the end
         monkeypatch.setattr(search, "GREEDY_COMPACT_SHARE", share)
         decoder = CountdownDecoder(lengths)
         hyps = greedy_search(decoder, torch.full((len(lengths),), 20))
@@ -154,24 +156,30 @@ def test_row_topk_equals_torch_topk(width, k):
     torch.manual_seed(width + k)
     scores = torch.randn(50, width)
     scores[:, 1::7] = float("-inf")
-    scores[3] = scores[3].round()                 # many ties
+    scores[3] = scores[3].round()  # many ties
     scores[4, :] = float("-inf")
-    scores[4, width - 1] = 0.0                    # the best entry in the last column
+    scores[4, width - 1] = 0.0  # the best entry in the last column
     values, ids = row_topk(scores, k)
     expected = scores.topk(k, dim=1).values
     assert torch.equal(values, expected)
-    assert torch.equal(scores.gather(1, ids), values)         # the ids point at those values
+    assert torch.equal(scores.gather(1, ids), values)  # the ids point at those values
     assert ids[4, 0] == width - 1
 
 
 # --- the real model -----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def model_and_sources(untrained_checkpoint):
     model, tokenizer, _ = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
     model.eval()
-    sentences = ["Der Hund sieht die Katze.", "Heute hat der alte Mann den roten Fisch im Park gefunden.",
-                 "Ich glaube, dass die Frau das Pferd mag.", "Die Kuh.", "Oft ruft das Kind den Vogel."]
+    sentences = [
+        "Der Hund sieht die Katze.",
+        "Heute hat der alte Mann den roten Fisch im Park gefunden.",
+        "Ich glaube, dass die Frau das Pferd mag.",
+        "Die Kuh.",
+        "Oft ruft das Kind den Vogel.",
+    ]
     return model, tokenizer.encode_src(sentences)
 
 
@@ -180,6 +188,7 @@ def test_beam_one_equals_greedy(model_and_sources):
     greedy = translate_ids(model, sources, beam_size=1)
     src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [EOS_ID]) for s in sources], batch_first=True)
     from transformer.search import max_lengths
+
     lens = max_lengths(src, 1.2, 10, 1000)
     beam1 = beam_search(ModelDecoder(model, src), lens, beam_size=1)
     plain = greedy_search(ModelDecoder(model, src), lens)
@@ -196,7 +205,7 @@ def test_blockwise_candidates_equal_those_from_the_full_distribution(model_and_s
     tokens[:, 0] = BOS_ID
     decoder = ModelDecoder(model, src.repeat(60, 1), use_cache=False)
 
-    class StepOnly:           # the route for decoders without logits: one full distribution
+    class StepOnly:  # the route for decoders without logits: one full distribution
         step = staticmethod(decoder.step)
 
     with torch.no_grad():
@@ -212,6 +221,7 @@ def test_blockwise_candidates_equal_those_from_the_full_distribution(model_and_s
 
 def test_greedy_batches_of_finished_sentences_do_not_change_the_model_output(model_and_sources, monkeypatch):
     import transformer.search as search
+
     model, sources = model_and_sources
     lazily = translate_ids(model, sources, beam_size=1)
     monkeypatch.setattr(search, "GREEDY_COMPACT_SHARE", 0.0)
@@ -238,6 +248,7 @@ def test_cache_gives_the_same_output_as_recomputing_the_prefix(model_and_sources
 
 def test_out_of_memory_in_decoding_splits_the_batch_and_retries(model_and_sources, monkeypatch):
     import transformer.search as search
+
     model, sources = model_and_sources
     expected = translate_ids(model, sources, beam_size=3)
     real = search.beam_search
@@ -254,21 +265,22 @@ def test_out_of_memory_in_decoding_splits_the_batch_and_retries(model_and_source
 
     monkeypatch.setattr(search, "beam_search", small_memory)
     assert [h[0].tokens for h in translate_ids(model, sources, beam_size=3)] == [h[0].tokens for h in expected]
-    assert sizes == [5, 2, 3, 1, 2]              # 5 fails, halves: 2 | 3 fails, halves: 1, 2
+    assert sizes == [5, 2, 3, 1, 2]  # 5 fails, halves: 2 | 3 fails, halves: 1, 2
     assert len(failed_attempts) == 4
 
 
 # ---------------------------------------------------------------------------------------------------
 # Sampling (back-translation)
 
+
 class RandomDecoder:
     """A StepDecoder with a fixed, different random distribution over 200 tokens at every position."""
 
     def __init__(self, seed=0):
         generator = torch.Generator().manual_seed(seed)
-        logits = torch.randn(40, 200, generator=generator) * 3                   # (position, V)
-        logits[:, [PAD_ID, BOS_ID]] = float("-inf")   # never generated (the search masks them too)
-        logits[:, EOS_ID] = -30.0                     # long samples: every step is checked
+        logits = torch.randn(40, 200, generator=generator) * 3  # (position, V)
+        logits[:, [PAD_ID, BOS_ID]] = float("-inf")  # never generated (the search masks them too)
+        logits[:, EOS_ID] = -30.0  # long samples: every step is checked
         self.logprobs = torch.log_softmax(logits, dim=1)
 
     def step(self, tokens):
@@ -286,7 +298,7 @@ def test_sampling_with_a_seed_is_reproducible_and_differs_between_seeds():
     first, again = _samples(Sampling(top_k=20, seed=3)), _samples(Sampling(top_k=20, seed=3))
     assert [h.tokens for h in first] == [h.tokens for h in again]
     assert [h.tokens for h in first] != [h.tokens for h in _samples(Sampling(top_k=20, seed=4))]
-    assert len({tuple(h.tokens) for h in first}) > 60            # 64 rows, (nearly) all different
+    assert len({tuple(h.tokens) for h in first}) > 60  # 64 rows, (nearly) all different
 
 
 def test_top_k_never_draws_outside_the_k_most_probable():
@@ -296,7 +308,7 @@ def test_top_k_never_draws_outside_the_k_most_probable():
         allowed = set(decoder.logprobs[position].topk(5).indices.tolist())
         drawn = {h.tokens[position] for h in hyps}
         assert drawn <= allowed, position
-        assert len(drawn) > 1                                      # a sample, not the argmax
+        assert len(drawn) > 1  # a sample, not the argmax
     # the score is the model's own log-probability of the drawn tokens
     expected = sum(decoder.logprobs[t, token].item() for t, token in enumerate(hyps[0].tokens))
     assert hyps[0].logprob == pytest.approx(expected + decoder.logprobs[29, EOS_ID].item(), rel=1e-5)
@@ -307,7 +319,7 @@ def test_top_p_draws_only_from_the_nucleus():
     hyps = _samples(Sampling(top_p=0.5, seed=1))
     for position in range(29):
         probs, order = decoder.logprobs[position].exp().sort(descending=True)
-        size = int((probs.cumsum(0) - probs < 0.5).sum())          # tokens needed to reach 0.5
+        size = int((probs.cumsum(0) - probs < 0.5).sum())  # tokens needed to reach 0.5
         assert {h.tokens[position] for h in hyps} <= set(order[:size].tolist()), position
 
 
@@ -323,6 +335,7 @@ def test_decoders_meet_the_search_protocols():
     from transformer.config import ModelConfig
     from transformer.model import build_model
     from transformer.search import LogitsDecoder, ModelDecoder, StepDecoder
+
     model = build_model(ModelConfig(d_model=16, n_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1), 20, 20, True)
     decoder = ModelDecoder(model.eval(), torch.tensor([[5, 6, 3]]))
     assert isinstance(decoder, LogitsDecoder) and isinstance(decoder, StepDecoder)
@@ -332,10 +345,12 @@ def test_decoders_meet_the_search_protocols():
 
 # --- ensembles and target prefixes ------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def two_models(untrained_checkpoint, model_and_sources):
     """The untrained model and a second one over the same vocabulary with other weights."""
     from transformer.model import build_model
+
     model, sources = model_and_sources
     _, tokenizer, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
     torch.manual_seed(1)
@@ -344,8 +359,9 @@ def two_models(untrained_checkpoint, model_and_sources):
 
 
 def _padded(sources):
-    return torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [EOS_ID]) for s in sources], batch_first=True,
-                                           padding_value=PAD_ID)
+    return torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(s + [EOS_ID]) for s in sources], batch_first=True, padding_value=PAD_ID
+    )
 
 
 def _averaged_logprobs(models, weights, src, tokens):
@@ -353,7 +369,7 @@ def _averaged_logprobs(models, weights, src, tokens):
     total = sum(weights)
     with torch.no_grad():
         parts = [w / total * torch.log_softmax(m(src, tokens)[:, -1].float(), dim=-1) for m, w in zip(models, weights)]
-    return torch.stack(parts).sum(dim=0)                                                   # (rows, V)
+    return torch.stack(parts).sum(dim=0)  # (rows, V)
 
 
 def _reference_greedy(models, weights, src, max_len, prefix=()):
@@ -362,7 +378,7 @@ def _reference_greedy(models, weights, src, max_len, prefix=()):
     logprob = 0.0
     with torch.no_grad():
         for i, token in enumerate(prefix):
-            logprob += _averaged_logprobs(models, weights, src, torch.tensor([tokens[:i + 1]]))[0, token].item()
+            logprob += _averaged_logprobs(models, weights, src, torch.tensor([tokens[: i + 1]]))[0, token].item()
         while len(tokens) - 1 < max_len:
             lp = _averaged_logprobs(models, weights, src, torch.tensor([tokens]))[0]
             lp[[PAD_ID, BOS_ID]] = float("-inf")
@@ -377,12 +393,14 @@ def _reference_greedy(models, weights, src, max_len, prefix=()):
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_an_ensemble_of_one_model_equals_that_model(model_and_sources, beam_size):
     from transformer.search import EnsembleDecoder, max_lengths
+
     model, sources = model_and_sources
     src = _padded(sources)
     lens = max_lengths(src, 1.2, 10, 1000)
     alone = beam_search(ModelDecoder(model, src), lens, beam_size, alpha=0.6, nbest=beam_size)
-    ensemble = beam_search(EnsembleDecoder([ModelDecoder(model, src)], [3.0]), lens, beam_size, alpha=0.6,
-                           nbest=beam_size)
+    ensemble = beam_search(
+        EnsembleDecoder([ModelDecoder(model, src)], [3.0]), lens, beam_size, alpha=0.6, nbest=beam_size
+    )
     assert [[h.tokens for h in hyps] for hyps in alone] == [[h.tokens for h in hyps] for hyps in ensemble]
     for a, e in zip(alone, ensemble):
         assert [h.score for h in a] == pytest.approx([h.score for h in e], abs=1e-5)
@@ -393,13 +411,14 @@ def test_an_ensemble_steps_with_the_weighted_mean_of_the_models_logprobs(two_mod
     """Forced decoding of a fixed target through the ensemble's cached steps, against the hand
     computation from each model's uncached distribution."""
     from transformer.search import EnsembleDecoder
+
     first, second, sources = two_models
     src = _padded(sources[:2])
-    target = torch.tensor([[BOS_ID, 7, 9, 11, 13], [BOS_ID, 20, 8, 6, 30]])                # (2, 5)
+    target = torch.tensor([[BOS_ID, 7, 9, 11, 13], [BOS_ID, 20, 8, 6, 30]])  # (2, 5)
     with torch.no_grad():
         ensemble = EnsembleDecoder([ModelDecoder(first, src), ModelDecoder(second, src)], [1.0, 3.0])
         for t in range(1, target.size(1) + 1):
-            got = ensemble.step(target[:, :t])                                             # (2, V)
+            got = ensemble.step(target[:, :t])  # (2, V)
             expected = _averaged_logprobs([first, second], [1.0, 3.0], src, target[:, :t])
             assert torch.allclose(got, expected, atol=1e-5), t
             # each model alone differs from the mean: the check is not vacuous
@@ -427,14 +446,14 @@ def test_a_prefix_is_kept_and_decoding_continues_as_the_model_would(model_and_so
     found = translate_ids(model, sources, beam_size=beam_size, prefixes=prefixes, max_len_a=0.0, max_len_b=9)
     plain = translate_ids(model, sources, beam_size=beam_size, max_len_a=0.0, max_len_b=9)
     for source, prefix, hyps, without in zip(sources, prefixes, found, plain):
-        assert hyps[0].tokens[:len(prefix)] == prefix
+        assert hyps[0].tokens[: len(prefix)] == prefix
         if not prefix:
             assert hyps[0].tokens == without[0].tokens
         if beam_size == 1:
             tokens, logprob = _reference_greedy([model], [1.0], _padded([source]), max_len=9, prefix=prefix)
             assert hyps[0].tokens == tokens
             assert hyps[0].logprob == pytest.approx(logprob, abs=1e-4)
-    assert any(h[0].tokens[:len(p)] != p for h, p in zip(plain, prefixes) if p)      # the prefix changed something
+    assert any(h[0].tokens[: len(p)] != p for h, p in zip(plain, prefixes) if p)  # the prefix changed something
 
 
 def test_a_prefix_longer_than_the_length_limit_still_ends_with_eos(model_and_sources):
@@ -442,23 +461,24 @@ def test_a_prefix_longer_than_the_length_limit_still_ends_with_eos(model_and_sou
     prefix = [7, 9, 11, 13, 15, 17]
     for beam_size in (1, 3):
         hyps = translate_ids(model, sources[:1], beam_size=beam_size, prefixes=[prefix], max_len_a=0.0, max_len_b=2)
-        assert hyps[0][0].tokens[:len(prefix)] == prefix and len(hyps[0][0].tokens) <= len(prefix)
+        assert hyps[0][0].tokens[: len(prefix)] == prefix and len(hyps[0][0].tokens) <= len(prefix)
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_parallel_workers_give_the_results_of_one(model_and_sources, beam_size):
     model, sources = model_and_sources
-    many = sources * 6                              # several batches at a small batch size
+    many = sources * 6  # several batches at a small batch size
     one = translate_ids(model, many, beam_size=beam_size, batch_tokens=60)
     threads = torch.get_num_threads()
     two = translate_ids(model, many, beam_size=beam_size, batch_tokens=60, workers=2)
     assert [h[0].tokens for h in two] == [h[0].tokens for h in one]
     assert [h[0].score for h in two] == pytest.approx([h[0].score for h in one], abs=1e-5)
-    assert torch.get_num_threads() == threads       # PyTorch's own thread count is given back
+    assert torch.get_num_threads() == threads  # PyTorch's own thread count is given back
 
 
 def test_parallel_workers_stop_when_asked_and_pass_errors_on(model_and_sources, monkeypatch):
     import transformer.search as search
+
     model, sources = model_and_sources
     asked = []
 
@@ -468,7 +488,7 @@ def test_parallel_workers_stop_when_asked_and_pass_errors_on(model_and_sources, 
 
     with pytest.raises(search.Interrupted):
         translate_ids(model, sources * 6, beam_size=1, batch_tokens=30, workers=2, stop=stop)
-    assert len(asked) == 3                          # no batch is started after the stop
+    assert len(asked) == 3  # no batch is started after the stop
 
     def broken(*args, **kwargs):
         raise RuntimeError("decoding failed")
@@ -485,6 +505,7 @@ def test_parallel_workers_stop_while_waiting_for_batches_already_handed_out(mode
     import time
 
     import transformer.search as search
+
     model, sources = model_and_sources
     slow_greedy = search.greedy_search
 
@@ -526,6 +547,7 @@ def test_decoding_processes_end_with_a_parent_killed_outright(untrained_checkpoi
     import subprocess
     import sys
     import time
+
     script = f"""
 import multiprocessing, threading, time
 import transformer.search as search
@@ -574,9 +596,10 @@ def test_a_decoding_process_that_dies_is_reported_not_waited_for(model_and_sourc
     import os
 
     import transformer.search as search
+
     model, sources = model_and_sources
 
-    def killed(*args, **kwargs):                    # as the kernel's out-of-memory killer would end it
+    def killed(*args, **kwargs):  # as the kernel's out-of-memory killer would end it
         os._exit(9)
 
     monkeypatch.setattr(search, "greedy_search", killed)

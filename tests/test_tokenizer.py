@@ -15,9 +15,9 @@ def test_round_trip_cache_and_special_ids(tmp_path):
     files = list((tmp_path / "spm").glob("*.model"))
     assert len(files) == 1
     mtime = files[0].stat().st_mtime_ns
-    again = build_tokenizer(InMemory(src, tgt, "unit"), vocab_size=150, cache_dir=tmp_path)     # cached: not retrained
+    again = build_tokenizer(InMemory(src, tgt, "unit"), vocab_size=150, cache_dir=tmp_path)  # cached: not retrained
     assert files[0].stat().st_mtime_ns == mtime and again.src_model_bytes == tok.src_model_bytes
-    other = build_tokenizer(InMemory(src, tgt, "unit"), vocab_size=120, cache_dir=tmp_path)     # new settings: new model
+    other = build_tokenizer(InMemory(src, tgt, "unit"), vocab_size=120, cache_dir=tmp_path)  # new settings: new model
     assert len(list((tmp_path / "spm").glob("*.model"))) == 2 and other.src_vocab_size <= 120
     restored = Tokenizer.from_state_dict(tok.state_dict())
     assert restored.encode_src(src[:5]) == tok.encode_src(src[:5])
@@ -36,6 +36,7 @@ def test_ctrl_c_while_sentencepiece_reads_the_corpus_stays_a_keyboard_interrupt(
 
     def lines_until_ctrl_c():
         yield from (f"ein Hund {i}" for i in range(100))
-        raise KeyboardInterrupt                     # SentencePiece would turn it into "INTERNAL: ..." RuntimeError
+        raise KeyboardInterrupt  # SentencePiece would turn it into "INTERNAL: ..." RuntimeError
+
     with pytest.raises(KeyboardInterrupt):
         train_sentencepiece(lines_until_ctrl_c(), vocab_size=30, model_type="bpe", character_coverage=1.0, sample=1000)

@@ -30,18 +30,41 @@ def test_training_learns_and_writes_the_run_directory(trained_run):
     assert {"best.pt", "last.pt", "step_240.pt"} <= set(names)
     assert not [n for n in names if "tmp" in n]
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    assert set(state) >= {"model", "config", "tokenizer", "step", "optimizer", "scheduler", "scaler", "rng",
-                          "data_state", "metrics"}
+    assert set(state) >= {
+        "model",
+        "config",
+        "tokenizer",
+        "step",
+        "optimizer",
+        "scheduler",
+        "scaler",
+        "rng",
+        "data_state",
+        "metrics",
+    }
     assert state["step"] == 240 and state["config"]["model"]["d_model"] == 96
     assert (run_dir / "train.log").read_text().count("validation step") == 3
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(run_dir / "tb"), size_guidance={"images": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    for tag in ("train/loss", "train/nll", "train/ppl", "train/lr", "train/grad_norm", "train/loss_scale",
-                "train/tokens_per_s", "train/padding_share", "val/loss", "val/ppl", "val/bleu", "val/chrf",
-                "val/cut_at_max_len"):
+    for tag in (
+        "train/loss",
+        "train/nll",
+        "train/ppl",
+        "train/lr",
+        "train/grad_norm",
+        "train/loss_scale",
+        "train/tokens_per_s",
+        "train/padding_share",
+        "val/loss",
+        "val/ppl",
+        "val/bleu",
+        "val/chrf",
+        "val/cut_at_max_len",
+    ):
         assert tag in tags, tag
     assert "val/cross_attention" in events.Tags()["images"]
     samples = events.Tensors("val/samples/text_summary")
@@ -59,39 +82,61 @@ def _params(path: Path) -> dict:
 def test_resume_continues_exactly(tmp_path, data_cache, workers, sampling, caplog):
     """Also with subword sampling: each batch's segmentation depends on (seed, epoch, batch) alone,
     whichever process collates it and wherever the run was interrupted."""
-    common = FAST + ["data.embedded_pairs=800", "trainer.precision=fp32", "trainer.device=cpu", "trainer.update_freq=2",
-                     "trainer.validate_every=5", "trainer.val_max_sentences=8", "decode.beam_size=1",
-                     "model.dropout=0.2", "trainer.max_minutes=0", "trainer.test_at_end=false",
-                     "trainer.ema_decay=0.8", f"trainer.num_workers={workers}", f"data.subword_sampling={sampling}",
-                     "trainer.weight_decay=0.01", "trainer.weight_decay_norm_bias=false"]   # two optimizer groups
+    common = FAST + [
+        "data.embedded_pairs=800",
+        "trainer.precision=fp32",
+        "trainer.device=cpu",
+        "trainer.update_freq=2",
+        "trainer.validate_every=5",
+        "trainer.val_max_sentences=8",
+        "decode.beam_size=1",
+        "model.dropout=0.2",
+        "trainer.max_minutes=0",
+        "trainer.test_at_end=false",
+        "trainer.ema_decay=0.8",
+        f"trainer.num_workers={workers}",
+        f"data.subword_sampling={sampling}",
+        "trainer.weight_decay=0.01",
+        "trainer.weight_decay_norm_bias=false",
+    ]  # two optimizer groups
     # Uninterrupted: 20 steps (two batches each: more than one epoch of the 800-pair corpus).
     import logging
+
     with caplog.at_level(logging.INFO):
         train(compose_config(common + ["trainer.max_steps=20"], data_cache), tmp_path / "full")
     assert ("re-segmented with SentencePiece sampling (data.subword_sampling=0.1)" in caplog.text) == bool(sampling)
     # Interrupted after 7 steps, then resumed to 20.
     train(compose_config(common + ["trainer.max_steps=7"], data_cache), tmp_path / "split")
     assert load_checkpoint(tmp_path / "split/checkpoints/last.pt")["step"] == 7
-    metrics = train(compose_config(common + ["trainer.max_steps=20", "trainer.resume=true"], data_cache),
-                    tmp_path / "split")
+    metrics = train(
+        compose_config(common + ["trainer.max_steps=20", "trainer.resume=true"], data_cache), tmp_path / "split"
+    )
     full, resumed = _params(tmp_path / "full/checkpoints/last.pt"), _params(tmp_path / "split/checkpoints/last.pt")
     assert load_checkpoint(tmp_path / "full/checkpoints/last.pt")["data_state"]["epoch"] >= 1
     for name in full:
         assert torch.equal(full[name], resumed[name]), name
     full_ema = load_checkpoint(tmp_path / "full/checkpoints/last.pt")["ema"]["weights"]
     resumed_ema = load_checkpoint(tmp_path / "split/checkpoints/last.pt")["ema"]["weights"]
-    assert all(torch.equal(full_ema[name], resumed_ema[name]) for name in full_ema)      # the EMA resumes too
+    assert all(torch.equal(full_ema[name], resumed_ema[name]) for name in full_ema)  # the EMA resumes too
     assert metrics["stop_reason"] == "reached trainer.max_steps=20"
-    if not workers:       # a resume with other batching settings continues, but says it is not exact
+    if not workers:  # a resume with other batching settings continues, but says it is not exact
         with caplog.at_level(logging.WARNING):
-            train(compose_config(common + ["trainer.max_steps=21", "trainer.resume=true", "trainer.max_tokens=900"],
-                                 data_cache), tmp_path / "split")
-        assert "trainer.resume: trainer.max_tokens 1024 -> 900 differ from the checkpoint: they apply from its " \
-               "step 20 on, so the run does not continue as the interrupted one would have" in caplog.text
-        assert "trainer.max_steps 20 -> 21" not in caplog.text      # honoured on resume: no warning
-    if workers:     # batches collated in worker processes train exactly like batches collated in-process
-        train(compose_config([c for c in common if "num_workers" not in c] + ["trainer.max_steps=20"], data_cache),
-              tmp_path / "in-process")
+            train(
+                compose_config(
+                    common + ["trainer.max_steps=21", "trainer.resume=true", "trainer.max_tokens=900"], data_cache
+                ),
+                tmp_path / "split",
+            )
+        assert (
+            "trainer.resume: trainer.max_tokens 1024 -> 900 differ from the checkpoint: they apply from its "
+            "step 20 on, so the run does not continue as the interrupted one would have" in caplog.text
+        )
+        assert "trainer.max_steps 20 -> 21" not in caplog.text  # honoured on resume: no warning
+    if workers:  # batches collated in worker processes train exactly like batches collated in-process
+        train(
+            compose_config([c for c in common if "num_workers" not in c] + ["trainer.max_steps=20"], data_cache),
+            tmp_path / "in-process",
+        )
         in_process = _params(tmp_path / "in-process/checkpoints/last.pt")
         assert all(torch.equal(full[name], in_process[name]) for name in full)
 
@@ -112,8 +157,15 @@ def test_max_tokens_smaller_than_a_sentence_fails_before_training(tmp_path, data
 
 def _train_cli(args, cwd, **kwargs):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "transformer.train", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "transformer.train", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
 
 
 @pytest.mark.slow
@@ -125,7 +177,7 @@ def test_cli_rejects_impossible_settings_naming_the_key(tmp_path):
     assert "Traceback" not in out
     with pytest.raises(ConfigError, match="trainer.lr"):
         compose_config(["trainer.lr=-0.1"])
-    assert (tmp_path / "train.log").is_file()          # a directory the user named keeps the refusal's log
+    assert (tmp_path / "train.log").is_file()  # a directory the user named keeps the refusal's log
 
 
 @pytest.mark.slow
@@ -135,22 +187,25 @@ def test_a_refused_start_leaves_no_timestamped_directory_behind(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2, out
     assert "model.d_model=128 is not divisible by model.n_heads=3" in out
-    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["earlier"]     # runs/toy/tiny/<time> all gone
-    chosen = _train_cli(["model.n_heads=3", "hydra.run.dir=runs/${data.name}/mine"], tmp_path)   # a choice stays
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["earlier"]  # runs/toy/tiny/<time> all gone
+    chosen = _train_cli(["model.n_heads=3", "hydra.run.dir=runs/${data.name}/mine"], tmp_path)  # a choice stays
     out, _ = chosen.communicate(timeout=120)
-    assert chosen.returncode == 2 and "model.d_model=128 is not divisible" in (tmp_path / "runs/toy/mine/train.log"
-                                                                                ).read_text(), out
+    assert (
+        chosen.returncode == 2
+        and "model.d_model=128 is not divisible" in (tmp_path / "runs/toy/mine/train.log").read_text()
+    ), out
 
 
 def test_only_an_unused_run_directory_is_discarded(tmp_path):
     from transformer.run_dir import RunDirectoryLock, discard_unused_run_directory
+
     base = tmp_path / "runs" / "toy"
     for name, extra in (("with-checkpoints", "checkpoints"), ("locked", None), ("unused", None)):
         (base / name / ".hydra").mkdir(parents=True)
         (base / name / "train.log").write_text("refused\n")
         if extra:
             (base / name / extra).mkdir()
-    lock = RunDirectoryLock.acquire(base / "locked")        # a run of this process
+    lock = RunDirectoryLock.acquire(base / "locked")  # a run of this process
     try:
         outcomes = [discard_unused_run_directory(base / name) for name in ("with-checkpoints", "locked", "unused")]
     finally:
@@ -160,13 +215,21 @@ def test_only_an_unused_run_directory_is_discarded(tmp_path):
     older = base / "written-before-this-start"
     (older / ".hydra").mkdir(parents=True)
     assert not discard_unused_run_directory(older, created_since=time.time() + 60) and older.is_dir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from transformer.run_dir import "
-                               f"RunDirectoryLock; RunDirectoryLock.acquire({str(base / 'locked')!r}); "
-                               "print('held', flush=True); time.sleep(60)"],
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from transformer.run_dir import "
+            f"RunDirectoryLock; RunDirectoryLock.acquire({str(base / 'locked')!r}); "
+            "print('held', flush=True); time.sleep(60)",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        assert not discard_unused_run_directory(base / "locked")      # a run of another process
+        assert not discard_unused_run_directory(base / "locked")  # a run of another process
     finally:
         holder.kill()
         holder.wait()
@@ -175,12 +238,24 @@ def test_only_an_unused_run_directory_is_discarded(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, whole_group", [(signal.SIGTERM, False), (signal.SIGINT, True)])
-def test_a_stop_signal_finishes_the_step_saves_last_and_exits_128_plus_its_number(tmp_path, data_cache, sig, whole_group):
+def test_a_stop_signal_finishes_the_step_saves_last_and_exits_128_plus_its_number(
+    tmp_path, data_cache, sig, whole_group
+):
     # DataLoader workers run: Ctrl-C in a terminal signals the whole process group, workers included.
     run_dir = tmp_path / "run"
-    proc = _train_cli(FAST + ["trainer.max_steps=100000", "trainer.log_every=1", "trainer.validate_every=100000",
-                              "trainer.num_workers=2", f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"],
-                      ROOT, start_new_session=True)
+    proc = _train_cli(
+        FAST
+        + [
+            "trainer.max_steps=100000",
+            "trainer.log_every=1",
+            "trainer.validate_every=100000",
+            "trainer.num_workers=2",
+            f"data.cache_dir={data_cache}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        ROOT,
+        start_new_session=True,
+    )
     wait_for_log(run_dir / "train.log", "step 5 |", 180)
     assert proc.poll() is None, proc.stdout.read()
     if whole_group:
@@ -188,7 +263,7 @@ def test_a_stop_signal_finishes_the_step_saves_last_and_exits_128_plus_its_numbe
     else:
         proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + sig.value, out       # 143 / 130: stopped, not finished (`&& next` stops)
+    assert proc.returncode == 128 + sig.value, out  # 143 / 130: stopped, not finished (`&& next` stops)
     state = load_checkpoint(run_dir / "checkpoints" / "last.pt")
     assert state["step"] >= 5
     assert f"{sig.name} received" in out and "trainer.resume=true" in out
@@ -198,21 +273,31 @@ def test_a_stop_signal_finishes_the_step_saves_last_and_exits_128_plus_its_numbe
 @pytest.mark.slow
 def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cache, monkeypatch):
     import transformer.train as train_module
+
     calls = {"n": 0}
     real_batch_loss = train_module.batch_loss
 
     def poisoned(model, batch, smoothing, rdrop=0.0):
         calls["n"] += 1
         loss, nll, correct = real_batch_loss(model, batch, smoothing, rdrop)
-        if calls["n"] > 6:                    # from the 7th step on, the loss is NaN
+        if calls["n"] > 6:  # from the 7th step on, the loss is NaN
             return loss * float("nan"), nll * float("nan"), correct
         return loss, nll, correct
 
     monkeypatch.setattr(train_module, "batch_loss", poisoned)
-    cfg = compose_config(FAST + ["trainer.max_steps=50", "trainer.validate_every=2", "trainer.max_bad_steps=3",
-                                 "trainer.val_max_sentences=4", "decode.beam_size=1", "trainer.precision=fp32",
-                                 "trainer.test_at_end=false"],
-                         data_cache)
+    cfg = compose_config(
+        FAST
+        + [
+            "trainer.max_steps=50",
+            "trainer.validate_every=2",
+            "trainer.max_bad_steps=3",
+            "trainer.val_max_sentences=4",
+            "decode.beam_size=1",
+            "trainer.precision=fp32",
+            "trainer.test_at_end=false",
+        ],
+        data_cache,
+    )
     # Checked where the step's numbers are read anyway (log steps, checkpoints): here at step 10.
     with pytest.raises(TrainingError, match="not finite for 4 steps in a row"):
         train(cfg, tmp_path)
@@ -220,9 +305,12 @@ def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cach
         state = load_checkpoint(tmp_path / "checkpoints" / name)
         assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point()), name
     # The non-finite updates were skipped on the device: step 8's weights are step 6's.
-    last, sixth = load_checkpoint(tmp_path / "checkpoints" / "last.pt"), load_checkpoint(tmp_path / "checkpoints" / "step_6.pt")
+    last, sixth = (
+        load_checkpoint(tmp_path / "checkpoints" / "last.pt"),
+        load_checkpoint(tmp_path / "checkpoints" / "step_6.pt"),
+    )
     assert last["step"] == 8 and all(torch.equal(last["model"][k], sixth["model"][k]) for k in sixth["model"])
-    assert last["optimizer"]["state"][0]["step"] == 6          # nor did Adam count them
+    assert last["optimizer"]["state"][0]["step"] == 6  # nor did Adam count them
 
 
 @pytest.mark.slow
@@ -230,6 +318,7 @@ def test_out_of_memory_on_one_batch_skips_it_and_training_goes_on(tmp_path, data
     import logging
 
     import transformer.train as train_module
+
     calls = {"n": 0}
     real_batch_loss = train_module.batch_loss
 
@@ -240,19 +329,29 @@ def test_out_of_memory_on_one_batch_skips_it_and_training_goes_on(tmp_path, data
         return real_batch_loss(model, batch, smoothing, rdrop)
 
     monkeypatch.setattr(train_module, "batch_loss", flaky)
-    cfg = compose_config(FAST + ["trainer.max_steps=6", "trainer.validate_every=6", "trainer.val_max_sentences=4",
-                                 "decode.beam_size=1", "trainer.test_at_end=false"], data_cache)
+    cfg = compose_config(
+        FAST
+        + [
+            "trainer.max_steps=6",
+            "trainer.validate_every=6",
+            "trainer.val_max_sentences=4",
+            "decode.beam_size=1",
+            "trainer.test_at_end=false",
+        ],
+        data_cache,
+    )
     with caplog.at_level(logging.WARNING):
         train(cfg, tmp_path)
     assert "out of memory on a batch of" in caplog.text and "skipped" in caplog.text
     state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
-    assert state["step"] == 6 and calls["n"] == 7      # 6 optimizer steps plus the skipped batch
+    assert state["step"] == 6 and calls["n"] == 7  # 6 optimizer steps plus the skipped batch
 
 
 @pytest.mark.slow
 def test_a_batch_budget_too_large_for_the_device_stops_with_one_line(tmp_path, data_cache, monkeypatch):
     import transformer.train as train_module
     from transformer.run_state import TrainingError
+
     calls = {"n": 0}
     real_batch_loss = train_module.batch_loss
 
@@ -266,16 +365,23 @@ def test_a_batch_budget_too_large_for_the_device_stops_with_one_line(tmp_path, d
     cfg = compose_config(FAST + ["trainer.max_steps=50", "trainer.test_at_end=false"], data_cache)
     with pytest.raises(TrainingError) as error:
         train(cfg, tmp_path)
-    assert calls["n"] == 2 + train_module.OOM_SKIP_LIMIT                # not an endless loop of skips
+    assert calls["n"] == 2 + train_module.OOM_SKIP_LIMIT  # not an endless loop of skips
     message = str(error.value)
-    assert "\n" not in message and message.startswith(f"out of memory on {train_module.OOM_SKIP_LIMIT} batches in a row")
+    assert "\n" not in message and message.startswith(
+        f"out of memory on {train_module.OOM_SKIP_LIMIT} batches in a row"
+    )
     assert "trainer.max_tokens=1024 is too large for this device; lower it (e.g. trainer.max_tokens=512)" in message
 
 
 @pytest.mark.slow
 def test_overwrite_replaces_an_old_run(tmp_path, data_cache):
-    quick = FAST + ["trainer.validate_every=100", "trainer.val_max_sentences=4", "decode.beam_size=1",
-                    "trainer.test_at_end=false", "trainer.checkpoint_every=3"]
+    quick = FAST + [
+        "trainer.validate_every=100",
+        "trainer.val_max_sentences=4",
+        "decode.beam_size=1",
+        "trainer.test_at_end=false",
+        "trainer.checkpoint_every=3",
+    ]
     train(compose_config(quick + ["trainer.max_steps=3"], data_cache), tmp_path)
     assert (tmp_path / "checkpoints" / "step_3.pt").exists()
     train(compose_config(quick + ["trainer.max_steps=2", "trainer.overwrite=true"], data_cache), tmp_path)
@@ -286,34 +392,49 @@ def test_overwrite_replaces_an_old_run(tmp_path, data_cache):
 @pytest.mark.slow
 def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer(trained_run, tmp_path, data_cache, caplog):
     best = trained_run[0] / "checkpoints" / "best.pt"
-    cfg = compose_config(FAST + ["model.d_model=96", "model.d_ff=256", "data.embedded_pairs=4000", "data.vocab_size=123",
-                                 f"trainer.init_from={best}", "trainer.max_steps=3", "trainer.lr=1e-4",
-                                 "trainer.warmup=10", "trainer.validate_every=3", "trainer.val_max_sentences=40",
-                                 "trainer.test_at_end=false", "trainer.max_minutes=0"], data_cache)
+    cfg = compose_config(
+        FAST
+        + [
+            "model.d_model=96",
+            "model.d_ff=256",
+            "data.embedded_pairs=4000",
+            "data.vocab_size=123",
+            f"trainer.init_from={best}",
+            "trainer.max_steps=3",
+            "trainer.lr=1e-4",
+            "trainer.warmup=10",
+            "trainer.validate_every=3",
+            "trainer.val_max_sentences=40",
+            "trainer.test_at_end=false",
+            "trainer.max_minutes=0",
+        ],
+        data_cache,
+    )
     metrics = train(cfg, tmp_path)
     state, source = load_checkpoint(tmp_path / "checkpoints" / "last.pt"), load_checkpoint(best)
-    assert state["step"] == 3                                       # a fresh step count
-    assert state["tokenizer"] == source["tokenizer"]                # the checkpoint's tokenizer, reused
+    assert state["step"] == 3  # a fresh step count
+    assert state["tokenizer"] == source["tokenizer"]  # the checkpoint's tokenizer, reused
     assert "tokenizer (data.vocab_size=200, joint_vocab=True) is kept; data.vocab_size=123" in caplog.text
     assert state["scheduler"]["last_epoch"] == 3 and state["optimizer"]["state"][0]["step"] == 3
-    assert metrics["val_history"][0]["bleu"] > 60                   # it starts from the trained weights
+    assert metrics["val_history"][0]["bleu"] > 60  # it starts from the trained weights
     assert any(not torch.equal(state["model"][k], source["model"][k]) for k in source["model"])
 
 
 @pytest.mark.slow
 def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
     from transformer.train import Trainer
+
     cfg = compose_config(FAST + ["trainer.update_freq=2", "trainer.precision=fp32"], data_cache)
     trainer = Trainer(cfg, tmp_path)
     try:
         trainer.updates.start(0, 0)
         loader = iter(trainer.loader)
-        with HostReads() as reads:            # the detector sees a read when there is one
+        with HostReads() as reads:  # the detector sees a read when there is one
             float(torch.ones(()))
             torch.ones(3)[torch.ones(3) > 0]
             torch.ones(3).tolist()
         assert reads.seen == ["aten._local_scalar_dense", "aten.index", "Tensor.tolist"]
-        for step in range(3):                  # steps 1-3 are not log steps (log_every=10)
+        for step in range(3):  # steps 1-3 are not log steps (log_every=10)
             micro, consumed = next(loader)
             with HostReads() as reads:
                 stats = trainer.train_step(micro)
@@ -321,7 +442,7 @@ def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
             with HostReads() as reads:
                 trainer.log.add(stats, micro)
             assert reads.seen == []
-        assert trainer.optimizer.state_dict()["state"][0]["step"] == 3   # the steps were real updates
+        assert trainer.optimizer.state_dict()["state"][0]["step"] == 3  # the steps were real updates
         numbers = trainer.log.read()
         tokens = numbers["finite_tokens"]
         assert numbers["skipped"] == 0 and tokens == numbers["tokens"] > 0
@@ -333,15 +454,19 @@ def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
 
 def test_progress_keeps_the_best_score_and_the_patience_count_and_resumes_them():
     from transformer.progress import Progress
+
     progress = Progress(step=100)
     assert progress.record_validation({"loss": 3.0, "bleu": 20.0})
     progress.step = 200
     assert not progress.record_validation({"loss": 2.9, "bleu": 19.5})
     progress.step, progress.epoch, progress.position = 300, 2, 17
-    assert not progress.record_validation({"loss": 2.8, "bleu": 20.0})        # equal is no improvement
+    assert not progress.record_validation({"loss": 2.8, "bleu": 20.0})  # equal is no improvement
     assert (progress.best_bleu, progress.best_step, progress.bad_validations) == (20.0, 100, 2)
-    state = {"step": progress.step, "metrics": progress.metrics(),
-             "data_state": progress.data_state(world_size=1, batching={})}
+    state = {
+        "step": progress.step,
+        "metrics": progress.metrics(),
+        "data_state": progress.data_state(world_size=1, batching={}),
+    }
     assert state["metrics"]["val_bleu"] == 20.0 and len(state["metrics"]["val_history"]) == 3
     assert Progress.from_checkpoint(state) == progress
 
@@ -351,43 +476,59 @@ def test_the_train_log_sums_finite_steps_on_the_device_and_stops_on_a_run_of_bad
 
     from transformer.run_state import TrainingError
     from transformer.train_log import TrainLog
+
     log = TrainLog(torch.device("cpu"), monitor=None, max_bad_steps=3)
     micro = [(SimpleNamespace(padding_share=0.1), 1)]
 
     def step(loss, tokens, correct=1.0):
         finite = torch.tensor(math.isfinite(loss))
-        log.add({"sums": torch.tensor([loss, loss / 2, correct]), "finite": finite, "tokens": tokens,
-                 "grad_norm": torch.tensor(1.0)}, micro)
+        log.add(
+            {
+                "sums": torch.tensor([loss, loss / 2, correct]),
+                "finite": finite,
+                "tokens": tokens,
+                "grad_norm": torch.tensor(1.0),
+            },
+            micro,
+        )
 
     step(10.0, 5, correct=2.0)
-    step(float("nan"), 7, correct=4.0)         # skipped: not in the loss or accuracy, counted in tokens/s
+    step(float("nan"), 7, correct=4.0)  # skipped: not in the loss or accuracy, counted in tokens/s
     step(6.0, 3, correct=3.0)
     numbers = log.read()
-    assert numbers == {"loss_sum": 16.0, "nll_sum": 8.0, "correct": 5.0, "finite_tokens": 8.0, "bad_in_a_row": 0,
-                       "skipped": 1, "tokens": 15.0}
+    assert numbers == {
+        "loss_sum": 16.0,
+        "nll_sum": 8.0,
+        "correct": 5.0,
+        "finite_tokens": 8.0,
+        "bad_in_a_row": 0,
+        "skipped": 1,
+        "tokens": 15.0,
+    }
     step(float("inf"), 1)
     step(float("nan"), 1)
-    log.check_finite(fp16=False)               # two in a row: still below trainer.max_bad_steps=3
+    log.check_finite(fp16=False)  # two in a row: still below trainer.max_bad_steps=3
     log.write(step=5, epoch=0, lr=1e-3, loss_scale=1.0, fp16=False, bar=SimpleNamespace(set_postfix=lambda **_: None))
-    step(float("nan"), 1)                      # the run carries over into the next window
+    step(float("nan"), 1)  # the run carries over into the next window
     with pytest.raises(TrainingError, match="not finite for 3 steps in a row"):
         log.check_finite(fp16=False)
-    log.check_finite(fp16=True)                # fp16 allows ten times as many
+    log.check_finite(fp16=True)  # fp16 allows ten times as many
 
 
 def test_resuming_into_fp16_starts_the_loss_scaler_afresh_from_a_bf16_or_fp32_checkpoint(caplog):
     from transformer.run_state import load_scaler_state
+
     written_in_bf16 = torch.amp.GradScaler("cpu", enabled=False).state_dict()
     assert written_in_bf16 == {}
     fp16 = torch.amp.GradScaler("cpu", enabled=True, init_scale=1024.0)
     with caplog.at_level("INFO", logger="transformer.train"):
-        load_scaler_state(fp16, written_in_bf16)            # GradScaler itself raises on an empty state
+        load_scaler_state(fp16, written_in_bf16)  # GradScaler itself raises on an empty state
     assert fp16.get_scale() == 1024.0 and "starts at 1024" in caplog.text
 
     written_in_fp16 = torch.amp.GradScaler("cpu", enabled=True, init_scale=8.0, growth_interval=7).state_dict()
     load_scaler_state(fp16, written_in_fp16)
     assert fp16.get_scale() == 8.0 and fp16.state_dict()["growth_interval"] == 7
-    load_scaler_state(torch.amp.GradScaler("cpu", enabled=False), written_in_fp16)   # fp16 -> bf16: ignored
+    load_scaler_state(torch.amp.GradScaler("cpu", enabled=False), written_in_fp16)  # fp16 -> bf16: ignored
 
 
 @pytest.mark.slow
@@ -407,6 +548,7 @@ def test_rdrop_without_dropout_makes_the_plain_update_and_with_dropout_a_differe
             def step_recording_the_gradients(*args, **kwargs):
                 gradients.update({k: p.grad.clone() for k, p in trainer.model.named_parameters()})
                 return optimizer_step(*args, **kwargs)
+
             trainer.optimizer.step = step_recording_the_gradients
             torch.manual_seed(3)
             stats = trainer.train_step(micro)
@@ -417,10 +559,10 @@ def test_rdrop_without_dropout_makes_the_plain_update_and_with_dropout_a_differe
 
     plain, plain_stats = one_step("plain", "model.dropout=0")
     rdrop, rdrop_stats = one_step("rdrop", "model.dropout=0", "trainer.rdrop=5")
-    assert "R-Drop adds nothing and doubles the compute" in caplog.text        # said once, at the start
+    assert "R-Drop adds nothing and doubles the compute" in caplog.text  # said once, at the start
     assert rdrop_stats["tokens"] == 2 * plain_stats["tokens"]
     assert torch.allclose(rdrop_stats["sums"] / 2, plain_stats["sums"], rtol=1e-5)
-    assert torch.allclose(rdrop_stats["grad_norm"], plain_stats["grad_norm"], rtol=1e-5)   # the gradient's scale
+    assert torch.allclose(rdrop_stats["grad_norm"], plain_stats["grad_norm"], rtol=1e-5)  # the gradient's scale
     # Every parameter's gradient, not the update: Adam's first step blows the rounding noise of the
     # exactly-zero gradient of the key biases up to a step of the learning rate's size.
     assert plain.keys() == rdrop.keys() and len(plain) > 10
@@ -430,4 +572,4 @@ def test_rdrop_without_dropout_makes_the_plain_update_and_with_dropout_a_differe
     _, dropped_rdrop = one_step("dropped-rdrop", "model.dropout=0.3", "trainer.label_smoothing=0", "trainer.rdrop=5")
     assert dropped["sums"][0] == pytest.approx(dropped["sums"][1].item(), rel=1e-6)
     kl_per_token = (dropped_rdrop["sums"][0] - dropped_rdrop["sums"][1]) / dropped_rdrop["tokens"]
-    assert kl_per_token > 0.05                   # the two dropout passes disagree: the KL term counts
+    assert kl_per_token > 0.05  # the two dropout passes disagree: the KL term counts

@@ -14,8 +14,9 @@ from transformer.validate import score
 
 
 def _cli(*args, stdin: bytes = b""):
-    proc = subprocess.run([sys.executable, "-m", "transformer.translate", *map(str, args)], input=stdin,
-                          capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer.translate", *map(str, args)], input=stdin, capture_output=True, timeout=300
+    )
     return proc.returncode, proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
 
 
@@ -34,17 +35,20 @@ def test_cli_keeps_one_line_per_input_line_and_empty_lines(trained_checkpoint, t
 
 
 def test_cli_handles_long_lines_and_invalid_utf8(untrained_checkpoint):
-    long_line = ("Der Hund sieht die Katze " * 400).encode()          # 10,000 characters
+    long_line = ("Der Hund sieht die Katze " * 400).encode()  # 10,000 characters
     code, out, err = _cli(untrained_checkpoint, "--beam", "1", stdin=b"Die Kuh.\n" + long_line + b"\nDie \xff Maus.\n")
     assert code == 0, err
     assert len(out.split("\n")[:-1]) == 3
     assert "truncated" in err and "not valid UTF-8" in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--beam", "0"], "--beam 0"),
-    (["--beam", "2", "--nbest", "3"], "--nbest 3"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--beam", "0"], "--beam 0"),
+        (["--beam", "2", "--nbest", "3"], "--nbest 3"),
+    ],
+)
 def test_cli_refuses_bad_options(untrained_checkpoint, args, message):
     code, _, err = _cli(untrained_checkpoint, *args)
     assert code == 2 and message in err
@@ -55,8 +59,11 @@ def test_cli_bad_checkpoints_give_one_clear_line(tmp_path, untrained_checkpoint)
     truncated.write_bytes(untrained_checkpoint.read_bytes()[:1000])
     text = tmp_path / "notes.pt"
     text.write_text("hello")
-    for path, message in ((tmp_path / "missing.pt", "no such checkpoint"), (truncated, "not a readable checkpoint"),
-                          (text, "not a checkpoint (text or another format")):
+    for path, message in (
+        (tmp_path / "missing.pt", "no such checkpoint"),
+        (truncated, "not a readable checkpoint"),
+        (text, "not a checkpoint (text or another format"),
+    ):
         code, out, err = _cli(path, stdin=b"Hallo\n")
         assert code == 2 and message in err and "Traceback" not in err and out == ""
         assert len(err.strip().splitlines()) == 1
@@ -80,13 +87,14 @@ def test_python_api_and_evaluate_agree_with_the_cli(trained_checkpoint, trained_
     result = evaluate(trained_checkpoint, split="test", beam_size=5, precision="fp32")
     config = translator.config.data
     sources, references = load_split_text(config, "test")
-    code, out, _ = _cli(trained_checkpoint, "--beam", "5", "--precision", "fp32",
-                        stdin=("\n".join(sources) + "\n").encode())
+    code, out, _ = _cli(
+        trained_checkpoint, "--beam", "5", "--precision", "fp32", stdin=("\n".join(sources) + "\n").encode()
+    )
     cli_bleu = score(out.split("\n")[:-1], references, config.tgt_lang)["bleu"]
     assert code == 0 and cli_bleu == pytest.approx(result["bleu"], abs=1e-9)
     assert result["bleu"] > 80
     greedy = evaluate(trained_checkpoint, split="test", beam_size=1)
-    assert greedy["bleu"] > 75 and abs(greedy["bleu"] - result["bleu"]) < 10     # a trained model, both ways
+    assert greedy["bleu"] > 75 and abs(greedy["bleu"] - result["bleu"]) < 10  # a trained model, both ways
     with open(result["hypotheses_file"]) as handle:
         assert len(handle.readlines()) == len(sources)
 
@@ -137,12 +145,18 @@ def test_tune_cpu_process_keeps_more_compiled_kernels_than_onednns_default():
     """Under ONEDNN_VERBOSE=all oneDNN says whether each kernel came from its cache; after more shapes than
     its default capacity the first one is compiled again unless the CLIs' tuning ran first."""
     import torch
+
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
 
-    def last_creation(mode, **env):            # "create:cache_hit" or "create:cache_miss"
-        run = subprocess.run([sys.executable, "-c", KERNEL_CACHE_PROBE, mode], capture_output=True, text=True,
-                             check=True, env={**base, "ONEDNN_VERBOSE": "all", **env})
+    def last_creation(mode, **env):  # "create:cache_hit" or "create:cache_miss"
+        run = subprocess.run(
+            [sys.executable, "-c", KERNEL_CACHE_PROBE, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**base, "ONEDNN_VERBOSE": "all", **env},
+        )
         created = [line for line in (run.stdout + run.stderr).splitlines() if ",create:" in line]
         if not created:
             pytest.skip("this CPU's bf16 matmuls do not go through oneDNN")
@@ -151,11 +165,12 @@ def test_tune_cpu_process_keeps_more_compiled_kernels_than_onednns_default():
     base = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     assert last_creation("plain") == "create:cache_miss"
     assert last_creation("tuned") == "create:cache_hit"
-    assert last_creation("tuned", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024") == "create:cache_miss"   # the user's value
+    assert last_creation("tuned", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024") == "create:cache_miss"  # the user's value
 
 
 def test_the_default_beam_is_the_checkpoints_decode_config(untrained_checkpoint, tmp_path):
     import torch
+
     state = torch.load(untrained_checkpoint, weights_only=True)
     state["config"]["decode"].update(name="greedy", beam_size=1, alpha=0.0)
     greedy_checkpoint = tmp_path / "greedy.pt"
@@ -163,9 +178,9 @@ def test_the_default_beam_is_the_checkpoints_decode_config(untrained_checkpoint,
     text = b"Der Hund sieht die Katze.\nDie Frau gibt dem Mann das Buch.\n"
     code, default, _ = _cli(greedy_checkpoint, stdin=text)
     assert code == 0 and default == _cli(greedy_checkpoint, "--beam", "1", stdin=text)[1]
-    code, _, err = _cli(greedy_checkpoint, "--nbest", "2", stdin=text)     # a beam of 1 has no second best
+    code, _, err = _cli(greedy_checkpoint, "--nbest", "2", stdin=text)  # a beam of 1 has no second best
     assert code == 2 and "the checkpoint's beam size is 1; add --beam 2" in err
-    assert _cli(untrained_checkpoint, "--nbest", "2", stdin=text)[0] == 0       # beam 5 there
+    assert _cli(untrained_checkpoint, "--nbest", "2", stdin=text)[0] == 0  # beam 5 there
 
 
 def test_cuda_devices_by_number_are_understood():
@@ -181,25 +196,27 @@ def test_reference_scores_are_sums_of_per_token_log_probabilities(untrained_chec
     import torch
 
     from transformer.tokenizer import BOS_ID, EOS_ID
+
     translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
     sources, references = load_split_text(translator.config.data, "test")
     sources, references = sources[:30], references[:30]
-    references[3] = ""                                            # an empty translation: EOS alone
-    scores = translator.score(sources, references, batch_tokens=64)   # several length-sorted batches
+    references[3] = ""  # an empty translation: EOS alone
+    scores = translator.score(sources, references, batch_tokens=64)  # several length-sorted batches
     model, tokenizer = translator.model, translator.tokenizer
-    for source, reference, value in zip(sources, references, scores):   # one sentence, one full forward
+    for source, reference, value in zip(sources, references, scores):  # one sentence, one full forward
         src = torch.tensor([tokenizer.encode_src([source])[0] + [EOS_ID]])
         tgt = tokenizer.encode_tgt([reference])[0]
         with torch.no_grad():
-            logits = model(src, torch.tensor([[BOS_ID] + tgt]))[0]                     # (T, V)
+            logits = model(src, torch.tensor([[BOS_ID] + tgt]))[0]  # (T, V)
         expected = torch.log_softmax(logits.double(), -1)[torch.arange(len(tgt) + 1), tgt + [EOS_ID]].sum()
         assert value == pytest.approx(expected.item(), abs=1e-3)
     translations = translator.translate(sources, beam_size=5)
-    assert sum(translator.score(sources, translations)) > sum(scores)     # the model prefers its own output
+    assert sum(translator.score(sources, translations)) > sum(scores)  # the model prefers its own output
     (tmp_path / "src").write_text("\n".join(sources) + "\n")
     (tmp_path / "ref").write_text("\n".join(references) + "\n")
-    code, out, _ = _cli(untrained_checkpoint, "--input", tmp_path / "src", "--score-reference", tmp_path / "ref",
-                        "--precision", "fp32")
+    code, out, _ = _cli(
+        untrained_checkpoint, "--input", tmp_path / "src", "--score-reference", tmp_path / "ref", "--precision", "fp32"
+    )
     assert code == 0 and [float(x) for x in out.split()] == pytest.approx(scores, abs=1e-3)
     (tmp_path / "short").write_text("one line\n")
     code, _, err = _cli(untrained_checkpoint, "--input", tmp_path / "src", "--score-reference", tmp_path / "short")
@@ -208,15 +225,19 @@ def test_reference_scores_are_sums_of_per_token_log_probabilities(untrained_chec
 
 def test_cli_sampling_is_seeded(untrained_checkpoint):
     text = ("\n".join(["Der Hund sieht die Katze.", "Die Frau gibt dem Mann das Buch."] * 10) + "\n").encode()
-    runs = [_cli(untrained_checkpoint, "--sampling", "topk:8", "--temperature", "1.5", "--seed", str(seed), stdin=text)
-            for seed in (7, 7, 8)]
+    runs = [
+        _cli(untrained_checkpoint, "--sampling", "topk:8", "--temperature", "1.5", "--seed", str(seed), stdin=text)
+        for seed in (7, 7, 8)
+    ]
     assert all(code == 0 for code, _, _ in runs)
     assert runs[0][1] == runs[1][1] != runs[2][1]
-    assert len(runs[0][1].splitlines()) == 20 and len(set(runs[0][1].splitlines())) > 2   # samples vary
-    for bad, message in ((["--sampling", "topx:3"], "--sampling topx:3: write topk:K"),
-                         (["--sampling", "topp:1.5"], "--sampling topp:1.5: write topk:K"),
-                         (["--sampling", "topk:4", "--beam", "4"], "leave out --beam and --nbest"),
-                         (["--sampling", "topk:4", "--temperature", "0"], "--temperature 0.0: must be")):
+    assert len(runs[0][1].splitlines()) == 20 and len(set(runs[0][1].splitlines())) > 2  # samples vary
+    for bad, message in (
+        (["--sampling", "topx:3"], "--sampling topx:3: write topk:K"),
+        (["--sampling", "topp:1.5"], "--sampling topp:1.5: write topk:K"),
+        (["--sampling", "topk:4", "--beam", "4"], "leave out --beam and --nbest"),
+        (["--sampling", "topk:4", "--temperature", "0"], "--temperature 0.0: must be"),
+    ):
         code, _, err = _cli(untrained_checkpoint, *bad, stdin=b"Hallo\n")
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
@@ -226,11 +247,24 @@ def test_a_pipe_receives_the_first_translations_before_the_input_ends(untrained_
     import threading
 
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+
     _, _, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
     sources = load_split_text(config.data, "validation")[0][:40]
-    proc = subprocess.Popen([sys.executable, "-m", "transformer.translate", str(untrained_checkpoint), "--beam", "2",
-                             "--precision", "fp32"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "transformer.translate",
+            str(untrained_checkpoint),
+            "--beam",
+            "2",
+            "--precision",
+            "fp32",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(raw) for raw in iter(proc.stdout.readline, b"")], daemon=True).start()
     try:
@@ -239,7 +273,7 @@ def test_a_pipe_receives_the_first_translations_before_the_input_ends(untrained_
         # The input is still open: the first three translations must come anyway.
         first = [lines.get(timeout=120).decode().rstrip("\n") for _ in range(3)]
         assert proc.poll() is None
-        proc.stdin.write(("\n".join(sources[3:]) + "\n\n").encode())      # the rest, and an empty line
+        proc.stdin.write(("\n".join(sources[3:]) + "\n\n").encode())  # the rest, and an empty line
         proc.stdin.close()
         assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()
     finally:
@@ -259,6 +293,7 @@ def test_stream_chunks_take_what_has_arrived(tmp_path):
     import io
 
     from transformer.translate import stream_chunks
+
     data = "\ufeffeins\r\nzwei\n".encode() + b"\xff drei\n" + b"vier"
     chunks = list(stream_chunks(io.BytesIO(data), max_lines=3))
     assert [line for lines, _ in chunks for line in lines] == ["eins", "zwei", "\ufffd drei", "vier"]

@@ -11,10 +11,11 @@ def test_score_uses_sacrebleu_defaults():
 
 def test_bleu_tokenizes_for_the_target_language():
     from transformer.validate import score
+
     hyps, refs = ["我喜欢猫和狗"], ["我喜欢狗和猫"]
     chinese = score(hyps, refs, "zh")
     assert "tok:zh" in chinese["bleu_signature"] and chinese["bleu"] > 0
-    assert score(hyps, refs, "en")["bleu"] == 0.0        # 13a sees one word each: no match
+    assert score(hyps, refs, "en")["bleu"] == 0.0  # 13a sees one word each: no match
     assert "tok:13a" in score(["a b"], ["a b"], "de")["bleu_signature"]
 
 
@@ -22,7 +23,8 @@ def test_bleu_without_the_japanese_extras_falls_back_to_characters(caplog):
     import importlib.util
 
     from transformer.validate import bleu_metric, score
-    bleu_metric.cache_clear()                             # the fallback is announced once per process
+
+    bleu_metric.cache_clear()  # the fallback is announced once per process
     result = score(["猫が好きです"], ["猫が好きです"], "ja")
     if importlib.util.find_spec("MeCab") is None:
         assert "tok:char" in result["bleu_signature"] and "sacrebleu[ja]" in caplog.text
@@ -33,6 +35,7 @@ def test_references_in_another_unicode_form_score_the_same():
     import unicodedata
 
     from transformer.validate import score
+
     hypotheses = ["Der Mann fährt über die Brücke.", "Ein Café in Köln öffnet früh.", "Zoë naïve résumé."]
     decomposed = [unicodedata.normalize("NFD", line) for line in hypotheses]
     assert decomposed != hypotheses
@@ -45,13 +48,16 @@ def test_references_in_another_unicode_form_score_the_same():
 
 def test_the_literature_bleu_tokenizes_and_lowercases_our_output_like_its_references():
     from transformer.validate import literature_tokenize, tokenized_lowercased_bleu
-    hypotheses = ["One man's head, \"down\" & out.", "A dog runs."]
-    assert literature_tokenize(hypotheses, "en") == ["one man &apos;s head , &quot; down &quot; &amp; out .",
-                                                     "a dog runs ."]
+
+    hypotheses = ['One man\'s head, "down" & out.', "A dog runs."]
+    assert literature_tokenize(hypotheses, "en") == [
+        "one man &apos;s head , &quot; down &quot; &amp; out .",
+        "a dog runs .",
+    ]
     references = ["one man &apos;s head , &quot; down &quot; &amp; out .", "a dog runs ."]
     assert tokenized_lowercased_bleu(hypotheses, references, "en")["bleu_tokenized_lc"] == pytest.approx(100.0)
     # the cased detokenized score of the same output against the raw references is a different number
-    raw = ["One man's head, \"down\" & out.", "The dog runs."]
+    raw = ['One man\'s head, "down" & out.', "The dog runs."]
     literature = tokenized_lowercased_bleu(hypotheses, literature_tokenize(raw, "en"), "en")
     assert literature["bleu_tokenized_lc"] != pytest.approx(score(hypotheses, raw, "en")["bleu"])
     assert "tok:none" in literature["bleu_tokenized_lc_signature"]
@@ -61,9 +67,10 @@ def test_the_literature_bleu_tokenizes_and_lowercases_our_output_like_its_refere
 @pytest.mark.parametrize("lang", ["en", "de", "cs"])
 def test_the_literature_tokenization_reproduces_multi30k_tokenized_references(multi30k_dir, lang):
     from transformer.validate import literature_tokenize
+
     raw = (multi30k_dir / f"test_2016_flickr.{lang}").read_text(encoding="utf-8").splitlines()
     tokenized = (multi30k_dir / "tok" / f"test_2016_flickr.lc.norm.tok.{lang}").read_text(encoding="utf-8").splitlines()
-    assert literature_tokenize(raw, lang) == tokenized          # every one of the 1,000 lines
+    assert literature_tokenize(raw, lang) == tokenized  # every one of the 1,000 lines
 
 
 def test_evaluate_reports_the_literature_bleu_beside_ours(untrained_checkpoint, tmp_path, capsys):
@@ -71,6 +78,7 @@ def test_evaluate_reports_the_literature_bleu_beside_ours(untrained_checkpoint, 
     import shutil
 
     from transformer.evaluate import main
+
     checkpoint = tmp_path / "best.pt"
     shutil.copy(untrained_checkpoint, checkpoint)
     src, ref, tok = tmp_path / "s.de", tmp_path / "r.en", tmp_path / "r.tok.en"
@@ -86,8 +94,10 @@ def test_evaluate_reports_the_literature_bleu_beside_ours(untrained_checkpoint, 
     tok.write_text("a dog .\n")
     assert main(common + ["--tokenized-lc", str(tok)]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"transformer-evaluate: error: --tokenized-lc {tok}: 1 lines for 2 sources; give the tokenized "
-                   "references of the same s.de lines"]
+    assert err == [
+        f"transformer-evaluate: error: --tokenized-lc {tok}: 1 lines for 2 sources; give the tokenized "
+        "references of the same s.de lines"
+    ]
 
 
 def test_the_validator_computes_and_returns_without_writing(tmp_path, data_cache, caplog, monkeypatch):
@@ -102,6 +112,7 @@ def test_the_validator_computes_and_returns_without_writing(tmp_path, data_cache
     from transformer.model import build_model
     from transformer.translator import Translator
     from transformer.validate import Validator, validation_loss
+
     cfg = compose_config(FAST + ["trainer.val_max_sentences=7", "trainer.attention_heatmaps=heads"], data_cache)
     data = prepare(cfg.data)
     tok = data.tokenizer
@@ -111,19 +122,22 @@ def test_the_validator_computes_and_returns_without_writing(tmp_path, data_cache
     text = data.sources["validation"].read_all()
     validator = Validator(cfg, model, translator, data.valid, text, torch.device("cpu"), translator.autocast, "heads")
     monkeypatch.chdir(tmp_path)
-    caplog.clear()                                   # what preparing the data logged
+    caplog.clear()  # what preparing the data logged
     with caplog.at_level(logging.DEBUG):
         result = validator.run()
     assert not caplog.records and list(tmp_path.iterdir()) == []
-    loss, nll, accuracy = validation_loss(model, data.valid, cfg.trainer.max_tokens, "cpu", translator.autocast,
-                                          cfg.trainer.label_smoothing)
+    loss, nll, accuracy = validation_loss(
+        model, data.valid, cfg.trainer.max_tokens, "cpu", translator.autocast, cfg.trainer.label_smoothing
+    )
     assert (result.metrics["loss"], result.metrics["nll"], result.metrics["accuracy"]) == (loss, nll, accuracy)
     hypotheses = translator.translate(text[0][:7], beam_size=cfg.trainer.val_beam_size)
     assert result.samples == list(zip(text[0][:7], text[1][:7], hypotheses))
     assert result.metrics["bleu"] == score(hypotheses, text[1][:7], cfg.data.tgt_lang)["bleu"]
     assert len(result.panels) == len(validator.drawn) > 0
     kind, panels = result.detail
-    assert kind == "heads" and [label for *_, label in panels] == [f"last layer, head {h + 1}" for h in range(cfg.model.n_heads)]
+    assert kind == "heads" and [label for *_, label in panels] == [
+        f"last layer, head {h + 1}" for h in range(cfg.model.n_heads)
+    ]
     # ranks other than 0 draw nothing
     quiet = Validator(cfg, model, translator, data.valid, text, torch.device("cpu"), translator.autocast, None)
     assert quiet.run().panels == [] and quiet.run().detail is None

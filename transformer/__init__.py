@@ -7,6 +7,7 @@ def __getattr__(name):
     # Lazy: `import transformer.data` should not pay for loading the model code, and vice versa.
     if name == "Translator":
         from transformer.translator import Translator
+
         return Translator
     raise AttributeError(f"module 'transformer' has no attribute {name!r}")
 

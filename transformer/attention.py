@@ -51,14 +51,15 @@ def with_causal(allowed: torch.Tensor | None, query_len: int, key_len: int, devi
 # The formula
 
 
-def attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None,
-                   dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None, dropout_p: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(Q Kᵀ / √Dh) V, written out; the reference the fast kernel is tested against.
 
     q (B, H, Tq, Dh), k/v (B, H, Tk, Dh), allowed broadcastable to (B, H, Tq, Tk).
     Returns the output (B, H, Tq, Dh) and the attention weights (B, H, Tq, Tk).
     """
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))   # (B, H, Tq, Tk)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, Tq, Tk)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     weights = scores.softmax(dim=-1)
@@ -80,6 +81,7 @@ BACKENDS = ATTENTION_BACKENDS
 def gpu_sdpa_kernels() -> list:
     """The SDPA kernels `auto` allows on a GPU: all but cuDNN's."""
     from torch.nn.attention import SDPBackend
+
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -94,7 +96,7 @@ def attend(q, k, v, allowed=None, causal=False, dropout_p=0.0, need_weights=Fals
         backend = "math"
     elif backend == "auto":
         backend = "sdpa_gpu" if q.device.type != "cpu" else cpu_backend(q.dtype, dropout_p, q.size(-2), k.size(-2))
-    if causal and backend in ("math", "matmul"):              # only SDPA takes `is_causal`
+    if causal and backend in ("math", "matmul"):  # only SDPA takes `is_causal`
         allowed, causal = with_causal(allowed, q.size(-2), k.size(-2), q.device), False
     if backend == "math":
         out, weights = attention_math(q, k, v, allowed, dropout_p)
@@ -103,9 +105,11 @@ def attend(q, k, v, allowed=None, causal=False, dropout_p=0.0, need_weights=Fals
         return matmul_attention(q, k, v, allowed, dropout_p), None
     if backend == "sdpa_gpu":
         from torch.nn.attention import sdpa_kernel
+
         with sdpa_kernel(gpu_sdpa_kernels()):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
-                                                  is_causal=causal), None
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=causal
+            ), None
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=causal), None
     raise ValueError(f"unknown attention backend {backend!r}; one of {', '.join(BACKENDS)}")
@@ -136,13 +140,13 @@ def matmul_attention(q, k, v, allowed=None, dropout_p=0.0) -> torch.Tensor:
     about 1.5x the tokens/s of SDPA from this path, and in decoding, one query per row, the bf16 kernel
     is 1.5-4x slower than these matmuls. In float32 the kernel is the faster (`cpu_backend`).
     """
-    scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)                   # (B, H, Tq, Tk)
-    if allowed is not None:       # in place: the matmul's backward needs q and k, not its output
+    scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)  # (B, H, Tq, Tk)
+    if allowed is not None:  # in place: the matmul's backward needs q and k, not its output
         scores.masked_fill_(~allowed, float("-inf"))
     weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    return weights @ v                                                                   # (B, H, Tq, Dh)
+    return weights @ v  # (B, H, Tq, Dh)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -157,8 +161,7 @@ class MultiHeadAttention(nn.Module):
     memory with one (D, 2D) matmul.
     """
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, cross: bool = False,
-                 backend: str = "auto"):
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, cross: bool = False, backend: str = "auto"):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r}: one of {', '.join(BACKENDS)}")
@@ -173,24 +176,32 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(d_model, 3 * d_model)
         self.out_proj = nn.Linear(d_model, d_model)
-        self.need_weights = False       # set by tools that draw attention maps
+        self.need_weights = False  # set by tools that draw attention maps
         self.last_weights: torch.Tensor | None = None
 
     def _heads(self, x: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
         """(B, L, parts * D) -> parts x (B, H, L, Dh), views. Split with `chunk`, whose backward writes
         the parts' gradients into the (B, L, parts * D) layout in one copy (`unbind` would stack them first)."""
         batch, length, _ = x.shape
-        return tuple(part.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
-                     for part in x.chunk(parts, dim=-1))
+        return tuple(
+            part.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2) for part in x.chunk(parts, dim=-1)
+        )
 
     def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encoder output (B, S, D) -> keys, values (B, H, S, Dh), computed once per source."""
         return self._heads(self.kv_proj(memory), 2)
 
-    def forward(self, x: torch.Tensor, *, memory: torch.Tensor | None = None,
-                memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                key_pad_mask: torch.Tensor | None = None, key_allowed: torch.Tensor | None = None,
-                causal: bool = False, cache: SelfAttentionCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        memory: torch.Tensor | None = None,
+        memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_pad_mask: torch.Tensor | None = None,
+        key_allowed: torch.Tensor | None = None,
+        causal: bool = False,
+        cache: SelfAttentionCache | None = None,
+    ) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D).
 
         Self-attention: keys are x (plus the past positions in `cache`, which this call extends).
@@ -205,21 +216,22 @@ class MultiHeadAttention(nn.Module):
         if allowed is None and key_pad_mask is not None:
             allowed = key_padding_allowed(key_pad_mask)
         if self.cross:
-            q, = self._heads(self.q_proj(x), 1)                                # (B, H, T, Dh)
+            (q,) = self._heads(self.q_proj(x), 1)  # (B, H, T, Dh)
             k, v = memory_kv if memory_kv is not None else self.project_memory(memory)
             beams = batch // k.size(0)
-            if beams > 1:   # (n*K, H, T, Dh) -> (n, H, K*T, Dh)
+            if beams > 1:  # (n*K, H, T, Dh) -> (n, H, K*T, Dh)
                 q = q.view(k.size(0), beams, self.n_heads, length, self.head_dim)
                 q = q.permute(0, 2, 1, 3, 4).reshape(k.size(0), self.n_heads, beams * length, self.head_dim)
-            out, weights = attend(q, k, v, allowed, dropout_p=dropout_p, need_weights=self.need_weights,
-                                  backend=self.backend)
-            if beams > 1:   # (n, H, K*T, Dh) -> (n*K, H, T, Dh)
+            out, weights = attend(
+                q, k, v, allowed, dropout_p=dropout_p, need_weights=self.need_weights, backend=self.backend
+            )
+            if beams > 1:  # (n, H, K*T, Dh) -> (n*K, H, T, Dh)
                 out = out.view(k.size(0), self.n_heads, beams, length, self.head_dim)
                 out = out.permute(0, 2, 1, 3, 4).reshape(batch, self.n_heads, length, self.head_dim)
         else:
-            q, k, v = self._heads(self.qkv_proj(x), 3)                         # 3 x (B, H, T, Dh)
+            q, k, v = self._heads(self.qkv_proj(x), 3)  # 3 x (B, H, T, Dh)
             if cache is not None:
-                k, v = cache.append(k, v)                                      # (B, H, past + T, Dh)
+                k, v = cache.append(k, v)  # (B, H, past + T, Dh)
             past = k.size(2) - length
             if causal and past > 0:
                 # A single new query may see every cached key: no mask at all. Several new queries
@@ -229,10 +241,18 @@ class MultiHeadAttention(nn.Module):
                 causal = False
             elif causal and allowed is not None:
                 allowed, causal = with_causal(allowed, length, k.size(2), x.device), False
-            out, weights = attend(q, k, v, allowed, causal=causal, dropout_p=dropout_p,
-                                  need_weights=self.need_weights, backend=self.backend)
+            out, weights = attend(
+                q,
+                k,
+                v,
+                allowed,
+                causal=causal,
+                dropout_p=dropout_p,
+                need_weights=self.need_weights,
+                backend=self.backend,
+            )
         self.last_weights = weights
-        out = out.transpose(1, 2).reshape(batch, length, d_model)              # (B, T, D)
+        out = out.transpose(1, 2).reshape(batch, length, d_model)  # (B, T, D)
         return self.out_proj(out)
 
 
@@ -246,9 +266,9 @@ class SelfAttentionCache:
     """
 
     def __init__(self):
-        self.keys: torch.Tensor | None = None       # (B, H, length, Dh)
+        self.keys: torch.Tensor | None = None  # (B, H, length, Dh)
         self.values: torch.Tensor | None = None
-        self.rows: torch.Tensor | None = None       # pending reorder of the B axis
+        self.rows: torch.Tensor | None = None  # pending reorder of the B axis
 
     @property
     def length(self) -> int:
@@ -265,13 +285,13 @@ class SelfAttentionCache:
         return self.keys, self.values
 
     def _extend(self, old: torch.Tensor, new: torch.Tensor, past: int) -> torch.Tensor:
-        if self.rows is None:               # the same rows: one operator (greedy's every step)
+        if self.rows is None:  # the same rows: one operator (greedy's every step)
             return torch.cat((old, new), dim=2)
         rows, heads, length, head_dim = new.shape
         out = torch.empty(rows, heads, past + length, head_dim, dtype=old.dtype, device=old.device)
-        if old.device.type == "cpu":        # gathers straight into place
+        if old.device.type == "cpu":  # gathers straight into place
             torch.index_select(old, 0, self.rows, out=out[:, :, :past])
-        else:                               # the plainly supported form: a temporary, then a copy
+        else:  # the plainly supported form: a temporary, then a copy
             out[:, :, :past] = old.index_select(0, self.rows)
         out[:, :, past:] = new
         return out
@@ -308,6 +328,5 @@ class DecoderCache:
 
     def keep_sentences(self, sentences: torch.Tensor) -> None:
         """Drop finished sentences from the shared memory keys/values (B axis)."""
-        self.memory_kv = [(k.index_select(0, sentences), v.index_select(0, sentences))
-                          for k, v in self.memory_kv]
+        self.memory_kv = [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in self.memory_kv]
         self.memory_allowed = self.memory_allowed.index_select(0, sentences)

@@ -10,19 +10,24 @@ from pathlib import Path
 from transformer.errors import CheckpointError, import_torch_holding_interrupts, next_interrupt_ends_at_once
 from transformer.translate import CommandLineParser
 
-DEFAULT_LAST = 5        # step checkpoints averaged from a run directory without --last
+DEFAULT_LAST = 5  # step checkpoints averaged from a run directory without --last
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = CommandLineParser(                # errors in one line, as transformer-translate's
+    parser = CommandLineParser(  # errors in one line, as transformer-translate's
         prog="transformer-average",
-        description="Average the weights of the last N step checkpoints of a run into one checkpoint.")
+        description="Average the weights of the last N step checkpoints of a run into one checkpoint.",
+    )
     parser.add_argument("inputs", nargs="+", help="a run directory, or checkpoint files to average")
-    parser.add_argument("--last", type=int, help="with a run directory: how many step_N.pt to use "
-                        f"(default {DEFAULT_LAST})")
+    parser.add_argument(
+        "--last", type=int, help=f"with a run directory: how many step_N.pt to use (default {DEFAULT_LAST})"
+    )
     parser.add_argument("--output", "-o", required=True, help="where to write the averaged checkpoint")
-    parser.add_argument("--force", action="store_true",
-                        help="replace an existing -o file that is not an earlier output of transformer-average")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing -o file that is not an earlier output of transformer-average",
+    )
     args = parser.parse_args(argv)
     if args.last is not None and args.last < 1:
         print(f"transformer-average: error: --last {args.last}: must be a whole number >= 1", file=sys.stderr)
@@ -39,39 +44,51 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         if len(args.inputs) == 1 and Path(args.inputs[0]).is_dir():
-            paths = step_checkpoints(args.inputs[0])[-(args.last or DEFAULT_LAST):]
+            paths = step_checkpoints(args.inputs[0])[-(args.last or DEFAULT_LAST) :]
             if not paths:
                 raise CheckpointError(f"{args.inputs[0]}: no checkpoints/step_N.pt files to average")
         else:
             if args.last is not None:
-                raise CheckpointError("--last picks step checkpoints from a run directory; with checkpoint files "
-                                      "every file given is averaged: leave --last out")
+                raise CheckpointError(
+                    "--last picks step checkpoints from a run directory; with checkpoint files "
+                    "every file given is averaged: leave --last out"
+                )
             paths = [Path(p) for p in args.inputs]
         twice = next((p for i, p in enumerate(paths) if p.resolve() in {q.resolve() for q in paths[:i]}), None)
-        if twice is not None:       # a second mention (or a link to the same file) doubled its weight silently
-            raise CheckpointError(f"{twice}: given twice (or through a link); each checkpoint is averaged once: "
-                                  "leave out the repetition")
+        if twice is not None:  # a second mention (or a link to the same file) doubled its weight silently
+            raise CheckpointError(
+                f"{twice}: given twice (or through a link); each checkpoint is averaged once: leave out the repetition"
+            )
         output = Path(args.output)
         if any(output.resolve() == p.resolve() for p in paths):
-            raise CheckpointError(f"-o {output}: is one of the checkpoints being averaged; write the average "
-                                  "to a new file")
+            raise CheckpointError(
+                f"-o {output}: is one of the checkpoints being averaged; write the average to a new file"
+            )
         if output.is_dir():
             raise CheckpointError(f"-o {output}: is a directory; give a file name such as {output / 'avg.pt'}")
         nearest = next(p for p in (output.parent, *output.parent.parents) if p.exists())
-        if nearest != output.parent and nearest.is_dir():     # a mistyped directory would be made, the average lost in it
-            raise CheckpointError(f"-o {output}: the directory {output.parent} does not exist; create it first "
-                                  f"(mkdir -p {output.parent}) or write the average elsewhere")
-        if output.is_file() and holds_training_state(output):        # --force or not: a run's resume point
-            raise CheckpointError(f"-o {output}: holds a run's training state (it resumes the run), which an "
-                                  "average (weights only) would replace; write the average to a new file")
+        if nearest != output.parent and nearest.is_dir():  # a mistyped directory would be made, the average lost in it
+            raise CheckpointError(
+                f"-o {output}: the directory {output.parent} does not exist; create it first "
+                f"(mkdir -p {output.parent}) or write the average elsewhere"
+            )
+        if output.is_file() and holds_training_state(output):  # --force or not: a run's resume point
+            raise CheckpointError(
+                f"-o {output}: holds a run's training state (it resumes the run), which an "
+                "average (weights only) would replace; write the average to a new file"
+            )
         if output.exists() and not args.force and not written_by_average(output):
-            raise CheckpointError(f"-o {output}: exists and is not an averaged checkpoint written by "
-                                  "transformer-average; choose a new file name, or pass --force to replace it")
+            raise CheckpointError(
+                f"-o {output}: exists and is not an averaged checkpoint written by "
+                "transformer-average; choose a new file name, or pass --force to replace it"
+            )
         state = average_checkpoints(paths)
         bad = non_finite_tensors(state["model"])
         if bad:
-            raise CheckpointError(f"the average of {', '.join(map(str, paths))} holds NaN or infinite values in "
-                                  f"{bad[0]}: one of them holds diverged weights; average checkpoints from before it")
+            raise CheckpointError(
+                f"the average of {', '.join(map(str, paths))} holds NaN or infinite values in "
+                f"{bad[0]}: one of them holds diverged weights; average checkpoints from before it"
+            )
         save_checkpoint(state, output)
     except CheckpointError as error:
         print(f"transformer-average: error: {error}", file=sys.stderr)

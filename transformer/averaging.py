@@ -26,7 +26,7 @@ class ExponentialMovingAverage:
         if not warmup > 1.0:
             raise ValueError(f"EMA warm-up {warmup} must be above 1")
         self.decay, self.warmup = decay, warmup
-        named = list(model.named_parameters())               # a tied parameter appears once
+        named = list(model.named_parameters())  # a tied parameter appears once
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.average = [p.detach().float().clone() for p in self.params]
@@ -45,8 +45,10 @@ class ExponentialMovingAverage:
 
     def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """`model.state_dict()` with the averaged weights in place of the parameters."""
-        return {key: (self.average[self._state_keys[key]].to(value.dtype) if key in self._state_keys else value)
-                for key, value in model.state_dict().items()}
+        return {
+            key: (self.average[self._state_keys[key]].to(value.dtype) if key in self._state_keys else value)
+            for key, value in model.state_dict().items()
+        }
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "weights": dict(zip(self.names, self.average))}

@@ -19,11 +19,11 @@ from transformer.special import BOS_ID, EOS_ID, PAD_ID
 
 @dataclass
 class Batch:
-    src: torch.Tensor        # (B, S) int64, EOS-terminated, PAD-padded
-    tgt_in: torch.Tensor     # (B, T) BOS + target
-    tgt_out: torch.Tensor    # (B, T) target + EOS
+    src: torch.Tensor  # (B, S) int64, EOS-terminated, PAD-padded
+    tgt_in: torch.Tensor  # (B, T) BOS + target
+    tgt_out: torch.Tensor  # (B, T) target + EOS
     num_tgt_tokens: int
-    padding_share: float = 0.0   # padded positions / all positions of src and tgt_out
+    padding_share: float = 0.0  # padded positions / all positions of src and tgt_out
     # (N,) int64: where the N real target tokens sit in tgt_out.flatten(), N = num_tgt_tokens. Built in
     # collate, so that the loss gathers them with an index; a boolean mask would make the GPU report
     # N to the host (a sync) in every step. None: derived from the padding (`target_positions`).
@@ -45,9 +45,15 @@ class Batch:
         """The batch followed by itself (2B rows): R-Drop's two dropout passes in one forward. The loss
         sees the first copy's N target tokens, then the second's, in the same order."""
         src, tgt_in, tgt_out, positions = self._tensors()
-        second = positions + tgt_out.numel()                                   # (N,) the copy's positions
-        return Batch(torch.cat([src, src]), torch.cat([tgt_in, tgt_in]), torch.cat([tgt_out, tgt_out]),
-                     2 * self.num_tgt_tokens, self.padding_share, torch.cat([positions, second]))
+        second = positions + tgt_out.numel()  # (N,) the copy's positions
+        return Batch(
+            torch.cat([src, src]),
+            torch.cat([tgt_in, tgt_in]),
+            torch.cat([tgt_out, tgt_out]),
+            2 * self.num_tgt_tokens,
+            self.padding_share,
+            torch.cat([positions, second]),
+        )
 
     def pin_memory(self) -> Batch:
         """Page-locked copies, so that `.to(cuda, non_blocking=True)` really overlaps (DataLoader calls this)."""
@@ -55,15 +61,16 @@ class Batch:
         return Batch(src, tgt_in, tgt_out, self.num_tgt_tokens, self.padding_share, positions)
 
 
-def pad_flat(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, *, bos: bool = False,
-             eos: bool = False) -> np.ndarray:
+def pad_flat(
+    flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, *, bos: bool = False, eos: bool = False
+) -> np.ndarray:
     """(B, W) int64 rows `[BOS] ids [EOS] PAD...` of the B sequences `flat[starts[b] : starts[b] + lengths[b]]`,
     W = longest + specials, gathered in one indexing operation."""
     shift = int(bos)
     width = int(lengths.max(initial=0)) + shift + int(eos)
-    position = np.arange(width)[None, :] - shift                           # (1, W) index in the sequence
-    inside = (position >= 0) & (position < lengths[:, None])               # (B, W)
-    gather = np.where(inside, starts[:, None] + position, 0)               # (B, W)
+    position = np.arange(width)[None, :] - shift  # (1, W) index in the sequence
+    inside = (position >= 0) & (position < lengths[:, None])  # (B, W)
+    gather = np.where(inside, starts[:, None] + position, 0)  # (B, W)
     out = np.where(inside, flat[gather] if len(flat) else 0, PAD_ID).astype(np.int64)
     rows = np.arange(len(starts))
     if bos:
@@ -90,16 +97,21 @@ def flat_ids(seqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def make_batch(src_flat, src_starts, src_lens, tgt_flat, tgt_starts, tgt_lens) -> Batch:
     """A training batch from flat id arrays: src + EOS, BOS + tgt, tgt + EOS (lengths exclude specials)."""
     src = pad_flat(src_flat, src_starts, src_lens, eos=True)
-    tgt = pad_flat(tgt_flat, tgt_starts, tgt_lens, bos=True, eos=True)    # (B, T + 1): BOS t... EOS
+    tgt = pad_flat(tgt_flat, tgt_starts, tgt_lens, bos=True, eos=True)  # (B, T + 1): BOS t... EOS
     tgt_in = tgt[:, :-1].copy()
     tgt_in[tgt_in == EOS_ID] = PAD_ID
     tgt_out = np.ascontiguousarray(tgt[:, 1:])
     real = int(src_lens.sum() + tgt_lens.sum()) + 2 * len(src_lens)
     padding = 1.0 - real / max(1, src.size + tgt_out.size)
-    positions = np.flatnonzero(tgt_out != PAD_ID)                                     # (N,) into (B * T)
-    return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out),
-                 num_tgt_tokens=int(tgt_lens.sum()) + len(tgt_lens), padding_share=padding,
-                 tgt_positions=torch.from_numpy(positions))
+    positions = np.flatnonzero(tgt_out != PAD_ID)  # (N,) into (B * T)
+    return Batch(
+        torch.from_numpy(src),
+        torch.from_numpy(tgt_in),
+        torch.from_numpy(tgt_out),
+        num_tgt_tokens=int(tgt_lens.sum()) + len(tgt_lens),
+        padding_share=padding,
+        tgt_positions=torch.from_numpy(positions),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -115,12 +127,12 @@ def pack_sorted(widths: np.ndarray, max_tokens: int) -> np.ndarray:
     """
     starts: list[np.ndarray] = []
     values, firsts, counts = np.unique(widths, return_index=True, return_counts=True)
-    count = 0                                        # sentences in the open batch
+    count = 0  # sentences in the open batch
     for width, first, n in zip(values.tolist(), firsts.tolist(), counts.tolist()):
         capacity = max(1, max_tokens // width)
         if count and count + 1 > capacity:
             count = 0
-        fill = 0 if count == 0 else min(n, capacity - count)      # joins the open batch
+        fill = 0 if count == 0 else min(n, capacity - count)  # joins the open batch
         new = np.arange(first + fill, first + n, capacity)
         starts.append(new)
         count = count + n if len(new) == 0 else first + n - int(new[-1])
@@ -138,7 +150,7 @@ class EpochBatches:
 
     def __getitem__(self, k: int) -> np.ndarray:
         b = self.permutation[k]
-        return self.order[self.bounds[b]:self.bounds[b + 1]]
+        return self.order[self.bounds[b] : self.bounds[b + 1]]
 
     def __iter__(self):
         return (self[k] for k in range(len(self)))
@@ -164,11 +176,11 @@ class TokenBatchSampler:
     """
 
     def __init__(self, src_lens, tgt_lens, max_tokens: int, seed: int, epoch_lengths=None, epoch_pairs=None):
-        self.src_lens = np.asarray(src_lens, dtype=np.int64) + 1   # + EOS
-        self.tgt_lens = np.asarray(tgt_lens, dtype=np.int64) + 1   # + BOS/EOS
+        self.src_lens = np.asarray(src_lens, dtype=np.int64) + 1  # + EOS
+        self.tgt_lens = np.asarray(tgt_lens, dtype=np.int64) + 1  # + BOS/EOS
         self.widths = np.maximum(self.src_lens, self.tgt_lens)
         self.max_tokens, self.seed, self.epoch_lengths, self.epoch_pairs = max_tokens, seed, epoch_lengths, epoch_pairs
-        self._epoch_widths: tuple | None = None                    # (epoch, its lengths): the last asked
+        self._epoch_widths: tuple | None = None  # (epoch, its lengths): the last asked
         longest = int(self.widths.max(initial=0))
         if longest > max_tokens:
             raise DataError(
@@ -189,7 +201,7 @@ class TokenBatchSampler:
         src_lens, tgt_lens, widths = self._lengths(epoch)
         chosen = None
         if self.epoch_pairs is not None:
-            chosen = self.epoch_pairs(epoch)                           # (M,) positions, repeats included
+            chosen = self.epoch_pairs(epoch)  # (M,) positions, repeats included
             src_lens, tgt_lens, widths = src_lens[chosen], tgt_lens[chosen], widths[chosen]
         rng = np.random.default_rng([self.seed, epoch])
         tie_break = rng.random(len(widths))
@@ -267,7 +279,13 @@ def update_loader(corpus, sampler: UpdateSampler, num_workers: int, pin_memory: 
     """A DataLoader of updates. It has its own generator: creating its iterators must not draw from
     the global torch RNG (dropout's stream), or a resumed run would not repeat an uninterrupted one."""
     return torch.utils.data.DataLoader(
-        UpdateBatches(corpus), sampler=sampler, batch_size=None, num_workers=num_workers,
-        pin_memory=pin_memory, persistent_workers=num_workers > 0,
-        prefetch_factor=4 if num_workers > 0 else None, generator=torch.Generator(),
-        worker_init_fn=_ignore_stop_signals if num_workers > 0 else None)
+        UpdateBatches(corpus),
+        sampler=sampler,
+        batch_size=None,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=4 if num_workers > 0 else None,
+        generator=torch.Generator(),
+        worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
+    )

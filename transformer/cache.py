@@ -69,7 +69,7 @@ def check_file(path: Path, record: dict, checksum: bool = True) -> None:
     try:
         if problem is None and checksum and _crc32_of_file(path) != record["crc32"]:
             problem = "checksum mismatch"
-    except FileNotFoundError:   # moved aside meanwhile by a process repairing it under the lock
+    except FileNotFoundError:  # moved aside meanwhile by a process repairing it under the lock
         problem = "missing"
     if problem:
         raise CacheDamage(path, problem)
@@ -108,7 +108,7 @@ def read_record(path: Path) -> dict:
     text = read_cached_bytes(path, "unreadable metadata")
     try:
         record = json.loads(text)
-    except ValueError:                          # not UTF-8, or not JSON
+    except ValueError:  # not UTF-8, or not JSON
         raise CacheDamage(path, "unreadable metadata (not JSON)") from None
     if not isinstance(record, dict) or "crc32" not in record:
         raise CacheDamage(path, "unreadable metadata (no checksum)")
@@ -122,18 +122,23 @@ def write_failure(error: OSError, what: str, where: Path) -> DataError:
     """One line for a cache that cannot be written, with the fix for its cause: a full disk, no
     permission, a file where a directory belongs, a directory that cannot be made."""
     reason = os.strerror(error.errno) if error.errno else str(error)
-    return DataError(f"{where}: cannot write {what}: {reason}; "
-                     f"{_WRITE_FIXES.get(error.errno, 'point data.cache_dir at a writable disk with room')}")
+    return DataError(
+        f"{where}: cannot write {what}: {reason}; "
+        f"{_WRITE_FIXES.get(error.errno, 'point data.cache_dir at a writable disk with room')}"
+    )
 
 
 _NO_ROOM = "free some space or point data.cache_dir at a disk with room"
 _NOT_YOURS = "point data.cache_dir at a directory you can write to"
 _FILE_IN_THE_WAY = "a file stands where the cache needs a directory: move it, or point data.cache_dir elsewhere"
-_WRITE_FIXES = {         # errno of a failed cache write -> what to do
-    errno.ENOSPC: _NO_ROOM, errno.EDQUOT: _NO_ROOM,
-    errno.EACCES: _NOT_YOURS, errno.EPERM: _NOT_YOURS,
+_WRITE_FIXES = {  # errno of a failed cache write -> what to do
+    errno.ENOSPC: _NO_ROOM,
+    errno.EDQUOT: _NO_ROOM,
+    errno.EACCES: _NOT_YOURS,
+    errno.EPERM: _NOT_YOURS,
     errno.EROFS: "point data.cache_dir at a writable disk",
-    errno.EEXIST: _FILE_IN_THE_WAY, errno.ENOTDIR: _FILE_IN_THE_WAY,
+    errno.EEXIST: _FILE_IN_THE_WAY,
+    errno.ENOTDIR: _FILE_IN_THE_WAY,
     errno.ENOENT: "data.cache_dir cannot be made there (a missing directory above it, or a system directory): "
-                  "point it elsewhere",
+    "point it elsewhere",
 }

@@ -1,7 +1,8 @@
 """Checkpoints: one self-contained file, written atomically, loaded without executing code.
 
 Keys (DESIGN §5): model, config, tokenizer, step, optimizer, scheduler, scaler, rng, data_state,
-metrics, and format_version (written by `save_checkpoint`; a file without it predates it). Everything is tensors, numbers, strings, bytes, lists and dicts, so
+metrics, and format_version (written by `save_checkpoint`; a file without it predates it). Everything is
+tensors, numbers, strings, bytes, lists and dicts, so
 `torch.load(path, weights_only=True)` reads it and a crafted pickle cannot run code.
 """
 
@@ -44,8 +45,9 @@ def save_checkpoint(state: dict, path: str | Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise CheckpointError(f"{path}: cannot write the checkpoint: a part of {path.parent} is a file, "
-                              "not a directory") from None
+        raise CheckpointError(
+            f"{path}: cannot write the checkpoint: a part of {path.parent} is a file, not a directory"
+        ) from None
     except OSError as error:
         raise CheckpointError(f"{path}: cannot write the checkpoint: {error.strerror}") from None
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -100,12 +102,14 @@ class CheckpointDirectory:
     def save_periodic(self, state: dict, step: int, done: Callable[[float], None] | None = None) -> None:
         """step_N.pt, and last.pt as a second name of the same file (a copy where the file system has no
         hard links), then the step files beyond `keep_last` removed."""
+
         def write(snapshot: dict) -> None:
             self._write(snapshot, f"step_{step}.pt")
             _link_or_copy(self.directory / f"step_{step}.pt", self.directory / "last.pt")
             if self.keep_last:
                 for old in step_checkpoints(self.directory.parent)[: -self.keep_last]:
                     old.unlink()
+
         self._submit(write, state, done)
 
     def flush(self) -> None:
@@ -134,6 +138,7 @@ class CheckpointDirectory:
             write(state)
             if done:
                 done(time.monotonic() - started)
+
         if self._writer is None:
             run(state)
             return
@@ -146,8 +151,9 @@ class CheckpointDirectory:
             save_checkpoint(state, self.directory / name)
         except CheckpointError as error:
             kept = sorted(self.directory.glob("*.pt"), key=lambda p: p.stat().st_mtime)
-            raise CheckpointError(f"{error}; the last good checkpoint is "
-                                  f"{kept[-1] if kept else 'none (nothing was saved yet)'}") from None
+            raise CheckpointError(
+                f"{error}; the last good checkpoint is {kept[-1] if kept else 'none (nothing was saved yet)'}"
+            ) from None
 
 
 def tensors_copied_to_cpu(value):
@@ -192,23 +198,38 @@ def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False, ve
     "none" nothing (reading a step number)."""
     path = Path(path)
     if path.is_dir():
-        found = next((c for c in (path / "best.pt", path / "checkpoints" / "best.pt", path / "last.pt",
-                                  path / "checkpoints" / "last.pt") if c.is_file()), None)
-        raise CheckpointError(f"{path}: is a directory, not a checkpoint file; "
-                              + (f"did you mean {found}?" if found else "a checkpoint is a run's checkpoints/*.pt file"))
+        found = next(
+            (
+                c
+                for c in (
+                    path / "best.pt",
+                    path / "checkpoints" / "best.pt",
+                    path / "last.pt",
+                    path / "checkpoints" / "last.pt",
+                )
+                if c.is_file()
+            ),
+            None,
+        )
+        raise CheckpointError(
+            f"{path}: is a directory, not a checkpoint file; "
+            + (f"did you mean {found}?" if found else "a checkpoint is a run's checkpoints/*.pt file")
+        )
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     is_zip = zipfile.is_zipfile(path)
     if mmap and not is_zip:
-        mmap = False        # only torch's zip format can be memory-mapped; let the plain load explain
+        mmap = False  # only torch's zip format can be memory-mapped; let the plain load explain
     if not is_zip:
         with open(path, "rb") as handle:
             head = handle.read(2)
-        if head[:1] != b"\x80" and head != b"PK":   # neither torch's zip format (a truncated one is no zip
+        if head[:1] != b"\x80" and head != b"PK":  # neither torch's zip format (a truncated one is no zip
             #                                         any more: torch says so below) nor its legacy pickle
             kind = "an empty file" if not head else "text or another format"
-            raise CheckpointError(f"{path}: not a checkpoint ({kind}, not a file torch.save wrote); a checkpoint "
-                                  "is a run's checkpoints/*.pt")
+            raise CheckpointError(
+                f"{path}: not a checkpoint ({kind}, not a file torch.save wrote); a checkpoint "
+                "is a run's checkpoints/*.pt"
+            )
     try:
         state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
@@ -219,22 +240,27 @@ def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False, ve
         ) from None
     except Exception as error:  # torch raises many types for damaged files (RuntimeError, KeyError, EOFError...)
         detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-        raise CheckpointError(f"{path}: not a readable checkpoint (truncated or not a torch file; "
-                              f"{type(error).__name__}: {detail})") from None
+        raise CheckpointError(
+            f"{path}: not a readable checkpoint (truncated or not a torch file; {type(error).__name__}: {detail})"
+        ) from None
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED_KEYS):
         raise CheckpointError(f"{path}: not a transformer checkpoint (expected keys {', '.join(REQUIRED_KEYS)})")
-    version = state.get("format_version", 0)        # files from before the key: version 0, read as they are
+    version = state.get("format_version", 0)  # files from before the key: version 0, read as they are
     if type(version) is not int:
         raise CheckpointError(f"{path}: format_version {version!r} is not a whole number; the file is damaged")
     if version > CHECKPOINT_FORMAT_VERSION:
-        raise CheckpointError(f"{path}: written by a newer version of this package (checkpoint format {version}; "
-                              f"this one reads up to {CHECKPOINT_FORMAT_VERSION}); upgrade: pip install -U transformer")
+        raise CheckpointError(
+            f"{path}: written by a newer version of this package (checkpoint format {version}; "
+            f"this one reads up to {CHECKPOINT_FORMAT_VERSION}); upgrade: pip install -U transformer"
+        )
     if is_zip and verify != "none":
         damaged = _damaged_record(path) if verify == "all" else _damaged_weight(path, state["model"])
         if damaged:
-            raise CheckpointError(f"{path}: damaged on disk: the bytes of {damaged} no longer match the checksum "
-                                  "written with them (a disk, copy or transfer error); copy the file again or use "
-                                  "another checkpoint of the run (checkpoints/step_*.pt)")
+            raise CheckpointError(
+                f"{path}: damaged on disk: the bytes of {damaged} no longer match the checksum "
+                "written with them (a disk, copy or transfer error); copy the file again or use "
+                "another checkpoint of the run (checkpoints/step_*.pt)"
+            )
     return state
 
 
@@ -254,21 +280,22 @@ def _damaged_weight(path: Path, weights) -> str | None:
     storage whose (size, CRC-32) pair is not among the records' was changed after the save. Reads only
     the weights' bytes (the optimizer state of a memory-mapped training checkpoint stays on disk)."""
     if not isinstance(weights, dict):
-        return None     # model_from_checkpoint says what is wrong with it
+        return None  # model_from_checkpoint says what is wrong with it
     with zipfile.ZipFile(path) as archive:
-        records = {(info.file_size, info.CRC) for info in archive.infolist()
-                   if Path(info.filename).parent.name == "data"}
+        records = {
+            (info.file_size, info.CRC) for info in archive.infolist() if Path(info.filename).parent.name == "data"
+        }
     if not any(crc for _, crc in records):
-        return None     # written without checksums (torch.serialization.set_crc32_options(False))
+        return None  # written without checksums (torch.serialization.set_crc32_options(False))
     checked = set()
     for name, tensor in weights.items():
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
             continue
         storage = tensor.untyped_storage()
         if storage.data_ptr() in checked:
-            continue    # tied weights share one storage
+            continue  # tied weights share one storage
         checked.add(storage.data_ptr())
-        as_bytes = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()    # (nbytes,), no copy
+        as_bytes = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()  # (nbytes,), no copy
         if (storage.nbytes(), zlib.crc32(as_bytes)) not in records:
             return f"weight {name}"
     return None
@@ -289,10 +316,13 @@ def model_from_checkpoint(state: dict, path: str | Path = "checkpoint") -> tuple
         raise CheckpointError(f"{path}: its model entry is not a set of named tensors; the file is damaged")
     bad = non_finite_tensors(weights)
     if bad:
-        raise CheckpointError(f"{path}: weight {bad[0]} holds NaN or infinite values (the run diverged before it "
-                              "was saved); use an earlier checkpoint of the run")
-    model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint,
-                        initialize=False)
+        raise CheckpointError(
+            f"{path}: weight {bad[0]} holds NaN or infinite values (the run diverged before it "
+            "was saved); use an earlier checkpoint of the run"
+        )
+    model = build_model(
+        config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint, initialize=False
+    )
     load_model_weights(model, weights, path)
     return model, tokenizer, config
 
@@ -301,8 +331,11 @@ def _embedded_tokenizer(entry, path: str | Path) -> Tokenizer:
     """The SentencePiece model(s) a checkpoint carries, or CheckpointError: absent, empty or not a model."""
     damaged = f"{path}: its embedded tokenizer is"
     fix = "the file is damaged; use another checkpoint of the run"
-    if not isinstance(entry, dict) or not isinstance(entry.get("src"), (bytes, bytearray)) \
-            or not isinstance(entry.get("tgt"), (bytes, bytearray, type(None))):
+    if (
+        not isinstance(entry, dict)
+        or not isinstance(entry.get("src"), (bytes, bytearray))
+        or not isinstance(entry.get("tgt"), (bytes, bytearray, type(None)))
+    ):
         raise CheckpointError(f"{damaged} missing (no SentencePiece model bytes under 'tokenizer'); {fix}")
     if not entry["src"] or entry.get("tgt") == b"":
         # An empty model is never loaded by SentencePiece, which would later print errors of its own.
@@ -317,8 +350,9 @@ def _embedded_tokenizer(entry, path: str | Path) -> Tokenizer:
 def non_finite_tensors(tensors: dict) -> list[str]:
     """The names of the floating-point tensors in `tensors` (a state dict) holding a NaN or an infinity,
     in order; empty when all are finite. One read on the host, whatever the device."""
-    floating = [(name, t) for name, t in tensors.items()
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    floating = [
+        (name, t) for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+    ]
     if not floating:
         return []
     finite = torch.stack([torch.isfinite(t).all() for _, t in floating])
@@ -332,8 +366,11 @@ def load_model_weights(model: torch.nn.Module, weights: dict, path: str | Path =
     expected = model.state_dict()
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
-    wrong_shape = [f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(v.shape)}"
-                   for k, v in expected.items() if k in weights and weights[k].shape != v.shape]
+    wrong_shape = [
+        f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in weights and weights[k].shape != v.shape
+    ]
     if missing or unexpected or wrong_shape:
         details = []
         if wrong_shape:
@@ -342,8 +379,9 @@ def load_model_weights(model: torch.nn.Module, weights: dict, path: str | Path =
             details.append(f"missing {', '.join(missing[:3])}")
         if unexpected:
             details.append(f"unexpected {', '.join(unexpected[:3])}")
-        raise CheckpointError(f"{path}: weights do not fit this model (different vocabulary or model "
-                              f"shape?): {' | '.join(details)}")
+        raise CheckpointError(
+            f"{path}: weights do not fit this model (different vocabulary or model shape?): {' | '.join(details)}"
+        )
     model.load_state_dict(weights)
 
 
@@ -351,15 +389,18 @@ def average_checkpoints(paths: list[str | Path]) -> dict:
     """Average the model weights of several checkpoints of one run; the rest is taken from the last."""
     if not paths:
         raise CheckpointError("no checkpoints to average")
-    states = [load_checkpoint(p, mmap=True) for p in paths]     # memory-mapped: weights read as summed
+    states = [load_checkpoint(p, mmap=True) for p in paths]  # memory-mapped: weights read as summed
     reference = states[-1]["model"]
     for path, state in zip(paths, states):
-        if set(state["model"]) != set(reference) or any(state["model"][k].shape != v.shape
-                                                        for k, v in reference.items()):
+        if set(state["model"]) != set(reference) or any(
+            state["model"][k].shape != v.shape for k, v in reference.items()
+        ):
             raise CheckpointError(f"{path}: model differs in shape from {paths[-1]}; cannot average")
-        if state["tokenizer"] != states[-1]["tokenizer"]:     # same shapes, other pieces: the average is noise
-            raise CheckpointError(f"{path}: its SentencePiece vocabulary differs from that of {paths[-1]}; "
-                                  "average checkpoints of one run (or of runs that share a tokenizer)")
+        if state["tokenizer"] != states[-1]["tokenizer"]:  # same shapes, other pieces: the average is noise
+            raise CheckpointError(
+                f"{path}: its SentencePiece vocabulary differs from that of {paths[-1]}; "
+                "average checkpoints of one run (or of runs that share a tokenizer)"
+            )
     averaged = {}
     for key, value in reference.items():
         if value.is_floating_point():

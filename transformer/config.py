@@ -26,8 +26,14 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 ATTENTION_BACKENDS = ("auto", "sdpa", "matmul", "math")
 
 
-def setting(default: Any = dataclasses.MISSING, meaning: str = "", *, factory: Any = dataclasses.MISSING,
-            shown_type: str | None = None, **more: Any) -> Any:
+def setting(
+    default: Any = dataclasses.MISSING,
+    meaning: str = "",
+    *,
+    factory: Any = dataclasses.MISSING,
+    shown_type: str | None = None,
+    **more: Any,
+) -> Any:
     """A schema key: its default (or default factory) and what it means, which `--help` and the README's
     key table show (`schema_keys`). `shown_type` replaces the annotation there where that says too little;
     `more`: further metadata (a decoding option's rule, `decode_setting`)."""
@@ -42,6 +48,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     """The network: model=tiny (these defaults) and the presets small, base, big."""
+
     name: str = setting("tiny", "the preset's name; names the run directory (runs/DATA/MODEL/...)")
     d_model: int = setting(128, "model width D (embeddings, residual stream)")
     n_heads: int = setting(4, "attention heads; must divide d_model")
@@ -50,19 +57,23 @@ class ModelConfig:
     decoder_layers: int = setting(2, "decoder layers")
     dropout: float = setting(0.1, "residual, embedding and feed-forward dropout, in [0, 1)")
     attention_dropout: float = setting(0.0, "dropout on attention weights, in [0, 1)")
-    src_word_dropout: float = setting(0.0, "in training, drop this share of whole source tokens (the embedding "
-                                           "zeroed, the kept ones scaled up; Marian's --dropout-src), never the "
-                                           "special tokens or language tags; in [0, 1)")
+    src_word_dropout: float = setting(
+        0.0,
+        "in training, drop this share of whole source tokens (the embedding "
+        "zeroed, the kept ones scaled up; Marian's --dropout-src), never the "
+        "special tokens or language tags; in [0, 1)",
+    )
     tgt_word_dropout: float = setting(0.0, "the same for the decoder's input tokens (Marian's --dropout-trg)")
     pre_norm: bool = setting(True, "true: LayerNorm before each sublayer (stable); false: after (the paper)")
-    tie_embeddings: bool = setting(True, "share target embeddings with the output layer (and the source, if "
-                                         "joint)")
-    max_positions: int = setting(1024, "longest sequence the sinusoidal table covers; longer sources are "
-                                       "truncated")
-    attention: str = setting("auto", "auto (on a CPU SDPA's fused kernel in float32, matmuls in bf16/fp16; SDPA's "
-                                     "flash/efficient/math kernels on a GPU) | "
-                                     "sdpa (PyTorch's pick, cuDNN included) | matmul | math (the reference "
-                                     "formula); see transformer/attention.py")
+    tie_embeddings: bool = setting(True, "share target embeddings with the output layer (and the source, if joint)")
+    max_positions: int = setting(1024, "longest sequence the sinusoidal table covers; longer sources are truncated")
+    attention: str = setting(
+        "auto",
+        "auto (on a CPU SDPA's fused kernel in float32, matmuls in bf16/fp16; SDPA's "
+        "flash/efficient/math kernels on a GPU) | "
+        "sdpa (PyTorch's pick, cuDNN included) | matmul | math (the reference "
+        "formula); see transformer/attention.py",
+    )
 
     def validate(self) -> None:
         _require_finite("model", self)
@@ -84,30 +95,40 @@ class ModelConfig:
 def _file_name(key: str, name: str) -> None:
     """A name that becomes part of directory and file names (the cache entries, runs/NAME/)."""
     if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
-        raise ConfigError(f"{key}={name!r} names directories and files: give a name that is not empty, . or .., "
-                          "without '/' or '\\' (e.g. web_crawl)")
+        raise ConfigError(
+            f"{key}={name!r} names directories and files: give a name that is not empty, . or .., "
+            "without '/' or '\\' (e.g. web_crawl)"
+        )
 
 
 @dataclass
 class CorpusConfig:
     """One training corpus of a mixture (`data.corpora`): where its text is, how much of each epoch it
     makes up. Validation and test come from data.path / data.hub_id, as for a single corpus."""
+
     path: str | None = setting(None, "local directory (or file) with its training split")
     hub_id: str | None = setting(None, "or a HuggingFace hub dataset id")
     hub_config: str | None = setting(None, "the hub dataset's configuration name, if it has several")
-    name: str | None = setting(None, "names its prepared directory (default: the last part of path or hub_id); "
-                                     "runs that list the same corpus share it")
+    name: str | None = setting(
+        None,
+        "names its prepared directory (default: the last part of path or hub_id); "
+        "runs that list the same corpus share it",
+    )
     weight: float = setting(1.0, "multiplies its size in the mixture (2 = as if it were twice as large)")
     train_split: str = setting("train", "its split trained on")
     local_splits: dict[str, str] = setting(factory=dict, meaning="file stem per split where it differs")
     src_lang: str | None = setting(None, "its source language (default: data.src_lang)")
-    tgt_lang: str | None = setting(None, "its target language (default: data.tgt_lang); corpora into more than "
-                                         "one target language train one multilingual model with target tags")
+    tgt_lang: str | None = setting(
+        None,
+        "its target language (default: data.tgt_lang); corpora into more than "
+        "one target language train one multilingual model with target tags",
+    )
     drop_duplicates: bool | None = setting(None, "its own cleaning rule (default: data.drop_duplicates)")
     drop_copies: bool | None = setting(None, "its own cleaning rule (default: data.drop_copies)")
     max_len_ratio: float | None = setting(None, "its own cleaning rule (default: data.max_len_ratio)")
-    langid: bool | None = setting(None, "its own cleaning rule (default: data.langid): e.g. true for a crawled "
-                                        "corpus only")
+    langid: bool | None = setting(
+        None, "its own cleaning rule (default: data.langid): e.g. true for a crawled corpus only"
+    )
 
     def label(self, data: DataConfig) -> str:
         """The corpus's name: given, or the last part of its path or hub id (and its languages, where it
@@ -125,6 +146,7 @@ class CorpusConfig:
 class DataConfig:
     """The corpus and its tokenizer: a data preset (toy, custom, multi30k_*, ...) fills these in. Where the
     text comes from, first match wins: path (local files), hub_id, embedded."""
+
     name: str = setting("custom", "names the run directory (runs/NAME/...) and the cache entries")
     path: str | None = setting(None, "local directory with {split}.{lang}, .tsv, .jsonl or .parquet files")
     hub_id: str | None = setting(None, "HuggingFace hub dataset id")
@@ -137,45 +159,63 @@ class DataConfig:
     valid_split: str = setting("validation", "the split validated on (loss, BLEU, best.pt)")
     test_split: str = setting("test", "the split translated and scored at the end")
     local_splits: dict[str, str] = setting(
-        factory=dict, meaning="file stem per split where it differs from the split name, e.g. "
-                              "'{validation: dev, test: newstest2014}' (Multi30k: val, test_2016_flickr)")
+        factory=dict,
+        meaning="file stem per split where it differs from the split name, e.g. "
+        "'{validation: dev, test: newstest2014}' (Multi30k: val, test_2016_flickr)",
+    )
     max_len: int = setting(256, "drop training pairs longer than this many tokens on either side")
-    drop_duplicates: bool = setting(True, "cleaning: keep the first of training pairs identical on both sides "
-                                          "(whitespace at the ends aside)")
+    drop_duplicates: bool = setting(
+        True, "cleaning: keep the first of training pairs identical on both sides (whitespace at the ends aside)"
+    )
     drop_copies: bool = setting(True, "cleaning: drop training pairs whose source equals their target")
-    max_len_ratio: float = setting(9.0, "cleaning: drop training pairs where one side has more than this many "
-                                        "times the other's tokens (0 = off)")
-    langid: bool = setting(False, "cleaning: drop training pairs whose source or target py3langid identifies as "
-                                  "another language than data.src_lang / data.tgt_lang (found once per corpus, "
-                                  "kept beside its prepared files)")
+    max_len_ratio: float = setting(
+        9.0, "cleaning: drop training pairs where one side has more than this many times the other's tokens (0 = off)"
+    )
+    langid: bool = setting(
+        False,
+        "cleaning: drop training pairs whose source or target py3langid identifies as "
+        "another language than data.src_lang / data.tgt_lang (found once per corpus, "
+        "kept beside its prepared files)",
+    )
     corpora: list[CorpusConfig] = setting(
-        factory=list, shown_type="list of corpora",
+        factory=list,
+        shown_type="list of corpora",
         meaning="train on several corpora mixed: '[{path: DIR, weight: 1}, {path: DIR2, weight: 0.5}]' (keys: "
-                "path, hub_id, hub_config, name, weight, train_split, local_splits, src_lang, tgt_lang: corpora "
-                "into several target languages train one multilingual model; drop_duplicates, drop_copies, "
-                "max_len_ratio, langid: its own cleaning rules); empty = the training split of data.path / "
-                "data.hub_id")
-    temperature: float = setting(1.0, "mixing corpora: corpus i makes up a share of each epoch proportional to "
-                                      "(weight_i x pairs_i)^(1/T); 1 = by size, larger flattens toward equal shares")
-    subword_sampling: float = setting(0.0, "subword regularization of training pairs, sampled afresh every "
-                                            "epoch: BPE-dropout probability (bpe) or sampling alpha (unigram); "
-                                            "0 = off (validation and test are never sampled)")
+        "path, hub_id, hub_config, name, weight, train_split, local_splits, src_lang, tgt_lang: corpora "
+        "into several target languages train one multilingual model; drop_duplicates, drop_copies, "
+        "max_len_ratio, langid: its own cleaning rules); empty = the training split of data.path / "
+        "data.hub_id",
+    )
+    temperature: float = setting(
+        1.0,
+        "mixing corpora: corpus i makes up a share of each epoch proportional to "
+        "(weight_i x pairs_i)^(1/T); 1 = by size, larger flattens toward equal shares",
+    )
+    subword_sampling: float = setting(
+        0.0,
+        "subword regularization of training pairs, sampled afresh every "
+        "epoch: BPE-dropout probability (bpe) or sampling alpha (unigram); "
+        "0 = off (validation and test are never sampled)",
+    )
     subword_nbest: int = setting(-1, "unigram sampling: from the n best segmentations (-1 = all, else at least 2)")
     vocab_size: int = setting(8000, "SentencePiece pieces (per language unless joint_vocab)")
     tokenizer_type: str = setting("bpe", "bpe | unigram")
     joint_vocab: bool = setting(True, "one vocabulary for both languages (lets the model tie all embeddings)")
     character_coverage: float = setting(1.0, "SentencePiece: share of characters covered by the vocabulary")
-    tokenizer_sample: int = setting(1_000_000, "SentencePiece trains on a random sample of at most this many "
-                                               "sentences (0 = all of them)")
+    tokenizer_sample: int = setting(
+        1_000_000, "SentencePiece trains on a random sample of at most this many sentences (0 = all of them)"
+    )
     cache_dir: str = setting("data", "SentencePiece models (spm/) and encoded corpora (cache/, corpus/) go here")
 
     def validate(self) -> None:
         _require_finite("data", self)
         _positive("data.max_len", self.max_len)
         if not 0.0 <= self.subword_sampling < 1.0:
-            raise ConfigError(f"data.subword_sampling={self.subword_sampling} must be in [0, 1) (0 = off; "
-                              "e.g. 0.1 for BPE-dropout, 0.1-0.5 for unigram sampling)")
-        if self.subword_nbest != -1 and self.subword_nbest < 2:      # SentencePiece refuses 1 (nothing to sample)
+            raise ConfigError(
+                f"data.subword_sampling={self.subword_sampling} must be in [0, 1) (0 = off; "
+                "e.g. 0.1 for BPE-dropout, 0.1-0.5 for unigram sampling)"
+            )
+        if self.subword_nbest != -1 and self.subword_nbest < 2:  # SentencePiece refuses 1 (nothing to sample)
             raise ConfigError(f"data.subword_nbest={self.subword_nbest} must be -1 (all) or at least 2")
         if self.max_len_ratio < 0 or 0 < self.max_len_ratio < 1:
             raise ConfigError(f"data.max_len_ratio={self.max_len_ratio} must be 0 (off) or at least 1")
@@ -220,67 +260,96 @@ class DataConfig:
             names.append(corpus.label(self))
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
-            raise ConfigError(f"data.corpora: two corpora are named {repeated[0]!r}; give each a name "
-                              f"(data.corpora='[{{path: ..., name: {repeated[0]}_a}}, ...]')")
+            raise ConfigError(
+                f"data.corpora: two corpora are named {repeated[0]!r}; give each a name "
+                f"(data.corpora='[{{path: ..., name: {repeated[0]}_a}}, ...]')"
+            )
         if len(self.target_languages()) > 1 and not self.joint_vocab:
-            raise ConfigError(f"data.corpora translate into {', '.join(self.target_languages())}: a multilingual "
-                              "model needs one vocabulary for all languages; set data.joint_vocab=true")
+            raise ConfigError(
+                f"data.corpora translate into {', '.join(self.target_languages())}: a multilingual "
+                "model needs one vocabulary for all languages; set data.joint_vocab=true"
+            )
         if self.corpora and self.subword_sampling:
-            raise ConfigError("data.subword_sampling does not work with data.corpora yet; train a mixture with "
-                              "data.subword_sampling=0")
+            raise ConfigError(
+                "data.subword_sampling does not work with data.corpora yet; train a mixture with "
+                "data.subword_sampling=0"
+            )
 
     def validate_for_training(self) -> None:
         """What a new run (or a resumed one) is refused and a saved config is not: an older checkpoint
         whose config has these still loads to translate."""
-        if not 0.98 <= self.character_coverage <= 1.0:          # SentencePiece's own bounds
-            raise ConfigError(f"data.character_coverage={self.character_coverage} must be in [0.98, 1] (SentencePiece's "
-                              "range: 1 for alphabets, 0.9995 for Chinese or Japanese)")
+        if not 0.98 <= self.character_coverage <= 1.0:  # SentencePiece's own bounds
+            raise ConfigError(
+                f"data.character_coverage={self.character_coverage} must be in [0.98, 1] (SentencePiece's "
+                "range: 1 for alphabets, 0.9995 for Chinese or Japanese)"
+            )
         if 0 < self.tokenizer_sample <= 100 or self.tokenizer_sample < 0:
-            raise ConfigError(f"data.tokenizer_sample={self.tokenizer_sample} must be above 100 sentences "
-                              "(SentencePiece's minimum), or 0 for every sentence")
+            raise ConfigError(
+                f"data.tokenizer_sample={self.tokenizer_sample} must be above 100 sentences "
+                "(SentencePiece's minimum), or 0 for every sentence"
+            )
         if self.path and not self.corpora and Path(self.path).expanduser().is_file():
-            raise ConfigError(f"data.path={self.path}: one file can be a training split only, and a run needs a "
-                              "validation split too (best.pt is chosen on it); point data.path at a directory holding "
-                              "train.* and validation.* files (data.local_splits names other stems)")
+            raise ConfigError(
+                f"data.path={self.path}: one file can be a training split only, and a run needs a "
+                "validation split too (best.pt is chosen on it); point data.path at a directory holding "
+                "train.* and validation.* files (data.local_splits names other stems)"
+            )
         splits = {"train": self.train_split, "validation": self.valid_split, "test": self.test_split}
         stems = {role: self.split_name(split) for role, split in splits.items()}
         for role in ("validation", "test"):
             if stems[role] == stems["train"] and not self.embedded:
-                raise ConfigError(f"data.local_splits: the {role} split reads the training files ({stems['train']}): "
-                                  f"{'best.pt would be chosen' if role == 'validation' else 'the test would be scored'} "
-                                  "on training data; give it its own files")
+                raise ConfigError(
+                    f"data.local_splits: the {role} split reads the training files ({stems['train']}): "
+                    f"{'best.pt would be chosen' if role == 'validation' else 'the test would be scored'} "
+                    "on training data; give it its own files"
+                )
         for owner, table, own in [("data", self.local_splits, self.train_split)] + [
-                (f"data.corpora[{i}]", c.local_splits, c.train_split) for i, c in enumerate(self.corpora)]:
+            (f"data.corpora[{i}]", c.local_splits, c.train_split) for i, c in enumerate(self.corpora)
+        ]:
             unknown = sorted(set(table) - {*splits.values(), own})
             if unknown:
-                raise ConfigError(f"{owner}.local_splits: {', '.join(map(repr, unknown))} is not a split of this run: "
-                                  f"its keys are the splits {', '.join(dict.fromkeys(splits.values()))} (data.train_split, "
-                                  "data.valid_split, data.test_split), its values the file stems, e.g. "
-                                  "'{validation: dev, test: newstest2014}'")
+                raise ConfigError(
+                    f"{owner}.local_splits: {', '.join(map(repr, unknown))} is not a split of this run: "
+                    f"its keys are the splits {', '.join(dict.fromkeys(splits.values()))} (data.train_split, "
+                    "data.valid_split, data.test_split), its values the file stems, e.g. "
+                    "'{validation: dev, test: newstest2014}'"
+                )
         sources = {}
         for i, corpus in enumerate(self.corpora):
             src, tgt = corpus.src_lang or self.src_lang, corpus.tgt_lang or self.tgt_lang
-            where = str(Path(corpus.path).expanduser().resolve()) if corpus.path else f"{corpus.hub_id}/{corpus.hub_config}"
+            where = (
+                str(Path(corpus.path).expanduser().resolve()) if corpus.path else f"{corpus.hub_id}/{corpus.hub_config}"
+            )
             text = (where, src, tgt, corpus.local_splits.get(corpus.train_split, corpus.train_split))
             if text in sources:
-                raise ConfigError(f"data.corpora[{i}] reads the same text as data.corpora[{sources[text]}] "
-                                  f"({corpus.path or corpus.hub_id}, {src}-{tgt}): every pair would count twice; to "
-                                  "weigh a corpus more, give it a weight (weight: 2) instead")
+                raise ConfigError(
+                    f"data.corpora[{i}] reads the same text as data.corpora[{sources[text]}] "
+                    f"({corpus.path or corpus.hub_id}, {src}-{tgt}): every pair would count twice; to "
+                    "weigh a corpus more, give it a weight (weight: 2) instead"
+                )
             sources[text] = i
-        if self.subword_nbest != -1 and self.tokenizer_type != "unigram":    # BPE-dropout ignores it
-            raise ConfigError(f"data.subword_nbest={self.subword_nbest} applies to unigram sampling only "
-                              f"(data.tokenizer_type=unigram); BPE-dropout (data.tokenizer_type="
-                              f"{self.tokenizer_type}) drops merges with probability data.subword_sampling: leave "
-                              "data.subword_nbest out")
-        if self.temperature != 1.0 and len(self.corpora) < 2:                  # one share: nothing to flatten
+        if self.subword_nbest != -1 and self.tokenizer_type != "unigram":  # BPE-dropout ignores it
+            raise ConfigError(
+                f"data.subword_nbest={self.subword_nbest} applies to unigram sampling only "
+                f"(data.tokenizer_type=unigram); BPE-dropout (data.tokenizer_type="
+                f"{self.tokenizer_type}) drops merges with probability data.subword_sampling: leave "
+                "data.subword_nbest out"
+            )
+        if self.temperature != 1.0 and len(self.corpora) < 2:  # one share: nothing to flatten
             have = "one corpus in data.corpora" if self.corpora else "no data.corpora (one corpus: data.path)"
-            raise ConfigError(f"data.temperature={self.temperature} flattens the shares of the corpora listed in "
-                              f"data.corpora, and there is {have}: nothing to mix; leave data.temperature out")
-        identified = [(c.src_lang or self.src_lang, c.tgt_lang or self.tgt_lang) for c in self.corpora
-                      if (self.langid if c.langid is None else c.langid)]
-        if identified or (self.langid and not self.corpora):     # known before any corpus is read
+            raise ConfigError(
+                f"data.temperature={self.temperature} flattens the shares of the corpora listed in "
+                f"data.corpora, and there is {have}: nothing to mix; leave data.temperature out"
+            )
+        identified = [
+            (c.src_lang or self.src_lang, c.tgt_lang or self.tgt_lang)
+            for c in self.corpora
+            if (self.langid if c.langid is None else c.langid)
+        ]
+        if identified or (self.langid and not self.corpora):  # known before any corpus is read
             from transformer.errors import DataError
             from transformer.langid import check_known
+
             try:
                 check_known(lang for pair in identified or [(self.src_lang, self.tgt_lang)] for lang in pair)
             except DataError as error:
@@ -288,9 +357,11 @@ class DataConfig:
         trained = self.directions()
         if self.corpora and (self.src_lang, self.tgt_lang) not in trained:
             listed = ", ".join(f"{src}-{tgt}" for src, tgt in trained)
-            raise ConfigError(f"data.src_lang={self.src_lang} data.tgt_lang={self.tgt_lang}: the direction the test "
-                              f"at the end scores (and the model's default) is not one data.corpora trains ({listed}); "
-                              f"set data.src_lang={trained[0][0]} data.tgt_lang={trained[0][1]} or another of them")
+            raise ConfigError(
+                f"data.src_lang={self.src_lang} data.tgt_lang={self.tgt_lang}: the direction the test "
+                f"at the end scores (and the model's default) is not one data.corpora trains ({listed}); "
+                f"set data.src_lang={trained[0][0]} data.tgt_lang={trained[0][1]} or another of them"
+            )
 
     def split_name(self, split: str) -> str:
         return self.local_splits.get(split, split)
@@ -311,7 +382,7 @@ class DataConfig:
         return languages if len(languages) > 1 else []
 
 
-ATTENTION_HEATMAPS = ("mean", "heads", "layers", "off")      # trainer.attention_heatmaps
+ATTENTION_HEATMAPS = ("mean", "heads", "layers", "off")  # trainer.attention_heatmaps
 SCHEDULES = ("inverse_sqrt", "cosine", "linear", "constant")
 
 
@@ -319,68 +390,92 @@ SCHEDULES = ("inverse_sqrt", "cosine", "linear", "constant")
 class TrainerConfig:
     """The training loop: trainer=default (these defaults); data presets and recipes set some keys.
     0 disables a limit or a feature where noted."""
+
     device: str = setting("auto", "auto | cpu | cuda | cuda:N  (auto = cuda when available)")
-    precision: str = setting("auto", "auto | bf16 | fp16 | fp32. auto = bf16 on a GPU that supports it (else "
-                                     "fp16) and on CPUs with native bf16 (AVX512-BF16/AMX); fp32 on other CPUs. "
-                                     "Parameters and optimizer state stay fp32 in every mode")
-    max_tokens: int = setting(4096, "token budget per batch: sentences x max(padded source, padded target "
-                                    "length)")
+    precision: str = setting(
+        "auto",
+        "auto | bf16 | fp16 | fp32. auto = bf16 on a GPU that supports it (else "
+        "fp16) and on CPUs with native bf16 (AVX512-BF16/AMX); fp32 on other CPUs. "
+        "Parameters and optimizer state stay fp32 in every mode",
+    )
+    max_tokens: int = setting(4096, "token budget per batch: sentences x max(padded source, padded target length)")
     update_freq: int = setting(1, "gradient accumulation: batches per optimizer step")
     lr: float = setting(7e-4, "peak learning rate, reached at the end of warm-up")
-    schedule: str = setting("inverse_sqrt", "after warm-up: inverse_sqrt (lr ~ 1/sqrt(step)) | cosine | linear "
-                                            "| constant")
+    schedule: str = setting(
+        "inverse_sqrt", "after warm-up: inverse_sqrt (lr ~ 1/sqrt(step)) | cosine | linear | constant"
+    )
     warmup: int = setting(4000, "linear warm-up steps (every schedule)")
     min_lr: float = setting(0.0, "where cosine and linear end at max_steps")
     betas: list[float] = setting(factory=lambda: [0.9, 0.98], meaning="Adam betas")
     adam_eps: float = setting(1e-9, "Adam epsilon")
     weight_decay: float = setting(0.0, "decoupled (AdamW) weight decay")
-    weight_decay_norm_bias: bool = setting(True, "weight decay on LayerNorm gains and biases too (fairseq's way); "
-                                                 "false: on weight matrices and embeddings only")
+    weight_decay_norm_bias: bool = setting(
+        True,
+        "weight decay on LayerNorm gains and biases too (fairseq's way); false: on weight matrices and embeddings only",
+    )
     clip_norm: float = setting(1.0, "clip the gradient norm to this; 0 = no clipping")
     label_smoothing: float = setting(0.1, "label smoothing of the loss, in [0, 1)")
-    rdrop: float = setting(0.0, "R-Drop (Liang et al. 2021): every batch runs twice under different dropout; "
-                                "the loss is the paper's CE1 + CE2 + rdrop x (KL(p||q) + KL(q||p)) / 2 per "
-                                "token pair (rdrop = its alpha, 5 in its translation runs), divided by 2. "
-                                "Twice the compute per step; recipe=multi30k_long uses 2 with dropout 0.2; 0 = off")
+    rdrop: float = setting(
+        0.0,
+        "R-Drop (Liang et al. 2021): every batch runs twice under different dropout; "
+        "the loss is the paper's CE1 + CE2 + rdrop x (KL(p||q) + KL(q||p)) / 2 per "
+        "token pair (rdrop = its alpha, 5 in its translation runs), divided by 2. "
+        "Twice the compute per step; recipe=multi30k_long uses 2 with dropout 0.2; 0 = off",
+    )
     max_steps: int = setting(100000, "stop after this many optimizer steps (0 = no limit)")
     max_epochs: int = setting(0, "stop after this many epochs (0 = no limit)")
-    max_minutes: float = setting(0.0, "stop after this much wall-clock time, validation included (0 = no "
-                                      "limit)")
+    max_minutes: float = setting(0.0, "stop after this much wall-clock time, validation included (0 = no limit)")
     validate_every: int = setting(1000, "steps between validations (loss, BLEU, samples, best.pt)")
     checkpoint_every: int = setting(0, "steps between step_N.pt/last.pt; 0 = validate_every")
-    val_beam_size: int = setting(1, "beam for validation BLEU (1 = greedy, fastest); the test uses "
-                                    "decode.beam_size")
+    val_beam_size: int = setting(1, "beam for validation BLEU (1 = greedy, fastest); the test uses decode.beam_size")
     val_max_sentences: int = setting(0, "decode only the first N validation sentences (0 = all)")
     test_at_end: bool = setting(True, "translate the test split with the best checkpoint at the end; print BLEU")
-    attention_heatmaps: str = setting("mean", "TensorBoard's cross-attention pictures: mean (the last decoder "
-                                              "layer, mean over heads) | heads (also each head of the last "
-                                              "layer) | layers (also each layer, mean over heads) | off "
-                                              "(none: drawing takes about a second per validation on a CPU)")
+    attention_heatmaps: str = setting(
+        "mean",
+        "TensorBoard's cross-attention pictures: mean (the last decoder "
+        "layer, mean over heads) | heads (also each head of the last "
+        "layer) | layers (also each layer, mean over heads) | off "
+        "(none: drawing takes about a second per validation on a CPU)",
+    )
     keep_last: int = setting(3, "step_N.pt files kept (0 = keep all)")
-    ema_decay: float = setting(0.0, "exponential moving average of the weights after every update (e.g. "
-                                    "0.999; 0 = off); validation scores it too, best.pt keeps the best set. "
-                                    "The decay warms up (trainer.ema_warmup): by default it reaches 0.998 at "
-                                    "step 4,490 and 0.999 at 8,990, so a shorter run is the same with either")
-    ema_warmup: float = setting(10.0, "W of the EMA decay's warm-up min(D, (1+t)/(W+t)): until step "
-                                      "(W*D-1)/(1-D) the EMA averages about the last t/(W-1) updates; a "
-                                      "smaller W averages longer (must be above 1)")
-    average_last: int = setting(0, "at the end, average the last N step_N.pt (see checkpoint_every, "
-                                   "keep_last; 0 = off); validation scores it too")
+    ema_decay: float = setting(
+        0.0,
+        "exponential moving average of the weights after every update (e.g. "
+        "0.999; 0 = off); validation scores it too, best.pt keeps the best set. "
+        "The decay warms up (trainer.ema_warmup): by default it reaches 0.998 at "
+        "step 4,490 and 0.999 at 8,990, so a shorter run is the same with either",
+    )
+    ema_warmup: float = setting(
+        10.0,
+        "W of the EMA decay's warm-up min(D, (1+t)/(W+t)): until step "
+        "(W*D-1)/(1-D) the EMA averages about the last t/(W-1) updates; a "
+        "smaller W averages longer (must be above 1)",
+    )
+    average_last: int = setting(
+        0,
+        "at the end, average the last N step_N.pt (see checkpoint_every, keep_last; 0 = off); validation scores it too",
+    )
     patience: int = setting(0, "stop after this many validations without a BLEU improvement (0 = never)")
     max_bad_steps: int = setting(20, "stop after this many consecutive non-finite steps (x10 under fp16)")
-    compile: bool = setting(False, "torch.compile each encoder and decoder layer (regional compilation; the first "
-                                   "steps of each batch shape class wait for the compiler; for GPUs: on a 2-core CPU it "
-                                   "trained 45% slower than eager)")
+    compile: bool = setting(
+        False,
+        "torch.compile each encoder and decoder layer (regional compilation; the first "
+        "steps of each batch shape class wait for the compiler; for GPUs: on a 2-core CPU it "
+        "trained 45% slower than eager)",
+    )
     seed: int = setting(1, "seeds parameters, dropout and the batch order")
-    resume: Any = setting(False, "true = newest checkpoint in the run dir; or a checkpoint path",
-                          shown_type="bool | str")
-    init_from: str | None = setting(None, "fine-tune: this checkpoint's weights and tokenizer; fresh "
-                                          "optimizer and step")
+    resume: Any = setting(
+        False, "true = newest checkpoint in the run dir; or a checkpoint path", shown_type="bool | str"
+    )
+    init_from: str | None = setting(
+        None, "fine-tune: this checkpoint's weights and tokenizer; fresh optimizer and step"
+    )
     overwrite: bool = setting(False, "allow starting over in a run dir that already holds checkpoints")
     log_every: int = setting(50, "steps between train.log lines / TensorBoard points")
     num_threads: int = setting(0, "torch CPU threads (0 = PyTorch's default)")
-    num_workers: int | None = setting(None, "DataLoader processes collating the next batches (null = 2 on "
-                                            "CUDA, 0 on CPU)")
+    num_workers: int | None = setting(
+        None, "DataLoader processes collating the next batches (null = 2 on CUDA, 0 on CPU)"
+    )
 
     def validate(self) -> None:
         _require_finite("trainer", self)
@@ -395,8 +490,9 @@ class TrainerConfig:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"trainer.schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
         if self.attention_heatmaps not in ATTENTION_HEATMAPS:
-            raise ConfigError(f"trainer.attention_heatmaps={self.attention_heatmaps!r} must be one of "
-                              f"{', '.join(ATTENTION_HEATMAPS)}")
+            raise ConfigError(
+                f"trainer.attention_heatmaps={self.attention_heatmaps!r} must be one of {', '.join(ATTENTION_HEATMAPS)}"
+            )
         if not 0.0 <= self.min_lr <= self.lr:
             raise ConfigError(f"trainer.min_lr={self.min_lr} must be in [0, trainer.lr={self.lr}]")
         if self.schedule in ("cosine", "linear") and self.max_steps <= self.warmup:
@@ -404,8 +500,19 @@ class TrainerConfig:
                 f"trainer.schedule={self.schedule} decays from trainer.warmup={self.warmup} to trainer.max_steps="
                 f"{self.max_steps}: set trainer.max_steps above the warm-up (it fixes where the decay ends)"
             )
-        for key in ("warmup", "max_steps", "max_epochs", "keep_last", "patience", "checkpoint_every",
-                    "val_max_sentences", "num_threads", "weight_decay", "clip_norm", "max_minutes"):
+        for key in (
+            "warmup",
+            "max_steps",
+            "max_epochs",
+            "keep_last",
+            "patience",
+            "checkpoint_every",
+            "val_max_sentences",
+            "num_threads",
+            "weight_decay",
+            "clip_norm",
+            "max_minutes",
+        ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)} must be >= 0 (0 disables it)")
         if self.num_workers is not None and self.num_workers < 0:
@@ -417,8 +524,10 @@ class TrainerConfig:
         if self.average_last == 1 or self.average_last < 0:
             raise ConfigError(f"trainer.average_last={self.average_last} must be 0 (off) or at least 2")
         if self.average_last and self.keep_last and self.keep_last < self.average_last:
-            raise ConfigError(f"trainer.average_last={self.average_last} needs that many step_N.pt files: set "
-                              f"trainer.keep_last={self.average_last} (now {self.keep_last})")
+            raise ConfigError(
+                f"trainer.average_last={self.average_last} needs that many step_N.pt files: set "
+                f"trainer.keep_last={self.average_last} (now {self.keep_last})"
+            )
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"trainer.label_smoothing={self.label_smoothing} must be in [0, 1)")
         if self.rdrop < 0:
@@ -428,9 +537,7 @@ class TrainerConfig:
         _positive("trainer.val_beam_size", self.val_beam_size)
         _positive("trainer.max_bad_steps", self.max_bad_steps)
         if not (self.max_steps or self.max_epochs or self.max_minutes):
-            raise ConfigError(
-                "no stopping rule: set trainer.max_steps, trainer.max_epochs or trainer.max_minutes"
-            )
+            raise ConfigError("no stopping rule: set trainer.max_steps, trainer.max_epochs or trainer.max_minutes")
         if not isinstance(self.resume, (bool, str)):
             raise ConfigError(f"trainer.resume={self.resume!r} must be true, false or a checkpoint path")
 
@@ -440,8 +547,9 @@ class TrainerConfig:
 DEFAULT_BATCH_TOKENS = 16384
 
 
-def decode_setting(default: int | float, meaning: str, *, low: int, high: float = math.inf,
-                   flag: str | None = None, saved: bool = True) -> Any:
+def decode_setting(
+    default: int | float, meaning: str, *, low: int, high: float = math.inf, flag: str | None = None, saved: bool = True
+) -> Any:
     """A decoding option: a DecodeConfig key (decode.KEY), the keyword KEY of `Translator.translate` and a
     flag of transformer-translate and transformer-evaluate (`flag`, else --KEY with dashes), all three from
     this one definition (`DECODE_OPTIONS`). `low`, `high`: the values allowed. `saved`: a translation that
@@ -454,18 +562,23 @@ def decode_setting(default: int | float, meaning: str, *, low: int, high: float 
 class DecodeConfig:
     """Decoding: decode=beam (these defaults) and decode=greedy, for the end-of-training test, make
     evaluate, and transformer-translate's defaults (taken from the checkpoint's config)."""
+
     name: str = setting("beam", "the preset's name")
     beam_size: int = decode_setting(5, "hypotheses kept per sentence (1 = greedy)", low=1, flag="--beam")
-    alpha: float = decode_setting(0.6, "GNMT length penalty ((5 + len) / 6) ** alpha; 0 = raw log-probability",
-                                  low=0, high=100)     # beyond, the penalty of a long hypothesis overflows
+    alpha: float = decode_setting(
+        0.6, "GNMT length penalty ((5 + len) / 6) ** alpha; 0 = raw log-probability", low=0, high=100
+    )  # beyond, the penalty of a long hypothesis overflows
     alpha_by_language: dict[str, float] = setting(
-        factory=dict, meaning="a multilingual model's length penalty per target language, in place of "
-                              "decode.alpha ({en: 2.5, de: 1.5}); a language left out takes decode.alpha; an alpha "
-                              "given to a translation (--alpha) wins over both")
+        factory=dict,
+        meaning="a multilingual model's length penalty per target language, in place of "
+        "decode.alpha ({en: 2.5, de: 1.5}); a language left out takes decode.alpha; an alpha "
+        "given to a translation (--alpha) wins over both",
+    )
     max_len_a: float = decode_setting(1.2, "output length limit: max_len_a * source_len + max_len_b tokens", low=0)
     max_len_b: int = decode_setting(10, "the constant term of the output length limit (see max_len_a)", low=0)
-    batch_tokens: int = decode_setting(DEFAULT_BATCH_TOKENS, "source tokens x beam per decoding batch; smaller "
-                                                             "needs less memory", low=1, saved=False)
+    batch_tokens: int = decode_setting(
+        DEFAULT_BATCH_TOKENS, "source tokens x beam per decoding batch; smaller needs less memory", low=1, saved=False
+    )
     nbest: int = decode_setting(1, "hypotheses returned per sentence (<= beam_size)", low=1, saved=False)
 
     def validate(self) -> None:
@@ -485,21 +598,28 @@ class DecodeConfig:
         """The options a translation with this (a checkpoint's) decode section uses: those `given` (None: left
         out), else this section's value or the schema's default (see `decode_setting`'s `saved`); checked
         as the Python API's keywords (ValueError naming the keyword)."""
-        chosen = {option.key: given[option.key] if given.get(option.key) is not None
-                  else getattr(self, option.key) if option.saved else option.default for option in DECODE_OPTIONS}
+        chosen = {
+            option.key: given[option.key]
+            if given.get(option.key) is not None
+            else getattr(self, option.key)
+            if option.saved
+            else option.default
+            for option in DECODE_OPTIONS
+        }
         check_decode_options(chosen, "api")
         return dataclasses.replace(self, **chosen)
 
 
 class DecodeOption(NamedTuple):
     """One decoding option, as `decode_setting` defines it on DecodeConfig."""
-    key: str                 # decode.KEY in the config, KEY= in the Python API
-    flag: str                # the command lines' flag: --beam
-    whole: bool              # a whole number (int), or a finite number (float)
+
+    key: str  # decode.KEY in the config, KEY= in the Python API
+    flag: str  # the command lines' flag: --beam
+    whole: bool  # a whole number (int), or a finite number (float)
     default: int | float
-    low: int                 # the smallest value allowed
-    high: float              # the largest
-    saved: bool              # left out of a translation: the checkpoint's decode.KEY, else `default`
+    low: int  # the smallest value allowed
+    high: float  # the largest
+    saved: bool  # left out of a translation: the checkpoint's decode.KEY, else `default`
     meaning: str
 
     @property
@@ -510,21 +630,33 @@ class DecodeOption(NamedTuple):
     def accepts(self, value: Any) -> bool:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral if self.whole else numbers.Real):
             return False
-        finite = isinstance(value, numbers.Integral) or math.isfinite(value)      # a huge int has no float
+        finite = isinstance(value, numbers.Integral) or math.isfinite(value)  # a huge int has no float
         return finite and self.low <= value <= self.high
 
     def spelled(self, value: Any, where: str) -> str:
         """The option and its value as `where` writes them: decode.alpha=nan ("config"), alpha=nan ("api"),
         --alpha nan ("cli")."""
-        return {"config": f"decode.{self.key}={value!r}", "api": f"{self.key}={value!r}",
-                "cli": f"{self.flag} {value!r}"}[where]
+        return {
+            "config": f"decode.{self.key}={value!r}",
+            "api": f"{self.key}={value!r}",
+            "cli": f"{self.flag} {value!r}",
+        }[where]
 
 
 DECODE_OPTIONS = tuple(
-    DecodeOption(spec.name, spec.metadata["flag"] or "--" + spec.name.replace("_", "-"), spec.type in ("int", int),
-                 spec.default, spec.metadata["low"], spec.metadata["high"], spec.metadata["saved"],
-                 spec.metadata["help"])
-    for spec in dataclasses.fields(DecodeConfig) if "low" in spec.metadata)
+    DecodeOption(
+        spec.name,
+        spec.metadata["flag"] or "--" + spec.name.replace("_", "-"),
+        spec.type in ("int", int),
+        spec.default,
+        spec.metadata["low"],
+        spec.metadata["high"],
+        spec.metadata["saved"],
+        spec.metadata["help"],
+    )
+    for spec in dataclasses.fields(DecodeConfig)
+    if "low" in spec.metadata
+)
 
 
 def check_decode_options(values: dict[str, Any], where: str) -> None:
@@ -538,8 +670,10 @@ def check_decode_options(values: dict[str, Any], where: str) -> None:
         if not options[key].accepts(value):
             raise error(f"{options[key].spelled(value, where)}: {options[key].rule}")
     if "nbest" in values and "beam_size" in values and values["nbest"] > values["beam_size"]:
-        raise error(f"{options['nbest'].spelled(values['nbest'], where)}: must be between 1 and the beam size "
-                    f"({options['beam_size'].spelled(values['beam_size'], where)})")
+        raise error(
+            f"{options['nbest'].spelled(values['nbest'], where)}: must be between 1 and the beam size "
+            f"({options['beam_size'].spelled(values['beam_size'], where)})"
+        )
 
 
 # What the inference side checks before it loads anything (translator.py, and the command lines before
@@ -566,8 +700,13 @@ def check_weights(weights, count: int) -> list[float]:
     if isinstance(weights, (str, bytes)):
         raise ValueError(f"weights={weights!r}: give a list of numbers, one per model (e.g. [1, 2])")
     weights = list(weights)
-    if len(weights) != count or not all(isinstance(w, numbers.Real) and not isinstance(w, bool)
-                                        and math.isfinite(w) and w >= 0 for w in weights) or not sum(weights) > 0:
+    if (
+        len(weights) != count
+        or not all(
+            isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) and w >= 0 for w in weights
+        )
+        or not sum(weights) > 0
+    ):
         raise ValueError(f"weights={weights!r}: give one finite weight >= 0 per model ({count}), not all 0")
     return [float(w) for w in weights]
 
@@ -575,12 +714,14 @@ def check_weights(weights, count: int) -> list[float]:
 @dataclass
 class Config:
     """Top level: run_dir, and the sections model, data, trainer, decode."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
-    run_dir: str | None = setting(None, "checkpoints, TensorBoard events, train.log; null = hydra.run.dir "
-                                        "(runs/DATA/MODEL/DATE_TIME)")
+    run_dir: str | None = setting(
+        None, "checkpoints, TensorBoard events, train.log; null = hydra.run.dir (runs/DATA/MODEL/DATE_TIME)"
+    )
 
     @classmethod
     def from_dict(cls, raw: dict, saved: bool = False) -> Config:
@@ -599,11 +740,16 @@ class Config:
             if "corpora[" in section:
                 known = [f.name for f in dataclasses.fields(CorpusConfig)]
             else:
-                known = [f.name for f in dataclasses.fields(cls)] if not section else \
-                    [f.name for f in dataclasses.fields(type(getattr(cls(), section)))]
-            if saved:         # a checkpoint's or an export's: a key a later version of the package added
-                raise ConfigError(f"unknown config key {error.full_key}: the model was saved by a newer version of "
-                                  "this package; upgrade it (pip install -U) to load it") from None
+                known = (
+                    [f.name for f in dataclasses.fields(cls)]
+                    if not section
+                    else [f.name for f in dataclasses.fields(type(getattr(cls(), section)))]
+                )
+            if saved:  # a checkpoint's or an export's: a key a later version of the package added
+                raise ConfigError(
+                    f"unknown config key {error.full_key}: the model was saved by a newer version of "
+                    "this package; upgrade it (pip install -U) to load it"
+                ) from None
             raise ConfigError(f"unknown config key {error.full_key}; known keys: {', '.join(sorted(known))}") from None
         except OmegaConfBaseException as error:
             raise ConfigError(composition_error_line(error)) from None
@@ -620,11 +766,15 @@ class Config:
         targets = self.data.target_languages()
         unknown = sorted(set(self.decode.alpha_by_language) - set(targets))
         if unknown and not targets:
-            raise ConfigError(f"decode.alpha_by_language: this model translates into {self.data.tgt_lang} only; "
-                              "set its length penalty with decode.alpha")
+            raise ConfigError(
+                f"decode.alpha_by_language: this model translates into {self.data.tgt_lang} only; "
+                "set its length penalty with decode.alpha"
+            )
         if unknown:
-            raise ConfigError(f"decode.alpha_by_language: {', '.join(unknown)} is not a target language of this "
-                              f"model; it translates into {', '.join(targets)}")
+            raise ConfigError(
+                f"decode.alpha_by_language: {', '.join(unknown)} is not a target language of this "
+                f"model; it translates into {', '.join(targets)}"
+            )
         # A training pair of data.max_len tokens takes one position more: the source its EOS, the
         # target input its BOS. (Decoding caps its output at model.max_positions - 1 tokens itself.)
         if self.model.max_positions < self.data.max_len + 1:
@@ -632,7 +782,8 @@ class Config:
                 f"model.max_positions={self.model.max_positions} is too small for data.max_len={self.data.max_len}: "
                 f"a sentence of {self.data.max_len} tokens and its EOS (source) or BOS (target) take "
                 f"{self.data.max_len + 1} positions; set model.max_positions={self.data.max_len + 1} or more, or "
-                f"data.max_len={self.model.max_positions - 1} or less")
+                f"data.max_len={self.model.max_positions - 1} or less"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -658,7 +809,7 @@ def register_schema() -> None:
     # Hydra makes the composed tree "struct" (no new keys); this mapping's keys are the user's to add:
     # data.local_splits='{validation: dev, test: newstest2014}' on the command line.
     OmegaConf.set_struct(schema.data.local_splits, False)
-    OmegaConf.set_struct(schema.decode.alpha_by_language, False)      # decode.alpha_by_language.en=2.5
+    OmegaConf.set_struct(schema.decode.alpha_by_language, False)  # decode.alpha_by_language.en=2.5
     store.store(name="schema", node=schema)
     store.store(group="model", name="tiny", node=ModelConfig)
     store.store(group="trainer", name="default", node=TrainerConfig)
@@ -666,8 +817,8 @@ def register_schema() -> None:
     # hydra.main's --help: conf/config.yaml's hydra.help.template is ${transformer.help:PROGRAM}. Its
     # text goes through string.Template, where $$ is a dollar sign.
     OmegaConf.register_new_resolver(
-        "transformer.help", lambda program, *, _root_: render_help(program, _root_).replace("$", "$$"),
-        replace=True)
+        "transformer.help", lambda program, *, _root_: render_help(program, _root_).replace("$", "$$"), replace=True
+    )
 
 
 def compose(overrides: list[str] = (), config_name: str = "config", config_dir: str | None = None) -> Config:
@@ -680,8 +831,9 @@ def compose(overrides: list[str] = (), config_name: str = "config", config_dir: 
     return Config.from_dict(OmegaConf.to_container(tree, resolve=True))
 
 
-def compose_tree(overrides: list[str] = (), config_name: str = "config", config_dir: str | None = None,
-                 with_hydra: bool = False):
+def compose_tree(
+    overrides: list[str] = (), config_name: str = "config", config_dir: str | None = None, with_hydra: bool = False
+):
     """The composed DictConfig, unresolved and unvalidated (what `--cfg job` prints); `with_hydra` keeps
     Hydra's node (the chosen presets, the config directories) for the help."""
     from hydra import compose as hydra_compose
@@ -694,10 +846,12 @@ def compose_tree(overrides: list[str] = (), config_name: str = "config", config_
     if config_dir is not None:
         directory = Path(config_dir).resolve()
         if not directory.is_dir():
-            raise ConfigError(f"--config-dir {config_dir}: no such directory; give the directory that holds "
-                              "your presets (DIR/data/NAME.yaml, then data=NAME)")
+            raise ConfigError(
+                f"--config-dir {config_dir}: no such directory; give the directory that holds "
+                "your presets (DIR/data/NAME.yaml, then data=NAME)"
+            )
         quoted = str(directory).replace("\\", "\\\\").replace("'", "\\'")
-        overrides.append(f"hydra.searchpath=['file://{quoted}']")    # where hydra.main puts --config-dir
+        overrides.append(f"hydra.searchpath=['file://{quoted}']")  # where hydra.main puts --config-dir
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return hydra_compose(config_name, overrides=overrides, return_hydra_config=with_hydra)
@@ -715,20 +869,24 @@ def command_line_config(argv: list[str], program: str) -> Config | None:
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):
-            raise ConfigError(f"{program}: {message}; it takes key=value overrides, --config-dir DIR, "
-                              "--cfg job [--resolve] and --help")
+            raise ConfigError(
+                f"{program}: {message}; it takes key=value overrides, --config-dir DIR, "
+                "--cfg job [--resolve] and --help"
+            )
 
     parser = Parser(prog=program, add_help=False, allow_abbrev=False)
     parser.add_argument("--help", "-h", action="store_true")
     parser.add_argument("--cfg", "-c", choices=["job"])
     parser.add_argument("--resolve", action="store_true")
     parser.add_argument("--config-dir", "-cd")
-    parser.add_argument("--config-name", "-cn")        # refused below: read as `-c n` otherwise
+    parser.add_argument("--config-name", "-cn")  # refused below: read as `-c n` otherwise
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     if args.config_name is not None:
-        raise ConfigError(f"{program}: --config-name {args.config_name}: it composes conf/config.yaml; put your "
-                          "presets in a --config-dir DIR (DIR/data/NAME.yaml, then data=NAME)")
+        raise ConfigError(
+            f"{program}: --config-name {args.config_name}: it composes conf/config.yaml; put your "
+            "presets in a --config-dir DIR (DIR/data/NAME.yaml, then data=NAME)"
+        )
     if args.resolve and not args.cfg:
         raise ConfigError(f"{program}: --resolve goes with --cfg job (it prints the composed config resolved)")
     bare = bare_word(args.overrides, program)
@@ -747,8 +905,18 @@ def command_line_config(argv: list[str], program: str) -> Config | None:
 HYDRA_CONFIG_FLAGS = {"-cd": "--config-dir", "-cn": "--config-name", "-cp": "--config-path"}
 CONFIG_SOURCE_FLAGS = (*HYDRA_CONFIG_FLAGS, *HYDRA_CONFIG_FLAGS.values())
 # Hydra's flags that take the next word as their value (that word is not an override).
-HYDRA_VALUE_FLAGS = (*CONFIG_SOURCE_FLAGS, "-c", "--cfg", "-p", "--package", "-i", "--info", "--experimental-rerun",
-                     "-sc", "--shell-completion")
+HYDRA_VALUE_FLAGS = (
+    *CONFIG_SOURCE_FLAGS,
+    "-c",
+    "--cfg",
+    "-p",
+    "--package",
+    "-i",
+    "--info",
+    "--experimental-rerun",
+    "-sc",
+    "--shell-completion",
+)
 
 
 def bare_word(argv: list[str], program: str) -> str | None:
@@ -757,19 +925,27 @@ def bare_word(argv: list[str], program: str) -> str | None:
     for previous, word in zip(["", *argv], argv):
         if "=" in word or word.startswith(("-", "~")) or previous in HYDRA_VALUE_FLAGS:
             continue
-        hint = (f"{word}=VALUE" if "." in word else f"{word}=NAME" if word in ("model", "data", "decode", "recipe")
-                else "model=small, trainer.lr=1e-3")
-        return (f"{program}: {word!r} is not an override: write KEY=VALUE or GROUP=OPTION (e.g. {hint}); "
-                f"{program} --help lists them")
+        hint = (
+            f"{word}=VALUE"
+            if "." in word
+            else f"{word}=NAME"
+            if word in ("model", "data", "decode", "recipe")
+            else "model=small, trainer.lr=1e-3"
+        )
+        return (
+            f"{program}: {word!r} is not an override: write KEY=VALUE or GROUP=OPTION (e.g. {hint}); "
+            f"{program} --help lists them"
+        )
     return None
 
 
 # --- The help: every key of the schema with its type, default and meaning --------------------------
 
+
 class SchemaKey(NamedTuple):
-    key: str          # dotted, as on the command line: model.d_model
+    key: str  # dotted, as on the command line: model.d_model
     type: str
-    default: str      # as an override would write it: null, true, [0.9, 0.98]
+    default: str  # as an override would write it: null, true, [0.9, 0.98]
     meaning: str
 
 
@@ -782,8 +958,14 @@ def schema_keys(schema: type = Config, prefix: str = "") -> list[SchemaKey]:
         if dataclasses.is_dataclass(default):
             keys += schema_keys(type(default), f"{prefix}{spec.name}.")
         else:
-            keys.append(SchemaKey(prefix + spec.name, spec.metadata.get("type", spec.type), override_text(default),
-                                  spec.metadata["help"]))
+            keys.append(
+                SchemaKey(
+                    prefix + spec.name,
+                    spec.metadata.get("type", spec.type),
+                    override_text(default),
+                    spec.metadata["help"],
+                )
+            )
     return keys
 
 
@@ -800,13 +982,17 @@ def override_text(value: Any) -> str:
 
 def markdown_key_table() -> str:
     """The README's table of every key: | key | type | default | meaning |."""
+
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
-    rows = [f"| `{key.key}` | {cell(key.type)} | `{cell(key.default)}` | {cell(key.meaning)} |" for key in schema_keys()]
+
+    rows = [
+        f"| `{key.key}` | {cell(key.type)} | `{cell(key.default)}` | {cell(key.meaning)} |" for key in schema_keys()
+    ]
     return "\n".join(["| key | type | default | meaning |", "|---|---|---|---|", *rows])
 
 
-WIDTH = 100        # the help fits a terminal this wide
+WIDTH = 100  # the help fits a terminal this wide
 
 USAGE = """\
 {program}: {what}
@@ -823,8 +1009,11 @@ Hydra's own flags (--hydra-help lists them): make sweep trainer.lr=1e-3,5e-4 tra
 
 PROGRAMS = {
     "transformer-train": ("train", "train a Transformer translation model (make train)."),
-    "transformer-prepare": ("prepare", "train the tokenizer and encode the corpus of the data config as "
-                                       "training would, without training (make prepare)."),
+    "transformer-prepare": (
+        "prepare",
+        "train the tokenizer and encode the corpus of the data config as "
+        "training would, without training (make prepare).",
+    ),
 }
 
 
@@ -848,8 +1037,9 @@ def render_help(program: str, composed) -> str:
     for group, options in preset_options(composed.hydra.runtime.config_sources).items():
         marked = [f"{option}*" if option == choices.get(group) else option for option in options]
         picked = "" if choices.get(group) else "   (none picked)"
-        lines += textwrap.wrap(f"{group}=" + " | ".join(marked) + picked, WIDTH,
-                               initial_indent="  ", subsequent_indent="      ")
+        lines += textwrap.wrap(
+            f"{group}=" + " | ".join(marked) + picked, WIDTH, initial_indent="  ", subsequent_indent="      "
+        )
     lines += ["", "Keys (KEY: TYPE = DEFAULT, then -> the value this command line gives where it differs):"]
     section = None
     for key in schema_keys():
@@ -874,8 +1064,9 @@ def preset_options(config_sources) -> dict[str, list[str]]:
 
     register_schema()
     store = ConfigStore.instance()
-    options: dict[str, list[str]] = {spec.name: [] for spec in dataclasses.fields(Config)
-                                     if spec.default_factory is not dataclasses.MISSING}
+    options: dict[str, list[str]] = {
+        spec.name: [] for spec in dataclasses.fields(Config) if spec.default_factory is not dataclasses.MISSING
+    }
     for group in options:
         if group in store.list(""):
             options[group] += [name.removesuffix(".yaml") for name in store.list(group)]
@@ -900,20 +1091,29 @@ def composition_error_line(error: BaseException) -> str:
     # A preset that is not there: Hydra lists the group's options on the lines below, one a line.
     listed = re.search(r"\n(Available options in '[^']+'):\n((?:\t.*\n)+)", str(error))
     if listed:
-        line += f"; {listed[1][0].lower()}{listed[1][1:]}: {', '.join(listed[2].split())} (presets of your own: " \
-                "--config-dir DIR, with DIR/GROUP/NAME.yaml)"
+        line += (
+            f"; {listed[1][0].lower()}{listed[1][1:]}: {', '.join(listed[2].split())} (presets of your own: "
+            "--config-dir DIR, with DIR/GROUP/NAME.yaml)"
+        )
     if "Cannot merge DictConfig with ListConfig" in line and "corpora" in str(error):
         line += "; data.corpora is a list, one {...} per corpus: data.corpora='[{path: DIR, weight: 2}]'"
     if "not in 'CorpusConfig'" in line:
         line += f"; a corpus of data.corpora takes {', '.join(f.name for f in dataclasses.fields(CorpusConfig))}"
     unknown = re.search(r"Key '([^']+)' not in '(ModelConfig|DataConfig|TrainerConfig|DecodeConfig)'", line)
-    if unknown:                 # a misspelt key: the nearest one of its section (Hydra suggests '+KEY', which fails)
-        section = {"ModelConfig": ("model", ModelConfig), "DataConfig": ("data", DataConfig),
-                   "TrainerConfig": ("trainer", TrainerConfig), "DecodeConfig": ("decode", DecodeConfig)}[unknown[2]]
+    if unknown:  # a misspelt key: the nearest one of its section (Hydra suggests '+KEY', which fails)
+        section = {
+            "ModelConfig": ("model", ModelConfig),
+            "DataConfig": ("data", DataConfig),
+            "TrainerConfig": ("trainer", TrainerConfig),
+            "DecodeConfig": ("decode", DecodeConfig),
+        }[unknown[2]]
         names = [f.name for f in dataclasses.fields(section[1])]
         near = difflib.get_close_matches(unknown[1], names, n=1, cutoff=0.6)
-        line += f"; did you mean {section[0]}.{near[0]}?" if near else \
-            f"; `transformer-train --help` lists the {section[0]} keys"
+        line += (
+            f"; did you mean {section[0]}.{near[0]}?"
+            if near
+            else f"; `transformer-train --help` lists the {section[0]} keys"
+        )
     return line
 
 
@@ -924,15 +1124,19 @@ def _require_finite(section: str, values) -> None:
         if "float" not in str(spec.type):
             continue
         value = getattr(values, spec.name)
-        named = [(f"{spec.name}.{key}", number) for key, number in value.items()] if isinstance(value, dict) else \
-            [(spec.name, number) for number in (value if isinstance(value, (list, tuple)) else [value])]
+        named = (
+            [(f"{spec.name}.{key}", number) for key, number in value.items()]
+            if isinstance(value, dict)
+            else [(spec.name, number) for number in (value if isinstance(value, (list, tuple)) else [value])]
+        )
         for name, number in named:
             if isinstance(number, float) and not math.isfinite(number):
-                if isinstance(value, dict):          # one entry of a mapping: no default to point to
+                if isinstance(value, dict):  # one entry of a mapping: no default to point to
                     raise ConfigError(f"{section}.{name}={number} is not finite; give a finite number")
                 default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
-                raise ConfigError(f"{section}.{name}={value} is not finite; give a finite number "
-                                  f"(the default is {default})")
+                raise ConfigError(
+                    f"{section}.{name}={value} is not finite; give a finite number (the default is {default})"
+                )
 
 
 def _positive(key: str, value: int | float) -> None:
@@ -958,6 +1162,7 @@ def configuration_markdown() -> str:
 
 if __name__ == "__main__":
     import sys
+
     if sys.argv[1:] != ["--markdown"]:
         sys.exit("usage: python -m transformer.config --markdown > docs/configuration.md")
     sys.stdout.write(configuration_markdown())

@@ -53,12 +53,12 @@ from transformer.errors import discard_stdout, next_interrupt_ends_at_once
 from transformer.langid import WRONG_SOURCE, WRONG_TARGET, language_flags
 from transformer.tokenizer import Tokenizer, build_tokenizer
 
-if TYPE_CHECKING:               # torch comes with it: imported where batches are made, not to prepare
+if TYPE_CHECKING:  # torch comes with it: imported where batches are made, not to prepare
     from transformer.batching import Batch
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3                 # 2: meta.json records every file's size and CRC-32; 3: copy, duplicate flags
+FORMAT_VERSION = 3  # 2: meta.json records every file's size and CRC-32; 3: copy, duplicate flags
 FLAG_BLANK, FLAG_NUL, FLAG_COPY, FLAG_DUPLICATE = 1, 2, 4, 8
 DATA_FILES = ("src.ids", "tgt.ids", "src.offsets.npy", "tgt.offsets.npy", "flags.npy")
 TEXT_FILES = ("src.text", "tgt.text", "src.text_offsets.npy", "tgt.text_offsets.npy")
@@ -77,15 +77,17 @@ class EncodedCorpus:
         self._open()
 
     def _open(self) -> None:
-        try:                                    # sizes only: the checksums were checked by prepare()
+        try:  # sizes only: the checksums were checked by prepare()
             meta = check_prepared(self.directory, checksums=False)
-        except CacheDamage as damage:           # damaged since (a DataLoader worker re-opening it)
-            raise DataError(f"{damage}: the prepared corpus was damaged after it was checked; "
-                            "run `make prepare` again") from None
+        except CacheDamage as damage:  # damaged since (a DataLoader worker re-opening it)
+            raise DataError(
+                f"{damage}: the prepared corpus was damaged after it was checked; run `make prepare` again"
+            ) from None
         self.meta = meta
         for side in ("src", "tgt"):
-            ids, offsets = _mapped(self.directory / f"{side}.ids", self.directory / f"{side}.offsets.npy",
-                                   meta["dtype"])
+            ids, offsets = _mapped(
+                self.directory / f"{side}.ids", self.directory / f"{side}.offsets.npy", meta["dtype"]
+            )
             setattr(self, f"_{side}_ids", ids)
             setattr(self, f"_{side}_offsets", offsets)
         src_all, tgt_all = np.diff(self._src_offsets), np.diff(self._tgt_offsets)
@@ -98,17 +100,24 @@ class EncodedCorpus:
             too_long = ~dropped & ((src_all > self.max_len) | (tgt_all > self.max_len))
         dropped |= too_long
         self.dropped = {"empty": int(blank.sum()), "NUL byte": int(nul.sum()), "too long": int(too_long.sum())}
-        for rule, mask in (self.cleaning.masks(flags, src_all, tgt_all, self.directory) if self.cleaning else {}).items():
-            mask &= ~dropped                    # each pair counted under the first rule that drops it
+        for rule, mask in (
+            self.cleaning.masks(flags, src_all, tgt_all, self.directory) if self.cleaning else {}
+        ).items():
+            mask &= ~dropped  # each pair counted under the first rule that drops it
             self.dropped[rule] = int(mask.sum())
             dropped |= mask
-        self.pair_index = np.flatnonzero(~dropped)                         # kept position -> stored pair
+        self.pair_index = np.flatnonzero(~dropped)  # kept position -> stored pair
         self.src_lens, self.tgt_lens = src_all[self.pair_index], tgt_all[self.pair_index]
         self.total_pairs = len(flags)
 
     def __getstate__(self):
-        return {"directory": self.directory, "max_len": self.max_len, "name": self.name, "cleaning": self.cleaning,
-                "sampling": self.sampling}
+        return {
+            "directory": self.directory,
+            "max_len": self.max_len,
+            "name": self.name,
+            "cleaning": self.cleaning,
+            "sampling": self.sampling,
+        }
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -121,23 +130,36 @@ class EncodedCorpus:
         """The batch of kept pairs `positions`. With subword sampling enabled and a `key` (epoch, batch
         number), the pairs in that epoch's sampled segmentation."""
         from transformer.batching import make_batch
+
         positions = np.asarray(positions, dtype=np.int64)
         pairs = self.pair_index[positions]
         if self.sampling is not None and key is not None:
             return self.sampling.batch(self, pairs, epoch=key[0])
-        return make_batch(self._src_ids, self._src_offsets[pairs], self.src_lens[positions],
-                          self._tgt_ids, self._tgt_offsets[pairs], self.tgt_lens[positions])
+        return make_batch(
+            self._src_ids,
+            self._src_offsets[pairs],
+            self.src_lens[positions],
+            self._tgt_ids,
+            self._tgt_offsets[pairs],
+            self.tgt_lens[positions],
+        )
 
     def enable_subword_sampling(self, tokenizer: Tokenizer, alpha: float, nbest: int, seed: int) -> None:
         """Segment training batches afresh with SentencePiece sampling (`SubwordSampling`); needs the
         text that a preparation with data.subword_sampling > 0 keeps."""
         if not (self.directory / TEXT_FILES[0]).exists():
-            raise DataError(f"{self.directory}: prepared without its text; data.subword_sampling needs it "
-                            "(prepare with data.subword_sampling > 0)")
+            raise DataError(
+                f"{self.directory}: prepared without its text; data.subword_sampling needs it "
+                "(prepare with data.subword_sampling > 0)"
+            )
         self.sampling = SubwordSampling(tokenizer.state_dict(), alpha, nbest, seed, self.max_len)
-        log.info("%s: every training batch re-segmented with SentencePiece sampling (data.subword_sampling=%g%s), "
-                 "seeded by trainer.seed, epoch and pair", self.name, alpha,
-                 f", data.subword_nbest={nbest}" if nbest != -1 else "")
+        log.info(
+            "%s: every training batch re-segmented with SentencePiece sampling (data.subword_sampling=%g%s), "
+            "seeded by trainer.seed, epoch and pair",
+            self.name,
+            alpha,
+            f", data.subword_nbest={nbest}" if nbest != -1 else "",
+        )
 
     def sampled_lengths(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """Source and target lengths of the kept pairs in `epoch`'s sampled segmentation (the batch
@@ -147,10 +169,12 @@ class EncodedCorpus:
     def text(self, side: str, pairs: np.ndarray) -> list[str]:
         """The original lines of stored pairs `pairs` on `side` (src, tgt), from the kept text."""
         if not hasattr(self, "_text"):
-            self._text = {each: _mapped(self.directory / f"{each}.text", self.directory / f"{each}.text_offsets.npy",
-                                        np.uint8) for each in ("src", "tgt")}
+            self._text = {
+                each: _mapped(self.directory / f"{each}.text", self.directory / f"{each}.text_offsets.npy", np.uint8)
+                for each in ("src", "tgt")
+            }
         data, offsets = self._text[side]
-        return [data[offsets[p]:offsets[p + 1]].tobytes().decode("utf-8") for p in pairs]
+        return [data[offsets[p] : offsets[p + 1]].tobytes().decode("utf-8") for p in pairs]
 
     @property
     def identity(self) -> str:
@@ -164,8 +188,10 @@ class EncodedCorpus:
     def ids(self, position: int) -> tuple[list[int], list[int]]:
         """(source ids, target ids) of one kept pair (tests, debugging)."""
         pair = self.pair_index[position]
-        return (self._src_ids[self._src_offsets[pair]:self._src_offsets[pair + 1]].tolist(),
-                self._tgt_ids[self._tgt_offsets[pair]:self._tgt_offsets[pair + 1]].tolist())
+        return (
+            self._src_ids[self._src_offsets[pair] : self._src_offsets[pair + 1]].tolist(),
+            self._tgt_ids[self._tgt_offsets[pair] : self._tgt_offsets[pair + 1]].tolist(),
+        )
 
     def report(self) -> None:
         """Log what the filters dropped (a warning for unusable pairs, information for the cleaning rules);
@@ -174,19 +200,27 @@ class EncodedCorpus:
         if total:
             unusable = any(self.dropped[k] for k in ("empty", "NUL byte", "too long"))
             rules = f"max_len={self.max_len}" + (f", {self.cleaning}" if self.cleaning else "")
-            log.log(logging.WARNING if unusable else logging.INFO, "%s: dropped %d of %d pairs (%s; %s)", self.name,
-                    total, self.total_pairs, ", ".join(f"{k}: {v}" for k, v in self.dropped.items() if v), rules)
+            log.log(
+                logging.WARNING if unusable else logging.INFO,
+                "%s: dropped %d of %d pairs (%s; %s)",
+                self.name,
+                total,
+                self.total_pairs,
+                ", ".join(f"{k}: {v}" for k, v in self.dropped.items() if v),
+                rules,
+            )
         if not len(self):
-            raise DataError(f"{self.name} ({self.meta['source']}): no usable sentence pairs left after filtering "
-                            f"(all empty, longer than data.max_len={self.max_len} or dropped by the cleaning "
-                            "rules: see the line above)")
+            raise DataError(
+                f"{self.name} ({self.meta['source']}): no usable sentence pairs left after filtering "
+                f"(all empty, longer than data.max_len={self.max_len} or dropped by the cleaning "
+                "rules: see the line above)"
+            )
 
 
 def _mapped(data: Path, offsets: Path, dtype) -> tuple[np.ndarray, np.ndarray]:
     """A prepared flat array (memory-mapped; empty when it holds nothing) and its int64 offsets."""
     bounds = np.load(offsets)
-    flat = (np.memmap(data, dtype=dtype, mode="r", shape=(int(bounds[-1]),)) if bounds[-1]
-            else np.zeros(0, dtype=dtype))
+    flat = np.memmap(data, dtype=dtype, mode="r", shape=(int(bounds[-1]),)) if bounds[-1] else np.zeros(0, dtype=dtype)
     return flat, bounds
 
 
@@ -197,6 +231,7 @@ class SubwordSampling:
     epoch, pair): a pair has the same pieces in any DataLoader worker and after a resume, other pieces
     in the next epoch. The sampler packs each epoch by that epoch's sampled lengths (`lengths`), which
     collating the batch (`batch`) reproduces exactly. Sides are cut to data.max_len tokens."""
+
     tokenizer_state: dict
     alpha: float
     nbest: int
@@ -208,8 +243,11 @@ class SubwordSampling:
 
     def _seeds(self, pairs: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """Two 32-bit seeds per pair (source, target): splitmix64 of (seed, epoch, pair)."""
-        x = (pairs.astype(np.uint64) + np.uint64(epoch) * np.uint64(0x9E3779B97F4A7C15)
-             + np.uint64(self.seed) * np.uint64(0xD1B54A32D192ED03))
+        x = (
+            pairs.astype(np.uint64)
+            + np.uint64(epoch) * np.uint64(0x9E3779B97F4A7C15)
+            + np.uint64(self.seed) * np.uint64(0xD1B54A32D192ED03)
+        )
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x ^= x >> np.uint64(31)
@@ -218,25 +256,27 @@ class SubwordSampling:
     def segment(self, corpus: EncodedCorpus, pairs: np.ndarray, epoch: int) -> tuple[list, list]:
         """(source ids, target ids) of stored pairs `pairs` in `epoch`'s sampled segmentation."""
         import sentencepiece as spm
+
         if getattr(self, "_tokenizer", None) is None:
             self._tokenizer = Tokenizer.from_state_dict(self.tokenizer_state)
         sides = []
-        for seeds, side, processor in zip(self._seeds(pairs, epoch), ("src", "tgt"),
-                                          (self._tokenizer.src, self._tokenizer.tgt)):
+        for seeds, side, processor in zip(
+            self._seeds(pairs, epoch), ("src", "tgt"), (self._tokenizer.src, self._tokenizer.tgt)
+        ):
             ids = []
             # The generator is process-wide: seeded right before each sentence, so that its pieces
             # depend on (seed, epoch, pair) alone.
             for line, seed in zip(corpus.text(side, pairs), seeds.tolist()):
                 spm.set_random_generator_seed(seed)
                 ids.append(processor.encode(line, enable_sampling=True, alpha=self.alpha, nbest_size=self.nbest))
-            sides.append([seq[:self.max_len] for seq in ids] if self.max_len is not None else ids)
+            sides.append([seq[: self.max_len] for seq in ids] if self.max_len is not None else ids)
         return sides[0], sides[1]
 
     def lengths(self, corpus: EncodedCorpus, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """Source and target lengths of every kept pair in `epoch`'s sampled segmentation."""
         src, tgt = [], []
         for start in range(0, len(corpus.pair_index), 100_000):
-            s, t = self.segment(corpus, corpus.pair_index[start:start + 100_000], epoch)
+            s, t = self.segment(corpus, corpus.pair_index[start : start + 100_000], epoch)
             src.append(np.fromiter(map(len, s), dtype=np.int64, count=len(s)))
             tgt.append(np.fromiter(map(len, t), dtype=np.int64, count=len(t)))
         empty = np.zeros(0, dtype=np.int64)
@@ -254,6 +294,7 @@ class Cleaning:
     """The cleaning rules of a training split (`data.drop_duplicates`, `data.drop_copies`,
     `data.max_len_ratio`: 0 = no ratio rule; `data.langid`: the file of language flags beside the
     prepared split, or None)."""
+
     duplicates: bool
     copies: bool
     max_len_ratio: float
@@ -261,11 +302,16 @@ class Cleaning:
 
     @classmethod
     def of(cls, cfg: DataConfig) -> Cleaning:
-        return cls(cfg.drop_duplicates, cfg.drop_copies, cfg.max_len_ratio,
-                   f"langid.{cfg.src_lang}-{cfg.tgt_lang}.npy" if cfg.langid else None)
+        return cls(
+            cfg.drop_duplicates,
+            cfg.drop_copies,
+            cfg.max_len_ratio,
+            f"langid.{cfg.src_lang}-{cfg.tgt_lang}.npy" if cfg.langid else None,
+        )
 
-    def masks(self, flags: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray,
-              directory: Path) -> dict[str, np.ndarray]:
+    def masks(
+        self, flags: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray, directory: Path
+    ) -> dict[str, np.ndarray]:
         """The pairs each rule drops, by rule name, in the order the rules apply."""
         masks = {}
         if self.duplicates:
@@ -281,8 +327,9 @@ class Cleaning:
 
     def __str__(self) -> str:
         # the corpus's own rules: data.KEY, or its data.corpora entry's KEY where it sets one
-        return (f"drop_duplicates={self.duplicates}, drop_copies={self.copies}, "
-                f"max_len_ratio={self.max_len_ratio:g}" + (", langid=true" if self.langid else ""))
+        return f"drop_duplicates={self.duplicates}, drop_copies={self.copies}, max_len_ratio={self.max_len_ratio:g}" + (
+            ", langid=true" if self.langid else ""
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -315,13 +362,15 @@ def _move_aside(directory: Path, damage: CacheDamage) -> None:
     try:
         os.rename(directory, aside)
     except OSError as error:
-        raise DataError(f"{damage}, and {directory} cannot be moved aside to prepare it again "
-                        f"({error.strerror}); delete it") from None
+        raise DataError(
+            f"{damage}, and {directory} cannot be moved aside to prepare it again ({error.strerror}); delete it"
+        ) from None
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc: str, text: bool = False,
-               tag: str | None = None) -> dict:
+def _encode_to(
+    directory: Path, source: SplitSource, tokenizer: Tokenizer, desc: str, text: bool = False, tag: str | None = None
+) -> dict:
     """Encode `source` chunk by chunk (SentencePiece on every core) into the files of `directory`,
     written in a temporary directory renamed into place. Called under the preparation lock."""
     tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
@@ -331,21 +380,25 @@ def _encode_to(directory: Path, source: SplitSource, tokenizer: Tokenizer, desc:
         tmp.mkdir()
         meta = _write_split(tmp, source, tokenizer, desc, text, tag)
         changed = source.changed_since_fingerprint()
-        if changed:          # what was read mixes old and new lines; kept, it would pass for the old content
-            raise DataError(f"{changed[0]}: changed while it was being prepared (its size or modification time "
-                            "moved); nothing was kept: run again once it is written")
+        if changed:  # what was read mixes old and new lines; kept, it would pass for the old content
+            raise DataError(
+                f"{changed[0]}: changed while it was being prepared (its size or modification time "
+                "moved); nothing was kept: run again once it is written"
+            )
         os.rename(tmp, directory)
-    except OSError as error:                    # a full disk, a read-only cache: one line, not a traceback
+    except OSError as error:  # a full disk, a read-only cache: one line, not a traceback
         raise write_failure(error, "the prepared corpus", directory) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # on any failure (Ctrl-C included): nothing half-written
-    log.info("%s: %d pairs, %d + %d tokens -> %s", desc, meta["pairs"], meta["src_tokens"], meta["tgt_tokens"],
-             directory)
+    log.info(
+        "%s: %d pairs, %d + %d tokens -> %s", desc, meta["pairs"], meta["src_tokens"], meta["tgt_tokens"], directory
+    )
     return meta
 
 
-def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str, text: bool = False,
-                 tag: str | None = None) -> dict:
+def _write_split(
+    tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str, text: bool = False, tag: str | None = None
+) -> dict:
     """`text`: also keep every line's UTF-8 bytes (for subword sampling); `tag`: the target language whose
     tag starts every source sentence (a multilingual model)."""
     vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
@@ -353,16 +406,24 @@ def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str
     lengths = {"src": [], "tgt": []}
     text_lengths = {"src": [], "tgt": []}
     closing = contextlib.ExitStack()
-    text_files = {side: closing.enter_context(open(tmp / f"{side}.text", "wb")) for side in ("src", "tgt")} \
-        if text else {}
+    text_files = (
+        {side: closing.enter_context(open(tmp / f"{side}.text", "wb")) for side in ("src", "tgt")} if text else {}
+    )
     flags, keys = [], []
     threads = os.cpu_count() or 1
-    with closing, open(tmp / "src.ids", "wb") as src_file, open(tmp / "tgt.ids", "wb") as tgt_file, \
-            tqdm(desc=f"encoding {desc}", unit=" pairs", unit_scale=True, disable=None, leave=False) as bar:
+    with (
+        closing,
+        open(tmp / "src.ids", "wb") as src_file,
+        open(tmp / "tgt.ids", "wb") as tgt_file,
+        tqdm(desc=f"encoding {desc}", unit=" pairs", unit_scale=True, disable=None, leave=False) as bar,
+    ):
         for src, tgt in source.chunks():
             for side, lines, out in (("src", src, src_file), ("tgt", tgt, tgt_file)):
-                ids = tokenizer.encode_src(lines, num_threads=threads, tgt_lang=tag) if side == "src" \
+                ids = (
+                    tokenizer.encode_src(lines, num_threads=threads, tgt_lang=tag)
+                    if side == "src"
                     else tokenizer.encode_tgt(lines, num_threads=threads)
+                )
                 lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
                 out.write(np.fromiter((i for seq in ids for i in seq), dtype=dtype, count=int(lens.sum())).tobytes())
                 lengths[side].append(lens)
@@ -383,15 +444,23 @@ def _write_split(tmp: Path, source: SplitSource, tokenizer: Tokenizer, desc: str
             lens = np.concatenate(text_lengths[side]) if text_lengths[side] else np.zeros(0, dtype=np.int64)
             np.save(tmp / f"{side}.text_offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
     flag_array = np.concatenate(flags) if flags else np.zeros(0, dtype=np.uint8)
-    if keys:                                    # a pair seen before: every occurrence after the first
+    if keys:  # a pair seen before: every occurrence after the first
         _, first = np.unique(np.concatenate(keys), return_index=True)
         repeated = np.ones(len(flag_array), dtype=bool)
         repeated[first] = False
         flag_array[repeated] |= FLAG_DUPLICATE
     np.save(tmp / "flags.npy", flag_array)
-    meta = {"format": FORMAT_VERSION, "pairs": len(flag_array), **counts, "dtype": dtype.name,
-            "source": source.where, "src_vocab": tokenizer.src_vocab_size, "tgt_vocab": tokenizer.tgt_vocab_size,
-            "text": text, "files": {name: file_record(tmp / name) for name in DATA_FILES + (TEXT_FILES if text else ())}}
+    meta = {
+        "format": FORMAT_VERSION,
+        "pairs": len(flag_array),
+        **counts,
+        "dtype": dtype.name,
+        "source": source.where,
+        "src_vocab": tokenizer.src_vocab_size,
+        "tgt_vocab": tokenizer.tgt_vocab_size,
+        "text": text,
+        "files": {name: file_record(tmp / name) for name in DATA_FILES + (TEXT_FILES if text else ())},
+    }
     (tmp / "meta.json").write_text(sealed(meta))
     return meta
 
@@ -414,19 +483,30 @@ def _pair_properties(src: list[str], tgt: list[str]) -> tuple[np.ndarray, np.nda
     return flags, keys
 
 
-def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, split: str,
-                  build: bool = True) -> EncodedCorpus | None:
+def encoded_split(
+    source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, split: str, build: bool = True
+) -> EncodedCorpus | None:
     """The prepared split for this source and tokenizer: read from the cache once its files are checked,
     or encoded now (or None when it is missing or damaged and `build` is false). With `build`, call it
     under `preparation_lock`: a damaged split is moved aside and encoded again."""
-    text = split == "train" and cfg.subword_sampling > 0       # the text kept for subword sampling
-    tag = cfg.tgt_lang if tokenizer.target_languages else None   # a multilingual model: sources tagged
+    text = split == "train" and cfg.subword_sampling > 0  # the text kept for subword sampling
+    tag = cfg.tgt_lang if tokenizer.target_languages else None  # a multilingual model: sources tagged
     if tag is not None and tag not in tokenizer.target_languages:
-        raise DataError(f"{source.where}: translates into {tag!r}, which is not a target language of the "
-                        f"model's tokenizer (it knows {', '.join(tokenizer.target_languages)})")
-    key = hashlib.sha256(json.dumps({"source": source.fingerprint(), "tokenizer": tokenizer.fingerprint(),
-                                     "format": FORMAT_VERSION, **({"text": True} if text else {}),
-                                     **({"tag": tag} if tag else {})}).encode()).hexdigest()[:16]
+        raise DataError(
+            f"{source.where}: translates into {tag!r}, which is not a target language of the "
+            f"model's tokenizer (it knows {', '.join(tokenizer.target_languages)})"
+        )
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "source": source.fingerprint(),
+                "tokenizer": tokenizer.fingerprint(),
+                "format": FORMAT_VERSION,
+                **({"text": True} if text else {}),
+                **({"tag": tag} if tag else {}),
+            }
+        ).encode()
+    ).hexdigest()[:16]
     name = f"{cfg.name}.{split}"
     directory = Path(cfg.cache_dir) / "corpus" / f"{name}.{key}"
     try:
@@ -435,7 +515,7 @@ def encoded_split(source: SplitSource, tokenizer: Tokenizer, cfg: DataConfig, sp
     except CacheDamage as damage:
         if not build:
             return None
-        if directory.exists():                  # damaged, not simply never prepared
+        if directory.exists():  # damaged, not simply never prepared
             log.warning("%s; preparing %s again", damage, name)
             _move_aside(directory, damage)
         meta = _encode_to(directory, source, tokenizer, name, text, tag)
@@ -451,7 +531,7 @@ def _identified(path: Path, pairs: int) -> bool:
     """Whether `path` holds the language flags of `pairs` pairs (data.langid)."""
     try:
         return len(np.load(path, mmap_mode="r")) == pairs
-    except (OSError, ValueError):               # missing, or cut short by a killed run: identified again
+    except (OSError, ValueError):  # missing, or cut short by a killed run: identified again
         return False
 
 
@@ -459,12 +539,15 @@ def _identify_languages(path: Path, source: SplitSource, cfg: DataConfig, desc: 
     """The language flags of every pair of `source` (transformer/langid.py), saved as `path` beside the
     prepared split, written under another name and renamed. Called under the preparation lock."""
     started = time.perf_counter()
-    with tqdm(total=pairs, desc=f"identifying languages {desc}", unit=" pairs", unit_scale=True, disable=None,
-              leave=False) as bar:
+    with tqdm(
+        total=pairs, desc=f"identifying languages {desc}", unit=" pairs", unit_scale=True, disable=None, leave=False
+    ) as bar:
         flags = language_flags(source.chunks(), cfg.src_lang, cfg.tgt_lang, pairs, bar.update)
     if len(flags) != pairs:
-        raise DataError(f"{source.where}: {len(flags)} pairs now, {pairs} when it was prepared into "
-                        f"{path.parent}; was it changed meanwhile? Run again")
+        raise DataError(
+            f"{source.where}: {len(flags)} pairs now, {pairs} when it was prepared into "
+            f"{path.parent}; was it changed meanwhile? Run again"
+        )
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npy")
     try:
         np.save(tmp, flags)
@@ -473,9 +556,17 @@ def _identify_languages(path: Path, source: SplitSource, cfg: DataConfig, desc: 
         raise write_failure(error, "the language flags (data.langid)", path) from None
     finally:
         tmp.unlink(missing_ok=True)
-    log.info("%s: identified the languages of %d pairs in %.1f s (data.langid, py3langid): %d sources not %s, "
-             "%d targets not %s", desc, pairs, time.perf_counter() - started, int(((flags & WRONG_SOURCE) != 0).sum()),
-             cfg.src_lang, int(((flags & WRONG_TARGET) != 0).sum()), cfg.tgt_lang)
+    log.info(
+        "%s: identified the languages of %d pairs in %.1f s (data.langid, py3langid): %d sources not %s, "
+        "%d targets not %s",
+        desc,
+        pairs,
+        time.perf_counter() - started,
+        int(((flags & WRONG_SOURCE) != 0).sum()),
+        cfg.src_lang,
+        int(((flags & WRONG_TARGET) != 0).sum()),
+        cfg.tgt_lang,
+    )
 
 
 @contextlib.contextmanager
@@ -501,20 +592,32 @@ class PreparedData:
     tokenizer: Tokenizer
     train: EncodedCorpus
     valid: EncodedCorpus | None
-    sources: dict[str, SplitSource]          # the splits' text (validation and test are scored from it)
+    sources: dict[str, SplitSource]  # the splits' text (validation and test are scored from it)
     # A multilingual mixture: each direction's validation split and its text ("fr-en": (corpus, source));
     # `valid` and sources["validation"] are then data.src_lang -> data.tgt_lang's (else the first's).
     directions: dict[str, tuple[EncodedCorpus, SplitSource]] = field(default_factory=dict)
 
 
 def train_tokenizer(cfg: DataConfig, source: SplitSource, build: bool = True) -> Tokenizer | None:
-    return build_tokenizer(source, vocab_size=cfg.vocab_size, model_type=cfg.tokenizer_type, joint=cfg.joint_vocab,
-                           character_coverage=cfg.character_coverage, sample=cfg.tokenizer_sample,
-                           cache_dir=cfg.cache_dir, build=build, languages=cfg.target_languages())
+    return build_tokenizer(
+        source,
+        vocab_size=cfg.vocab_size,
+        model_type=cfg.tokenizer_type,
+        joint=cfg.joint_vocab,
+        character_coverage=cfg.character_coverage,
+        sample=cfg.tokenizer_sample,
+        cache_dir=cfg.cache_dir,
+        build=build,
+        languages=cfg.target_languages(),
+    )
 
 
-def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train", "validation"),
-            sources: dict[str, SplitSource] | None = None) -> PreparedData:
+def prepare(
+    cfg: DataConfig,
+    tokenizer: Tokenizer | None = None,
+    splits=("train", "validation"),
+    sources: dict[str, SplitSource] | None = None,
+) -> PreparedData:
     """Tokenizer (trained on the training split unless given) and the encoded `splits` (or `sources`,
     already opened). With data.corpora, the mixture of those corpora (`mixture.prepare_mixture`).
 
@@ -523,11 +626,12 @@ def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train"
     """
     if cfg.corpora:
         from transformer.mixture import prepare_mixture
+
         return prepare_mixture(cfg, tokenizer, splits, sources)
     sources = sources or {split: open_split(cfg, split) for split in splits}
     for source in sources.values():
-        source.fingerprint()                      # hashed outside the lock, once per process
-    checked: dict[tuple[str, str], EncodedCorpus] = {}    # (split, tokenizer): checked once per process
+        source.fingerprint()  # hashed outside the lock, once per process
+    checked: dict[tuple[str, str], EncodedCorpus] = {}  # (split, tokenizer): checked once per process
 
     def collect(build: bool) -> dict | None:
         tok = tokenizer or train_tokenizer(cfg, sources["train"], build=build)
@@ -549,11 +653,15 @@ def prepare(cfg: DataConfig, tokenizer: Tokenizer | None = None, splits=("train"
         with preparation_lock(cfg):
             encoded = collect(build=True)
     tokenizer = encoded["tokenizer"]
-    for split in ("train", "validation"):         # the test split is scored from its text: no filter report
+    for split in ("train", "validation"):  # the test split is scored from its text: no filter report
         if split in encoded:
             encoded[split].report()
-    log.info("data %s: %d training pairs%s", cfg.name, len(encoded["train"]),
-             f", {len(encoded['validation'])} validation pairs" if "validation" in encoded else "")
+    log.info(
+        "data %s: %d training pairs%s",
+        cfg.name,
+        len(encoded["train"]),
+        f", {len(encoded['validation'])} validation pairs" if "validation" in encoded else "",
+    )
     return PreparedData(tokenizer, encoded["train"], encoded.get("validation"), sources)
 
 
@@ -564,13 +672,14 @@ def main(argv: list[str] | None = None) -> None:
     from transformer.config import command_line_config
 
     # The log on stdout (as Hydra's for training), so that stderr holds nothing but an error line.
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stdout, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+    )
     try:
         cfg = command_line_config(sys.argv[1:] if argv is None else argv, "transformer-prepare")
-        if cfg is None:          # it printed the help or the composed config
+        if cfg is None:  # it printed the help or the composed config
             return
-        splits = ("validation",) if cfg.data.corpora else ("train", "validation")   # a mixture: its corpora
+        splits = ("validation",) if cfg.data.corpora else ("train", "validation")  # a mixture: its corpora
         sources = {split: open_split(cfg.data, split) for split in splits}
         try:
             sources["test"] = open_split(cfg.data, "test")
@@ -582,14 +691,20 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         next_interrupt_ends_at_once()
-        print("interrupted: preparation stopped; what was finished is kept, nothing half-written is left "
-              "(run it again to finish)", file=sys.stderr)
+        print(
+            "interrupted: preparation stopped; what was finished is kept, nothing half-written is left "
+            "(run it again to finish)",
+            file=sys.stderr,
+        )
         sys.exit(130)
-    except BrokenPipeError:          # `transformer-prepare --help | head`: the reader went away
+    except BrokenPipeError:  # `transformer-prepare --help | head`: the reader went away
         discard_stdout()
         sys.exit(0)
-    print(f"prepared {cfg.data.name}: {len(prepared.train)} training pairs, vocabulary "
-          f"{prepared.tokenizer.src_vocab_size} pieces, in {Path(cfg.data.cache_dir).resolve()}", flush=True)
+    print(
+        f"prepared {cfg.data.name}: {len(prepared.train)} training pairs, vocabulary "
+        f"{prepared.tokenizer.src_vocab_size} pieces, in {Path(cfg.data.cache_dir).resolve()}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

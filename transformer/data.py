@@ -30,6 +30,7 @@ _BLOCK_BYTES = 8 << 20
 
 def pa_types():
     import pyarrow.types
+
     return pyarrow.types
 
 
@@ -44,7 +45,7 @@ def _datasets(source: str):
     return datasets
 
 
-Chunk = tuple[list[str], list[str]]          # (source lines, target lines) of equal length
+Chunk = tuple[list[str], list[str]]  # (source lines, target lines) of equal length
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -59,7 +60,7 @@ def _decode(block: bytes, path: Path, first_line: int) -> list[str]:
     except UnicodeDecodeError as error:
         line_no = first_line + block.count(b"\n", 0, error.start)
         column = error.start - (block.rfind(b"\n", 0, error.start) + 1) + 1
-        utf16 = first_line == 1 and block[:2] in (b"\xff\xfe", b"\xfe\xff")     # its byte-order mark
+        utf16 = first_line == 1 and block[:2] in (b"\xff\xfe", b"\xfe\xff")  # its byte-order mark
         source = "utf-16" if utf16 else "latin1"
         raise DataError(
             f"{path}:{line_no}: invalid UTF-8 (byte 0x{block[error.start]:02x} at column {column}"
@@ -78,8 +79,14 @@ def _not_regular(path: Path) -> str | None:
         mode = path.stat().st_mode
     except OSError:
         return None
-    kinds = ((stat.S_ISREG, None), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    kinds = (
+        (stat.S_ISREG, None),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
     return next((kind for test, kind in kinds if test(mode)), "not a regular file")
 
 
@@ -114,7 +121,7 @@ def iter_line_blocks(path: Path) -> Iterator[list[str]]:
             if cut < 0:
                 rest = block
                 continue
-            rest = block[cut + 1:]
+            rest = block[cut + 1 :]
             lines = _decode(block[:cut], path, line_no)
             line_no += len(lines)
             yield lines
@@ -145,7 +152,7 @@ def _dangling(path: Path) -> str | None:
         return None
     try:
         path.resolve(strict=True)
-    except RuntimeError:                        # Python before 3.13
+    except RuntimeError:  # Python before 3.13
         return "a symbolic link in a loop"
     except OSError as error:
         if error.errno == errno.ELOOP:
@@ -180,7 +187,7 @@ class SplitSource:
     `fingerprint()` identifies the content (cache keys; computed once); `where` names it in messages."""
 
     where: str
-    files: tuple[Path, ...] = ()           # the files read (their content is what the fingerprint hashes)
+    files: tuple[Path, ...] = ()  # the files read (their content is what the fingerprint hashes)
     _fingerprint: str | None = None
     _stats: list | None = None
 
@@ -232,7 +239,9 @@ class ParallelFiles(SplitSource):
     def __init__(self, src_path: Path, tgt_path: Path):
         for path in (src_path, tgt_path):
             if not path.exists():
-                raise DataError(f"{path}: {_dangling(path) or 'file not found'} (check data.path and the language codes)")
+                raise DataError(
+                    f"{path}: {_dangling(path) or 'file not found'} (check data.path and the language codes)"
+                )
             _refuse_irregular(path)
         self.src_path, self.tgt_path = src_path, tgt_path
         self.files = (src_path, tgt_path)
@@ -256,7 +265,8 @@ class ParallelFiles(SplitSource):
                 tgt_count += sum(map(len, tgt_chunks))
                 raise DataError(
                     f"line counts differ: {self.src_path} has {src_count} lines, {self.tgt_path} has "
-                    f"{tgt_count}; a parallel corpus needs one target line per source line")
+                    f"{tgt_count}; a parallel corpus needs one target line per source line"
+                )
             yield src, tgt
 
 
@@ -270,7 +280,7 @@ class TsvFile(SplitSource):
         self.header = {(src_lang, tgt_lang), ("src", "tgt"), ("source", "target")}
 
     def _compute_fingerprint(self) -> str:
-        return "tsv-with-header-" + _hash_files(self.path)     # a header line was read as a pair before
+        return "tsv-with-header-" + _hash_files(self.path)  # a header line was read as a pair before
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
         line_no, quoted = 0, None
@@ -280,10 +290,18 @@ class TsvFile(SplitSource):
                 line_no += 1
                 fields = line.split("\t")
                 if len(fields) != 2:
-                    hint = ("; a field in CSV quotes holding a TAB or a line break? Write the file without quoting "
-                            "(csv.QUOTE_NONE) or as JSONL") if line.lstrip().startswith('"') else ""
-                    raise DataError(f"{self.path}:{line_no}: expected 2 tab-separated fields (source, target), "
-                                    f"found {len(fields)}{hint}")
+                    hint = (
+                        (
+                            "; a field in CSV quotes holding a TAB or a line break? Write the file without quoting "
+                            "(csv.QUOTE_NONE) or as JSONL"
+                        )
+                        if line.lstrip().startswith('"')
+                        else ""
+                    )
+                    raise DataError(
+                        f"{self.path}:{line_no}: expected 2 tab-separated fields (source, target), "
+                        f"found {len(fields)}{hint}"
+                    )
                 if line_no == 1 and (fields[0].strip().lower(), fields[1].strip().lower()) in self.header:
                     log.info("%s: line 1 (%s, %s) is a header, not a pair: skipped", self.path, *fields)
                     continue
@@ -294,12 +312,16 @@ class TsvFile(SplitSource):
             yield src, tgt
         if quoted is not None and self.path not in _WARNED_QUOTED:
             _WARNED_QUOTED.add(self.path)
-            log.warning("%s:%d: a field in CSV quotes (\"...\"\"...\", as pandas' to_csv writes a field holding a "
-                        "quote): TSV fields are read as plain text, quotes kept; write the file with "
-                        "quoting=csv.QUOTE_NONE, or as JSONL", self.path, quoted)
+            log.warning(
+                '%s:%d: a field in CSV quotes ("...""...", as pandas\' to_csv writes a field holding a '
+                "quote): TSV fields are read as plain text, quotes kept; write the file with "
+                "quoting=csv.QUOTE_NONE, or as JSONL",
+                self.path,
+                quoted,
+            )
 
 
-_WARNED_QUOTED: set[Path] = set()       # each file is read several times (tokenizer sample, encoding, test)
+_WARNED_QUOTED: set[Path] = set()  # each file is read several times (tokenizer sample, encoding, test)
 
 
 def _csv_quoted(field: str) -> bool:
@@ -315,28 +337,36 @@ class ArrowTable(SplitSource):
     src/tgt or source/target)."""
 
     def __init__(self, table, cfg: DataConfig, where: str, content: str | None = None):
-        self.table, self.where, self.content = table, where, content      # content: a local file's hash
+        self.table, self.where, self.content = table, where, content  # content: a local file's hash
         self.src_lang, self.tgt_lang = cfg.src_lang, cfg.tgt_lang
         names = table.column_names
         if "translation" in names:
             self.columns = None
             arrow_type = table.data.schema.field("translation").type
-            keys = {arrow_type.field(i).name for i in range(arrow_type.num_fields)} \
-                if pa_types().is_struct(arrow_type) else None
+            keys = (
+                {arrow_type.field(i).name for i in range(arrow_type.num_fields)}
+                if pa_types().is_struct(arrow_type)
+                else None
+            )
             if keys is None or not {cfg.src_lang, cfg.tgt_lang} <= keys:
                 found = f"keys {sorted(keys)}" if keys is not None else f"type {arrow_type}"
-                raise DataError(f"{where}: the 'translation' column must map {cfg.src_lang!r} and {cfg.tgt_lang!r} "
-                                f"to text (found {found}); check data.src_lang and data.tgt_lang")
-            self.binary = {f"translation.{lang}": self._text_type(arrow_type.field(lang).type, f"translation.{lang}")
-                           for lang in (cfg.src_lang, cfg.tgt_lang)}
+                raise DataError(
+                    f"{where}: the 'translation' column must map {cfg.src_lang!r} and {cfg.tgt_lang!r} "
+                    f"to text (found {found}); check data.src_lang and data.tgt_lang"
+                )
+            self.binary = {
+                f"translation.{lang}": self._text_type(arrow_type.field(lang).type, f"translation.{lang}")
+                for lang in (cfg.src_lang, cfg.tgt_lang)
+            }
             return
         for src_col, tgt_col in ((cfg.src_lang, cfg.tgt_lang), ("src", "tgt"), ("source", "target")):
             if src_col in names and tgt_col in names:
                 self.columns = (src_col, tgt_col)
                 self.binary = {col: self._text_type(table.data.schema.field(col).type, col) for col in self.columns}
                 return
-        raise DataError(f"{where}: no 'translation' column and no {cfg.src_lang!r}/{cfg.tgt_lang!r} columns "
-                        f"(found {names})")
+        raise DataError(
+            f"{where}: no 'translation' column and no {cfg.src_lang!r}/{cfg.tgt_lang!r} columns (found {names})"
+        )
 
     def _text_type(self, arrow_type, column: str) -> bool:
         """Whether `column` holds UTF-8 bytes (True) or strings (False); anything else (numbers, lists, or
@@ -349,11 +379,14 @@ class ArrowTable(SplitSource):
             return True
         record, value = self._first_non_text(column)
         where = f"record {record + 1} holds {value!r}" if record is not None else f"its type is {arrow_type}"
-        raise DataError(f"{self.where}: column {column!r} must hold text in every record ({where}); make every "
-                        "value a JSON string (or null), or fix the file's column types")
+        raise DataError(
+            f"{self.where}: column {column!r} must hold text in every record ({where}); make every "
+            "value a JSON string (or null), or fix the file's column types"
+        )
 
     def _first_non_text(self, column: str) -> tuple[int | None, object]:
         import json
+
         first = 0
         for batch in self.table.data.to_batches():
             values = self._column(batch, column)
@@ -375,12 +408,16 @@ class ArrowTable(SplitSource):
             return ["" if v is None else v.decode("utf-8") for v in values]
         except UnicodeDecodeError:
             bad = next(i for i, v in enumerate(values) if v is not None and not _is_utf8(v))
-            raise DataError(f"{self.where}: column {column!r}, record {first + bad + 1}: bytes that are not "
-                            "UTF-8; re-encode the corpus as UTF-8") from None
+            raise DataError(
+                f"{self.where}: column {column!r}, record {first + bad + 1}: bytes that are not "
+                "UTF-8; re-encode the corpus as UTF-8"
+            ) from None
 
     def _key_error(self) -> DataError:
-        return DataError(f"{self.where}: 'translation' entries lack {self.src_lang!r}/{self.tgt_lang!r} keys; "
-                         "check data.src_lang and data.tgt_lang")
+        return DataError(
+            f"{self.where}: 'translation' entries lack {self.src_lang!r}/{self.tgt_lang!r} keys; "
+            "check data.src_lang and data.tgt_lang"
+        )
 
     def _compute_fingerprint(self) -> str:
         identity = self.content or self.table._fingerprint
@@ -431,7 +468,7 @@ class InMemory(SplitSource):
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
         for start in range(0, len(self.src), size):
-            yield self.src[start:start + size], self.tgt[start:start + size]
+            yield self.src[start : start + size], self.tgt[start : start + size]
 
 
 class Concatenated(SplitSource):
@@ -456,9 +493,11 @@ def open_split(cfg: DataConfig, split: str, key: str = "data") -> SplitSource:
     split_key = {"train": cfg.train_split, "validation": cfg.valid_split, "test": cfg.test_split}.get(split, split)
     if cfg.path:
         if split != "train" and Path(cfg.path).expanduser().is_file():
-            raise DataError(f"{key}.path={cfg.path}: one file is a training split only (the {split} split would be "
-                            f"the training data itself, and best.pt chosen on it); point {key}.path at a directory "
-                            f"holding train.* and {split_key}.* files (data.local_splits names other stems)")
+            raise DataError(
+                f"{key}.path={cfg.path}: one file is a training split only (the {split} split would be "
+                f"the training data itself, and best.pt chosen on it); point {key}.path at a directory "
+                f"holding train.* and {split_key}.* files (data.local_splits names other stems)"
+            )
         return _open_local(cfg, split_key, key)
     if cfg.hub_id:
         return _open_hub(cfg, split_key, key)
@@ -481,13 +520,17 @@ def _open_local(cfg: DataConfig, split: str, key: str) -> SplitSource:
     name = cfg.split_name(split)
     kind = _not_regular(root)
     if kind not in (None, "a directory"):
-        raise DataError(f"{key}.path={cfg.path}: is not a regular file or a directory (it is {kind}); "
-                        "point it at the directory of your corpus files")
+        raise DataError(
+            f"{key}.path={cfg.path}: is not a regular file or a directory (it is {kind}); "
+            "point it at the directory of your corpus files"
+        )
     if root.is_file():
         if root.suffix not in (".tsv", ".jsonl", ".json", ".parquet"):
-            raise DataError(f"{key}.path={cfg.path}: one file must be .tsv, .jsonl or .parquet, holding both sides; "
-                            f"plain text comes as two files ({name}.{cfg.src_lang} + {name}.{cfg.tgt_lang}): point "
-                            f"{key}.path at their directory")
+            raise DataError(
+                f"{key}.path={cfg.path}: one file must be .tsv, .jsonl or .parquet, holding both sides; "
+                f"plain text comes as two files ({name}.{cfg.src_lang} + {name}.{cfg.tgt_lang}): point "
+                f"{key}.path at their directory"
+            )
         candidates = [root]
     else:
         src_file, tgt_file = root / f"{name}.{cfg.src_lang}", root / f"{name}.{cfg.tgt_lang}"
@@ -506,8 +549,12 @@ def _open_local(cfg: DataConfig, split: str, key: str) -> SplitSource:
         # with its old time (cp -p, rsync -a, touch -r) came back as the old rows. Keyed by content here.
         content = _hash_files(file)
         try:
-            table = datasets.load_dataset(builder, data_files=str(file), split="train",
-                                          cache_dir=str(Path(datasets.config.HF_DATASETS_CACHE) / "by-content" / content))
+            table = datasets.load_dataset(
+                builder,
+                data_files=str(file),
+                split="train",
+                cache_dir=str(Path(datasets.config.HF_DATASETS_CACHE) / "by-content" / content),
+            )
         except Exception as error:  # datasets raises many types for malformed files
             raise DataError(f"{file}: cannot be read as {builder}: {error}") from None
         return ArrowTable(table, cfg, str(file), content=content)

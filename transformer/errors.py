@@ -23,7 +23,7 @@ def discard_stdout() -> None:
     does not fail again, with a traceback, when Python flushes it at exit."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):               # no descriptor (a test's captured stdout)
+    except (OSError, ValueError):  # no descriptor (a test's captured stdout)
         pass
 
 
@@ -41,9 +41,13 @@ def import_torch_holding_interrupts() -> None:
     """`import torch` with Ctrl-C (SIGINT) held back until it is done, then delivered: one that arrives
     while torch's C library loads is otherwise lost, and the command runs on as if never interrupted.
     The commands call it before their first module that needs torch."""
-    if "torch" in sys.modules or threading.current_thread() is not threading.main_thread() \
-            or not hasattr(signal, "pthread_sigmask"):       # Windows: no signal masks
+    if (
+        "torch" in sys.modules
+        or threading.current_thread() is not threading.main_thread()
+        or not hasattr(signal, "pthread_sigmask")
+    ):  # Windows: no signal masks
         import torch  # noqa: F401
+
         return
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
@@ -75,6 +79,7 @@ def forget_unhandled_interrupt() -> None:
     command chose, after its message. Running an empty string through the same function clears it."""
     try:
         import ctypes
+
         ctypes.pythonapi.PyRun_SimpleString(b"")
-    except (ImportError, AttributeError, OSError):       # not CPython: no such flag
+    except (ImportError, AttributeError, OSError):  # not CPython: no such flag
         pass

@@ -31,13 +31,28 @@ from transformer.translate import (
 )
 
 
-def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src_file: str | None = None,
-             ref_file: str | None = None, beam_size: int | None = None, alpha: float | None = None,
-             device: str = "auto", precision: str = "auto", batch_tokens: int | None = None,
-             max_len_a: float | None = None, max_len_b: int | None = None, *, weights: list[float] | None = None,
-             quantize: str | None = None, workers: int | None = None, tokenized_lc: str | None = None,
-             src_lang: str | None = None, tgt_lang: str | None = None, label: str | None = None,
-             translator=None) -> dict:
+def evaluate(
+    checkpoint: str | Path | list[str | Path],
+    split: str = "test",
+    src_file: str | None = None,
+    ref_file: str | None = None,
+    beam_size: int | None = None,
+    alpha: float | None = None,
+    device: str = "auto",
+    precision: str = "auto",
+    batch_tokens: int | None = None,
+    max_len_a: float | None = None,
+    max_len_b: int | None = None,
+    *,
+    weights: list[float] | None = None,
+    quantize: str | None = None,
+    workers: int | None = None,
+    tokenized_lc: str | None = None,
+    src_lang: str | None = None,
+    tgt_lang: str | None = None,
+    label: str | None = None,
+    translator=None,
+) -> dict:
     """`checkpoint`: one, or a list (an ensemble, with optional `weights`). `tokenized_lc`: a file of the
     references lowercased and Moses-tokenized (Multi30k's tok/*.lc.norm.tok.*): BLEU as the literature
     reports it, beside ours (`validate.tokenized_lowercased_bleu`). `src_lang` / `tgt_lang`: another
@@ -50,25 +65,32 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
 
     checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
     checkpoint = checkpoints[0]
-    translator = translator or Translator.from_checkpoints(checkpoints, weights, device=device, precision=precision,
-                                                           quantize=quantize)
+    translator = translator or Translator.from_checkpoints(
+        checkpoints, weights, device=device, precision=precision, quantize=quantize
+    )
     data = translator.config.data
     known = data.languages()
     if src_lang and not data.target_languages() and src_lang != data.src_lang:
-        raise DataError(f"--src-lang {src_lang}: this model translates {data.src_lang} -> {data.tgt_lang} only; "
-                        "leave --src-lang out")
-    if src_lang and src_lang not in known:      # its text would be tagged and translated all the same
+        raise DataError(
+            f"--src-lang {src_lang}: this model translates {data.src_lang} -> {data.tgt_lang} only; "
+            "leave --src-lang out"
+        )
+    if src_lang and src_lang not in known:  # its text would be tagged and translated all the same
         raise DataError(f"--src-lang {src_lang}: the model was trained on {', '.join(known)} only; give one of those")
     if src_lang or tgt_lang:
-        data = dataclasses.replace(data, src_lang=src_lang or data.src_lang, tgt_lang=tgt_lang or data.tgt_lang,
-                                   corpora=[])
-        if data.src_lang == data.tgt_lang and (src_lang or not src_file):     # a --src file's language: unknown
+        data = dataclasses.replace(
+            data, src_lang=src_lang or data.src_lang, tgt_lang=tgt_lang or data.tgt_lang, corpora=[]
+        )
+        if data.src_lang == data.tgt_lang and (src_lang or not src_file):  # a --src file's language: unknown
             source = f"--src-lang {src_lang}" if src_lang else f"the checkpoint's data.src_lang {data.src_lang}"
             target = f"--tgt-lang {tgt_lang}" if tgt_lang else f"the checkpoint's data.tgt_lang {data.tgt_lang}"
-            raise DataError(f"{source} into {target}: source and target are the same language; give another "
-                            + ("--tgt-lang" if src_lang else "--src-lang"))
-    translator.tgt_lang = translator.target_language(tgt_lang or (None if src_file else data.tgt_lang),
-                                                     knob="--tgt-lang ")
+            raise DataError(
+                f"{source} into {target}: source and target are the same language; give another "
+                + ("--tgt-lang" if src_lang else "--src-lang")
+            )
+    translator.tgt_lang = translator.target_language(
+        tgt_lang or (None if src_file else data.tgt_lang), knob="--tgt-lang "
+    )
     if src_file or ref_file:
         if not (src_file and ref_file):
             raise DataError("give both --src and --ref")
@@ -78,7 +100,7 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
         if len(sources) != len(references):
             raise DataError(f"line counts differ: {src_file} has {len(sources)}, {ref_file} has {len(references)}")
         name = Path(src_file).name
-        if translator.config.data.target_languages():     # one file, several target languages: one result each
+        if translator.config.data.target_languages():  # one file, several target languages: one result each
             name += f".to-{data.tgt_lang}"
     else:
         sources, references = load_split_text(data, split)
@@ -90,42 +112,72 @@ def evaluate(checkpoint: str | Path | list[str | Path], split: str = "test", src
         _check_file("--tokenized-lc", tokenized_lc)
         tokenized_references = read_lines(Path(tokenized_lc))
         if len(tokenized_references) != len(sources):
-            raise DataError(f"--tokenized-lc {tokenized_lc}: {len(tokenized_references)} lines for {len(sources)} "
-                            f"sources; give the tokenized references of the same {name} lines")
+            raise DataError(
+                f"--tokenized-lc {tokenized_lc}: {len(tokenized_references)} lines for {len(sources)} "
+                f"sources; give the tokenized references of the same {name} lines"
+            )
         if not data.tgt_lang:
-            raise DataError("--tokenized-lc tokenizes for the target language, and the checkpoint's data.tgt_lang "
-                            "is not set")
+            raise DataError(
+                "--tokenized-lc tokenizes for the target language, and the checkpoint's data.tgt_lang is not set"
+            )
     beam = translator.config.decode.beam_size if beam_size is None else beam_size
-    name += (f".ensemble{len(checkpoints)}" if len(checkpoints) > 1 else "") + (f".{quantize}" if quantize else "") \
+    name += (
+        (f".ensemble{len(checkpoints)}" if len(checkpoints) > 1 else "")
+        + (f".{quantize}" if quantize else "")
         + (f".{label}" if label else "")
+    )
     hyp_path, json_path = output_paths(checkpoint, name, beam)
     source = str(Path(src_file).resolve()) if src_file else None
-    if _results_of_another_source(json_path, source):   # test.de of two directories, or a --src file named test
+    if _results_of_another_source(json_path, source):  # test.de of two directories, or a --src file named test
         name += "." + hashlib.sha256(str(source or split).encode()).hexdigest()[:6]
         hyp_path, json_path = output_paths(checkpoint, name, beam)
-    inputs = {f"the --src file {src_file}": src_file, f"the --ref file {ref_file}": ref_file,
-              **{f"the checkpoint {each}": each for each in checkpoints}}
+    inputs = {
+        f"the --src file {src_file}": src_file,
+        f"the --ref file {ref_file}": ref_file,
+        **{f"the checkpoint {each}": each for each in checkpoints},
+    }
     for path in (hyp_path, json_path):
         overwritten = overwritten_input(path, inputs)
         if overwritten:
-            raise DataError(f"{path}: is {overwritten}; evaluate writes its results there, which would destroy "
-                            "it; move or rename that file")
+            raise DataError(
+                f"{path}: is {overwritten}; evaluate writes its results there, which would destroy "
+                "it; move or rename that file"
+            )
     started = time.perf_counter()
-    hypotheses = translator.translate(sources, beam_size=beam, alpha=alpha, batch_tokens=batch_tokens,
-                                      max_len_a=max_len_a, max_len_b=max_len_b, progress=sys.stderr.isatty(),
-                                      workers=workers)
+    hypotheses = translator.translate(
+        sources,
+        beam_size=beam,
+        alpha=alpha,
+        batch_tokens=batch_tokens,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+        progress=sys.stderr.isatty(),
+        workers=workers,
+    )
     seconds = time.perf_counter() - started
-    result = {"checkpoint": str(checkpoint), "split": name, "src": source, "ref": str(Path(ref_file).resolve())
-              if ref_file else None, "src_lang": data.src_lang, "tgt_lang": data.tgt_lang, "sentences": len(sources),
-              "beam_size": beam, **({"alpha": translator.config.decode.alpha_for(translator.tgt_lang) if alpha is None
-                                     else alpha} if beam > 1 else {}),
-              **({"ensemble": [str(each) for each in checkpoints], "weights": weights} if len(checkpoints) > 1 else {}),
-              **({"quantize": quantize} if quantize else {}),
-              "seconds": round(seconds, 2), **score(hypotheses, references, data.tgt_lang)}
+    result = {
+        "checkpoint": str(checkpoint),
+        "split": name,
+        "src": source,
+        "ref": str(Path(ref_file).resolve()) if ref_file else None,
+        "src_lang": data.src_lang,
+        "tgt_lang": data.tgt_lang,
+        "sentences": len(sources),
+        "beam_size": beam,
+        **(
+            {"alpha": translator.config.decode.alpha_for(translator.tgt_lang) if alpha is None else alpha}
+            if beam > 1
+            else {}
+        ),
+        **({"ensemble": [str(each) for each in checkpoints], "weights": weights} if len(checkpoints) > 1 else {}),
+        **({"quantize": quantize} if quantize else {}),
+        "seconds": round(seconds, 2),
+        **score(hypotheses, references, data.tgt_lang),
+    }
     if tokenized_references is not None:
         result.update(tokenized_lowercased_bleu(hypotheses, tokenized_references, data.tgt_lang))
     model_data = translator.config.data
-    if model_data.target_languages():           # a multilingual model: how often it answers in another language
+    if model_data.target_languages():  # a multilingual model: how often it answers in another language
         result.update(off_target(hypotheses, data.tgt_lang, model_data.languages()) or {})
     hyp_path.write_text("".join(h.replace("\n", " ") + "\n" for h in hypotheses), encoding="utf-8")
     json_path.write_text(json.dumps(result, indent=2) + "\n")
@@ -165,26 +217,44 @@ def build_parser() -> CommandLineParser:
     parser.add_argument("--split", default="test", help="split of the checkpoint's data config (default test)")
     parser.add_argument("--src", help="source file (instead of --split)")
     parser.add_argument("--ref", help="reference file (instead of --split)")
-    parser.add_argument("--src-lang", metavar="LANG", help="a multilingual model: the source language of the "
-                        "split's files to translate (default: the checkpoint's data.src_lang)")
-    parser.add_argument("--tgt-lang", metavar="LANG", help="a multilingual model: the target language to translate "
-                        "into and score (default: the checkpoint's data.tgt_lang; needed with --src)")
-    parser.add_argument("--directions", metavar="all|SRC-TGT[,...]", help="a multilingual model: score several "
-                        "directions of the split, each as --src-lang/--tgt-lang would (all: every direction it "
-                        "trained), then their mean")
-    parser.add_argument("--tokenized-lc", metavar="REF", help="the same references lowercased and Moses-tokenized "
-                        "(Multi30k's tok/*.lc.norm.tok.*): also report BLEU as the literature does, our output "
-                        "lowercased, normalized and tokenized the same way (sacremoses), sacreBLEU tokenize=none; "
-                        "with --directions, {tgt} in REF stands for each target language")
-    add_decoding_flags(parser, leave_out=("nbest",))     # it scores the best translation of each line
-    for action in parser._actions:                       # --alpha: one value, or a search over several
+    parser.add_argument(
+        "--src-lang",
+        metavar="LANG",
+        help="a multilingual model: the source language of the "
+        "split's files to translate (default: the checkpoint's data.src_lang)",
+    )
+    parser.add_argument(
+        "--tgt-lang",
+        metavar="LANG",
+        help="a multilingual model: the target language to translate "
+        "into and score (default: the checkpoint's data.tgt_lang; needed with --src)",
+    )
+    parser.add_argument(
+        "--directions",
+        metavar="all|SRC-TGT[,...]",
+        help="a multilingual model: score several "
+        "directions of the split, each as --src-lang/--tgt-lang would (all: every direction it "
+        "trained), then their mean",
+    )
+    parser.add_argument(
+        "--tokenized-lc",
+        metavar="REF",
+        help="the same references lowercased and Moses-tokenized "
+        "(Multi30k's tok/*.lc.norm.tok.*): also report BLEU as the literature does, our output "
+        "lowercased, normalized and tokenized the same way (sacremoses), sacreBLEU tokenize=none; "
+        "with --directions, {tgt} in REF stands for each target language",
+    )
+    add_decoding_flags(parser, leave_out=("nbest",))  # it scores the best translation of each line
+    for action in parser._actions:  # --alpha: one value, or a search over several
         if action.dest == "alpha":
             action.type = alpha_values
             action.metavar = "A[,A...]|LANG=A[,...]"
-            action.help += ("; several values separated by commas score the split once with each and name the "
-                            "best (a length penalty search: run it on --split validation); LANG=A pairs "
-                            "(en=2,de=1.5) give each target language its own, as decode.alpha_by_language "
-                            "does").replace("%", "%%")
+            action.help += (
+                "; several values separated by commas score the split once with each and name the "
+                "best (a length penalty search: run it on --split validation); LANG=A pairs "
+                "(en=2,de=1.5) give each target language its own, as decode.alpha_by_language "
+                "does"
+            ).replace("%", "%%")
     return parser
 
 
@@ -206,8 +276,9 @@ def alpha_values(text: str) -> list[float] | dict[str, float]:
             return {language: float(value) for language, (_, value) in zip(languages, pairs)}
         values = [float(part) for part in parts]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number, numbers separated by commas (1,1.5,2), or "
-                                         "one per target language (en=2,de=1.5)") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a number, numbers separated by commas (1,1.5,2), or one per target language (en=2,de=1.5)"
+        ) from None
     if len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"{text!r}: a value is given twice")
     return values
@@ -215,21 +286,22 @@ def alpha_values(text: str) -> list[float] | dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    per_language = args.alpha if isinstance(args.alpha, dict) else None     # --alpha en=2,de=1.5
+    per_language = args.alpha if isinstance(args.alpha, dict) else None  # --alpha en=2,de=1.5
     alphas = [None] if per_language is not None else args.alpha or [None]
-    try:                                  # refused before the model is loaded
+    try:  # refused before the model is loaded
         others = {key: value for key, value in given_decoding_options(args).items() if key != "alpha"}
         for alpha in alphas:
             check_decode_options({**others, **({} if alpha is None else {"alpha": alpha})}, "cli")
         for language, alpha in (per_language or {}).items():
             try:
                 check_decode_options({**others, "alpha": alpha}, "cli")
-            except ValueError as error:            # "--alpha -1.0: must be ...", named with its language
+            except ValueError as error:  # "--alpha -1.0: must be ...", named with its language
                 raise ValueError(f"--alpha {language}={alpha:g}: {str(error).split(': ', 1)[1]}") from None
         _refuse_greedy(args.beam, alphas, per_language)
         if args.directions and (args.src_lang or args.tgt_lang or args.src or args.ref):
-            raise ValueError("--directions scores the split in each direction: leave out --src-lang, --tgt-lang, "
-                             "--src and --ref")
+            raise ValueError(
+                "--directions scores the split in each direction: leave out --src-lang, --tgt-lang, --src and --ref"
+            )
     except ValueError as error:
         print(f"transformer-evaluate: error: {error}", file=sys.stderr)
         return 2
@@ -239,34 +311,62 @@ def main(argv: list[str] | None = None) -> int:
         if bad_device:
             raise ValueError(bad_device)
         translator = None
-        if len(alphas) > 1 or args.directions or per_language is not None:   # loaded once for all below
+        if len(alphas) > 1 or args.directions or per_language is not None:  # loaded once for all below
             from transformer.translator import Translator
-            translator = Translator.from_checkpoints(args.checkpoints, weights, device=args.device,
-                                                     precision=args.precision, quantize=args.quantize)
+
+            translator = Translator.from_checkpoints(
+                args.checkpoints, weights, device=args.device, precision=args.precision, quantize=args.quantize
+            )
         directions = _directions(args.directions, translator) if args.directions else [(args.src_lang, args.tgt_lang)]
-        if translator is not None:           # a checkpoint that decodes greedily unless told otherwise
-            _refuse_greedy(translator.config.decode.beam_size if args.beam is None else args.beam, alphas,
-                           per_language)
+        if translator is not None:  # a checkpoint that decodes greedily unless told otherwise
+            _refuse_greedy(translator.config.decode.beam_size if args.beam is None else args.beam, alphas, per_language)
         if per_language is not None:
             _check_alpha_languages(per_language, translator, {tgt for _, tgt in directions})
-        if args.directions and args.tokenized_lc and "{tgt}" not in args.tokenized_lc \
-                and len({tgt for _, tgt in directions}) > 1:
-            raise ValueError(f"--tokenized-lc {args.tokenized_lc}: the directions have several target languages; "
-                             "write {tgt} where the language goes in the file name (test.lc.norm.tok.{tgt})")
+        if (
+            args.directions
+            and args.tokenized_lc
+            and "{tgt}" not in args.tokenized_lc
+            and len({tgt for _, tgt in directions}) > 1
+        ):
+            raise ValueError(
+                f"--tokenized-lc {args.tokenized_lc}: the directions have several target languages; "
+                "write {tgt} where the language goes in the file name (test.lc.norm.tok.{tgt})"
+            )
         results = []
         for src_lang, tgt_lang in directions:
-            if per_language is not None:       # the language's own, else the model's default for it
+            if per_language is not None:  # the language's own, else the model's default for it
                 alphas = [per_language.get(_scored_language(tgt_lang, translator))]
             for alpha in alphas:
-                results.append(evaluate(
-                    args.checkpoints, args.split, args.src, args.ref, args.beam, alpha, args.device, args.precision,
-                    args.batch_tokens, args.max_len_a, args.max_len_b, weights=weights, quantize=args.quantize,
-                    workers=args.workers, src_lang=src_lang, tgt_lang=tgt_lang, translator=translator,
-                    tokenized_lc=args.tokenized_lc.replace("{tgt}", tgt_lang) if args.tokenized_lc and tgt_lang
-                    else args.tokenized_lc, label=f"alpha{alpha:g}" if len(alphas) > 1 else None))
+                results.append(
+                    evaluate(
+                        args.checkpoints,
+                        args.split,
+                        args.src,
+                        args.ref,
+                        args.beam,
+                        alpha,
+                        args.device,
+                        args.precision,
+                        args.batch_tokens,
+                        args.max_len_a,
+                        args.max_len_b,
+                        weights=weights,
+                        quantize=args.quantize,
+                        workers=args.workers,
+                        src_lang=src_lang,
+                        tgt_lang=tgt_lang,
+                        translator=translator,
+                        tokenized_lc=args.tokenized_lc.replace("{tgt}", tgt_lang)
+                        if args.tokenized_lc and tgt_lang
+                        else args.tokenized_lc,
+                        label=f"alpha{alpha:g}" if len(alphas) > 1 else None,
+                    )
+                )
                 if len(alphas) > 1 or args.directions:
-                    print(_search_line(results[-1], bool(args.directions), len(alphas) > 1 or per_language is not None),
-                          flush=True)
+                    print(
+                        _search_line(results[-1], bool(args.directions), len(alphas) > 1 or per_language is not None),
+                        flush=True,
+                    )
     except KeyboardInterrupt:
         next_interrupt_ends_at_once()
         print("transformer-evaluate: interrupted", file=sys.stderr)
@@ -274,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, DataError, ValueError) as error:
         print(f"transformer-evaluate: error: {error}", file=sys.stderr)
         return 2
-    except OSError as error:          # e.g. the hypothesis file cannot be written beside the checkpoint
+    except OSError as error:  # e.g. the hypothesis file cannot be written beside the checkpoint
         print(f"transformer-evaluate: error: {error.filename}: {error.strerror}", file=sys.stderr)
         return 2
     if args.directions:
@@ -286,17 +386,23 @@ def main(argv: list[str] | None = None) -> int:
     result = results[0]
     if "ensemble" in result:
         print(f"ensemble of {len(result['ensemble'])}: {' '.join(result['ensemble'])}")
-    print(f"{result['split']}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  "
-          f"({result['sentences']} sentences, beam {result['beam_size']}, {result['seconds']:.1f} s)")
+    print(
+        f"{result['split']}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  "
+        f"({result['sentences']} sentences, beam {result['beam_size']}, {result['seconds']:.1f} s)"
+    )
     print(f"BLEU signature: {result['bleu_signature']}")
     if "bleu_tokenized_lc" in result:
-        print(f"BLEU tokenized and lowercased, as the literature reports it (not comparable with the above): "
-              f"{result['bleu_tokenized_lc']:.2f}  {result['bleu_tokenized_lc_signature']}")
+        print(
+            f"BLEU tokenized and lowercased, as the literature reports it (not comparable with the above): "
+            f"{result['bleu_tokenized_lc']:.2f}  {result['bleu_tokenized_lc_signature']}"
+        )
     print(f"chrF signature: {result['chrf_signature']}")
     if "off_target" in result:
         wrong = ", ".join(f"{lang} {count}" for lang, count in result["off_target_languages"].items())
-        print(f"off-target: {result['off_target']:.2f}% of the translations are in another of the model's languages "
-              f"({wrong or 'none'}; py3langid choosing among {', '.join(result['off_target_among'])})")
+        print(
+            f"off-target: {result['off_target']:.2f}% of the translations are in another of the model's languages "
+            f"({wrong or 'none'}; py3langid choosing among {', '.join(result['off_target_among'])})"
+        )
     print(f"hypotheses: {result['hypotheses_file']}\nscores: {result['scores_file']}")
     return 0
 
@@ -310,11 +416,15 @@ def _refuse_greedy(beam: int | None, alphas: list, per_language: dict[str, float
     if beam != 1:
         return
     if len(alphas) > 1:
-        raise ValueError(f"--alpha {','.join(f'{a:g}' for a in alphas)}: a length penalty search needs a beam "
-                         "of 2 or more (--beam 5): greedy search has no length penalty")
+        raise ValueError(
+            f"--alpha {','.join(f'{a:g}' for a in alphas)}: a length penalty search needs a beam "
+            "of 2 or more (--beam 5): greedy search has no length penalty"
+        )
     if per_language is not None:
-        raise ValueError(f"--alpha {_alpha_text(per_language)}: a length penalty per language needs a beam of 2 "
-                         "or more (--beam 5): greedy search has no length penalty")
+        raise ValueError(
+            f"--alpha {_alpha_text(per_language)}: a length penalty per language needs a beam of 2 "
+            "or more (--beam 5): greedy search has no length penalty"
+        )
 
 
 def _scored_language(tgt_lang: str | None, translator) -> str:
@@ -328,13 +438,18 @@ def _check_alpha_languages(per_language: dict[str, float], translator, targets: 
     known = translator.target_languages or [translator.config.data.tgt_lang]
     unknown = [language for language in per_language if language not in known]
     if unknown:
-        raise ValueError(f"--alpha {_alpha_text(per_language)}: the model does not translate into {unknown[0]}; "
-                         f"it translates into {', '.join(known)}")
+        raise ValueError(
+            f"--alpha {_alpha_text(per_language)}: the model does not translate into {unknown[0]}; "
+            f"it translates into {', '.join(known)}"
+        )
     scored = {_scored_language(target, translator) for target in targets}
     unused = [language for language in per_language if language not in scored]
     if unused:
-        print(f"note: --alpha {_alpha_text({lang: per_language[lang] for lang in unused})}: no direction "
-              f"scored here translates into {' or '.join(unused)}", file=sys.stderr)
+        print(
+            f"note: --alpha {_alpha_text({lang: per_language[lang] for lang in unused})}: no direction "
+            f"scored here translates into {' or '.join(unused)}",
+            file=sys.stderr,
+        )
 
 
 def _directions(given: str, translator) -> list[tuple[str, str]]:
@@ -345,7 +460,9 @@ def _directions(given: str, translator) -> list[tuple[str, str]]:
     pairs = [part.strip().split("-") for part in given.split(",")]
     bad = [part for part, pair in zip(given.split(","), pairs) if len(pair) != 2 or not all(pair)]
     if bad:
-        raise ValueError(f"--directions {given}: {bad[0].strip()!r} is not SRC-TGT; give all, or pairs such as de-en,en-fr")
+        raise ValueError(
+            f"--directions {given}: {bad[0].strip()!r} is not SRC-TGT; give all, or pairs such as de-en,en-fr"
+        )
     return [(src, tgt) for src, tgt in pairs]
 
 
@@ -353,42 +470,54 @@ def _search_line(result: dict, direction: bool = False, alpha: bool = True) -> s
     """One evaluation of a search or of several directions, in one line."""
     tokenized = f"  tokenized lowercased {result['bleu_tokenized_lc']:.2f}" if "bleu_tokenized_lc" in result else ""
     off = f"  off-target {result['off_target']:.2f}%" if "off_target" in result else ""
-    what = " ".join(([f"{result['src_lang']}-{result['tgt_lang']}"] if direction else [])
-                    + ([f"alpha {result['alpha']:g}"] if alpha else []))
-    return (f"{what}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}{tokenized}{off}  "
-            f"({result['seconds']:.1f} s)")
+    what = " ".join(
+        ([f"{result['src_lang']}-{result['tgt_lang']}"] if direction else [])
+        + ([f"alpha {result['alpha']:g}"] if alpha else [])
+    )
+    return f"{what}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}{tokenized}{off}  ({result['seconds']:.1f} s)"
 
 
 def _print_directions(results: list[dict], searched: bool, show_alpha: bool = False) -> None:
     """Several directions: with a search, the best alpha of each target language (the mean BLEU of the
     directions into it) and the setting that makes them the model's defaults; then each direction's
     result (at its language's best alpha) and their mean."""
+
     def direction(result):
         return f"{result['src_lang']}-{result['tgt_lang']}"
+
     chosen = results
     if searched:
         by_language: dict[str, dict[float, list[float]]] = {}
         for result in results:
             by_language.setdefault(result["tgt_lang"], {}).setdefault(result["alpha"], []).append(result["bleu"])
-        best = {language: max(scores, key=lambda a: sum(scores[a]) / len(scores[a]))
-                for language, scores in by_language.items()}
+        best = {
+            language: max(scores, key=lambda a: sum(scores[a]) / len(scores[a]))
+            for language, scores in by_language.items()
+        }
         for language, alpha in sorted(best.items()):
             means = ", ".join(f"{a:g}: {sum(v) / len(v):.2f}" for a, v in by_language[language].items())
             print(f"into {language}: alpha {alpha:g} (mean BLEU of the directions into it at each alpha: {means})")
-        print("as the model's defaults: decode.alpha_by_language='{"
-              + ", ".join(f"{language}: {alpha:g}" for language, alpha in sorted(best.items())) + "}' at training; "
-              f"for this model: --alpha {_alpha_text(dict(sorted(best.items())))}")
+        print(
+            "as the model's defaults: decode.alpha_by_language='{"
+            + ", ".join(f"{language}: {alpha:g}" for language, alpha in sorted(best.items()))
+            + "}' at training; "
+            f"for this model: --alpha {_alpha_text(dict(sorted(best.items())))}"
+        )
         chosen = [r for r in results if r["alpha"] == best[r["tgt_lang"]]]
     show_alpha = show_alpha or searched
     print(f"{'direction':10} {'BLEU':>6} {'chrF':>6}" + ("  alpha" if show_alpha else ""))
     for result in chosen:
-        print(f"{direction(result):10} {result['bleu']:6.2f} {result['chrf']:6.2f}"
-              + (f"  {result['alpha']:g}" if show_alpha else ""))
+        print(
+            f"{direction(result):10} {result['bleu']:6.2f} {result['chrf']:6.2f}"
+            + (f"  {result['alpha']:g}" if show_alpha else "")
+        )
     mean = sum(r["bleu"] for r in chosen) / len(chosen)
     print(f"{f'mean of {len(chosen)}':10} {mean:6.2f} {sum(r['chrf'] for r in chosen) / len(chosen):6.2f}")
     if searched and chosen[0]["split"].split(".")[0] == "test":
-        print("note: a length penalty chosen on the test split overstates its test score; search on "
-              "--split validation", file=sys.stderr)
+        print(
+            "note: a length penalty chosen on the test split overstates its test score; search on --split validation",
+            file=sys.stderr,
+        )
     print(f"BLEU signature: {chosen[0]['bleu_signature']} (each direction's in its results)")
     print(f"results: {', '.join(r['scores_file'] for r in chosen)}")
 
@@ -401,11 +530,15 @@ def _print_search(results: list[dict], args) -> None:
     language = best["tgt_lang"]
     multilingual = "off_target_among" in best
     key = f"decode.alpha_by_language.{language}" if multilingual else "decode.alpha"
-    print(f"as the model's default: {key}={best['alpha']:g} at training"
-          + (" (the length penalty of every direction into this language)" if multilingual else ""))
+    print(
+        f"as the model's default: {key}={best['alpha']:g} at training"
+        + (" (the length penalty of every direction into this language)" if multilingual else "")
+    )
     if args.src is None and args.split == "test":
-        print("note: a length penalty chosen on the test split overstates its test score; search on "
-              "--split validation", file=sys.stderr)
+        print(
+            "note: a length penalty chosen on the test split overstates its test score; search on --split validation",
+            file=sys.stderr,
+        )
     print(f"BLEU signature: {best['bleu_signature']}\nresults: {', '.join(r['scores_file'] for r in results)}")
 
 

@@ -28,6 +28,7 @@ def cache_only_without_network() -> str | None:
     constants.HF_HUB_OFFLINE = True
     try:
         import datasets.config
+
         datasets.config.HF_HUB_OFFLINE = True
     except ImportError:
         pass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-DROP_RESOLUTION = 32768     # the CPU dropout's probabilities are multiples of 1 / DROP_RESOLUTION (15 bits)
+DROP_RESOLUTION = 32768  # the CPU dropout's probabilities are multiples of 1 / DROP_RESOLUTION (15 bits)
 
 
 def _keep_mask(shape: torch.Size, threshold: int, device) -> torch.Tensor:
@@ -20,7 +20,7 @@ def _keep_mask(shape: torch.Size, threshold: int, device) -> torch.Tensor:
     time), so every 16-bit lane is masked to its low 15 bits, all uniform."""
     numel = shape.numel()
     bits = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device).random_()
-    bits.bitwise_and_(0x7FFF7FFF7FFF7FFF)                                  # four lanes of 15 bits
+    bits.bitwise_and_(0x7FFF7FFF7FFF7FFF)  # four lanes of 15 bits
     values = bits.view(torch.int16)[:numel]
     return (values >= threshold).view(shape).view(torch.uint8)
 
@@ -37,7 +37,7 @@ class _CpuDropout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, p: float, residual=None):
-        threshold = min(round(p * DROP_RESOLUTION), DROP_RESOLUTION - 1)    # p < 1: never all dropped
+        threshold = min(round(p * DROP_RESOLUTION), DROP_RESOLUTION - 1)  # p < 1: never all dropped
         keep = _keep_mask(x.shape, threshold, x.device)
         ctx.scale = 1.0 / (1.0 - threshold / DROP_RESOLUTION)
         ctx.x_dtype, ctx.has_residual = x.dtype, residual is not None
@@ -48,7 +48,7 @@ class _CpuDropout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (keep,) = ctx.saved_tensors
-        grad_x = torch.empty(keep.shape, dtype=ctx.x_dtype, device=grad.device)   # in x's dtype, one pass
+        grad_x = torch.empty(keep.shape, dtype=ctx.x_dtype, device=grad.device)  # in x's dtype, one pass
         torch.addcmul(grad.new_zeros(()), grad, keep, value=ctx.scale, out=grad_x)
         return grad_x, None, grad if ctx.has_residual else None
 
@@ -62,7 +62,7 @@ class Dropout(nn.Dropout):
         return self.training and self.p > 0.0 and x.device.type == "cpu" and not torch.compiler.is_compiling()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:     # the identity: no operator (decoding calls this per step)
+        if not self.training or self.p == 0.0:  # the identity: no operator (decoding calls this per step)
             return x
         return _CpuDropout.apply(x, self.p) if self._cpu_mask(x) else super().forward(x)
 

@@ -23,9 +23,9 @@ import numpy as np
 
 from transformer.errors import DataError
 
-WRONG_SOURCE, WRONG_TARGET = 1, 2        # language_flags: the source / the target is in another language
-PARALLEL_FROM = 50_000                   # lines: fewer are identified in this process, more by one process per core
-BATCH_LINES = 20_000                     # lines per task of the process pool
+WRONG_SOURCE, WRONG_TARGET = 1, 2  # language_flags: the source / the target is in another language
+PARALLEL_FROM = 50_000  # lines: fewer are identified in this process, more by one process per core
+BATCH_LINES = 20_000  # lines per task of the process pool
 
 
 def code(lang: str) -> str:
@@ -39,8 +39,9 @@ def identifier():
     try:
         from py3langid.langid import MODEL_FILE, LanguageIdentifier
     except ImportError:
-        raise DataError("language identification needs py3langid, which is not installed: "
-                        "pip install py3langid") from None
+        raise DataError(
+            "language identification needs py3langid, which is not installed: pip install py3langid"
+        ) from None
     return LanguageIdentifier.from_model_file(MODEL_FILE)
 
 
@@ -59,10 +60,12 @@ def check_known(languages: Iterable[str]) -> None:
     """DataError naming the `languages` py3langid cannot identify (and the codes it knows), if any."""
     missing = list(dict.fromkeys(unknown(languages)))
     if missing:
-        raise DataError(f"langid: py3langid does not know the language code(s) {', '.join(missing)} (the "
-                        "corpus's src_lang / tgt_lang: data.src_lang / data.tgt_lang, or its data.corpora entry's); "
-                        f"it knows {', '.join(sorted(known_languages()))}. Use one of those codes, or turn the rule "
-                        "off for that corpus (data.langid=false, or langid: false in its data.corpora entry)")
+        raise DataError(
+            f"langid: py3langid does not know the language code(s) {', '.join(missing)} (the "
+            "corpus's src_lang / tgt_lang: data.src_lang / data.tgt_lang, or its data.corpora entry's); "
+            f"it knows {', '.join(sorted(known_languages()))}. Use one of those codes, or turn the rule "
+            "off for that corpus (data.langid=false, or langid: false in its data.corpora entry)"
+        )
 
 
 def identify(texts: list[str], languages: Iterable[str] | None = None) -> list[str]:
@@ -83,8 +86,12 @@ def off_target(hypotheses: list[str], tgt_lang: str, languages: Iterable[str]) -
     found = [lang for lang in identify(hypotheses, among) if lang]
     wrong = Counter(lang for lang in found if lang != code(tgt_lang))
     count = sum(wrong.values())
-    return {"off_target": round(100.0 * count / max(len(found), 1), 2), "off_target_count": count,
-            "off_target_languages": dict(wrong.most_common()), "off_target_among": among}
+    return {
+        "off_target": round(100.0 * count / max(len(found), 1), 2),
+        "off_target_count": count,
+        "off_target_languages": dict(wrong.most_common()),
+        "off_target_among": among,
+    }
 
 
 def _flags(pairs: tuple[list[str], list[str], str, str]) -> np.ndarray:
@@ -97,16 +104,20 @@ def _flags(pairs: tuple[list[str], list[str], str, str]) -> np.ndarray:
     return flags
 
 
-def language_flags(chunks: Iterable[tuple[list[str], list[str]]], src_lang: str, tgt_lang: str, total: int,
-                   progress=None) -> np.ndarray:
+def language_flags(
+    chunks: Iterable[tuple[list[str], list[str]]], src_lang: str, tgt_lang: str, total: int, progress=None
+) -> np.ndarray:
     """Per pair of `chunks` (source lines, target lines; `total` pairs in all): WRONG_SOURCE when the source
     is identified as another language than `src_lang`, WRONG_TARGET likewise; blank lines are never
     flagged. From PARALLEL_FROM pairs on, one process per core (spawned: a fork of a process running
     PyTorch's threads can hang), at most two batches per process in flight, so a corpus of millions of
     lines is never all in memory. `progress(n)` is called with each batch's pairs."""
     check_known([src_lang, tgt_lang])
-    batches = ((src[i:i + BATCH_LINES], tgt[i:i + BATCH_LINES], code(src_lang), code(tgt_lang))
-               for src, tgt in chunks for i in range(0, len(src), BATCH_LINES))
+    batches = (
+        (src[i : i + BATCH_LINES], tgt[i : i + BATCH_LINES], code(src_lang), code(tgt_lang))
+        for src, tgt in chunks
+        for i in range(0, len(src), BATCH_LINES)
+    )
     results = []
     if total < PARALLEL_FROM:
         for batch in batches:

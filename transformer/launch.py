@@ -34,8 +34,13 @@ overrides and flags: transformer-train --help."""
 def torchrun_options() -> dict[str, bool]:
     """torchrun's option words (both spellings), each with whether it takes a value."""
     from torch.distributed.run import get_args_parser
-    return {word: action.nargs != 0 for action in get_args_parser()._actions
-            for word in action.option_strings if word not in NOT_TORCHRUN}
+
+    return {
+        word: action.nargs != 0
+        for action in get_args_parser()._actions
+        for word in action.option_strings
+        if word not in NOT_TORCHRUN
+    }
 
 
 def split_command_line(argv: list[str], options: dict[str, bool]) -> tuple[list[str], list[str]]:
@@ -50,7 +55,7 @@ def split_command_line(argv: list[str], options: dict[str, bool]) -> tuple[list[
         torchrun.append(word)
         if options[name] and "=" not in word:
             value = next(words, None)
-            if value is not None:            # none: torchrun's parser says the value is missing
+            if value is not None:  # none: torchrun's parser says the value is missing
                 torchrun.append(value)
     return torchrun, trainer
 
@@ -64,7 +69,7 @@ def failure_line(rank: int, exitcode: int) -> tuple[str | None, int]:
     if exitcode < 0:
         name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
         cause = " (the kernel's out-of-memory killer? see `dmesg`)" if name == "SIGKILL" else ""
-        return f"error: rank {rank} was killed by {name}{cause}", 128 - exitcode    # as a shell reports it
+        return f"error: rank {rank} was killed by {name}{cause}", 128 - exitcode  # as a shell reports it
     return f"error: rank {rank} exited with status {exitcode} (its own message is above)", exitcode
 
 
@@ -86,13 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     torchrun, trainer = split_command_line(argv, torchrun_options())
-    refuse_bare_words(trainer)            # what every rank would refuse: one line, before any rank starts
+    refuse_bare_words(trainer)  # what every rank would refuse: one line, before any rank starts
     refuse_uncomposable(trainer, validate=True)
-    args = parse_args([*torchrun, *PROGRAM, *trainer])            # argparse: usage and exit 2 when wrong
+    args = parse_args([*torchrun, *PROGRAM, *trainer])  # argparse: usage and exit 2 when wrong
     os.environ[LAUNCH_ENV] = shlex.join([*launcher_name(), *torchrun])
     try:
         run(args)
-    except SignalException as stop:             # the ranks said where last.pt is and how to continue
+    except SignalException as stop:  # the ranks said where last.pt is and how to continue
         return signal_exit_status(signal.Signals(stop.sigval).name)
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if line:
             print(line, file=sys.stderr)
         return status
-    except KeyboardInterrupt:                   # before the agent's own handler was in place
+    except KeyboardInterrupt:  # before the agent's own handler was in place
         return 130
     return 0
 

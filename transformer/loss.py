@@ -62,10 +62,10 @@ class _LogitGradient:
         self.mode = "none" if not wanted else ("stored" if h.dtype == torch.float16 else "eager")
         (n_tokens, dim), vocab = h.shape, w.size(0)
         if self.mode == "stored":
-            self.logits = torch.empty(n_tokens, vocab, dtype=torch.float32, device=h.device)   # (N, V)
+            self.logits = torch.empty(n_tokens, vocab, dtype=torch.float32, device=h.device)  # (N, V)
         elif self.mode == "eager":
-            self.hidden = torch.empty(n_tokens, dim, dtype=torch.float32, device=h.device)     # (N, D) G W
-            self.weight = torch.zeros(vocab, dim, dtype=torch.float32, device=h.device)        # (V, D) Gᵀ H
+            self.hidden = torch.empty(n_tokens, dim, dtype=torch.float32, device=h.device)  # (N, D) G W
+            self.weight = torch.zeros(vocab, dim, dtype=torch.float32, device=h.device)  # (V, D) Gᵀ H
             # bf16: rows of G and of H (scaled) wait in (P, V) and (P, D) buffers, made when a chunk is
             # smaller than P, for their share of Gᵀ H
             self.pending_capacity = min(WEIGHT_PRODUCT_ROWS, n_tokens)
@@ -82,17 +82,17 @@ class _LogitGradient:
             if scale != 1.0:
                 self.hidden[rows] *= scale
             self.weight.addmm_(grad.t(), self.h[rows], alpha=scale)
-        elif self.mode == "eager":            # bfloat16 (or float64) products, summed in float32
+        elif self.mode == "eager":  # bfloat16 (or float64) products, summed in float32
             n = grad.size(0)
-            gathered = n < self.pending_capacity                       # else: a chunk as large as the buffer
+            gathered = n < self.pending_capacity  # else: a chunk as large as the buffer
             if gathered:
                 if self.pending_grad is None:
-                    self.pending_grad = self.h.new_empty(self.pending_capacity, self.w.size(0))     # (P, V)
-                    self.pending_h = self.h.new_empty(self.pending_capacity, self.h.size(1))        # (P, D)
+                    self.pending_grad = self.h.new_empty(self.pending_capacity, self.w.size(0))  # (P, V)
+                    self.pending_h = self.h.new_empty(self.pending_capacity, self.h.size(1))  # (P, D)
                 if self.pending_rows + n > self.pending_capacity:
                     self._flush()
                 waiting = slice(self.pending_rows, self.pending_rows + n)
-                grad = self.pending_grad[waiting].copy_(grad)            # (n, V) in the compute dtype
+                grad = self.pending_grad[waiting].copy_(grad)  # (n, V) in the compute dtype
             else:
                 grad = grad.to(self.h.dtype)
             self.hidden[rows] = (grad @ self.w).float() * scale
@@ -115,15 +115,17 @@ class _LogitGradient:
             return self.logits, self.h, self.w
         if self.mode == "eager":
             self._flush()
-            del self.pending_grad, self.pending_h                        # (P, V): not kept for backward
+            del self.pending_grad, self.pending_h  # (P, V): not kept for backward
         return (self.hidden, self.weight) if self.mode == "eager" else ()
 
     @staticmethod
-    def products(mode: str, tensors: tuple[torch.Tensor, ...], scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def products(
+        mode: str, tensors: tuple[torch.Tensor, ...], scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale G W, scale Gᵀ H) in float32, from the `tensors()` of a `mode` gradient."""
         if mode == "stored":
             logits, h, w = tensors
-            scaled = (logits * scale).to(h.dtype)                           # fp16: scaled into its range
+            scaled = (logits * scale).to(h.dtype)  # fp16: scaled into its range
             return (scaled @ w).float(), (scaled.t() @ h).float()
         hidden, weight = tensors
         return hidden * scale, weight * scale
@@ -135,23 +137,32 @@ def _softmax_chunk(h_rows: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor):
 
     One exp per logit: lse = z_max - log p_max, since p_max >= 1/V cannot underflow as a tiny p_y would,
     so log p_y = z_y - lse is exact without a log-softmax (a second exp per logit)."""
-    logits = (h_rows @ w.t()).float()                                           # (n, V)
-    top_logit = logits.amax(dim=1)                                              # (n,)
-    logit_of_target = logits.gather(1, tgt).squeeze(1)                          # (n,)
-    probs = torch.softmax(logits, dim=1)                                        # (n, V)
+    logits = (h_rows @ w.t()).float()  # (n, V)
+    top_logit = logits.amax(dim=1)  # (n,)
+    logit_of_target = logits.gather(1, tgt).squeeze(1)  # (n,)
+    probs = torch.softmax(logits, dim=1)  # (n, V)
     return logits, probs, top_logit, logit_of_target, top_logit - probs.amax(dim=1).log()
 
 
 class _FusedOutputCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, smoothing: float, rdrop: float, compute_dtype: torch.dtype,
-                gradient_wanted: bool = True):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        target,
+        smoothing: float,
+        rdrop: float,
+        compute_dtype: torch.dtype,
+        gradient_wanted: bool = True,
+    ):
         # hidden (N, D), weight (V, D), target (N,) -> summed loss, summed NLL, correct predictions
         # (float32 scalars; a target counts as predicted when no token is more probable)
         n_tokens, vocab = hidden.size(0), weight.size(0)
         if rdrop:
-            return _FusedOutputCrossEntropy._forward_rdrop(ctx, hidden, weight, target, smoothing, rdrop,
-                                                           compute_dtype, gradient_wanted)
+            return _FusedOutputCrossEntropy._forward_rdrop(
+                ctx, hidden, weight, target, smoothing, rdrop, compute_dtype, gradient_wanted
+            )
         chunk = CHUNK_ROWS.get(hidden.device.type, 1024)
         with autocast_off(hidden.device.type):
             h = hidden.to(compute_dtype)
@@ -167,16 +178,17 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
                 nll[rows] = lse - logit_of_target[rows]
                 correct += (logit_of_target[rows] >= top_logit).sum()
                 probs[torch.arange(probs.size(0), device=probs.device), tgt[:, 0]] -= 1.0 - smoothing
-                gradient.add(rows, probs)                                       # G = softmax - (1 - ε) onehot
+                gradient.add(rows, probs)  # G = softmax - (1 - ε) onehot
             nll_sum = nll.sum()
             loss_sum = (1.0 - smoothing) * nll_sum
-            weight_sum = w.float().sum(0) if smoothing else None                # (D,) Σ_v w_v, also for backward
+            weight_sum = w.float().sum(0) if smoothing else None  # (D,) Σ_v w_v, also for backward
             if smoothing:
-                log_partition = logit_of_target + nll                           # (N,) lse = z_y - log p_y
-                mean_logp = (h.float() @ weight_sum) / vocab - log_partition    # (N,) mean_v log p_v
+                log_partition = logit_of_target + nll  # (N,) lse = z_y - log p_y
+                mean_logp = (h.float() @ weight_sum) / vocab - log_partition  # (N,) mean_v log p_v
                 loss_sum = loss_sum - smoothing * mean_logp.sum()
-        return _FusedOutputCrossEntropy._keep_for_backward(ctx, gradient, weight_sum, hidden, weight, smoothing,
-                                                           loss_sum, nll_sum, correct)
+        return _FusedOutputCrossEntropy._keep_for_backward(
+            ctx, gradient, weight_sum, hidden, weight, smoothing, loss_sum, nll_sum, correct
+        )
 
     @staticmethod
     def _keep_for_backward(ctx, gradient, weight_sum, hidden, weight, smoothing, loss_sum, nll_sum, correct):
@@ -184,8 +196,8 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
         ctx.mode = gradient.mode
         ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.uniform = smoothing / weight.size(0) if gradient.mode != "none" else 0.0
-        sums = (weight_sum, gradient.h.float().sum(0)) if ctx.uniform else ()   # the -ε/V at every logit:
-        ctx.save_for_backward(*gradient.tensors(), *sums)                        # Σ_v w_v and Σ_n h_n (D,)
+        sums = (weight_sum, gradient.h.float().sum(0)) if ctx.uniform else ()  # the -ε/V at every logit:
+        ctx.save_for_backward(*gradient.tensors(), *sums)  # Σ_v w_v and Σ_n h_n (D,)
         ctx.mark_non_differentiable(correct)
         return loss_sum, nll_sum, correct
 
@@ -210,11 +222,11 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
             raise ValueError(f"R-Drop needs the two passes' rows: an even number of tokens, not {n_tokens}")
         pairs = n_tokens // 2
         chunk = CHUNK_ROWS.get(hidden.device.type, 1024) // 2
-        half = rdrop / 2                                                           # a, the KL sum's weight
+        half = rdrop / 2  # a, the KL sum's weight
         with autocast_off(hidden.device.type):
             h = hidden.to(compute_dtype)
             w = weight.to(compute_dtype)
-            weight_sum = w.float().sum(0)                                          # (D,) Σ_v w_v
+            weight_sum = w.float().sum(0)  # (D,) Σ_v w_v
             gradient = _LogitGradient(h, w, gradient_wanted)
             nll_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
             mean_logp_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -222,8 +234,10 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
             correct = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, pairs, chunk):
                 passes = []
-                for rows in (slice(start, min(start + chunk, pairs)),
-                             slice(pairs + start, pairs + min(start + chunk, pairs))):
+                for rows in (
+                    slice(start, min(start + chunk, pairs)),
+                    slice(pairs + start, pairs + min(start + chunk, pairs)),
+                ):
                     tgt = target[rows][:, None]
                     logits, probs, top_logit, logit_of_target, lse = _softmax_chunk(h[rows], w, tgt)
                     nll_sum += (lse - logit_of_target).sum()
@@ -231,11 +245,11 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
                     correct += (logit_of_target >= top_logit).sum()
                     passes.append((rows, tgt, logits, probs, lse))
                 (rows_p, tgt_p, log_ratio, p, lse_p), (rows_q, tgt_q, buffer, q, lse_q) = passes
-                log_ratio.sub_(buffer).sub_((lse_p - lse_q)[:, None])              # (n, V) r = log p - log q
-                kl_pq = torch.linalg.vecdot(p, log_ratio)                           # (n,) KL(p || q)
-                kl_qp = -torch.linalg.vecdot(q, log_ratio)                          # (n,) KL(q || p)
+                log_ratio.sub_(buffer).sub_((lse_p - lse_q)[:, None])  # (n, V) r = log p - log q
+                kl_pq = torch.linalg.vecdot(p, log_ratio)  # (n,) KL(p || q)
+                kl_qp = -torch.linalg.vecdot(q, log_ratio)  # (n,) KL(q || p)
                 kl_sum += (kl_pq + kl_qp).sum()
-                if gradient.mode == "none":                                         # no autograd: the loss only
+                if gradient.mode == "none":  # no autograd: the loss only
                     continue
                 rows_of = torch.arange(p.size(0), device=p.device)
                 # first pass: a (p ⊙ (r + c_p) - q) with c_p = (1 + a) / a - KL(p || q), in the buffer
@@ -247,9 +261,10 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
                 grad[rows_of, tgt_q[:, 0]] += (1.0 - smoothing) / half
                 gradient.add(rows_q, grad, -half)
             loss_sum = (1.0 - smoothing) * nll_sum - smoothing * mean_logp_sum + half * kl_sum
-            weight_sum = weight_sum if smoothing else None                          # for backward
-        return _FusedOutputCrossEntropy._keep_for_backward(ctx, gradient, weight_sum, hidden, weight, smoothing,
-                                                           loss_sum, nll_sum, correct)
+            weight_sum = weight_sum if smoothing else None  # for backward
+        return _FusedOutputCrossEntropy._keep_for_backward(
+            ctx, gradient, weight_sum, hidden, weight, smoothing, loss_sum, nll_sum, correct
+        )
 
     @staticmethod
     def backward(ctx, grad_loss, grad_nll, grad_correct):
@@ -258,17 +273,18 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
         hidden_dtype, weight_dtype = ctx.dtypes
         scale = grad_loss.float()
         saved = ctx.saved_tensors
-        if ctx.uniform:                               # the -ε/V at every logit, through each matmul
+        if ctx.uniform:  # the -ε/V at every logit, through each matmul
             *saved, weight_sum, hidden_sum = saved
-        grad_hidden, grad_weight = _LogitGradient.products(ctx.mode, tuple(saved), scale)   # (N, D), (V, D)
+        grad_hidden, grad_weight = _LogitGradient.products(ctx.mode, tuple(saved), scale)  # (N, D), (V, D)
         if ctx.uniform:
             grad_hidden -= (scale * ctx.uniform) * weight_sum
             grad_weight -= (scale * ctx.uniform) * hidden_sum
         return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype), None, None, None, None, None
 
 
-def output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         smoothing: float, rdrop: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def output_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, smoothing: float, rdrop: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (N, D), output weight (V, D), target (N,) -> (summed smoothed loss, summed NLL, the number
     of targets predicted: those no other token is more probable than).
 
@@ -286,8 +302,9 @@ def output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     """
     compute_dtype = autocast_dtype(hidden.device.type) or hidden.dtype
     gradient_wanted = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    loss, nll, correct = _FusedOutputCrossEntropy.apply(hidden, weight, target, smoothing, rdrop, compute_dtype,
-                                                        gradient_wanted)
+    loss, nll, correct = _FusedOutputCrossEntropy.apply(
+        hidden, weight, target, smoothing, rdrop, compute_dtype, gradient_wanted
+    )
     return loss, nll.detach(), correct
 
 
@@ -319,13 +336,16 @@ def rdrop_cross_entropy_reference(hidden, weight, target, smoothing, rdrop):
     """R-Drop's loss with plain autograd ops: the label-smoothed loss of every row plus rdrop / 2 x the
     symmetric KL divergence between the distributions of row i and row N/2 + i."""
     loss, nll, correct = output_cross_entropy_reference(hidden, weight, target, smoothing)
-    logp, logq = F.log_softmax((hidden @ weight.t()).float(), dim=-1).chunk(2)     # (N/2, V) each
-    symmetric_kl = (F.kl_div(logq, logp, log_target=True, reduction="sum")          # KL(p || q)
-                    + F.kl_div(logp, logq, log_target=True, reduction="sum"))       # KL(q || p)
+    logp, logq = F.log_softmax((hidden @ weight.t()).float(), dim=-1).chunk(2)  # (N/2, V) each
+    symmetric_kl = (
+        F.kl_div(logq, logp, log_target=True, reduction="sum")  # KL(p || q)
+        + F.kl_div(logp, logq, log_target=True, reduction="sum")
+    )  # KL(q || p)
     return loss + rdrop / 2 * symmetric_kl, nll, correct
 
 
 # ----- the loss of a batch, as training and validation compute it ----------------------------------
+
 
 def batch_loss(model, batch, smoothing: float, rdrop: float = 0.0):
     """(summed label-smoothed loss, summed NLL, correct predictions) of one batch; logits only at real
@@ -339,10 +359,10 @@ def batch_loss(model, batch, smoothing: float, rdrop: float = 0.0):
 
 def target_hidden(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden states (N, D), target ids (N,)) at the batch's N real target positions."""
-    hidden = model(batch.src, batch.tgt_in, return_hidden=True)                # (B, T, D)
-    positions = batch.target_positions()                                       # (N,) into B * T
-    hidden = hidden.flatten(0, 1).index_select(0, positions)                   # (N, D)
-    target = batch.tgt_out.flatten().index_select(0, positions)                # (N,)
+    hidden = model(batch.src, batch.tgt_in, return_hidden=True)  # (B, T, D)
+    positions = batch.target_positions()  # (N,) into B * T
+    hidden = hidden.flatten(0, 1).index_select(0, positions)  # (N, D)
+    target = batch.tgt_out.flatten().index_select(0, positions)  # (N,)
     return hidden, target
 
 

@@ -32,18 +32,27 @@ from transformer.errors import DataError
 from transformer.tokenizer import Tokenizer
 
 log = logging.getLogger("transformer.corpus")
-CLEANING_KEYS = ("drop_duplicates", "drop_copies", "max_len_ratio", "langid")   # a corpus may set its own
+CLEANING_KEYS = ("drop_duplicates", "drop_copies", "max_len_ratio", "langid")  # a corpus may set its own
 
 
 def corpus_config(cfg: DataConfig, corpus: CorpusConfig) -> DataConfig:
     """The data config of one corpus of the mixture: its source, name and languages, the cleaning rules it
     sets itself; every other setting (max_len, tokenizer) the run's."""
     own_rules = {key: getattr(corpus, key) for key in CLEANING_KEYS if getattr(corpus, key) is not None}
-    return dataclasses.replace(cfg, name=corpus.label(cfg), path=corpus.path, hub_id=corpus.hub_id,
-                               hub_config=corpus.hub_config, embedded=False, train_split=corpus.train_split,
-                               local_splits={**cfg.local_splits, **corpus.local_splits},
-                               src_lang=corpus.src_lang or cfg.src_lang,
-                               tgt_lang=corpus.tgt_lang or cfg.tgt_lang, corpora=[], **own_rules)
+    return dataclasses.replace(
+        cfg,
+        name=corpus.label(cfg),
+        path=corpus.path,
+        hub_id=corpus.hub_id,
+        hub_config=corpus.hub_config,
+        embedded=False,
+        train_split=corpus.train_split,
+        local_splits={**cfg.local_splits, **corpus.local_splits},
+        src_lang=corpus.src_lang or cfg.src_lang,
+        tgt_lang=corpus.tgt_lang or cfg.tgt_lang,
+        corpora=[],
+        **own_rules,
+    )
 
 
 def _check_one_direction_per_file(part_cfgs: list[DataConfig], part_sources: list[SplitSource]) -> None:
@@ -57,9 +66,11 @@ def _check_one_direction_per_file(part_cfgs: list[DataConfig], part_sources: lis
         direction = f"{part_cfg.src_lang}-{part_cfg.tgt_lang}"
         first = seen.setdefault(source.where, (i, direction))
         if first[1] != direction:
-            raise DataError(f"data.corpora[{i}] reads {source.where} as {direction}, and data.corpora[{first[0]}] "
-                            f"as {first[1]}: a file whose columns do not name their languages holds one direction "
-                            "(source, then target); for the other, write a file with the columns swapped")
+            raise DataError(
+                f"data.corpora[{i}] reads {source.where} as {direction}, and data.corpora[{first[0]}] "
+                f"as {first[1]}: a file whose columns do not name their languages holds one direction "
+                "(source, then target); for the other, write a file with the columns swapped"
+            )
 
 
 def _keyed_by_language(source: SplitSource, src_lang: str, tgt_lang: str) -> bool:
@@ -76,8 +87,9 @@ def _direction_validation(cfg: DataConfig, first: DataConfig, index: int) -> tup
     those languages where it has some, else that corpus's validation split."""
     problem = "data.path and data.hub_id are not set"
     if cfg.path or cfg.hub_id:
-        own = dataclasses.replace(first, path=cfg.path, hub_id=cfg.hub_id, hub_config=cfg.hub_config,
-                                  local_splits=cfg.local_splits)
+        own = dataclasses.replace(
+            first, path=cfg.path, hub_id=cfg.hub_id, hub_config=cfg.hub_config, local_splits=cfg.local_splits
+        )
         try:
             source = open_split(own, "validation")
             if _keyed_by_language(source, first.src_lang, first.tgt_lang):
@@ -88,16 +100,19 @@ def _direction_validation(cfg: DataConfig, first: DataConfig, index: int) -> tup
     try:
         return first, open_split(first, "validation", key=f"data.corpora[{index}]")
     except DataError as error:
-        raise DataError(f"no validation split for {first.src_lang}-{first.tgt_lang}: {error}; nor from "
-                        f"data.path / data.hub_id ({problem})") from None
+        raise DataError(
+            f"no validation split for {first.src_lang}-{first.tgt_lang}: {error}; nor from "
+            f"data.path / data.hub_id ({problem})"
+        ) from None
 
 
 def mixture_shares(sizes, weights, temperature: float) -> np.ndarray:
     """Each corpus's share of an epoch: (weight x pairs)^(1/T), normalised; computed in logarithms, so
     that a small T (or a huge weight) sharpens the shares instead of overflowing."""
-    with np.errstate(divide="ignore"):                  # an empty corpus: log 0 = -inf, share 0
-        logs = (np.log(np.asarray(weights, dtype=np.float64)) + np.log(np.asarray(sizes, dtype=np.float64))) \
-            / temperature
+    with np.errstate(divide="ignore"):  # an empty corpus: log 0 = -inf, share 0
+        logs = (
+            np.log(np.asarray(weights, dtype=np.float64)) + np.log(np.asarray(sizes, dtype=np.float64))
+        ) / temperature
     scaled = np.exp(logs - logs.max())
     return scaled / scaled.sum()
 
@@ -116,13 +131,14 @@ class MixedCorpus:
     each epoch draws from them (`epoch_positions`). Collates batches that mix corpora; pickles as its
     parts (each as its directory)."""
 
-    sampling = None                 # subword sampling is not offered for mixtures (the config refuses it)
+    sampling = None  # subword sampling is not offered for mixtures (the config refuses it)
 
-    def __init__(self, parts: list[EncodedCorpus], weights: list[float], temperature: float, name: str,
-                 labels: list[str]):
+    def __init__(
+        self, parts: list[EncodedCorpus], weights: list[float], temperature: float, name: str, labels: list[str]
+    ):
         self.parts, self.weights, self.temperature, self.name, self.labels = parts, weights, temperature, name, labels
         sizes = [len(part) for part in parts]
-        self.starts = np.cumsum([0] + sizes)                    # corpus i: positions starts[i]:starts[i + 1]
+        self.starts = np.cumsum([0] + sizes)  # corpus i: positions starts[i]:starts[i + 1]
         self.src_lens = np.concatenate([part.src_lens for part in parts])
         self.tgt_lens = np.concatenate([part.tgt_lens for part in parts])
         self.shares = mixture_shares(sizes, weights, temperature)
@@ -159,8 +175,10 @@ class MixedCorpus:
         """The batch of positions `positions`, in their order, whichever corpora they come from."""
         positions = np.asarray(positions, dtype=np.int64)
         owner = self.corpus_of(positions)
-        flat, starts = {"src": [], "tgt": []}, {"src": np.zeros(len(positions), np.int64),
-                                                  "tgt": np.zeros(len(positions), np.int64)}
+        flat, starts = (
+            {"src": [], "tgt": []},
+            {"src": np.zeros(len(positions), np.int64), "tgt": np.zeros(len(positions), np.int64)},
+        )
         lengths = {"src": self.src_lens[positions], "tgt": self.tgt_lens[positions]}
         used = {"src": 0, "tgt": 0}
         for i in np.unique(owner).tolist():
@@ -179,10 +197,16 @@ class MixedCorpus:
         """One line on how each epoch is mixed."""
         rows = []
         for label, part, weight, share, count in zip(self.labels, self.parts, self.weights, self.shares, self.counts):
-            rows.append(f"{label} {len(part):,} pairs x weight {weight:g} -> {100 * share:.1f}% "
-                        f"({count / len(part):.2f}x its pairs)")
-        log.info("training mixture (data.temperature=%g), each epoch %s pairs: %s", self.temperature,
-                 f"{len(self):,}", "; ".join(rows))
+            rows.append(
+                f"{label} {len(part):,} pairs x weight {weight:g} -> {100 * share:.1f}% "
+                f"({count / len(part):.2f}x its pairs)"
+            )
+        log.info(
+            "training mixture (data.temperature=%g), each epoch %s pairs: %s",
+            self.temperature,
+            f"{len(self):,}",
+            "; ".join(rows),
+        )
 
 
 def _gather(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -200,12 +224,14 @@ class LanguageSample(SplitSource):
     language's volume does not drown the others in SentencePiece's sample."""
 
     def __init__(self, sides: dict[str, list[tuple[SplitSource, int]]], per_language: int):
-        self.sides, self.per_language = sides, per_language          # language -> [(source, 0 = src, 1 = tgt)]
+        self.sides, self.per_language = sides, per_language  # language -> [(source, 0 = src, 1 = tgt)]
         self.where = " + ".join(f"{language} ({len(entries)} file(s))" for language, entries in sides.items())
 
     def _compute_fingerprint(self) -> str:
-        what = [[language, [(source.fingerprint(), index) for source, index in entries]]
-                for language, entries in self.sides.items()]
+        what = [
+            [language, [(source.fingerprint(), index) for source, index in entries]]
+            for language, entries in self.sides.items()
+        ]
         return hashlib.sha256(json.dumps([what, self.per_language]).encode()).hexdigest()[:16]
 
     def lines(self, *sides: str):
@@ -236,7 +262,7 @@ def tokenizer_input(cfg: DataConfig, part_cfgs: list[DataConfig], part_sources: 
         for index, language in enumerate((part_cfg.src_lang, part_cfg.tgt_lang)):
             sides.setdefault(language, {}).setdefault(where, (source, index))
     # 0 = every line: the whole corpus of each language (SentencePiece keeps every sentence too)
-    per_language = -(-cfg.tokenizer_sample // len(sides)) if cfg.tokenizer_sample > 0 else 2 ** 62
+    per_language = -(-cfg.tokenizer_sample // len(sides)) if cfg.tokenizer_sample > 0 else 2**62
     return LanguageSample({language: list(entries.values()) for language, entries in sides.items()}, per_language)
 
 
@@ -246,9 +272,14 @@ def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, source
     for a multilingual model a validation split per direction: data.path's files in those languages, else
     the first corpus's of that direction."""
     multilingual = bool(cfg.target_languages())
-    others: dict[str, SplitSource] = dict(sources or {split: open_split(cfg, split) for split in splits
-                                                      if split != "train" and not (multilingual and
-                                                                                   split == "validation")})
+    others: dict[str, SplitSource] = dict(
+        sources
+        or {
+            split: open_split(cfg, split)
+            for split in splits
+            if split != "train" and not (multilingual and split == "validation")
+        }
+    )
     others.pop("train", None)
     part_cfgs = [corpus_config(cfg, corpus) for corpus in cfg.corpora]
     part_sources = [open_split(part_cfg, "train", key=f"data.corpora[{i}]") for i, part_cfg in enumerate(part_cfgs)]
@@ -260,11 +291,13 @@ def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, source
         if tokenizer is None:
             with preparation_lock(cfg):
                 tokenizer = train_tokenizer(cfg, text)
-    if multilingual and not tokenizer.target_languages:     # a bilingual model's, given by init_from or resume
-        raise DataError(f"data.corpora translate into {', '.join(cfg.target_languages())}, but the tokenizer this "
-                        "run continues with (trainer.init_from, or the checkpoint it resumes) is a bilingual "
-                        "model's, without target-language tags: train the multilingual model from the start, or "
-                        "fine-tune on corpora into one target language")
+    if multilingual and not tokenizer.target_languages:  # a bilingual model's, given by init_from or resume
+        raise DataError(
+            f"data.corpora translate into {', '.join(cfg.target_languages())}, but the tokenizer this "
+            "run continues with (trainer.init_from, or the checkpoint it resumes) is a bilingual "
+            "model's, without target-language tags: train the multilingual model from the start, or "
+            "fine-tune on corpora into one target language"
+        )
     parts = [_encoded(part_cfg, source, tokenizer, "train") for part_cfg, source in zip(part_cfgs, part_sources)]
     directions = {}
     if multilingual and ("validation" in splits or "validation" in others):
@@ -275,21 +308,37 @@ def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, source
             directions[f"{src_lang}-{tgt_lang}"] = (_encoded(where, source, tokenizer, "validation"), source)
         main = directions.get(f"{cfg.src_lang}-{cfg.tgt_lang}") or next(iter(directions.values()))
         others["validation"] = main[1]
-    encoded = {split: _encoded(cfg, source, tokenizer, split) for split, source in others.items()
-               if not (directions and split == "validation")}
+    encoded = {
+        split: _encoded(cfg, source, tokenizer, split)
+        for split, source in others.items()
+        if not (directions and split == "validation")
+    }
     if directions:
         encoded["validation"] = main[0]
     for part in parts:
         part.report()
-    train = MixedCorpus(parts, [corpus.weight for corpus in cfg.corpora], cfg.temperature, cfg.name,
-                        [corpus.label(cfg) for corpus in cfg.corpora])
+    train = MixedCorpus(
+        parts,
+        [corpus.weight for corpus in cfg.corpora],
+        cfg.temperature,
+        cfg.name,
+        [corpus.label(cfg) for corpus in cfg.corpora],
+    )
     train.report()
     for valid in [corpus for corpus, _ in directions.values()] or [encoded.get("validation")]:
         if valid is not None:
             valid.report()
-    log.info("data %s: %d training pairs in %d corpora%s", cfg.name, len(train), len(parts),
-             f", validation: {', '.join(f'{d} {len(c)} pairs' for d, (c, _) in directions.items())}" if directions
-             else f", {len(encoded['validation'])} validation pairs" if "validation" in encoded else "")
+    log.info(
+        "data %s: %d training pairs in %d corpora%s",
+        cfg.name,
+        len(train),
+        len(parts),
+        f", validation: {', '.join(f'{d} {len(c)} pairs' for d, (c, _) in directions.items())}"
+        if directions
+        else f", {len(encoded['validation'])} validation pairs"
+        if "validation" in encoded
+        else "",
+    )
     return PreparedData(tokenizer, train, encoded.get("validation"), {**others, "train": joined}, directions)
 
 

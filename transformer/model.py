@@ -31,9 +31,10 @@ class SinusoidalPositions(nn.Module):
 
     def forward(self, length: int, offset: int = 0) -> torch.Tensor:
         if offset + length > self.table.size(0):
-            raise ValueError(f"sequence of {offset + length} positions exceeds model.max_positions="
-                             f"{self.table.size(0)}")
-        return self.table[offset: offset + length]                    # (L, D)
+            raise ValueError(
+                f"sequence of {offset + length} positions exceeds model.max_positions={self.table.size(0)}"
+            )
+        return self.table[offset : offset + length]  # (L, D)
 
 
 class FeedForward(nn.Module):
@@ -83,8 +84,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, backend=cfg.attention)
-        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=True,
-                                             backend=cfg.attention)
+        self.cross_attn = MultiHeadAttention(
+            cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=True, backend=cfg.attention
+        )
         self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
         self.sub_self = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.sub_cross = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
@@ -95,17 +97,25 @@ class DecoderLayer(nn.Module):
         # Target padding sits after every real token, so the causal mask alone keeps real positions from
         # seeing it; padded positions are ignored by the loss.
         x = self.sub_self(x, lambda h: self.self_attn(h, causal=True, cache=self_cache))
-        x = self.sub_cross(x, lambda h: self.cross_attn(h, memory=memory, memory_kv=memory_kv,
-                                                        key_allowed=memory_allowed))
+        x = self.sub_cross(
+            x, lambda h: self.cross_attn(h, memory=memory, memory_kv=memory_kv, key_allowed=memory_allowed)
+        )
         return self.sub_ff(x, self.feed_forward)
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool,
-                 initialize: bool = True, protected_ids: int = EOS_ID + 1):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        src_vocab_size: int,
+        tgt_vocab_size: int,
+        shared_vocab: bool,
+        initialize: bool = True,
+        protected_ids: int = EOS_ID + 1,
+    ):
         super().__init__()
         self.cfg = cfg
-        self.protected_ids = protected_ids      # word dropout never drops ids below (specials, language tags)
+        self.protected_ids = protected_ids  # word dropout never drops ids below (specials, language tags)
         self.tgt_embed = nn.Embedding(tgt_vocab_size, cfg.d_model, padding_idx=PAD_ID)
         share = shared_vocab and cfg.tie_embeddings
         self.src_embed = self.tgt_embed if share else nn.Embedding(src_vocab_size, cfg.d_model, padding_idx=PAD_ID)
@@ -117,7 +127,7 @@ class Transformer(nn.Module):
         self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
         self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
         self.output = nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
-        if initialize:      # not for weights about to be loaded: half of building the model's time
+        if initialize:  # not for weights about to be loaded: half of building the model's time
             self._reset_parameters()
         if cfg.tie_embeddings:
             self.output.weight = self.tgt_embed.weight
@@ -129,12 +139,13 @@ class Transformer(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=self.cfg.d_model ** -0.5)
+                nn.init.normal_(module.weight, std=self.cfg.d_model**-0.5)
                 nn.init.zeros_(module.weight[PAD_ID])
 
-    def _embed(self, embedding: nn.Embedding, ids: torch.Tensor, offset: int = 0,
-               word_dropout: float = 0.0) -> torch.Tensor:
-        x = embedding(ids) * math.sqrt(self.cfg.d_model)                  # (B, L, D)
+    def _embed(
+        self, embedding: nn.Embedding, ids: torch.Tensor, offset: int = 0, word_dropout: float = 0.0
+    ) -> torch.Tensor:
+        x = embedding(ids) * math.sqrt(self.cfg.d_model)  # (B, L, D)
         if word_dropout and self.training:
             x = x * self._word_keep(ids, word_dropout).to(x.dtype)
         return self.embed_dropout(x + self.positions(ids.size(1), offset))
@@ -142,35 +153,46 @@ class Transformer(nn.Module):
     def _word_keep(self, ids: torch.Tensor, p: float) -> torch.Tensor:
         """Word dropout's factor per token, (B, L, 1): 0 for a dropped token, 1 / (1 - p) for a kept one
         (the expected embedding unchanged, as in inverted dropout), 1 for the ids it never drops."""
-        kept = torch.rand(ids.shape, device=ids.device) >= p                         # (B, L)
+        kept = torch.rand(ids.shape, device=ids.device) >= p  # (B, L)
         factor = kept.float() / (1.0 - p)
         return torch.where(ids < self.protected_ids, 1.0, factor).unsqueeze(-1)
 
     def encode(self, src: torch.Tensor) -> torch.Tensor:
         """src (B, S) -> memory (B, S, D)."""
-        src_allowed = key_padding_allowed(padding_mask(src, PAD_ID))     # (B, 1, 1, S), once for every layer
+        src_allowed = key_padding_allowed(padding_mask(src, PAD_ID))  # (B, 1, 1, S), once for every layer
         x = self._embed(self.src_embed, src, word_dropout=self.cfg.src_word_dropout)
         for layer in self.encoder_layers:
             x = layer(x, src_allowed)
         return self.encoder_norm(x)
 
-    def decode_hidden(self, tgt_in: torch.Tensor, memory: torch.Tensor | None, src_pad_mask: torch.Tensor,
-                      cache: DecoderCache | None = None) -> torch.Tensor:
+    def decode_hidden(
+        self,
+        tgt_in: torch.Tensor,
+        memory: torch.Tensor | None,
+        src_pad_mask: torch.Tensor,
+        cache: DecoderCache | None = None,
+    ) -> torch.Tensor:
         """tgt_in (B, T) -> decoder output (B, T, D). With a cache, tgt_in holds only the new positions."""
         offset = cache.length if cache is not None else 0
         x = self._embed(self.tgt_embed, tgt_in, offset, word_dropout=self.cfg.tgt_word_dropout)
         if cache is None:
-            memory_allowed = key_padding_allowed(src_pad_mask)                # (B, 1, 1, S), once for every layer
+            memory_allowed = key_padding_allowed(src_pad_mask)  # (B, 1, 1, S), once for every layer
         for i, layer in enumerate(self.decoder_layers):
             if cache is None:
                 x = layer(x, memory, memory_allowed)
-            else:   # .forward: eager even where trainer.compile compiled the layer (`compile_layers`)
-                x = layer.forward(x, None, cache.memory_allowed, memory_kv=cache.memory_kv[i],
-                                  self_cache=cache.self_kv[i])
+            else:  # .forward: eager even where trainer.compile compiled the layer (`compile_layers`)
+                x = layer.forward(
+                    x, None, cache.memory_allowed, memory_kv=cache.memory_kv[i], self_cache=cache.self_kv[i]
+                )
         return self.decoder_norm(x)
 
-    def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor | None, src_pad_mask: torch.Tensor,
-               cache: DecoderCache | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        tgt_in: torch.Tensor,
+        memory: torch.Tensor | None,
+        src_pad_mask: torch.Tensor,
+        cache: DecoderCache | None = None,
+    ) -> torch.Tensor:
         """tgt_in (B, T) -> logits (B, T, V)."""
         return self.output(self.decode_hidden(tgt_in, memory, src_pad_mask, cache))
 
@@ -210,8 +232,14 @@ def eval_mode(model: nn.Module):
         model.train(was_training)
 
 
-def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool,
-                initialize: bool = True, protected_ids: int = EOS_ID + 1) -> Transformer:
+def build_model(
+    cfg: ModelConfig,
+    src_vocab_size: int,
+    tgt_vocab_size: int,
+    shared_vocab: bool,
+    initialize: bool = True,
+    protected_ids: int = EOS_ID + 1,
+) -> Transformer:
     """The model; `initialize=False` leaves the weights as PyTorch's layers made them, for a caller that
     loads every one of them next (`load_model_weights` refuses a state dict that misses any).
     `protected_ids`: word dropout (model.src_word_dropout, tgt_word_dropout) keeps the ids below it

@@ -31,7 +31,7 @@ ATTENTION_MAX_TOKENS = 30
 # Inches per token of a heatmap, and the largest figure drawn (inches).
 INCHES_PER_TOKEN = 0.32
 MAX_FIGURE_INCHES = (16.0, 24.0)
-SAMPLES = 4                              # validation sentences shown as text
+SAMPLES = 4  # validation sentences shown as text
 
 # The HParams tab's metrics: scalar tags written at the end of the run (`Monitor.finish`).
 HPARAM_METRICS = ("val/best_bleu", "test/bleu", "test/chrf")
@@ -40,15 +40,32 @@ HPARAM_METRICS = ("val/best_bleu", "test/bleu", "test/chrf")
 def hyperparameters(cfg, precision: str) -> dict:
     """The settings that tell runs apart, as the HParams tab's columns (`precision`: the one in use)."""
     m, t, d = cfg.model, cfg.trainer, cfg.data
-    return {"data": d.name, "model": m.name, "d_model": m.d_model, "n_heads": m.n_heads, "d_ff": m.d_ff,
-            "encoder_layers": m.encoder_layers, "decoder_layers": m.decoder_layers, "dropout": m.dropout,
-            "lr": t.lr, "warmup": t.warmup, "schedule": t.schedule, "max_tokens": t.max_tokens,
-            "update_freq": t.update_freq, "label_smoothing": t.label_smoothing, "rdrop": t.rdrop, "precision": precision,
-            "ema_decay": t.ema_decay, "ema_warmup": t.ema_warmup, "seed": t.seed}
+    return {
+        "data": d.name,
+        "model": m.name,
+        "d_model": m.d_model,
+        "n_heads": m.n_heads,
+        "d_ff": m.d_ff,
+        "encoder_layers": m.encoder_layers,
+        "decoder_layers": m.decoder_layers,
+        "dropout": m.dropout,
+        "lr": t.lr,
+        "warmup": t.warmup,
+        "schedule": t.schedule,
+        "max_tokens": t.max_tokens,
+        "update_freq": t.update_freq,
+        "label_smoothing": t.label_smoothing,
+        "rdrop": t.rdrop,
+        "precision": precision,
+        "ema_decay": t.ema_decay,
+        "ema_warmup": t.ema_warmup,
+        "seed": t.seed,
+    }
 
 
 def config_markdown(cfg) -> str:
     from omegaconf import OmegaConf
+
     return "```yaml\n" + OmegaConf.to_yaml(cfg.to_dict()) + "```"
 
 
@@ -56,7 +73,7 @@ def memory_in_use(device: torch.device) -> dict:
     """The process's peak memory so far, in GiB: CUDA's peak allocated on a GPU, else the peak RSS."""
     if device.type == "cuda":
         return {"memory/cuda_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30}
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss        # KiB on Linux, bytes on macOS
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return {"memory/peak_rss_gib": peak / (2**30 if sys.platform == "darwin" else 2**20)}
 
 
@@ -87,8 +104,14 @@ def attention_figure(panels: list[tuple], title: str = "", scale_label: str = "a
     axes = figure.subplots(len(panels), 1, squeeze=False, height_ratios=[r + 4 for r in rows])[:, 0]
     image = None
     for ax, (weights, source, predicted, *label) in zip(axes, panels):
-        image = ax.imshow(np.nan_to_num(np.asarray(weights, dtype=np.float32)), cmap="viridis",
-                          vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
+        image = ax.imshow(
+            np.nan_to_num(np.asarray(weights, dtype=np.float32)),
+            cmap="viridis",
+            vmin=0.0,
+            vmax=1.0,
+            aspect="auto",
+            interpolation="nearest",
+        )
         ax.set_xticks(range(len(source)), source, rotation=90, fontsize=8)
         ax.set_yticks(range(len(predicted)), predicted, fontsize=8)
         ax.set_xlabel("source token (SentencePiece pieces)", fontsize=8)
@@ -133,16 +156,21 @@ class Monitor:
         from torch.utils.tensorboard.summary import hparams
 
         self.writer.add_text("config", config_markdown(cfg))
-        experiment, session_start, self._session_end = hparams(hyperparameters(cfg, precision), dict.fromkeys(HPARAM_METRICS, 0))
+        experiment, session_start, self._session_end = hparams(
+            hyperparameters(cfg, precision), dict.fromkeys(HPARAM_METRICS, 0)
+        )
         for summary in (experiment, session_start):
             self.writer.file_writer.add_summary(summary)
         weights = ("valid", "valid_ema", "valid_average")
-        self.writer.add_custom_scalars({
-            "train and validation": {
-                "loss": ["Multiline", ["loss/train"] + [f"loss/{w}" for w in weights]],
-                "token accuracy": ["Multiline", ["accuracy/train"] + [f"accuracy/{w}" for w in weights]],
-                "BLEU": ["Multiline", ["val/bleu", "val_ema/bleu", "val_average/bleu", "test/bleu"]],
-            }})
+        self.writer.add_custom_scalars(
+            {
+                "train and validation": {
+                    "loss": ["Multiline", ["loss/train"] + [f"loss/{w}" for w in weights]],
+                    "token accuracy": ["Multiline", ["accuracy/train"] + [f"accuracy/{w}" for w in weights]],
+                    "BLEU": ["Multiline", ["val/bleu", "val_ema/bleu", "val_average/bleu", "test/bleu"]],
+                }
+            }
+        )
 
     def training(self, step: int, epoch: int, values: dict, device: torch.device) -> None:
         """A log line's numbers (`TrainLog.write`): train/*, loss/train and accuracy/train (on the charts
@@ -161,9 +189,16 @@ class Monitor:
         if self:
             self.writer.add_scalar("train/oom_skipped_batches", count, step)
 
-    def validation(self, step: int, weights: str, result: dict, samples: list[tuple[str, str, str]],
-                   attention=None, attention_detail: tuple[str, list] | None = None,
-                   direction: str | None = None) -> None:
+    def validation(
+        self,
+        step: int,
+        weights: str,
+        result: dict,
+        samples: list[tuple[str, str, str]],
+        attention=None,
+        attention_detail: tuple[str, list] | None = None,
+        direction: str | None = None,
+    ) -> None:
         """One validation of `weights` (raw, ema, average): its numbers, samples (source, reference,
         hypothesis) and the attention heatmaps (`attention_figure`'s panels), under val*/; with
         `attention_detail` (heads or layers, and labelled panels of one sentence), also
@@ -179,12 +214,16 @@ class Monitor:
             if "accuracy" in result:
                 self.writer.add_scalar(f"accuracy/{tag.replace('val', 'valid')}", result["accuracy"], step)
         if samples:
-            self.writer.add_text(f"{tag}/samples", "\n\n".join(
-                f"**src** {s}  \n**ref** {r}  \n**hyp** {h}" for s, r, h in samples[:SAMPLES]), step)
+            self.writer.add_text(
+                f"{tag}/samples",
+                "\n\n".join(f"**src** {s}  \n**ref** {r}  \n**hyp** {h}" for s, r, h in samples[:SAMPLES]),
+                step,
+            )
         if attention:
             title = f"cross-attention, last decoder layer, step {step} ({weights} weights)"
-            self.writer.add_image(f"{tag}/cross_attention", figure_pixels(attention_figure(attention, title)), step,
-                                  dataformats="HWC")
+            self.writer.add_image(
+                f"{tag}/cross_attention", figure_pixels(attention_figure(attention, title)), step, dataformats="HWC"
+            )
         if attention_detail:
             kind, panels = attention_detail
             title = f"cross-attention by {kind[:-1]}, step {step} ({weights} weights)"

@@ -11,11 +11,13 @@ from transformer.config import TrainerConfig
 
 def inverse_sqrt_schedule(warmup: int):
     """lr factor: linear warm-up to 1 at `warmup` steps, then decay ∝ 1/√step (Vaswani et al., 2017)."""
+
     def factor(step: int) -> float:
         step = max(step, 1)
         if warmup == 0:
             return 1.0 / math.sqrt(step)
         return min(step / warmup, math.sqrt(warmup / step))
+
     return factor
 
 
@@ -32,9 +34,10 @@ def lr_factor(schedule: str, warmup: int, max_steps: int = 0, floor: float = 0.0
             return step / warmup
         if schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))   # 0 -> 1 over the decay
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))  # 0 -> 1 over the decay
         shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
         return floor + (1.0 - floor) * shape
+
     return factor
 
 
@@ -45,16 +48,23 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_norm_bia
     params = [p for p in model.parameters() if p.requires_grad]
     if decay_norm_bias:
         return [{"params": params, "weight_decay": weight_decay}]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def build_optimizer(model: torch.nn.Module, trainer: TrainerConfig, device: torch.device):
     """AdamW, fused on every device: one kernel for all parameters (on this 2-core CPU about 7x faster
     than the for-each implementation), and it takes the `found_inf` flag with which the training step
     skips a non-finite update without reading anything back to the host."""
-    optimizer = torch.optim.AdamW(parameter_groups(model, trainer.weight_decay, trainer.weight_decay_norm_bias),
-                                  lr=trainer.lr, betas=tuple(trainer.betas), eps=trainer.adam_eps, fused=True)
+    optimizer = torch.optim.AdamW(
+        parameter_groups(model, trainer.weight_decay, trainer.weight_decay_norm_bias),
+        lr=trainer.lr,
+        betas=tuple(trainer.betas),
+        eps=trainer.adam_eps,
+        fused=True,
+    )
     factor = lr_factor(trainer.schedule, trainer.warmup, trainer.max_steps, trainer.min_lr / trainer.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return optimizer, scheduler

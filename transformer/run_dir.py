@@ -62,8 +62,10 @@ class RunDirectoryLock:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()
-            raise TrainingError(f"{run_dir} is in use by another training run ({holder}); wait for it to end or "
-                                "choose another hydra.run.dir") from None
+            raise TrainingError(
+                f"{run_dir} is in use by another training run ({holder}); wait for it to end or "
+                "choose another hydra.run.dir"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -80,7 +82,7 @@ class RunDirectoryLock:
     def release(self) -> None:
         if self.handle is not None:
             self._held.pop(self.path, None)
-            self.handle.close()          # closing the descriptor releases the lock
+            self.handle.close()  # closing the descriptor releases the lock
             self.handle = None
 
 
@@ -101,16 +103,17 @@ def discard_unused_run_directory(run_dir: Path, created_since: float = 0.0) -> b
         if not run_dir.is_dir():
             return False
         entries = list(run_dir.iterdir())
-        if not {entry.name for entry in entries} <= {".hydra", "train.log", ".lock"} or \
-                any(entry.lstat().st_mtime < created_since for entry in [run_dir, *entries]):
+        if not {entry.name for entry in entries} <= {".hydra", "train.log", ".lock"} or any(
+            entry.lstat().st_mtime < created_since for entry in [run_dir, *entries]
+        ):
             return False
-        if RunDirectoryLock.held_here(run_dir):          # a run of this process uses it
+        if RunDirectoryLock.held_here(run_dir):  # a run of this process uses it
             return False
         lock = RunDirectoryLock.acquire(run_dir)
     except (OSError, TrainingError):
         return False
     root = logging.getLogger()
-    for handler in list(root.handlers):          # Hydra's handler of train.log: closed before its file goes
+    for handler in list(root.handlers):  # Hydra's handler of train.log: closed before its file goes
         if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir.resolve():
             root.removeHandler(handler)
             handler.close()
@@ -125,7 +128,7 @@ def discard_unused_run_directory(run_dir: Path, created_since: float = 0.0) -> b
         if here not in parent.parents:
             break
         try:
-            parent.rmdir()                       # only an empty one
+            parent.rmdir()  # only an empty one
         except OSError:
             break
     return True
@@ -143,8 +146,10 @@ def override_key(override: str) -> str:
 def hydra_value(value) -> str:
     """`value` as the right-hand side of a Hydra override: a string that Hydra would read as another
     type or that its unquoted grammar refuses (spaces, commas, `~`, non-ASCII) in double quotes."""
-    if not isinstance(value, str) or (re.fullmatch(r"[A-Za-z_/.][A-Za-z0-9_./:-]*", value)
-                                      and value.lower() not in ("true", "false", "null", "nan", "inf")):
+    if not isinstance(value, str) or (
+        re.fullmatch(r"[A-Za-z_/.][A-Za-z0-9_./:-]*", value)
+        and value.lower() not in ("true", "false", "null", "nan", "inf")
+    ):
         return override_text(value)
     escaped = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value)
     return f'"{escaped}"'
@@ -175,9 +180,11 @@ def check_sweep_directory(sweep_dir: Path, argv: list[str]) -> None:
     earlier = [p for p in ("summary.tsv", "multirun.yaml") if (sweep_dir / p).exists()]
     earlier += sorted(p.parent.name for p in sweep_dir.glob("*/checkpoints"))[:1]
     if earlier:
-        raise TrainingError(f"hydra.sweep.dir={sweep_dir} holds an earlier sweep ({', '.join(earlier)}); its jobs "
-                            "would be overwritten and its summary mixed with this one's: choose a new hydra.sweep.dir, "
-                            "or add trainer.resume=true to continue that sweep's jobs")
+        raise TrainingError(
+            f"hydra.sweep.dir={sweep_dir} holds an earlier sweep ({', '.join(earlier)}); its jobs "
+            "would be overwritten and its summary mixed with this one's: choose a new hydra.sweep.dir, "
+            "or add trainer.resume=true to continue that sweep's jobs"
+        )
 
 
 # Set by transformer-train-ddp (`transformer.launch`) for its ranks: the launcher and its torchrun options.
@@ -189,6 +196,7 @@ class Launch:
     """How the run was started, so that the command continuing it takes the same form: `program`
     (["make", "train"], ["transformer-train"], [python, "-m", "transformer.train"], torchrun ...), the
     Hydra overrides of this job and Hydra's own flags (--config-dir DIR: `ARGS="..."` under make)."""
+
     program: list[str]
     overrides: list[str]
     flags: list[str] = dataclasses.field(default_factory=list)
@@ -207,7 +215,7 @@ class Launch:
         nproc = environ.get("LOCAL_WORLD_SIZE")
         if "MAKELEVEL" in environ and Path(argv[0]).name in ("train_cli.py", "train.py") and Path("Makefile").is_file():
             program = ["make", "train-ddp", f"NPROC={nproc}"] if nproc else ["make", "train"]
-        elif nproc and environ.get(LAUNCH_ENV):          # transformer-train-ddp, with its torchrun options
+        elif nproc and environ.get(LAUNCH_ENV):  # transformer-train-ddp, with its torchrun options
             program = shlex.split(environ[LAUNCH_ENV])
         elif nproc:
             program = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m", "transformer.train"]
@@ -242,8 +250,14 @@ def python_command() -> str:
 def resume_hint(run_dir: Path, launch: Launch | None, reason: str | None = None) -> str:
     """The log line saying how to continue the run in `run_dir` after it stopped for `reason`: a limit
     of the run is named, as continuing with the same value stops again at once."""
-    raise_limit = next((f" (raise {key}: it ended this run)" for key in ("trainer.max_steps", "trainer.max_epochs",
-                                                             "trainer.patience") if reason and key in reason), "")
+    raise_limit = next(
+        (
+            f" (raise {key}: it ended this run)"
+            for key in ("trainer.max_steps", "trainer.max_epochs", "trainer.patience")
+            if reason and key in reason
+        ),
+        "",
+    )
     last = run_dir / "checkpoints" / "last.pt"
     if launch is None:
         return f"continue from {last}{raise_limit}: trainer.resume=true with the run directory {run_dir}"
@@ -253,11 +267,12 @@ def resume_hint(run_dir: Path, launch: Launch | None, reason: str | None = None)
 def install_signal_handlers(trainer) -> dict:
     """SIGINT/SIGTERM finish the current step, write last.pt and return cleanly."""
     import threading
+
     if threading.current_thread() is not threading.main_thread():
         return {}
 
     def handler(signum, frame):
-        if trainer.stop_signal:      # a second Ctrl-C means "now"
+        if trainer.stop_signal:  # a second Ctrl-C means "now"
             raise KeyboardInterrupt
         trainer.stop_signal = signal.Signals(signum).name
         log.warning("%s received: finishing this step and saving last.pt", trainer.stop_signal)
@@ -273,7 +288,7 @@ def attach_log_file(run_dir: Path, is_main: bool) -> None:
     ranks log warnings only, so that one file is written by one process."""
     global _log_handler
     root = logging.getLogger()
-    if _log_handler is not None:          # a previous train() call in this process
+    if _log_handler is not None:  # a previous train() call in this process
         root.removeHandler(_log_handler)
         _log_handler.close()
         _log_handler = None

@@ -40,6 +40,7 @@ log = logging.getLogger("transformer.train")
 class StartingPoint:
     """What a run starts from: a checkpoint to resume (`resume`), one whose weights and tokenizer to
     fine-tune (`init`: trainer.init_from), or neither (a new model); `path` names the checkpoint."""
+
     resume: dict | None = None
     init: dict | None = None
     path: Path | None = None
@@ -49,8 +50,10 @@ class StartingPoint:
         if self.resume is not None:
             return f"resuming from {self.path} (step {self.resume['step']})"
         if self.init is not None:
-            return (f"fine-tuning from the weights of {self.path} (step {self.init['step']}, trainer.init_from); "
-                    "optimizer, schedule and step start afresh")
+            return (
+                f"fine-tuning from the weights of {self.path} (step {self.init['step']}, trainer.init_from); "
+                "optimizer, schedule and step start afresh"
+            )
         return "a new run (fresh weights)"
 
 
@@ -62,16 +65,27 @@ class TrainingState:
     replaced when a checkpoint is loaded. `bad_in_a_row` reads how many steps in a row the loss has not
     been finite (for the message when the weights themselves are not)."""
 
-    def __init__(self, cfg: Config, model: torch.nn.Module, tokenizer: Tokenizer, optimizer, scheduler,
-                 scaler: torch.amp.GradScaler, checkpoints: CheckpointDirectory, corpus_identity: str,
-                 dist: D.DistInfo, device: torch.device, bad_in_a_row: Callable[[], int] = lambda: 0):
+    def __init__(
+        self,
+        cfg: Config,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        optimizer,
+        scheduler,
+        scaler: torch.amp.GradScaler,
+        checkpoints: CheckpointDirectory,
+        corpus_identity: str,
+        dist: D.DistInfo,
+        device: torch.device,
+        bad_in_a_row: Callable[[], int] = lambda: 0,
+    ):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.checkpoints, self.corpus_identity = checkpoints, corpus_identity
         self.dist, self.device, self.bad_in_a_row = dist, device, bad_in_a_row
         self.ema = self._fresh_ema()
         self.progress = Progress()
-        self.last_written: tuple[int, str] | None = None     # (step, metrics) of the newest last.pt written here
+        self.last_written: tuple[int, str] | None = None  # (step, metrics) of the newest last.pt written here
 
     def _fresh_ema(self) -> ExponentialMovingAverage | None:
         """An EMA of the model's weights as they are now, with the config's decay (None without one)."""
@@ -81,8 +95,14 @@ class TrainingState:
     def batching(self) -> dict:
         """What the batch order depends on besides (seed, epoch): an exact resume needs all of it equal."""
         tc = self.cfg.trainer
-        return {"corpus": self.corpus_identity, "max_len": self.cfg.data.max_len, "seed": tc.seed,
-                "max_tokens": tc.max_tokens, "update_freq": tc.update_freq, "order": "width,src,tgt,random"}
+        return {
+            "corpus": self.corpus_identity,
+            "max_len": self.cfg.data.max_len,
+            "seed": tc.seed,
+            "max_tokens": tc.max_tokens,
+            "update_freq": tc.update_freq,
+            "order": "width,src,tgt,random",
+        }
 
     def state_dict(self) -> dict:
         """The checkpoint's entries. Every rank calls it: the random streams are gathered from all."""
@@ -94,7 +114,7 @@ class TrainingState:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "rng": D.gather_objects(rng_state(self.device), self.dist),         # one entry per rank
+            "rng": D.gather_objects(rng_state(self.device), self.dist),  # one entry per rank
             "data_state": self.progress.data_state(self.dist.world_size, self.batching()),
             "metrics": self.progress.metrics(),
             **({"ema": self.ema.state_dict()} if self.ema else {}),
@@ -109,8 +129,10 @@ class TrainingState:
         load_scaler_state(self.scaler, state["scaler"])
         data_state = state["data_state"]
         if data_state.get("world_size", 1) != self.dist.world_size:
-            raise TrainingError(f"checkpoint was written with {data_state.get('world_size')} processes; "
-                                f"resume with the same number (now {self.dist.world_size})")
+            raise TrainingError(
+                f"checkpoint was written with {data_state.get('world_size')} processes; "
+                f"resume with the same number (now {self.dist.world_size})"
+            )
         self.progress = Progress.from_checkpoint(state)
         if self.ema and "ema" in state:
             self.ema.load_state_dict(state["ema"])
@@ -121,18 +143,24 @@ class TrainingState:
         # (adopt_resumed_config); what the config cannot show: the training text itself changed.
         saved, now = data_state.get("batching"), self.batching()
         if saved is None or saved.get("order") != now["order"]:
-            log.warning("the checkpoint predates this release's batch order: the batches from here on differ from "
-                        "those the interrupted run would have seen (not an exact resume)")
+            log.warning(
+                "the checkpoint predates this release's batch order: the batches from here on differ from "
+                "those the interrupted run would have seen (not an exact resume)"
+            )
         elif _corpus_key(saved["corpus"]) != _corpus_key(now["corpus"]):
-            log.warning("the training corpus differs from the one the checkpoint was trained on (%s, now %s): the "
-                        "batches from here on differ (not an exact resume)", saved["corpus"], now["corpus"])
+            log.warning(
+                "the training corpus differs from the one the checkpoint was trained on (%s, now %s): the "
+                "batches from here on differ (not an exact resume)",
+                saved["corpus"],
+                now["corpus"],
+            )
         restore_rng_state(state["rng"][self.dist.rank], self.device)
 
     def save(self, name: str, periodic: bool = False, weights: str = "raw") -> None:
         """Write checkpoint `name` (with `periodic`, also step_N.pt, pruned to trainer.keep_last). With
         `weights="ema"`, its `model` entry holds the moving average (best.pt, when the EMA validates best).
         Every rank calls it; the main rank writes."""
-        state = self.state_dict()           # every rank joins the RNG gather
+        state = self.state_dict()  # every rank joins the RNG gather
         if weights == "ema":
             state["model"] = self.ema.model_state(self.model)
         state["weights"] = weights
@@ -149,8 +177,14 @@ class TrainingState:
         paths = " and ".join(str(self.checkpoints.directory / n) for n in names)
 
         def written(seconds: float) -> None:
-            log.info("saved checkpoint %s (step %d%s, %.1f s)", paths, step,
-                     "" if weights == "raw" else f", {weights} weights", seconds)
+            log.info(
+                "saved checkpoint %s (step %d%s, %.1f s)",
+                paths,
+                step,
+                "" if weights == "raw" else f", {weights} weights",
+                seconds,
+            )
+
         try:
             if periodic:
                 self.checkpoints.save_periodic(state, step, written)
@@ -180,7 +214,7 @@ class TrainingState:
             return
         step, tc = self.progress.step, self.cfg.trainer
         in_a_row = self.bad_in_a_row()
-        self.flush()                        # last.pt below is read back
+        self.flush()  # last.pt below is read back
         since = f"; the loss has not been finite since step {step - in_a_row + 1}" if in_a_row else ""
         last = self.checkpoints.directory / "last.pt"
         try:
@@ -190,17 +224,20 @@ class TrainingState:
             good, retry = "no checkpoint was written before", "from the start"
         raise TrainingError(
             f"step {step}: the weights are not finite ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}), so "
-            f"nothing was saved{since}; {good}: train again with a lower trainer.lr (now {tc.lr}), {retry}")
+            f"nothing was saved{since}; {good}: train again with a lower trainer.lr (now {tc.lr}), {retry}"
+        )
 
 
 def load_scaler_state(scaler: torch.amp.GradScaler, state: dict) -> None:
     """Restore the fp16 loss scaler, or start it afresh when the checkpoint was written in bf16/fp32
     (whose disabled scaler saved nothing: GradScaler refuses an empty state)."""
     if state:
-        scaler.load_state_dict(state)           # a disabled (bf16/fp32) scaler ignores it
+        scaler.load_state_dict(state)  # a disabled (bf16/fp32) scaler ignores it
     elif scaler.is_enabled():
-        log.info("the checkpoint has no fp16 loss-scaler state (it was trained in bf16 or fp32); "
-                 "the scaler starts at %g", scaler.get_scale())
+        log.info(
+            "the checkpoint has no fp16 loss-scaler state (it was trained in bf16 or fp32); the scaler starts at %g",
+            scaler.get_scale(),
+        )
 
 
 def _corpus_key(directory_name: str) -> str:
@@ -223,9 +260,14 @@ def starting_point(cfg, ckpt_dir: Path, dist: D.DistInfo) -> StartingPoint:
     init_state = load_checkpoint(tc.init_from, mmap=True)
     saved = init_state["config"]["data"]
     if (saved["vocab_size"], saved["joint_vocab"]) != (cfg.data.vocab_size, cfg.data.joint_vocab):
-        log.warning("trainer.init_from: the model's tokenizer (data.vocab_size=%s, joint_vocab=%s) is kept; "
-                    "data.vocab_size=%s, joint_vocab=%s are ignored", saved["vocab_size"], saved["joint_vocab"],
-                    cfg.data.vocab_size, cfg.data.joint_vocab)
+        log.warning(
+            "trainer.init_from: the model's tokenizer (data.vocab_size=%s, joint_vocab=%s) is kept; "
+            "data.vocab_size=%s, joint_vocab=%s are ignored",
+            saved["vocab_size"],
+            saved["joint_vocab"],
+            cfg.data.vocab_size,
+            cfg.data.joint_vocab,
+        )
     return StartingPoint(init=init_state, path=Path(tc.init_from))
 
 
@@ -243,10 +285,29 @@ FIXED_BY_CHECKPOINT = {
 HONOURED_ON_RESUME = {
     "model": ("attention", "max_positions"),
     "data": ("name", "cache_dir", "test_split"),
-    "trainer": ("device", "precision", "max_steps", "max_epochs", "max_minutes", "validate_every", "checkpoint_every",
-                "val_beam_size", "val_max_sentences", "test_at_end", "keep_last", "average_last", "patience",
-                "max_bad_steps", "compile", "resume", "overwrite", "log_every", "num_threads", "num_workers"),
-    "decode": tuple(spec.name for spec in dataclasses.fields(DecodeConfig)),      # every decoding key
+    "trainer": (
+        "device",
+        "precision",
+        "max_steps",
+        "max_epochs",
+        "max_minutes",
+        "validate_every",
+        "checkpoint_every",
+        "val_beam_size",
+        "val_max_sentences",
+        "test_at_end",
+        "keep_last",
+        "average_last",
+        "patience",
+        "max_bad_steps",
+        "compile",
+        "resume",
+        "overwrite",
+        "log_every",
+        "num_threads",
+        "num_workers",
+    ),
+    "decode": tuple(spec.name for spec in dataclasses.fields(DecodeConfig)),  # every decoding key
 }
 # Every other key (dropout, label smoothing, clipping, the schedule, the batches, the corpus, the seed of
 # the batch order, the EMA decay) takes effect from the resumed step on: one warning says the run does
@@ -260,19 +321,19 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
     an older checkpoint lacks counts as its default (new keys keep the old behaviour by default); other
     keys it lacks pass."""
     saved, ignored, changed = state["config"], [], []
-    restoring, restoring_named = [], []         # the overrides giving changed keys their old values; lists named
+    restoring, restoring_named = [], []  # the overrides giving changed keys their old values; lists named
     for section in ("model", "data", "trainer", "decode"):
         values, old_values = getattr(cfg, section), saved.get(section, {})
         decays = section == "trainer" and values.schedule in ("cosine", "linear")
         for spec in dataclasses.fields(values):
             key, new = spec.name, getattr(values, spec.name)
             if isinstance(new, list) and any(dataclasses.is_dataclass(x) for x in new):
-                new = [dataclasses.asdict(x) for x in new]      # the checkpoint holds plain dicts
+                new = [dataclasses.asdict(x) for x in new]  # the checkpoint holds plain dicts
             fixed = key in FIXED_BY_CHECKPOINT.get(section, ())
             if key in old_values:
                 old = old_values[key]
             elif fixed and spec.default is not dataclasses.MISSING:
-                old = spec.default                      # written before the key existed: its default
+                old = spec.default  # written before the key existed: its default
             else:
                 continue
             if old == new:
@@ -281,28 +342,36 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
                 ignored.append(f"{section}.{key}={new} (keeps {old})")
                 setattr(values, key, old)
             elif key not in HONOURED_ON_RESUME.get(section, ()) or (key == "max_steps" and decays):
-                if isinstance(old, list | dict):        # data.corpora: named, not spelled out
+                if isinstance(old, list | dict):  # data.corpora: named, not spelled out
                     changed.append(f"{section}.{key} (not the checkpoint's)")
                     restoring_named.append(f"{section}.{key}")
                 else:
                     changed.append(f"{section}.{key} {old} -> {new}")
-                    if key != "max_steps":          # a longer decay is what the new value is for
+                    if key != "max_steps":  # a longer decay is what the new value is for
                         restoring.append(shlex.quote(f"{section}.{key}={hydra_value(old)}"))
     if ignored:
         cfg.validate()
     if not warn:
         return
     if ignored:
-        log.warning("trainer.resume: %s ignored: a resumed run keeps the model, tokenizer and optimizer settings of "
-                    "its checkpoint; to change them start a new run from its weights with trainer.init_from=%s",
-                    ", ".join(ignored), path)
+        log.warning(
+            "trainer.resume: %s ignored: a resumed run keeps the model, tokenizer and optimizer settings of "
+            "its checkpoint; to change them start a new run from its weights with trainer.init_from=%s",
+            ", ".join(ignored),
+            path,
+        )
     if changed:
         restore = " ".join(restoring)
         if restoring_named:
             restore += (" and " if restore else "") + ", ".join(restoring_named) + " as in the checkpoint's config"
-        log.warning("trainer.resume: %s differ from the checkpoint: they apply from its step %s on, so the run "
-                    "does not continue as the interrupted one would have (not an exact resume); to continue it as "
-                    "it was, add %s", ", ".join(changed), state["step"], restore)
+        log.warning(
+            "trainer.resume: %s differ from the checkpoint: they apply from its step %s on, so the run "
+            "does not continue as the interrupted one would have (not an exact resume); to continue it as "
+            "it was, add %s",
+            ", ".join(changed),
+            state["step"],
+            restore,
+        )
 
 
 def find_resume_state(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> dict | None:
@@ -319,11 +388,11 @@ def _resume_checkpoint(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> t
     if isinstance(tc.resume, str) and tc.resume not in ("", "true", "false"):
         path = Path(tc.resume)
         state = _resumable(load_checkpoint(path, verify="all"), path)
-        if path.resolve().parent != ckpt_dir.resolve():      # continued in a directory of its own
+        if path.resolve().parent != ckpt_dir.resolve():  # continued in a directory of its own
             _clear_for_a_new_run(tc, existing, ckpt_dir, dist)
         return state, path
     if dist.is_main and ckpt_dir.exists():
-        for stale in ckpt_dir.glob(".*.pt.tmp*"):     # left by a process killed mid-write
+        for stale in ckpt_dir.glob(".*.pt.tmp*"):  # left by a process killed mid-write
             stale.unlink(missing_ok=True)
     if tc.resume in (True, "true"):
         # best.pt may hold averaged weights (trainer.ema_decay, average_last), never newer than last.pt.
@@ -333,13 +402,12 @@ def _resume_checkpoint(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> t
         for newest in newest_first:
             try:
                 state = load_checkpoint(newest, verify="all")
-            except CheckpointError as error:     # damaged on disk: the step before it resumes the run
+            except CheckpointError as error:  # damaged on disk: the step before it resumes the run
                 unusable[newest] = error
                 log.warning("skipping %s", error)
                 continue
             if tc.overwrite:
-                log.warning("trainer.overwrite=true is ignored: trainer.resume=true continues the run in %s",
-                            ckpt_dir)
+                log.warning("trainer.overwrite=true is ignored: trainer.resume=true continues the run in %s", ckpt_dir)
             return state, newest
         if not existing:
             log.warning("trainer.resume=true but %s holds no checkpoint: starting a new run", ckpt_dir)
@@ -355,7 +423,7 @@ def _resumable_newest_first(paths: list[Path]) -> tuple[list[Path], dict[Path, E
     cannot. Their bytes are not checked yet: only the one resumed from is read in full."""
     steps, unusable = {}, {}
     for path in paths:
-        try:   # memory-mapped: reading the step does not read the tensors of every file
+        try:  # memory-mapped: reading the step does not read the tensors of every file
             steps[path] = _resumable(load_checkpoint(path, mmap=True, verify="none"), path)["step"]
         except (CheckpointError, TrainingError) as error:
             unusable[path] = error
@@ -365,9 +433,10 @@ def _resumable_newest_first(paths: list[Path]) -> tuple[list[Path], dict[Path, E
 def nothing_to_resume_error(ckpt_dir: Path, existing: list[Path], unusable: dict[Path, Exception]) -> TrainingError:
     """trainer.resume=true in a directory whose checkpoints cannot resume the run (last.pt missing or
     damaged): starting a new run there would overwrite them, best.pt included."""
+
     def readable(path: Path) -> bool:
         if path in unusable:
-            return isinstance(unusable[path], TrainingError)     # weights only: readable, not resumable
+            return isinstance(unusable[path], TrainingError)  # weights only: readable, not resumable
         try:
             load_checkpoint(path, mmap=True)
             return True
@@ -380,13 +449,16 @@ def nothing_to_resume_error(ckpt_dir: Path, existing: list[Path], unusable: dict
     found += [f"{p.name} holds no training state" for p, error in unusable.items() if isinstance(error, TrainingError)]
     where = f"{ckpt_dir}: trainer.resume=true finds no checkpoint to resume from ({', '.join(found)}"
     if not weights:
-        return TrainingError(f"{where}; nothing in it is readable); pass trainer.overwrite=true to delete these "
-                             "checkpoints and start a new run here, or choose another hydra.run.dir")
+        return TrainingError(
+            f"{where}; nothing in it is readable); pass trainer.overwrite=true to delete these "
+            "checkpoints and start a new run here, or choose another hydra.run.dir"
+        )
     return TrainingError(
         f"{where}; only {', '.join(p.name for p in weights)} {'is' if len(weights) == 1 else 'are'} readable); "
         f"to fine-tune from its weights start a new run in another hydra.run.dir with "
         f"trainer.init_from={weights[0]}, or pass trainer.overwrite=true to delete these checkpoints and start "
-        "a new run here")
+        "a new run here"
+    )
 
 
 def _clear_for_a_new_run(tc: TrainerConfig, existing: list[Path], ckpt_dir: Path, dist: D.DistInfo) -> None:
@@ -402,8 +474,10 @@ def _clear_for_a_new_run(tc: TrainerConfig, existing: list[Path], ckpt_dir: Path
 
 
 def foreign_run_error(ckpt_dir: Path) -> TrainingError:
-    return TrainingError(f"{ckpt_dir} already holds checkpoints of another run; pass trainer.resume=true to "
-                         "continue it, trainer.overwrite=true to replace it, or choose another hydra.run.dir")
+    return TrainingError(
+        f"{ckpt_dir} already holds checkpoints of another run; pass trainer.resume=true to "
+        "continue it, trainer.overwrite=true to replace it, or choose another hydra.run.dir"
+    )
 
 
 def check_run_directory(run_dir: Path, overrides: list[str]) -> None:
@@ -429,7 +503,8 @@ def check_run_directory(run_dir: Path, overrides: list[str]) -> None:
         raise TrainingError(
             f"trainer.resume: {run_dir} was started with {' '.join(left_out)}, which this command leaves out (each "
             "would take its default: another corpus, model or setting); repeat them (new values are allowed), as "
-            "in the command its log's last line prints")
+            "in the command its log's last line prints"
+        )
 
 
 def _left_out_of_resume(run_dir: Path, overrides: list[str]) -> list[str]:
@@ -440,17 +515,26 @@ def _left_out_of_resume(run_dir: Path, overrides: list[str]) -> list[str]:
     from omegaconf import OmegaConf
 
     record = run_dir / ".hydra" / "overrides.yaml"
-    try:            # unresolved: an ${oc.env:...} in the record must not need its variable now
+    try:  # unresolved: an ${oc.env:...} in the record must not need its variable now
         previous = OmegaConf.to_container(OmegaConf.load(record), resolve=False) if record.is_file() else []
-    except Exception:           # a damaged record must not stop a resume: nothing to compare with
+    except Exception:  # a damaged record must not stop a resume: nothing to compare with
         return []
     if not isinstance(previous, list):
-        return []               # no record (hydra.output_subdir=null, a library run): nothing to compare
-    droppable = {f"{section}.{key}" for table in (HONOURED_ON_RESUME, FIXED_BY_CHECKPOINT)
-                 for section, keys in table.items() for key in keys} | {"decode", *RESUME_REPLACES}
+        return []  # no record (hydra.output_subdir=null, a library run): nothing to compare
+    droppable = {
+        f"{section}.{key}"
+        for table in (HONOURED_ON_RESUME, FIXED_BY_CHECKPOINT)
+        for section, keys in table.items()
+        for key in keys
+    } | {"decode", *RESUME_REPLACES}
     named = {override_key(o) for o in overrides}
-    return [o for o in previous if isinstance(o, str) and override_key(o) not in named | droppable
-            and not override_key(o).startswith(("hydra.", "hydra/"))]
+    return [
+        o
+        for o in previous
+        if isinstance(o, str)
+        and override_key(o) not in named | droppable
+        and not override_key(o).startswith(("hydra.", "hydra/"))
+    ]
 
 
 def _config_flags_left_out(run_dir: Path, argv: list[str]) -> list[str]:
@@ -460,7 +544,7 @@ def _config_flags_left_out(run_dir: Path, argv: list[str]) -> list[str]:
     from omegaconf import OmegaConf
 
     record = run_dir / ".hydra" / "hydra.yaml"
-    try:            # unresolved, as the overrides are; a damaged or missing record skips the check
+    try:  # unresolved, as the overrides are; a damaged or missing record skips the check
         hydra = OmegaConf.to_container(OmegaConf.load(record), resolve=False)["hydra"] if record.is_file() else {}
         name = hydra.get("job", {}).get("config_name")
         sources = hydra.get("runtime", {}).get("config_sources") or []
@@ -485,13 +569,13 @@ def _resumable(state: dict, path) -> dict:
         raise TrainingError(
             f"{path}: holds the {state['weights']} weights (best.pt of a run with trainer.ema_decay or "
             f"average_last), not the training state; resume from last.pt, or start a new run from these weights "
-            f"with trainer.init_from={path}")
+            f"with trainer.init_from={path}"
+        )
     missing = [key for key in ("optimizer", "scheduler", "scaler", "rng", "data_state") if key not in state]
     if missing:
         raise TrainingError(
             f"{path}: holds weights only (an averaged or exported checkpoint, without {', '.join(missing)}), so "
             f"it cannot resume a run; translate or evaluate with it, or start a new run from its weights with "
-            f"trainer.init_from={path}")
+            f"trainer.init_from={path}"
+        )
     return state
-
-

@@ -22,7 +22,7 @@ from transformer.distributed import DistInfo
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-ONEDNN_CACHE_CAPACITY = 8192      # compiled CPU kernels kept; oneDNN's default is 1,024
+ONEDNN_CACHE_CAPACITY = 8192  # compiled CPU kernels kept; oneDNN's default is 1,024
 
 
 def tune_cpu_process() -> None:
@@ -60,8 +60,8 @@ def keep_freed_memory() -> None:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
-    m_trim_threshold, m_mmap_threshold = -1, -3          # mallopt parameters, from malloc.h
-    libc.mallopt(m_mmap_threshold, 32 * 2**20)           # the largest value glibc accepts
+    m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters, from malloc.h
+    libc.mallopt(m_mmap_threshold, 32 * 2**20)  # the largest value glibc accepts
     libc.mallopt(m_trim_threshold, 2**31 - 1)
 
 
@@ -88,8 +88,10 @@ def inference_device_error(device, knob: str = "device=") -> str | None:
         if not torch.cuda.is_available():
             problem = f"{as_given(knob, device)}: CUDA is not available"
         elif index >= torch.cuda.device_count():
-            problem = (f"{as_given(knob, device)}: there are {torch.cuda.device_count()} "
-                       f"CUDA device(s) (0 to {torch.cuda.device_count() - 1})")
+            problem = (
+                f"{as_given(knob, device)}: there are {torch.cuda.device_count()} "
+                f"CUDA device(s) (0 to {torch.cuda.device_count() - 1})"
+            )
     return problem
 
 
@@ -100,9 +102,11 @@ def resolve_device(name: str, dist_info: DistInfo) -> torch.device:
             raise ConfigError(f"trainer.device={name} but CUDA is not available; use trainer.device=cpu")
         if name == "cuda":
             count = torch.cuda.device_count()
-            if dist_info.local_rank >= count:         # more processes on this machine than GPUs
-                raise ConfigError(f"rank {dist_info.rank} is process {dist_info.local_rank + 1} on a machine with "
-                                  f"{count} CUDA device(s): start at most one per device (--nproc_per_node={count})")
+            if dist_info.local_rank >= count:  # more processes on this machine than GPUs
+                raise ConfigError(
+                    f"rank {dist_info.rank} is process {dist_info.local_rank + 1} on a machine with "
+                    f"{count} CUDA device(s): start at most one per device (--nproc_per_node={count})"
+                )
             return torch.device("cuda", dist_info.local_rank)
     return torch.device(name)
 
@@ -120,8 +124,7 @@ def cpu_has_native_bf16() -> bool:
 def cuda_has_native_bf16(device: torch.device) -> bool:
     """True on GPUs with bf16 tensor cores (Ampere and later); `is_bf16_supported()` alone also counts
     the emulation older GPUs offer, which is slower than fp16."""
-    return torch.cuda.is_bf16_supported(including_emulation=False) and \
-        torch.cuda.get_device_capability(device)[0] >= 8
+    return torch.cuda.is_bf16_supported(including_emulation=False) and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def resolve_precision(name: str, device: torch.device) -> str:
@@ -134,8 +137,10 @@ def resolve_precision(name: str, device: torch.device) -> str:
     if name == "fp16" and device.type == "cpu":
         raise ConfigError("precision fp16 needs CUDA (trainer.precision / --precision); on the CPU use bf16 or fp32")
     if name == "bf16" and device.type == "cuda" and not cuda_has_native_bf16(device):
-        log.warning("precision bf16 on %s, which emulates it (slower than fp16): consider fp16",
-                    torch.cuda.get_device_name(device))
+        log.warning(
+            "precision bf16 on %s, which emulates it (slower than fp16): consider fp16",
+            torch.cuda.get_device_name(device),
+        )
     return name
 
 
@@ -151,8 +156,8 @@ def allow_tf32_for_training(device: torch.device, precision: str) -> None:
 @dataclass
 class Runtime:
     device: torch.device
-    precision: str                     # bf16 | fp16 | fp32, resolved from auto
-    autocast: object                   # a zero-argument callable returning the autocast context
+    precision: str  # bf16 | fp16 | fp32, resolved from auto
+    autocast: object  # a zero-argument callable returning the autocast context
     dist: DistInfo
 
     @classmethod

@@ -44,19 +44,20 @@ class Interrupted(Exception):
 
 @dataclass
 class Hypothesis:
-    tokens: list[int]        # without BOS and EOS
-    score: float             # log-probability / length penalty (what the beam ranks by)
-    logprob: float           # total log-probability, EOS included
+    tokens: list[int]  # without BOS and EOS
+    score: float  # log-probability / length penalty (what the beam ranks by)
+    logprob: float  # total log-probability, EOS included
     hit_max_len: bool = False
-    text: str = ""           # detokenized (filled in by `Translator`)
+    text: str = ""  # detokenized (filled in by `Translator`)
 
 
 class EncoderDecoder(Protocol):
     """What decoding needs of a model (`transformer.model.Transformer` is one)."""
-    cfg: object              # .max_positions
+
+    cfg: object  # .max_positions
     training: bool
 
-    def encode(self, src: torch.Tensor) -> torch.Tensor: ...                       # (B, S) -> (B, S, D)
+    def encode(self, src: torch.Tensor) -> torch.Tensor: ...  # (B, S) -> (B, S, D)
 
     def decode(self, tgt_in: torch.Tensor, memory, src_pad_mask, cache=None) -> torch.Tensor: ...  # (B, T, V)
 
@@ -91,7 +92,7 @@ def length_penalty(length: int, alpha: float) -> float:
 
 def max_lengths(src: torch.Tensor, max_len_a: float, max_len_b: int, limit: int) -> torch.Tensor:
     """Per sentence: at most a * source_length + b output tokens (EOS included), capped by `limit`."""
-    src_lens = (src != PAD_ID).sum(dim=1) - 1                          # without the source EOS
+    src_lens = (src != PAD_ID).sum(dim=1) - 1  # without the source EOS
     # Capped while still float: a limit beyond int64 (max_len_a=1e30: "no limit") wrapped to 1 token.
     lengths = torch.floor(src_lens.double() * float(max_len_a) + float(max_len_b))
     return lengths.clamp(min=1, max=limit).long()
@@ -102,8 +103,8 @@ class ModelDecoder:
 
     def __init__(self, model: EncoderDecoder, src: torch.Tensor, use_cache: bool = True):
         self.model = model
-        memory = model.encode(src)                                      # (B, S, D)
-        src_pad_mask = padding_mask(src, PAD_ID)                        # (B, S)
+        memory = model.encode(src)  # (B, S, D)
+        src_pad_mask = padding_mask(src, PAD_ID)  # (B, S)
         self.cache = model.new_cache(memory, src_pad_mask) if use_cache else None
         self.memory, self.src_pad_mask = memory, src_pad_mask
 
@@ -145,7 +146,7 @@ class EnsembleDecoder:
         """tokens (rows, t) -> the weighted mean of the models' float32 log-probabilities (rows, V)."""
         mean = None
         for weight, decoder in zip(self.weights, self.decoders):
-            logprobs = decoder.step(tokens)                                       # (rows, V) float32
+            logprobs = decoder.step(tokens)  # (rows, V) float32
             mean = logprobs.mul_(weight) if mean is None else mean.add_(logprobs, alpha=weight)
         return mean
 
@@ -166,11 +167,11 @@ def row_topk(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tenso
         return scores.topk(k, dim=1)
     if width % chunk:
         scores = F.pad(scores, (0, chunk - width % chunk), value=float("-inf"))
-    block_max = scores.view(rows, -1, chunk).amax(dim=2)                          # (rows, blocks)
-    top_blocks = block_max.topk(k, dim=1).indices                                 # (rows, k)
+    block_max = scores.view(rows, -1, chunk).amax(dim=2)  # (rows, blocks)
+    top_blocks = block_max.topk(k, dim=1).indices  # (rows, k)
     offsets = torch.arange(chunk, device=scores.device)
-    columns = (top_blocks[:, :, None] * chunk + offsets).view(rows, k * chunk)    # (rows, k * chunk)
-    values, picks = scores.gather(1, columns).topk(k, dim=1)                      # (rows, k)
+    columns = (top_blocks[:, :, None] * chunk + offsets).view(rows, k * chunk)  # (rows, k * chunk)
+    values, picks = scores.gather(1, columns).topk(k, dim=1)  # (rows, k)
     return values, columns.gather(1, picks).clamp_(max=width - 1)
 
 
@@ -180,12 +181,14 @@ def row_topk(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tenso
 CPU_LOGPROB_BLOCK_ROWS = 128
 
 
-def top_candidates(decoder: StepDecoder, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def top_candidates(
+    decoder: StepDecoder, tokens: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tokens (rows, t) -> the k most probable next tokens per row (log-probabilities (rows, k) and
     ids (rows, k), best first; PAD and BOS excluded) and each row's EOS log-probability (rows,)."""
-    if not isinstance(decoder, LogitsDecoder):        # one that only offers log-probabilities
+    if not isinstance(decoder, LogitsDecoder):  # one that only offers log-probabilities
         return _candidates(decoder.step(tokens), k)
-    logits = decoder.logits(tokens)                                               # (rows, V)
+    logits = decoder.logits(tokens)  # (rows, V)
     block = CPU_LOGPROB_BLOCK_ROWS if logits.device.type == "cpu" else max(1, logits.size(0))
     parts = [_candidates(torch.log_softmax(rows, dim=-1, dtype=torch.float32), k) for rows in logits.split(block)]
     return tuple(torch.cat(tensors) for tensors in zip(*parts))
@@ -193,14 +196,14 @@ def top_candidates(decoder: StepDecoder, tokens: torch.Tensor, k: int) -> tuple[
 
 def _never_generated(logprobs: torch.Tensor) -> torch.Tensor:
     """PAD and BOS masked out of (rows, V) log-probabilities, in place."""
-    logprobs[:, PAD_ID] = float("-inf")      # integer indices: a fill on the device, no index tensor
-    logprobs[:, BOS_ID] = float("-inf")      # copied from the host
+    logprobs[:, PAD_ID] = float("-inf")  # integer indices: a fill on the device, no index tensor
+    logprobs[:, BOS_ID] = float("-inf")  # copied from the host
     return logprobs
 
 
 def _candidates(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _never_generated(logprobs)
-    values, ids = row_topk(logprobs, min(k, logprobs.size(1)))                    # (rows, k)
+    values, ids = row_topk(logprobs, min(k, logprobs.size(1)))  # (rows, k)
     return values, ids, logprobs[:, EOS_ID]
 
 
@@ -219,6 +222,7 @@ class Sampling:
     samples, and one object used again continues its random stream (the chunks of a long input are not
     sampled alike; for a repeatable call, pass a new Sampling). Hypothesis scores stay the model's own
     log-probabilities of the drawn tokens (untempered)."""
+
     top_k: int = 0
     top_p: float = 1.0
     temperature: float = 1.0
@@ -233,12 +237,12 @@ class Sampling:
         """logprobs (n, V) float32 -> drawn tokens (n,) and their log-probabilities (n,)."""
         scores = logprobs / self.temperature
         if self.top_k and self.top_k < scores.size(1):
-            kth = scores.topk(self.top_k, dim=1).values[:, -1:]                  # (n, 1)
+            kth = scores.topk(self.top_k, dim=1).values[:, -1:]  # (n, 1)
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if self.top_p < 1.0:
-            ordered, order = scores.sort(dim=1, descending=True)                  # (n, V)
+            ordered, order = scores.sort(dim=1, descending=True)  # (n, V)
             probs = ordered.softmax(dim=1)
-            outside = probs.cumsum(dim=1) - probs >= self.top_p                   # the first token always stays
+            outside = probs.cumsum(dim=1) - probs >= self.top_p  # the first token always stays
             scores = scores.scatter(1, order, ordered.masked_fill(outside, float("-inf")))
         generator = self._generators.get(scores.device)
         if generator is None:
@@ -254,19 +258,20 @@ GREEDY_COMPACT_SHARE = 0.25
 
 
 @torch.no_grad()
-def greedy_search(decoder: StepDecoder, max_lens: torch.Tensor, sampling: Sampling | None = None,
-                  prefix: torch.Tensor | None = None) -> list[Hypothesis]:
+def greedy_search(
+    decoder: StepDecoder, max_lens: torch.Tensor, sampling: Sampling | None = None, prefix: torch.Tensor | None = None
+) -> list[Hypothesis]:
     """Pick the most probable token at every step (or draw one, with `sampling`); sentences leave the
     batch when they emit EOS (in batches of `GREEDY_COMPACT_SHARE` of the rows; with `sampling` at
     once, so that the draws do not depend on it). `prefix` (n, P): target tokens forced first, PAD
     after each sentence's own prefix (its length + 1 must fit in `max_lens`)."""
     batch = max_lens.numel()
     device = max_lens.device
-    tokens = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=device)     # (n, t)
+    tokens = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=device)  # (n, t)
     logprob = torch.zeros(batch, device=device)
-    open_ids = torch.arange(batch, device=device)       # original index of each row's sentence
-    decoding = torch.ones(batch, dtype=torch.bool, device=device)   # rows not finished yet
-    carried = 0                                         # finished rows still in the batch
+    open_ids = torch.arange(batch, device=device)  # original index of each row's sentence
+    decoding = torch.ones(batch, dtype=torch.bool, device=device)  # rows not finished yet
+    carried = 0  # finished rows still in the batch
     compact_share = 0.0 if sampling is not None else GREEDY_COMPACT_SHARE
     results: list[Hypothesis | None] = [None] * batch
     for step in range(int(max_lens.max())):
@@ -275,7 +280,7 @@ def greedy_search(decoder: StepDecoder, max_lens: torch.Tensor, sampling: Sampli
             best_logprob, best_token, eos_logprob = top_candidates(decoder, tokens, 1)  # (n, 1), (n, 1), (n,)
             best_logprob, best_token = best_logprob.squeeze(1), best_token.squeeze(1)
         else:
-            logprobs = _never_generated(decoder.step(tokens))                     # (n, V) float32
+            logprobs = _never_generated(decoder.step(tokens))  # (n, V) float32
             if sampling is None:
                 best_logprob, best_token = logprobs.max(dim=1)
             else:
@@ -285,18 +290,22 @@ def greedy_search(decoder: StepDecoder, max_lens: torch.Tensor, sampling: Sampli
                 active, wanted_logprob = _prefix_logprob(logprobs, prefix[:, step])
                 best_token = torch.where(active, prefix[:, step], best_token)
                 best_logprob = torch.where(active, wanted_logprob, best_logprob)
-        forced = step + 1 >= max_lens                                             # (n,)
+        forced = step + 1 >= max_lens  # (n,)
         next_token = torch.where(forced, EOS_ID, best_token)
         token_logprob = torch.where(forced, eos_logprob, best_logprob)
         logprob = logprob + token_logprob
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-        done = (next_token == EOS_ID) & decoding                                  # (n,) finished now
+        done = (next_token == EOS_ID) & decoding  # (n,) finished now
         if not done.any():
             continue
-        done_rows = done.nonzero().flatten()                                      # (d,)
+        done_rows = done.nonzero().flatten()  # (d,)
         # Only the finished rows go to the host, not the whole batch's tokens at every such step.
-        for sentence, ids, score, was_forced in zip(open_ids[done_rows].tolist(), tokens[done_rows, 1:-1].tolist(),
-                                                    logprob[done_rows].tolist(), forced[done_rows].tolist()):
+        for sentence, ids, score, was_forced in zip(
+            open_ids[done_rows].tolist(),
+            tokens[done_rows, 1:-1].tolist(),
+            logprob[done_rows].tolist(),
+            forced[done_rows].tolist(),
+        ):
             results[sentence] = Hypothesis(ids, score, score, was_forced)
         decoding = decoding & ~done
         carried += done_rows.numel()
@@ -313,8 +322,14 @@ def greedy_search(decoder: StepDecoder, max_lens: torch.Tensor, sampling: Sampli
 
 
 @torch.no_grad()
-def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, alpha: float = 0.0,
-                nbest: int = 1, prefix: torch.Tensor | None = None) -> list[list[Hypothesis]]:
+def beam_search(
+    decoder: StepDecoder,
+    max_lens: torch.Tensor,
+    beam_size: int,
+    alpha: float = 0.0,
+    nbest: int = 1,
+    prefix: torch.Tensor | None = None,
+) -> list[list[Hypothesis]]:
     """Batched beam search; returns the `nbest` best finished hypotheses per sentence, best first.
 
     Each step expands every open hypothesis, takes the top 2K candidates per sentence, finishes the
@@ -331,8 +346,8 @@ def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, al
         raise ValueError(f"nbest={nbest} cannot exceed beam_size={beam_size}")
     batch, device, K = max_lens.numel(), max_lens.device, beam_size
     # Every sentence starts from one hypothesis (BOS); the first step expands it to K.
-    tokens = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=device)       # (n*beams, t)
-    scores = torch.zeros(batch, 1, device=device)                                 # (n, beams) log-probs
+    tokens = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=device)  # (n*beams, t)
+    scores = torch.zeros(batch, 1, device=device)  # (n, beams) log-probs
     # What the host keeps of each open sentence (no device read needed): its index and length limit.
     open_ids, limits = list(range(batch)), max_lens.tolist()
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
@@ -341,21 +356,21 @@ def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, al
         # A sentence's 2K best (beam, token) candidates are among each beam's 2K best tokens
         # (width = 2K, or the vocabulary size if that is smaller).
         if prefix is not None and step < prefix.size(1):
-            logprobs = decoder.step(tokens)                                       # (n*beams, V) float32
-            row_scores, row_tokens, eos_logprob = _candidates(logprobs, 2 * K)    # (n*beams, width)
-            wanted = prefix[:, step].repeat_interleave(beams)                     # (n*beams,)
+            logprobs = decoder.step(tokens)  # (n*beams, V) float32
+            row_scores, row_tokens, eos_logprob = _candidates(logprobs, 2 * K)  # (n*beams, width)
+            wanted = prefix[:, step].repeat_interleave(beams)  # (n*beams,)
             active, wanted_logprob = _prefix_logprob(logprobs, wanted)
             first_beam = torch.arange(n * beams, device=device) % beams == 0
             _only(row_scores, row_tokens, active, wanted, wanted_logprob.masked_fill(~first_beam, float("-inf")))
         else:
             row_scores, row_tokens, eos_logprob = top_candidates(decoder, tokens, 2 * K)  # (n*beams, width)
         width = row_scores.size(1)
-        forced = [step + 1 >= limit for limit in limits]         # sentences at their length limit may only end
+        forced = [step + 1 >= limit for limit in limits]  # sentences at their length limit may only end
         if any(forced):
-            forced_rows = torch.tensor(forced, device=device).repeat_interleave(beams)      # (n*beams,)
+            forced_rows = torch.tensor(forced, device=device).repeat_interleave(beams)  # (n*beams,)
             _only(row_scores, row_tokens, forced_rows, EOS_ID, eos_logprob)
         candidates = (scores.view(-1, 1) + row_scores).view(n, beams * width)
-        top_scores, top_ids = candidates.topk(min(2 * K, beams * width), dim=1)     # (n, <= 2K)
+        top_scores, top_ids = candidates.topk(min(2 * K, beams * width), dim=1)  # (n, <= 2K)
         top_beams = top_ids // width
         top_tokens = row_tokens.view(n, beams * width).gather(1, top_ids)
         is_eos = top_tokens == EOS_ID
@@ -364,19 +379,22 @@ def beam_search(decoder: StepDecoder, max_lens: torch.Tensor, beam_size: int, al
         next_scores, picks = top_scores.masked_fill(is_eos, float("-inf")).topk(min(K, top_scores.size(1)), dim=1)
         # EOS candidates that rank among the top K finish. The step's one read to the host: which
         # finish, from which beam, at what score, and each sentence's best open score.
-        finish = is_eos[:, :K] & torch.isfinite(top_scores[:, :K])                    # (n, <= K)
+        finish = is_eos[:, :K] & torch.isfinite(top_scores[:, :K])  # (n, <= K)
         top = finish.size(1)
-        read = torch.cat([finish.to(top_scores.dtype), top_beams[:, :K].to(top_scores.dtype), top_scores[:, :K],
-                          next_scores[:, :1]], dim=1).tolist()                        # n x (3 top + 1)
+        read = torch.cat(
+            [finish.to(top_scores.dtype), top_beams[:, :K].to(top_scores.dtype), top_scores[:, :K], next_scores[:, :1]],
+            dim=1,
+        ).tolist()  # n x (3 top + 1)
         token_lists, penalty = None, length_penalty(step + 1, alpha)
         for i, row_read in enumerate(read):
             for j in range(top):
                 if row_read[j]:
                     if token_lists is None:
-                        token_lists = tokens.tolist()             # only in steps where hypotheses finish
+                        token_lists = tokens.tolist()  # only in steps where hypotheses finish
                     raw = row_read[2 * top + j]
-                    finished[open_ids[i]].append(Hypothesis(token_lists[i * beams + int(row_read[top + j])][1:],
-                                                            raw / penalty, raw, forced[i]))
+                    finished[open_ids[i]].append(
+                        Hypothesis(token_lists[i * beams + int(row_read[top + j])][1:], raw / penalty, raw, forced[i])
+                    )
         rows = (torch.arange(n, device=device)[:, None] * beams + top_beams.gather(1, picks)).view(-1)
         tokens = torch.cat([tokens[rows], top_tokens.gather(1, picks).view(-1, 1)], dim=1)
         scores = next_scores
@@ -406,8 +424,16 @@ def _only(row_scores: torch.Tensor, row_tokens: torch.Tensor, rows: torch.Tensor
     row_tokens[:, 0] = torch.where(rows, token, row_tokens[:, 0])
 
 
-def _closed(finished, open_ids: list[int], best_open: list[float], forced: list[bool], limits: list[int],
-            beam_size: int, alpha: float, nbest: int) -> list[bool]:
+def _closed(
+    finished,
+    open_ids: list[int],
+    best_open: list[float],
+    forced: list[bool],
+    limits: list[int],
+    beam_size: int,
+    alpha: float,
+    nbest: int,
+) -> list[bool]:
     """Which open sentences are done: forced to end, K hypotheses finished, or no open one can still
     beat the `nbest`-th finished (host values only)."""
     done = list(forced)
@@ -422,13 +448,27 @@ def _closed(finished, open_ids: list[int], best_open: list[float], forced: list[
     return done
 
 
-@torch.inference_mode()       # no_grad, minus version counting and view tracking: a few % here
-def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: list[list[int]], *, beam_size: int = 5,
-                  alpha: float = 0.0, max_len_a: float = 1.2, max_len_b: int = 10, nbest: int = 1,
-                  batch_tokens: int = DEFAULT_BATCH_TOKENS, device: torch.device | str = "cpu",
-                  use_cache: bool = True, progress=None, autocast=None, stop=None,
-                  sampling: Sampling | None = None, weights: Sequence[float] | None = None,
-                  prefixes: list[list[int]] | None = None, workers: int = 1) -> list[list[Hypothesis]]:
+@torch.inference_mode()  # no_grad, minus version counting and view tracking: a few % here
+def translate_ids(
+    model: EncoderDecoder | Sequence[EncoderDecoder],
+    sources: list[list[int]],
+    *,
+    beam_size: int = 5,
+    alpha: float = 0.0,
+    max_len_a: float = 1.2,
+    max_len_b: int = 10,
+    nbest: int = 1,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    device: torch.device | str = "cpu",
+    use_cache: bool = True,
+    progress=None,
+    autocast=None,
+    stop=None,
+    sampling: Sampling | None = None,
+    weights: Sequence[float] | None = None,
+    prefixes: list[list[int]] | None = None,
+    workers: int = 1,
+) -> list[list[Hypothesis]]:
     """Decode token-id sources (without EOS) in length-sorted batches; results in input order.
     With `sampling`, one sampled hypothesis per sentence (the beam size is not used).
 
@@ -444,15 +484,15 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
     limit = min(m.cfg.max_positions for m in models) - 1
 
     def attempt(indices: list[int]) -> list[list[Hypothesis]]:
-        src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(device)   # (B, S)
+        src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(device)  # (B, S)
         with autocast() if autocast is not None else contextlib.nullcontext():
             decoders = [ModelDecoder(m, src, use_cache) for m in models]
             decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, weights)
-            lens = max_lengths(src, max_len_a, max_len_b, limit)                  # (B,)
+            lens = max_lengths(src, max_len_a, max_len_b, limit)  # (B,)
             prefix = None
             if prefixes is not None and any(prefixes[i] for i in indices):
                 prefix = pad_sequences([prefixes[i] for i in indices]).to(device)  # (B, P), PAD after each
-                lens = torch.maximum(lens, (prefix != PAD_ID).sum(dim=1) + 1)     # room for the prefix and EOS
+                lens = torch.maximum(lens, (prefix != PAD_ID).sum(dim=1) + 1)  # room for the prefix and EOS
             if beam_size == 1 or sampling is not None:
                 return [[h] for h in greedy_search(decoder, lens, sampling, prefix)]
             return beam_search(decoder, lens, beam_size, alpha, nbest, prefix)
@@ -483,18 +523,18 @@ def translate_ids(model: EncoderDecoder | Sequence[EncoderDecoder], sources: lis
             return
         done(indices, batch_results)
 
-    hypotheses = 1 if sampling is not None else beam_size              # rows per sentence in a batch
+    hypotheses = 1 if sampling is not None else beam_size  # rows per sentence in a batch
     with contextlib.ExitStack() as in_eval_mode:
         for each in models:
             in_eval_mode.enter_context(eval_mode(each))
         lengths = [len(s) for s in sources]
-        budget = max(1, batch_tokens // hypotheses)                   # source tokens per batch
+        budget = max(1, batch_tokens // hypotheses)  # source tokens per batch
         # Sampling draws from one generator in batch order, so that its samples depend on the seed alone.
         workers = workers if torch.device(device).type == "cpu" and sampling is None else 1
-        if workers > 1:       # enough batches that the workers end together: about 4 each, not tiny ones
+        if workers > 1:  # enough batches that the workers end together: about 4 each, not tiny ones
             budget = min(budget, max(PARALLEL_MIN_BATCH_TOKENS, sum(lengths) // (4 * workers)))
         batches = batches_in_order(lengths, budget)
-        if workers > 1 and len(batches) > 1:       # never more processes than batches
+        if workers > 1 and len(batches) > 1:  # never more processes than batches
             in_processes(batches, attempt, done, min(workers, len(batches)), stop)
         else:
             for indices in batches:
@@ -522,8 +562,8 @@ def _end_with(parent: int, prctl) -> None:
     covers a normal exit."""
     if prctl is None:
         return
-    prctl(1, signal.SIGKILL)                             # PR_SET_PDEATHSIG
-    if os.getppid() != parent:                           # it died before the line above
+    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the line above
         os._exit(1)
 
 
@@ -536,15 +576,16 @@ def in_processes(batches: list[list[int]], attempt, done, workers: int, stop=Non
     set to 1 in each, as DataLoader workers do), which share the parent's weights copy-on-write; `done(batch,
     results)` in the parent as each batch comes back. Processes rather than threads: a decoding step is
     many small operations, and threads take turns on the interpreter lock to launch them. At most two
-    batches per process are handed out ahead, `stop()` asked before each and while waiting (True: `Interrupted`); the first
+    batches per process are handed out ahead, `stop()` asked before each and while waiting (True:
+    `Interrupted`); the first
     error of a process is raised here, and any error or Ctrl-C ends every process at once."""
     context = multiprocessing.get_context("fork")
     tasks, answers = context.SimpleQueue(), context.Queue()
 
-    parent, prctl = os.getpid(), _prctl()               # looked up here: no dlopen() in a forked child
+    parent, prctl = os.getpid(), _prctl()  # looked up here: no dlopen() in a forked child
 
     def serve() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the parent's to handle
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
         _end_with(parent, prctl)
         torch.set_num_threads(1)
         # Layers that trainer.compile compiled run eager here: the compiler's worker pool does not survive
@@ -555,11 +596,11 @@ def in_processes(batches: list[list[int]], attempt, done, workers: int, stop=Non
             while (number := tasks.get()) is not None:
                 try:
                     answers.put((number, attempt(batches[number]), None))
-                except BaseException as error:          # noqa: BLE001 - handed to the parent
+                except BaseException as error:  # noqa: BLE001 - handed to the parent
                     answers.put((number, None, _portable(error)))
                     return
 
-    with warnings.catch_warnings():                      # Python warns of fork() beside native threads
+    with warnings.catch_warnings():  # Python warns of fork() beside native threads
         warnings.simplefilter("ignore", DeprecationWarning)
         processes = [context.Process(target=serve, name=f"decode-{i}", daemon=True) for i in range(workers)]
         for process in processes:
@@ -573,14 +614,16 @@ def in_processes(batches: list[list[int]], attempt, done, workers: int, stop=Non
                 tasks.put(handed)
                 handed += 1
             try:
-                number, batch_results, error = answers.get(timeout=0.2)   # a short wait keeps Ctrl-C deliverable
+                number, batch_results, error = answers.get(timeout=0.2)  # a short wait keeps Ctrl-C deliverable
             except queue.Empty:
-                if stop is not None and stop():     # every batch handed out: asked while waiting for them too
+                if stop is not None and stop():  # every batch handed out: asked while waiting for them too
                     raise Interrupted from None
                 dead = [p for p in processes if p.exitcode not in (None, 0)]
                 if dead:
-                    raise DecodingProcessDied(f"a decoding process ended with exit code {dead[0].exitcode} "
-                                              "(out of memory?); try fewer workers or a smaller batch_tokens") from None
+                    raise DecodingProcessDied(
+                        f"a decoding process ended with exit code {dead[0].exitcode} "
+                        "(out of memory?); try fewer workers or a smaller batch_tokens"
+                    ) from None
                 continue
             if error is not None:
                 raise error
@@ -589,7 +632,7 @@ def in_processes(batches: list[list[int]], attempt, done, workers: int, stop=Non
     finally:
         for process in processes:
             if received < len(batches):
-                process.kill()                         # an error or Ctrl-C: no batch is worth waiting for
+                process.kill()  # an error or Ctrl-C: no batch is worth waiting for
             else:
                 tasks.put(None)
         for process in processes:
@@ -602,5 +645,5 @@ def _portable(error: BaseException) -> BaseException:
     try:
         pickle.loads(pickle.dumps(error))
         return error
-    except Exception:                                    # noqa: BLE001 - any pickling failure
+    except Exception:  # noqa: BLE001 - any pickling failure
         return RuntimeError(f"{type(error).__name__}: {error}")

@@ -95,22 +95,31 @@ def latest_rows(rows: list[dict]) -> list[dict]:
 def format_summary(rows: list[dict]) -> str:
     """The rows as an aligned table, best validation BLEU first, failed jobs last; overrides that
     every job shares are said once, above the table."""
+
     def order(row):
         return (row["status"] != "ok", -float(row["best_val_bleu"] or "-inf"), int(row["job"]))
+
     settings = [row["overrides"].split() for row in rows]
     common = [o for o in settings[0] if all(o in s for s in settings[1:])] if rows else []
     header = ("job", "best val BLEU", "status", "swept settings")
-    table = [header] + [(r["job"], r["best_val_bleu"] or "-", r["status"],
-                         " ".join(o for o in r["overrides"].split() if o not in common) or "-")
-                        for r in sorted(rows, key=order)]
+    table = [header] + [
+        (
+            r["job"],
+            r["best_val_bleu"] or "-",
+            r["status"],
+            " ".join(o for o in r["overrides"].split() if o not in common) or "-",
+        )
+        for r in sorted(rows, key=order)
+    ]
     widths = [max(len(row[i]) for row in table) for i in range(3)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in table]
     failed = [r for r in sorted(rows, key=lambda r: int(r["job"])) if r["status"] != "ok"]
     lines += [f"job {r['job']} {r['status']}: {r.get('error') or 'see its train.log'}" for r in failed]
     failures = [r for r in failed if r["status"] == "failed"]
     if failures:
-        lines.append(f"{len(failures)} of {len(rows)} jobs failed: see their train.log under the run_dir column of "
-                     "the .tsv")
+        lines.append(
+            f"{len(failures)} of {len(rows)} jobs failed: see their train.log under the run_dir column of the .tsv"
+        )
     return "\n".join(([f"common to every job: {' '.join(common)}"] if common else []) + lines)
 
 
@@ -152,17 +161,27 @@ class SweepSummary(Callback):
         rows = latest_rows(read_summary(path))
         print(f"\nsweep summary ({path}):\n{format_summary(rows)}", flush=True)
         if _interrupted:
-            print(f"interrupted: the sweep was stopped by {_interrupted}; an interrupted job resumes with "
-                  f"trainer.resume=true and its hydra.run.dir (its train.log ends with the command)", file=sys.stderr,
-                  flush=True)
+            print(
+                f"interrupted: the sweep was stopped by {_interrupted}; an interrupted job resumes with "
+                f"trainer.resume=true and its hydra.run.dir (its train.log ends with the command)",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.exit(signal_exit_status(_interrupted))
         if rows and all(r["status"] != "ok" for r in rows):
-            print(f"error: every job of the sweep failed ({len(rows)} of {len(rows)}); the reasons are above and "
-                  f"in {path}", file=sys.stderr, flush=True)
+            print(
+                f"error: every job of the sweep failed ({len(rows)} of {len(rows)}); the reasons are above and "
+                f"in {path}",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.exit(2)
         failed = [r for r in rows if r["status"] == "failed"]
         if failed:
-            print(f"error: {len(failed)} of {len(rows)} jobs of the sweep failed (job{'s' if len(failed) > 1 else ''} "
-                  f"{', '.join(r['job'] for r in failed)}); the reasons are above and in {path}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"error: {len(failed)} of {len(rows)} jobs of the sweep failed (job{'s' if len(failed) > 1 else ''} "
+                f"{', '.join(r['job'] for r in failed)}); the reasons are above and in {path}",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.exit(1)

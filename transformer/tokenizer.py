@@ -33,10 +33,10 @@ from transformer.cache import (
 from transformer.errors import DataError
 from transformer.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (also imported from here)
 
-if TYPE_CHECKING:                  # the corpus readers: only for the annotation, not loaded by translating
+if TYPE_CHECKING:  # the corpus readers: only for the annotation, not loaded by translating
     from transformer.data import SplitSource
 
-CACHE_VERSION = 2            # 2: each cached model's size and CRC-32 recorded beside it
+CACHE_VERSION = 2  # 2: each cached model's size and CRC-32 recorded beside it
 # A multilingual model's target-language tag: a piece of its own in SentencePiece (a user-defined
 # symbol, never split), put at the start of every source sentence.
 LANGUAGE_TAG = "<2{}>"
@@ -129,14 +129,21 @@ class Tokenizer:
         return cls(bytes(state["src"]), None if state.get("tgt") is None else bytes(state["tgt"]))
 
 
-def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
-                        character_coverage: float, sample: int, where: str = "the training split",
-                        symbols: Sequence[str] = ()) -> bytes:
+def train_sentencepiece(
+    lines: Iterable[str],
+    vocab_size: int,
+    model_type: str,
+    character_coverage: float,
+    sample: int,
+    where: str = "the training split",
+    symbols: Sequence[str] = (),
+) -> bytes:
     """Train one SentencePiece model in memory and return its serialised bytes.
 
     The lines are streamed: SentencePiece keeps a uniform random sample of at most `sample` of them
     (its input_sentence_size / shuffle_input_sentence), so its time and memory do not grow with the
-    corpus beyond reading it once. `symbols` (language tags) become pieces of their own. On a terminal a bar counts the lines read; a log line says when
+    corpus beyond reading it once. `symbols` (language tags) become pieces of their own. On a terminal a bar
+    counts the lines read; a log line says when
     SentencePiece has them all and trains (which it does without reporting progress).
     """
     model = io.BytesIO()
@@ -144,16 +151,21 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
 
     def counted():
         try:
-            with tqdm(lines, desc="SentencePiece: reading", unit=" lines", unit_scale=True, disable=None,
-                      leave=False) as bar:
-                for line in bar:          # tqdm's iterator updates the bar far more cheaply than update(1)
+            with tqdm(
+                lines, desc="SentencePiece: reading", unit=" lines", unit_scale=True, disable=None, leave=False
+            ) as bar:
+                for line in bar:  # tqdm's iterator updates the bar far more cheaply than update(1)
                     read[0] += 1
                     if line.strip():
                         usable[0] += 1
                     yield line
-            log.info("SentencePiece: read %d lines of %s (%s trains it); training", read[0], where,
-                     f"a sample of at most {sample}" if sample > 0 else "every line")
-        except (DataError, KeyboardInterrupt) as error:   # SentencePiece would wrap it in "INTERNAL: ..."
+            log.info(
+                "SentencePiece: read %d lines of %s (%s trains it); training",
+                read[0],
+                where,
+                f"a sample of at most {sample}" if sample > 0 else "every line",
+            )
+        except (DataError, KeyboardInterrupt) as error:  # SentencePiece would wrap it in "INTERNAL: ..."
             failure.append(error)
             raise
 
@@ -163,8 +175,10 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str,
         if failure:
             raise failure[0] from None
         if usable[0] == 0:
-            raise DataError(f"{where}: no usable sentence to train the tokenizer on (every line is empty); "
-                            "check the files of the training split") from None
+            raise DataError(
+                f"{where}: no usable sentence to train the tokenizer on (every line is empty); "
+                "check the files of the training split"
+            ) from None
         raise DataError(f"{where}: SentencePiece training failed: {str(error).splitlines()[0]}") from None
     return model.getvalue()
 
@@ -177,7 +191,10 @@ def _train(sentences, model, vocab_size, model_type, character_coverage, sample,
         vocab_size=vocab_size,
         model_type=model_type,
         character_coverage=character_coverage,
-        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
         # Small corpora (tests, the embedded one) cannot fill a large vocabulary; allow fewer pieces.
         hard_vocab_limit=False,
         input_sentence_size=sample,
@@ -188,20 +205,35 @@ def _train(sentences, model, vocab_size, model_type, character_coverage, sample,
     )
 
 
-def build_tokenizer(source: SplitSource, *, vocab_size: int, model_type: str = "bpe", joint: bool = True,
-                    character_coverage: float = 1.0, sample: int = 1_000_000, cache_dir: str | Path = "data",
-                    build: bool = True, languages: Sequence[str] = ()) -> Tokenizer | None:
+def build_tokenizer(
+    source: SplitSource,
+    *,
+    vocab_size: int,
+    model_type: str = "bpe",
+    joint: bool = True,
+    character_coverage: float = 1.0,
+    sample: int = 1_000_000,
+    cache_dir: str | Path = "data",
+    build: bool = True,
+    languages: Sequence[str] = (),
+) -> Tokenizer | None:
     """Load the cached tokenizer for this training split (by its fingerprint) and these settings, or
     train and cache it, streaming the split. With `build=False`, None when nothing (whole) is cached.
 
     The cache is `spm/<key>.joint.model` (or `.src.model` + `.tgt.model`) and `spm/<key>.json`, which
     records each model's size and CRC-32: a damaged or missing model is trained again, with a warning.
     `languages`: the target languages of a multilingual model, each with a tag piece (joint only)."""
-    settings = {"vocab_size": vocab_size, "model_type": model_type, "joint": joint,
-                "character_coverage": character_coverage, "sample": sample,
-                **({"languages": sorted(languages)} if languages else {})}
-    key = hashlib.sha256(json.dumps({**settings, "corpus": source.fingerprint(), "cache": CACHE_VERSION},
-                                    sort_keys=True).encode()).hexdigest()[:16]
+    settings = {
+        "vocab_size": vocab_size,
+        "model_type": model_type,
+        "joint": joint,
+        "character_coverage": character_coverage,
+        "sample": sample,
+        **({"languages": sorted(languages)} if languages else {}),
+    }
+    key = hashlib.sha256(
+        json.dumps({**settings, "corpus": source.fingerprint(), "cache": CACHE_VERSION}, sort_keys=True).encode()
+    ).hexdigest()[:16]
     folder = Path(cache_dir) / "spm"
     paths = [folder / f"{key}.{name}.model" for name in (["joint"] if joint else ["src", "tgt"])]
     record_path = folder / f"{key}.json"
@@ -211,23 +243,38 @@ def build_tokenizer(source: SplitSource, *, vocab_size: int, model_type: str = "
     except CacheDamage as damage:
         if not build:
             return None
-        if record_path.exists() or any(p.exists() for p in paths):     # damaged, not simply never trained
+        if record_path.exists() or any(p.exists() for p in paths):  # damaged, not simply never trained
             log.warning("%s; training SentencePiece again", damage)
-        log.info("SentencePiece: training %s %s vocabulary of %d pieces", "joint" if joint else "separate",
-                 model_type, vocab_size)
-        train = dict(vocab_size=vocab_size, model_type=model_type, character_coverage=character_coverage,
-                     sample=sample, where=source.where,
-                     symbols=[LANGUAGE_TAG.format(language) for language in sorted(languages)])
+        log.info(
+            "SentencePiece: training %s %s vocabulary of %d pieces",
+            "joint" if joint else "separate",
+            model_type,
+            vocab_size,
+        )
+        train = dict(
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            sample=sample,
+            where=source.where,
+            symbols=[LANGUAGE_TAG.format(language) for language in sorted(languages)],
+        )
         if joint:
             models = [train_sentencepiece(source.lines("src", "tgt"), **train)]
         else:
-            models = [train_sentencepiece(source.lines("src"), **train), train_sentencepiece(source.lines("tgt"), **train)]
+            models = [
+                train_sentencepiece(source.lines("src"), **train),
+                train_sentencepiece(source.lines("tgt"), **train),
+            ]
         _write_cached(record_path, paths, models, {**settings, "corpus": source.where})
     tokenizer = Tokenizer(models[0], None if joint else models[1])
     sizes = f"{tokenizer.src_vocab_size}" if joint else f"{tokenizer.src_vocab_size} + {tokenizer.tgt_vocab_size}"
     if max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) < vocab_size:
-        log.warning("SentencePiece: the vocabulary has %s pieces, fewer than data.vocab_size=%d: the corpus "
-                    "supports no more", sizes, vocab_size)
+        log.warning(
+            "SentencePiece: the vocabulary has %s pieces, fewer than data.vocab_size=%d: the corpus supports no more",
+            sizes,
+            vocab_size,
+        )
     else:
         log.info("SentencePiece: the vocabulary has %s pieces", sizes)
     return tokenizer
@@ -257,8 +304,8 @@ def _write_cached(record_path: Path, paths: list[Path], models: list[bytes], abo
             temporary.append(path.with_name(f".{path.name}.tmp{os.getpid()}"))
             temporary[-1].write_bytes(content)
             os.replace(temporary[-1], path)
-    except OSError as error:                    # a full disk, a read-only cache: one line, not a traceback
+    except OSError as error:  # a full disk, a read-only cache: one line, not a traceback
         raise write_failure(error, "the SentencePiece model", record_path.parent) from None
     finally:
-        for tmp in temporary:                   # on any failure (Ctrl-C included): no temporary file left
+        for tmp in temporary:  # on any failure (Ctrl-C included): no temporary file left
             tmp.unlink(missing_ok=True)

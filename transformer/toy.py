@@ -13,37 +13,82 @@ import random
 
 # noun: (German, gender, English)
 NOUNS = [
-    ("Hund", "m", "dog"), ("Mann", "m", "man"), ("Vogel", "m", "bird"), ("Junge", "m", "boy"),
-    ("Lehrer", "m", "teacher"), ("Koch", "m", "cook"), ("Bauer", "m", "farmer"), ("Fisch", "m", "fish"),
-    ("Katze", "f", "cat"), ("Frau", "f", "woman"), ("Maus", "f", "mouse"), ("Ärztin", "f", "doctor"),
-    ("Kuh", "f", "cow"), ("Königin", "f", "queen"), ("Ente", "f", "duck"), ("Schwester", "f", "sister"),
-    ("Pferd", "n", "horse"), ("Kind", "n", "child"), ("Mädchen", "n", "girl"), ("Schaf", "n", "sheep"),
-    ("Baby", "n", "baby"), ("Huhn", "n", "chicken"), ("Kaninchen", "n", "rabbit"), ("Schwein", "n", "pig"),
+    ("Hund", "m", "dog"),
+    ("Mann", "m", "man"),
+    ("Vogel", "m", "bird"),
+    ("Junge", "m", "boy"),
+    ("Lehrer", "m", "teacher"),
+    ("Koch", "m", "cook"),
+    ("Bauer", "m", "farmer"),
+    ("Fisch", "m", "fish"),
+    ("Katze", "f", "cat"),
+    ("Frau", "f", "woman"),
+    ("Maus", "f", "mouse"),
+    ("Ärztin", "f", "doctor"),
+    ("Kuh", "f", "cow"),
+    ("Königin", "f", "queen"),
+    ("Ente", "f", "duck"),
+    ("Schwester", "f", "sister"),
+    ("Pferd", "n", "horse"),
+    ("Kind", "n", "child"),
+    ("Mädchen", "n", "girl"),
+    ("Schaf", "n", "sheep"),
+    ("Baby", "n", "baby"),
+    ("Huhn", "n", "chicken"),
+    ("Kaninchen", "n", "rabbit"),
+    ("Schwein", "n", "pig"),
 ]
 # adjective: (German stem, English)
 ADJECTIVES = [
-    ("groß", "big"), ("klein", "small"), ("alt", "old"), ("jung", "young"), ("rot", "red"),
-    ("schnell", "fast"), ("müde", "tired"), ("glücklich", "happy"), ("hungrig", "hungry"),
-    ("braun", "brown"), ("weiß", "white"), ("laut", "loud"), ("still", "quiet"), ("stark", "strong"),
+    ("groß", "big"),
+    ("klein", "small"),
+    ("alt", "old"),
+    ("jung", "young"),
+    ("rot", "red"),
+    ("schnell", "fast"),
+    ("müde", "tired"),
+    ("glücklich", "happy"),
+    ("hungrig", "hungry"),
+    ("braun", "brown"),
+    ("weiß", "white"),
+    ("laut", "loud"),
+    ("still", "quiet"),
+    ("stark", "strong"),
 ]
 # verb: (German 3rd person, German participle, English 3rd person, English participle, English base)
 VERBS = [
-    ("sieht", "gesehen", "sees", "seen", "see"), ("hört", "gehört", "hears", "heard", "hear"),
-    ("findet", "gefunden", "finds", "found", "find"), ("sucht", "gesucht", "seeks", "sought", "seek"),
-    ("mag", "gemocht", "likes", "liked", "like"), ("kennt", "gekannt", "knows", "known", "know"),
-    ("ruft", "gerufen", "calls", "called", "call"), ("trifft", "getroffen", "meets", "met", "meet"),
-    ("malt", "gemalt", "paints", "painted", "paint"), ("fängt", "gefangen", "catches", "caught", "catch"),
-    ("füttert", "gefüttert", "feeds", "fed", "feed"), ("wäscht", "gewaschen", "washes", "washed", "wash"),
+    ("sieht", "gesehen", "sees", "seen", "see"),
+    ("hört", "gehört", "hears", "heard", "hear"),
+    ("findet", "gefunden", "finds", "found", "find"),
+    ("sucht", "gesucht", "seeks", "sought", "seek"),
+    ("mag", "gemocht", "likes", "liked", "like"),
+    ("kennt", "gekannt", "knows", "known", "know"),
+    ("ruft", "gerufen", "calls", "called", "call"),
+    ("trifft", "getroffen", "meets", "met", "meet"),
+    ("malt", "gemalt", "paints", "painted", "paint"),
+    ("fängt", "gefangen", "catches", "caught", "catch"),
+    ("füttert", "gefüttert", "feeds", "fed", "feed"),
+    ("wäscht", "gewaschen", "washes", "washed", "wash"),
 ]
 PLACES = [
-    ("im Park", "in the park"), ("im Garten", "in the garden"), ("am Fluss", "by the river"),
-    ("im Haus", "in the house"), ("auf dem Feld", "on the field"), ("in der Stadt", "in the town"),
+    ("im Park", "in the park"),
+    ("im Garten", "in the garden"),
+    ("am Fluss", "by the river"),
+    ("im Haus", "in the house"),
+    ("auf dem Feld", "on the field"),
+    ("in der Stadt", "in the town"),
 ]
 ADVERBS = [("heute", "today"), ("morgen", "tomorrow"), ("oft", "often"), ("gestern", "yesterday")]
 CLAUSES = [("ich glaube", "I think"), ("sie sagt", "she says"), ("wir wissen", "we know")]
 
-ARTICLE = {("m", "nom"): "der", ("m", "acc"): "den", ("f", "nom"): "die", ("f", "acc"): "die",
-           ("n", "nom"): "das", ("n", "acc"): "das"}
+ARTICLE = {
+    ("m", "nom"): "der",
+    ("m", "acc"): "den",
+    ("f", "nom"): "die",
+    ("f", "acc"): "die",
+    ("n", "nom"): "das",
+    ("n", "acc"): "das",
+}
 
 
 def _adjective_ending(gender: str, case: str) -> str:

@@ -72,9 +72,13 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, launch: Launch | None = None):
         self.cfg, self.run_dir, self.launch = cfg, run_dir, launch
         tc = cfg.trainer
-        runtime = Runtime.for_training(tc)           # device, process group, precision: resolved once, here
-        self.device, self.dist, self.precision, self.autocast = (runtime.device, runtime.dist, runtime.precision,
-                                                                 runtime.autocast)
+        runtime = Runtime.for_training(tc)  # device, process group, precision: resolved once, here
+        self.device, self.dist, self.precision, self.autocast = (
+            runtime.device,
+            runtime.dist,
+            runtime.precision,
+            runtime.autocast,
+        )
         self.run_dir = Path(D.broadcast_object(str(run_dir), self.dist))
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.stop_signal: str | None = None
@@ -91,25 +95,39 @@ class Trainer:
         tok = self.data.tokenizer
         if cfg.data.subword_sampling:
             self.data.train.enable_subword_sampling(tok, cfg.data.subword_sampling, cfg.data.subword_nbest, tc.seed)
-        self.model = build_model(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint,
-                                 protected_ids=tok.protected_ids).to(self.device)
+        self.model = build_model(
+            cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint, protected_ids=tok.protected_ids
+        ).to(self.device)
         if init_state is not None:
             load_model_weights(self.model, init_state["model"], tc.init_from)
         self.optimizer, self.scheduler = build_optimizer(self.model, tc, self.device)
         # Validation and the test decode through the same front end as transformer-translate.
-        self.translator = Translator(self.model, tok, cfg, self.device, autocast=self.autocast,
-                                     tgt_lang=cfg.data.tgt_lang)
+        self.translator = Translator(
+            self.model, tok, cfg, self.device, autocast=self.autocast, tgt_lang=cfg.data.tgt_lang
+        )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self.state = TrainingState(cfg, self.model, tok, self.optimizer, self.scheduler, self.scaler,
-                                   CheckpointDirectory(self.ckpt_dir, tc.keep_last, self.dist.is_main,
-                                                       background=True),
-                                   self.data.train.identity, self.dist, self.device,
-                                   bad_in_a_row=lambda: self.log.read()["bad_in_a_row"])
+        self.state = TrainingState(
+            cfg,
+            self.model,
+            tok,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            CheckpointDirectory(self.ckpt_dir, tc.keep_last, self.dist.is_main, background=True),
+            self.data.train.identity,
+            self.dist,
+            self.device,
+            bad_in_a_row=lambda: self.log.read()["bad_in_a_row"],
+        )
         train = self.data.train
         self.sampler = TokenBatchSampler(
-            train.src_lens, train.tgt_lens, tc.max_tokens, tc.seed,
+            train.src_lens,
+            train.tgt_lens,
+            tc.max_tokens,
+            tc.seed,
             epoch_lengths=train.sampled_lengths if train.sampling else None,
-            epoch_pairs=functools.partial(train.epoch_positions, tc.seed) if isinstance(train, MixedCorpus) else None)
+            epoch_pairs=functools.partial(train.epoch_positions, tc.seed) if isinstance(train, MixedCorpus) else None,
+        )
         self.updates = UpdateSampler(self.sampler, tc.update_freq, self.dist.rank, self.dist.world_size)
         if self.dist.is_main:
             self._warn_about_settings_the_run_cannot_honour()
@@ -125,8 +143,10 @@ class Trainer:
         if self.dist.enabled:
             # No buffer changes during training (the sinusoid table is a constant): nothing to broadcast.
             self.train_model = DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False)
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False,
+            )
         self.monitor = Monitor(self.run_dir, enabled=self.dist.is_main)
         self.log = TrainLog(self.device, self.monitor, tc.max_bad_steps)
         if self.dist.is_main:
@@ -137,12 +157,25 @@ class Trainer:
         splits = self.data.directions or {None: (self.data.valid, self.data.sources["validation"])}
         pictures = tc.attention_heatmaps if self.dist.is_main and tc.attention_heatmaps != "off" else None
         self.validators = {
-            direction: Validator(cfg, self.model, Translator(self.model, tok, cfg, self.device, autocast=self.autocast,
-                                                             tgt_lang=direction.split("-")[1] if direction
-                                                             else cfg.data.tgt_lang),
-                                 corpus, source.read_all(), self.device, self.autocast,
-                                 pictures if i == 0 else None)
-            for i, (direction, (corpus, source)) in enumerate(splits.items())}
+            direction: Validator(
+                cfg,
+                self.model,
+                Translator(
+                    self.model,
+                    tok,
+                    cfg,
+                    self.device,
+                    autocast=self.autocast,
+                    tgt_lang=direction.split("-")[1] if direction else cfg.data.tgt_lang,
+                ),
+                corpus,
+                source.read_all(),
+                self.device,
+                self.autocast,
+                pictures if i == 0 else None,
+            )
+            for i, (direction, (corpus, source)) in enumerate(splits.items())
+        }
 
     @property
     def progress(self) -> Progress:
@@ -152,13 +185,24 @@ class Trainer:
     def _log_banner(self, start: str) -> None:
         """What the run is, at the top of its log: where it writes, how it starts, where and how it runs."""
         run_dir = self.run_dir.resolve()
-        log.info("run directory %s (train.log, checkpoints/); TensorBoard: %s (tensorboard --logdir %s)",
-                 run_dir, run_dir / "tb", run_dir.parent)
+        log.info(
+            "run directory %s (train.log, checkpoints/); TensorBoard: %s (tensorboard --logdir %s)",
+            run_dir,
+            run_dir / "tb",
+            run_dir.parent,
+        )
         log.info("start: %s", start)
         name = f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" else ""
         parameters = sum(p.numel() for p in self.model.parameters())
-        log.info("device %s%s | precision %s | world size %d | model %s: %s parameters", self.device, name,
-                 self.precision, self.dist.world_size, self.cfg.model.name, f"{parameters:,}")
+        log.info(
+            "device %s%s | precision %s | world size %d | model %s: %s parameters",
+            self.device,
+            name,
+            self.precision,
+            self.dist.world_size,
+            self.cfg.model.name,
+            f"{parameters:,}",
+        )
 
     def _warn_about_settings_the_run_cannot_honour(self) -> None:
         """Settings the run cannot honour in full, said once: more batches per update than an epoch has
@@ -170,20 +214,34 @@ class Trainer:
         if per_update > -(-int(self.sampler.widths.sum()) // tc.max_tokens):
             in_epoch = len(self.sampler.batches(0))
             if per_update > in_epoch:
-                log.warning("trainer.update_freq=%d%s asks for more batches per update than an epoch has (%d of at "
-                            "most trainer.max_tokens=%d tokens): every update takes the whole epoch, %d batches; "
-                            "lower trainer.update_freq to %d or less, or trainer.max_tokens", tc.update_freq,
-                            f" x {world} processes" if world > 1 else "", in_epoch, tc.max_tokens, in_epoch,
-                            max(1, in_epoch // world))
+                log.warning(
+                    "trainer.update_freq=%d%s asks for more batches per update than an epoch has (%d of at "
+                    "most trainer.max_tokens=%d tokens): every update takes the whole epoch, %d batches; "
+                    "lower trainer.update_freq to %d or less, or trainer.max_tokens",
+                    tc.update_freq,
+                    f" x {world} processes" if world > 1 else "",
+                    in_epoch,
+                    tc.max_tokens,
+                    in_epoch,
+                    max(1, in_epoch // world),
+                )
         mc = self.cfg.model
         if tc.rdrop and not (mc.dropout or mc.attention_dropout or mc.src_word_dropout or mc.tgt_word_dropout):
-            log.warning("trainer.rdrop=%g with model.dropout=0 and model.attention_dropout=0: the two passes of each "
-                        "batch are the same, R-Drop adds nothing and doubles the compute; set model.dropout (e.g. "
-                        "0.3) or trainer.rdrop=0", tc.rdrop)
+            log.warning(
+                "trainer.rdrop=%g with model.dropout=0 and model.attention_dropout=0: the two passes of each "
+                "batch are the same, R-Drop adds nothing and doubles the compute; set model.dropout (e.g. "
+                "0.3) or trainer.rdrop=0",
+                tc.rdrop,
+            )
         if tc.max_steps and tc.warmup > tc.max_steps:
-            log.warning("trainer.warmup=%d is longer than the run (trainer.max_steps=%d): the learning rate rises to "
-                        "%.0f%% of trainer.lr=%g and never reaches it; lower trainer.warmup", tc.warmup, tc.max_steps,
-                        100 * tc.max_steps / tc.warmup, tc.lr)
+            log.warning(
+                "trainer.warmup=%d is longer than the run (trainer.max_steps=%d): the learning rate rises to "
+                "%.0f%% of trainer.lr=%g and never reaches it; lower trainer.warmup",
+                tc.warmup,
+                tc.max_steps,
+                100 * tc.max_steps / tc.warmup,
+                tc.lr,
+            )
 
     def leave_process_group(self, clean: bool) -> None:
         """Drop the DDP/compile wrappers and DataLoader workers, then leave the process group (after a
@@ -211,12 +269,15 @@ class Trainer:
         `found_inf` flag (the fp16 GradScaler sets the same flag) and leaves weights and moments alone.
         """
         tc = self.cfg.trainer
-        passes = 2 if tc.rdrop else 1                                      # R-Drop: every batch twice
-        tokens = passes * sum(b.num_tgt_tokens * w for b, w in micro_batches)   # host ints counted by collate
+        passes = 2 if tc.rdrop else 1  # R-Drop: every batch twice
+        tokens = passes * sum(b.num_tgt_tokens * w for b, w in micro_batches)  # host ints counted by collate
         # The normaliser: every rank's target tokens. Under DDP an all-reduce on the device, not read back.
         # torch.full fills on the device; torch.tensor(x, device="cuda") would copy from the host and sync.
-        global_tokens = D.all_reduce_tensor(torch.full((), float(tokens), device=self.device), self.dist) \
-            if self.dist.enabled else float(tokens)
+        global_tokens = (
+            D.all_reduce_tensor(torch.full((), float(tokens), device=self.device), self.dist)
+            if self.dist.enabled
+            else float(tokens)
+        )
         loss_sum = nll_sum = correct_sum = torch.zeros((), device=self.device)
         for i, (batch, weight) in enumerate(micro_batches):
             batch = batch.to(self.device, non_blocking=True)
@@ -247,9 +308,9 @@ class Trainer:
             correct_sum = correct_sum + correct * weight
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_norm or float("inf"))
-        finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)                       # () bool
+        finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)  # () bool
         if self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)          # passes its own found_inf to the fused AdamW
+            self.scaler.step(self.optimizer)  # passes its own found_inf to the fused AdamW
             self.scaler.update()
         else:
             self.optimizer.found_inf = (~finite).float()
@@ -266,9 +327,11 @@ class Trainer:
         """Drop the update whose batch ran out of GPU memory; after OOM_SKIP_LIMIT in a row, stop."""
         self.oom_skips += 1
         self.oom_in_a_row += 1
-        shape = (f"{batch.src.size(0)} sentences, source {batch.src.size(1)} and target "
-                 f"{batch.tgt_in.size(1)} tokens wide" + (" (the batch twice, for trainer.rdrop)"
-                                                         if self.cfg.trainer.rdrop else ""))
+        shape = (
+            f"{batch.src.size(0)} sentences, source {batch.src.size(1)} and target "
+            f"{batch.tgt_in.size(1)} tokens wide"
+            + (" (the batch twice, for trainer.rdrop)" if self.cfg.trainer.rdrop else "")
+        )
         del batch
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
@@ -279,9 +342,11 @@ class Trainer:
                 f"out of memory on {self.oom_in_a_row} batches in a row (the last: {shape}): "
                 f"trainer.max_tokens={self.cfg.trainer.max_tokens} is too large for this device; lower it "
                 f"(e.g. trainer.max_tokens={self.cfg.trainer.max_tokens // 2}) and raise trainer.update_freq "
-                "to keep the batch size")
-        log.warning("out of memory on a batch of %s: skipped; lower trainer.max_tokens or data.max_len if "
-                    "this repeats", shape)
+                "to keep the batch size"
+            )
+        log.warning(
+            "out of memory on a batch of %s: skipped; lower trainer.max_tokens or data.max_len if this repeats", shape
+        )
         return {"oom": True}
 
     def _stop_reason(self, started: float, agree: bool = True) -> str | None:
@@ -316,7 +381,7 @@ class Trainer:
         reason = self._stop_reason(started)
         while reason is None:
             self.updates.start(progress.epoch, progress.position)
-            for micro, consumed in self.loader:            # one optimizer update per item
+            for micro, consumed in self.loader:  # one optimizer update per item
                 reason = self._update(micro, consumed, bar, started)
                 if reason is not None:
                     break
@@ -331,11 +396,11 @@ class Trainer:
         if progress.step % tc.validate_every != 0 and not by_signal:
             self.validate()
         if tc.average_last and not by_signal:
-            self.average_last()         # before last.pt, so that its metrics (best score, patience) count it
+            self.average_last()  # before last.pt, so that its metrics (best score, patience) count it
         # Not twice at one step: unless a validation since the periodic save changed the metrics.
         if D.any_rank(not self.state.last_is_current(), self.dist, self.device):
-            self.state.save("last.pt")        # non-finite updates were skipped: the weights are finite
-        self.state.flush()                    # the test reads best.pt; the hint names last.pt
+            self.state.save("last.pt")  # non-finite updates were skipped: the weights are finite
+        self.state.flush()  # the test reads best.pt; the hint names last.pt
         if self.dist.is_main:
             log.info("%s", resume_hint(self.run_dir, self.launch, reason))
         progress.stop_reason = reason
@@ -358,8 +423,13 @@ class Trainer:
         log_step = progress.step % tc.log_every == 0
         if log_step:
             progress.train_tokens_per_s = self.log.write(
-                progress.step, progress.epoch, self.scheduler.get_last_lr()[0],
-                self.scaler.get_scale() if self.scaler.is_enabled() else 1.0, self.precision == "fp16", bar)
+                progress.step,
+                progress.epoch,
+                self.scheduler.get_last_lr()[0],
+                self.scaler.get_scale() if self.scaler.is_enabled() else 1.0,
+                self.precision == "fp16",
+                bar,
+            )
         if progress.step % tc.validate_every == 0:
             self.validate()
         if progress.step % (tc.checkpoint_every or tc.validate_every) == 0:
@@ -380,7 +450,7 @@ class Trainer:
                 if self.state.ema:
                     with weights_swapped(self.model, self.state.ema.model_state(self.model)):
                         result = _better(result, self._validate_main("ema"))
-            except Interrupted:           # a stop signal arrived: skip the rest, the run saves and exits
+            except Interrupted:  # a stop signal arrived: skip the rest, the run saves and exits
                 log.warning("validation at step %d interrupted by %s", step, self.stop_signal)
         result = D.broadcast_object(result, self.dist)
         if self._record_validation(result):
@@ -395,8 +465,13 @@ class Trainer:
             return False
         if self.dist.is_main:
             previous = "first validation" if before[1] is None else f"previous best {before[0]:.2f} at step {before[1]}"
-            log.info("new best validation BLEU %.2f at step %d (%s weights; %s)", result["bleu"], progress.step,
-                     result["weights"], previous)
+            log.info(
+                "new best validation BLEU %.2f at step %d (%s weights; %s)",
+                result["bleu"],
+                progress.step,
+                result["weights"],
+                previous,
+            )
         return True
 
     def average_last(self) -> None:
@@ -405,11 +480,16 @@ class Trainer:
         n = self.cfg.trainer.average_last
         result = state = None
         if self.dist.is_main:
-            self.state.flush()                          # the newest step_N.pt may still be being written
+            self.state.flush()  # the newest step_N.pt may still be being written
             paths = step_checkpoints(self.run_dir)[-n:]
             if len(paths) < 2:
-                log.warning("trainer.average_last=%d: %d step_N.pt file(s) in %s, nothing to average; lower "
-                            "trainer.checkpoint_every to write more", n, len(paths), self.ckpt_dir)
+                log.warning(
+                    "trainer.average_last=%d: %d step_N.pt file(s) in %s, nothing to average; lower "
+                    "trainer.checkpoint_every to write more",
+                    n,
+                    len(paths),
+                    self.ckpt_dir,
+                )
             else:
                 state = average_checkpoints(paths)
                 name = f"average of {', '.join(p.stem for p in paths)}"
@@ -434,20 +514,36 @@ class Trainer:
         results = {direction: validator.run(self._stopping) for direction, validator in self.validators.items()}
         for direction, result in results.items():
             self._log_validation(result.metrics, weights, direction or "", result.signature)
-            self.monitor.validation(self.progress.step, weights, result.metrics, result.samples, result.panels,
-                                    result.detail, direction=direction)
+            self.monitor.validation(
+                self.progress.step,
+                weights,
+                result.metrics,
+                result.samples,
+                result.panels,
+                result.detail,
+                direction=direction,
+            )
         if None in results:
             return {**results[None].metrics, "weights": weights}
-        mean = mean_metrics([result.metrics for result in results.values()])     # drives best.pt and patience
+        mean = mean_metrics([result.metrics for result in results.values()])  # drives best.pt and patience
         self._log_validation(mean, weights, f"mean of {len(results)} directions", "")
         self.monitor.validation(self.progress.step, weights, mean, [])
         return {**mean, **{f"bleu_{d}": r.metrics["bleu"] for d, r in results.items()}, "weights": weights}
 
     def _log_validation(self, m: dict, weights: str, what: str, signature: str) -> None:
-        log.info("validation step %d%s%s | loss %.3f | ppl %.2f | accuracy %.1f%% | BLEU %.2f | chrF %.2f | cut %.1f%%%s",
-                 self.progress.step, f" {what}" if what else "", "" if weights == "raw" else f" ({weights} weights)",
-                 m["loss"], m["ppl"], 100 * m["accuracy"], m["bleu"], m["chrf"], 100 * m["cut_at_max_len"],
-                 f" | {signature}" if signature else "")
+        log.info(
+            "validation step %d%s%s | loss %.3f | ppl %.2f | accuracy %.1f%% | BLEU %.2f | chrF %.2f | cut %.1f%%%s",
+            self.progress.step,
+            f" {what}" if what else "",
+            "" if weights == "raw" else f" ({weights} weights)",
+            m["loss"],
+            m["ppl"],
+            100 * m["accuracy"],
+            m["bleu"],
+            m["chrf"],
+            100 * m["cut_at_max_len"],
+            f" | {signature}" if signature else "",
+        )
 
     def test(self) -> dict | None:
         """Translate the test split with the decode config and the best weights; print BLEU."""
@@ -465,8 +561,10 @@ class Trainer:
         texts = self.translator.translate(sources, batch_tokens=dc.batch_tokens, progress=None, desc="test")
         scores = score(texts, references, self.cfg.data.tgt_lang)
         direction = f"{self.cfg.data.src_lang}-{self.cfg.data.tgt_lang}, " if self.data.directions else ""
-        message = (f"test BLEU {scores['bleu']:.2f} | chrF {scores['chrf']:.2f} ({direction}{len(sources)} sentences, "
-                   f"beam {dc.beam_size}, {best if best.exists() else 'final weights'}) {scores['bleu_signature']}")
+        message = (
+            f"test BLEU {scores['bleu']:.2f} | chrF {scores['chrf']:.2f} ({direction}{len(sources)} sentences, "
+            f"beam {dc.beam_size}, {best if best.exists() else 'final weights'}) {scores['bleu_signature']}"
+        )
         log.info(message)
         print(message, flush=True)
         self.monitor.test(self.progress.step, scores)
@@ -483,6 +581,7 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
     """Train a model as configured; returns the final metrics. `cfg` is a Config, DictConfig or dict."""
     if not isinstance(cfg, Config):
         from omegaconf import OmegaConf
+
         raw = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
         cfg = Config.from_dict(raw)
     else:
@@ -490,7 +589,7 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
     run_dir = Path(run_dir or cfg.run_dir or "runs/default")
     cfg.run_dir = str(run_dir)
     is_main = int(os.environ.get("RANK", "0")) == 0
-    lock = RunDirectoryLock.acquire(run_dir) if is_main else None     # one run per directory
+    lock = RunDirectoryLock.acquire(run_dir) if is_main else None  # one run per directory
     try:
         attach_log_file(run_dir, is_main=is_main)
         with log_lines_above_bars():
@@ -504,6 +603,7 @@ def _launch_of_this_process() -> Launch | None:
     """How this process was started, when Hydra started it (the command that continues the run takes
     the same form); None when `train` is called as a library function."""
     from hydra.core.hydra_config import HydraConfig
+
     if not HydraConfig.initialized():
         return None
     return Launch.detect(sys.argv, os.environ, list(HydraConfig.get().overrides.task))
@@ -517,25 +617,25 @@ def _train_in(cfg: Config, run_dir: Path, launch: Launch | None) -> dict:
     handlers = install_signal_handlers(trainer)
     try:
         metrics = trainer.fit()
-        trainer.leave_process_group(clean=True)      # the test below runs on rank 0 alone
+        trainer.leave_process_group(clean=True)  # the test below runs on rank 0 alone
         if trainer.stop_signal is None and cfg.trainer.test_at_end:
             test_scores = trainer.test()
             if test_scores:
                 metrics.update(test_bleu=test_scores["bleu"], test_chrf=test_scores["chrf"])
         trainer.monitor.finish(trainer.progress.step, metrics)
         if trainer.stop_signal is not None:
-            metrics["stopped_by"] = trainer.stop_signal     # a sweep stops (and says which job it was)
+            metrics["stopped_by"] = trainer.stop_signal  # a sweep stops (and says which job it was)
         return metrics
     except BaseException:
         if trainer.dist.is_main and trainer.progress.stop_reason is None and (trainer.ckpt_dir / "last.pt").is_file():
-            log.info("%s", resume_hint(trainer.run_dir, launch))        # stopped by an error or a second Ctrl-C
+            log.info("%s", resume_hint(trainer.run_dir, launch))  # stopped by an error or a second Ctrl-C
         raise
     finally:
         for sig, previous in handlers.items():
             signal.signal(sig, previous)
-        trainer.state.checkpoints.close()            # lets a write in flight finish
+        trainer.state.checkpoints.close()  # lets a write in flight finish
         trainer.monitor.close()
-        trainer.leave_process_group(clean=False)     # after an error: no barrier
+        trainer.leave_process_group(clean=False)  # after an error: no barrier
 
 
 def _check_test_split(cfg: Config) -> None:
@@ -543,8 +643,11 @@ def _check_test_split(cfg: Config) -> None:
     try:
         load_split_text(cfg.data, "test")
     except DataError as error:
-        log.warning("no test split to score at the end of this run (trainer.test_at_end): %s; it trains and "
-                    "validates all the same (trainer.test_at_end=false silences this)", error)
+        log.warning(
+            "no test split to score at the end of this run (trainer.test_at_end): %s; it trains and "
+            "validates all the same (trainer.test_at_end=false silences this)",
+            error,
+        )
 
 
 def main() -> None:
@@ -554,7 +657,7 @@ def main() -> None:
 
     from transformer.train_cli import refuse_bare_words, refuse_uncomposable
 
-    started = time.time() - 0.1          # what this start writes is newer (the file clock is a tick behind)
+    started = time.time() - 0.1  # what this start writes is newer (the file clock is a tick behind)
     refuse_bare_words(sys.argv[1:])
     refuse_uncomposable(sys.argv[1:])
 
@@ -562,7 +665,7 @@ def main() -> None:
     # other run is using it (a timestamped default directory is taken again inside `train`); a named
     # sweep directory must not hold an earlier sweep.
     rank = int(os.environ.get("RANK", "0"))
-    single_process = int(os.environ.get("WORLD_SIZE", "1")) == 1          # not under torchrun
+    single_process = int(os.environ.get("WORLD_SIZE", "1")) == 1  # not under torchrun
     sweep = bool({"-m", "--multirun"} & set(sys.argv))
     named_dir = named_run_directory(sys.argv[1:], "hydra.sweep.dir" if sweep else "hydra.run.dir")
     try:
@@ -578,8 +681,8 @@ def main() -> None:
         sys.argv.append("hydra.output_subdir=null")
 
     # An absolute path: Hydra then finds conf/ however this module was started (-m, torchrun, -c).
-    tune_cpu_process()       # before the first tensor operation (runtime.py says why)
-    register_schema()        # the ConfigStore entries conf/config.yaml names, and the help's resolver
+    tune_cpu_process()  # before the first tensor operation (runtime.py says why)
+    register_schema()  # the ConfigStore entries conf/config.yaml names, and the help's resolver
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
     def _main(cfg) -> float | None:
@@ -595,8 +698,9 @@ def main() -> None:
             result = train(cfg, run_dir)
             if in_sweep and result.get("stopped_by"):
                 interrupt_sweep(result["stopped_by"])
-                job_failed(f"stopped by {result['stopped_by']}; last.pt resumes it (trainer.resume=true)",
-                           status="interrupted")
+                job_failed(
+                    f"stopped by {result['stopped_by']}; last.pt resumes it (trainer.resume=true)", status="interrupted"
+                )
                 return None
             if result.get("stopped_by") and single_process:
                 # Saved, not finished: 130 / 143, so that `make train && make evaluate` stops here. Not
@@ -608,16 +712,17 @@ def main() -> None:
         except (ConfigError, DataError, CheckpointError, TrainingError) as error:
             logging.getLogger("transformer").error("%s", error)
             if not in_sweep:
-                if not chooses_run_directory(sys.argv[1:]) and not cfg.get("run_dir") \
-                        and single_process:
-                    discard_unused_run_directory(Path(run_dir), started)      # the default, timestamped one
+                if not chooses_run_directory(sys.argv[1:]) and not cfg.get("run_dir") and single_process:
+                    discard_unused_run_directory(Path(run_dir), started)  # the default, timestamped one
                 print(f"error: {error}", file=sys.stderr)
                 sys.exit(2)
             reason = str(error)
-        except KeyboardInterrupt:     # while preparing data (before the loop's own handler), or a second Ctrl-C
+        except KeyboardInterrupt:  # while preparing data (before the loop's own handler), or a second Ctrl-C
             next_interrupt_ends_at_once()
-            print(f"interrupted: stopped at once; checkpoints written before now stay in {run_dir}/checkpoints",
-                  file=sys.stderr)
+            print(
+                f"interrupted: stopped at once; checkpoints written before now stay in {run_dir}/checkpoints",
+                file=sys.stderr,
+            )
             sys.exit(130)
         except Exception as error:
             if not in_sweep:
@@ -625,12 +730,12 @@ def main() -> None:
             # One job's bug must not end the sweep: the traceback goes to its train.log, the reason to its row.
             logging.getLogger("transformer").exception("this job of the sweep failed")
             reason = f"{type(error).__name__}: {error}"
-        job_failed(reason)       # the sweep goes on with the next job; its summary marks this one failed
+        job_failed(reason)  # the sweep goes on with the next job; its summary marks this one failed
         return None
 
     try:
         _main()
-    except BrokenPipeError:        # `transformer-train --help | head`: the reader has what it wanted
+    except BrokenPipeError:  # `transformer-train --help | head`: the reader has what it wanted
         discard_stdout()
         sys.exit(0)
 

@@ -30,8 +30,11 @@ def refuse_bare_words(argv: list[str]) -> None:
         sys.exit(2)
     # `hydra.run.dir=$RUN` with RUN unset: Hydra would write the run into the working directory
     if any(arg.split("=", 1)[0] == "hydra.run.dir" and not arg.split("=", 1)[1].strip(" '\"") for arg in argv):
-        print("error: hydra.run.dir is empty (an unset shell variable?); name the run's directory, or leave "
-              "hydra.run.dir out for runs/<data>/<model>/<time>", file=sys.stderr)
+        print(
+            "error: hydra.run.dir is empty (an unset shell variable?); name the run's directory, or leave "
+            "hydra.run.dir out for runs/<data>/<model>/<time>",
+            file=sys.stderr,
+        )
         sys.exit(2)
     misuse = hydra_flag_error(argv)
     if misuse:
@@ -49,23 +52,30 @@ def hydra_flag_error(argv: list[str]) -> str | None:
     alone = sorted(words & {"--cfg", "-c", "--info", "-i", "--shell-completion", "-sc"})
     if words & {"-m", "--multirun"} and alone:
         return f"--multirun and {alone[0]} do not go together: {alone[0]} prints, it runs nothing; leave one out"
-    if words & {"--shell-completion", "-sc"} and not any(w.split("=", 1)[0] in ("install", "uninstall", "query")
-                                                         for w in argv):
+    if words & {"--shell-completion", "-sc"} and not any(
+        w.split("=", 1)[0] in ("install", "uninstall", "query") for w in argv
+    ):
         return "--shell-completion needs install=SHELL, uninstall=SHELL or query=SHELL (e.g. install=bash)"
     for directory in given.get("--config-dir", []):
         if not Path(directory).expanduser().is_dir():
-            return (f"--config-dir {directory}: no such directory; give the directory that holds your presets "
-                    "(DIR/data/NAME.yaml, then data=NAME)")
+            return (
+                f"--config-dir {directory}: no such directory; give the directory that holds your presets "
+                "(DIR/data/NAME.yaml, then data=NAME)"
+            )
     for name in given.get("--config-name", []):
         if "--config-path" in given:
-            break                                    # Hydra's own search; it says what it cannot find
+            break  # Hydra's own search; it says what it cannot find
         places = [CONF_DIR, *(Path(d).expanduser() for d in given.get("--config-dir", []))]
         if not any((place / f"{name.removesuffix('.yaml')}.yaml").is_file() for place in places):
-            return (f"--config-name {name}: no {name.removesuffix('.yaml')}.yaml in {' or '.join(map(str, places))}; "
-                    "a config of your own goes in a --config-dir DIR as DIR/NAME.yaml")
+            return (
+                f"--config-name {name}: no {name.removesuffix('.yaml')}.yaml in {' or '.join(map(str, places))}; "
+                "a config of your own goes in a --config-dir DIR as DIR/NAME.yaml"
+            )
     if any(arg.lstrip("+").lower() in ("hydra.job.chdir=true", "hydra.job.chdir=yes") for arg in argv):
-        return ("hydra.job.chdir=true: training reads relative paths (data.path, data.cache_dir, trainer.init_from) "
-                "from the directory it starts in and writes into its run directory by name; leave hydra.job.chdir out")
+        return (
+            "hydra.job.chdir=true: training reads relative paths (data.path, data.cache_dir, trainer.init_from) "
+            "from the directory it starts in and writes into its run directory by name; leave hydra.job.chdir out"
+        )
     return None
 
 
@@ -92,19 +102,19 @@ def refuse_uncomposable(argv: list[str], validate: bool = False) -> None:
     transformer-train-ddp does before it starts the ranks that would each refuse it."""
     given, words = config_flags(argv)
     if "--config-name" in given or "--config-path" in given:
-        return      # compose() finds a primary config in conf/ only
+        return  # compose() finds a primary config in conf/ only
     overrides = []
     for word in words:
         name = word.split("=", 1)[0]
         if word in ("-m", "--multirun"):
-            continue                            # each job's config is checked below
+            continue  # each job's config is checked below
         if word.startswith("-") or name.lstrip("+") == "hydra.mode":
-            return                              # --help, --cfg, --info, hydra.mode=MULTIRUN
+            return  # --help, --cfg, --info, hydra.mode=MULTIRUN
         if name.lstrip("+") == "hydra.searchpath" or not name.startswith(("hydra.", "+hydra.", "hydra/")):
             overrides.append(word)
     config_dir = given["--config-dir"][-1] if "--config-dir" in given else None
     sweep = bool({"-m", "--multirun"} & set(words))
-    check = compose if validate and not sweep else compose_tree     # a sweep's job may fail alone, as a row
+    check = compose if validate and not sweep else compose_tree  # a sweep's job may fail alone, as a row
     try:
         for job in sweep_jobs_to_check(overrides):
             check(job, config_dir=config_dir)
@@ -134,10 +144,11 @@ def sweep_jobs_to_check(overrides: list[str]) -> list[list[str]]:
         elif isinstance(parsed.value(), ChoiceSweep):
             swept.append([f"{parsed.get_key_element()}={hydra_value(v)}" for v in parsed.value().list])
         else:
-            return []                           # glob(), range(), interval(): Hydra expands them
+            return []  # glob(), range(), interval(): Hydra expands them
     firsts = [values[0] for values in swept]
-    return [fixed + firsts] + [fixed + firsts[:i] + [value] + firsts[i + 1:]
-                               for i, values in enumerate(swept) for value in values[1:]]
+    return [fixed + firsts] + [
+        fixed + firsts[:i] + [value] + firsts[i + 1 :] for i, values in enumerate(swept) for value in values[1:]
+    ]
 
 
 def main() -> None:
@@ -145,9 +156,9 @@ def main() -> None:
     refuse_bare_words(argv)
     if {"--help", "-h"} & set(argv):
         try:
-            if command_line_config(argv, "transformer-train") is None:      # it printed the help
+            if command_line_config(argv, "transformer-train") is None:  # it printed the help
                 return
-        except ConfigError:      # something only Hydra takes (--multirun, --config-name, ...): Hydra's help
+        except ConfigError:  # something only Hydra takes (--multirun, --config-name, ...): Hydra's help
             pass
         except BrokenPipeError:  # `transformer-train --help | head`
             discard_stdout()
@@ -156,7 +167,7 @@ def main() -> None:
         import_torch_holding_interrupts()
         from transformer.train import main as train_main
 
-        train_main()         # a Ctrl-C once the run has started is its own: it saves, says so and exits
+        train_main()  # a Ctrl-C once the run has started is its own: it saves, says so and exits
     except KeyboardInterrupt:
         next_interrupt_ends_at_once()
         print("transformer-train: interrupted before training started", file=sys.stderr)

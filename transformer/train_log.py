@@ -1,6 +1,7 @@
 """The numbers of the training steps between two log lines, the log line itself, and the bar.
 
-Each step adds its summed loss and NLL, correctly predicted targets, token counts and whether it was finite to a small tensor on
+Each step adds its summed loss and NLL, correctly predicted targets, token counts and whether it was finite to
+a small tensor on
 the device, so that no step waits for the GPU to report them; they are read back once per log line
 (`write`), which also checks the run of non-finite steps (`trainer.max_bad_steps`).
 
@@ -38,7 +39,7 @@ class TrainLog:
         self._start_window()
 
     def _start_window(self) -> None:
-        self.sums[[LOSS, NLL, FINITE_TOKENS, BAD_IN_WINDOW, ALL_TOKENS, CORRECT]] = 0.0   # bad steps in a row carry on
+        self.sums[[LOSS, NLL, FINITE_TOKENS, BAD_IN_WINDOW, ALL_TOKENS, CORRECT]] = 0.0  # bad steps in a row carry on
         self.padding, self.steps, self.started = 0.0, 0, time.monotonic()
 
     def add(self, stats: dict, micro) -> None:
@@ -46,11 +47,11 @@ class TrainLog:
         finite = stats["finite"]
         bad = (~finite).double()
         sums = self.sums
-        sums[LOSS:CORRECT + 1] += torch.where(finite, stats["sums"], 0.0)   # loss, NLL, correct: finite steps
-        sums[FINITE_TOKENS] += (1.0 - bad) * stats["tokens"]             # their target tokens
-        sums[BAD_IN_A_ROW] = (sums[BAD_IN_A_ROW] + 1.0) * bad            # non-finite steps in a row
+        sums[LOSS : CORRECT + 1] += torch.where(finite, stats["sums"], 0.0)  # loss, NLL, correct: finite steps
+        sums[FINITE_TOKENS] += (1.0 - bad) * stats["tokens"]  # their target tokens
+        sums[BAD_IN_A_ROW] = (sums[BAD_IN_A_ROW] + 1.0) * bad  # non-finite steps in a row
         sums[BAD_IN_WINDOW] += bad
-        sums[ALL_TOKENS] += stats["tokens"]                              # every rank's target tokens
+        sums[ALL_TOKENS] += stats["tokens"]  # every rank's target tokens
         self.grad_norm = stats["grad_norm"]
         self.padding += sum(b.padding_share for b, _ in micro) / max(1, len(micro))
         self.steps += 1
@@ -58,8 +59,15 @@ class TrainLog:
     def read(self) -> dict:
         """The window's sums, read back to the host (waits for the device)."""
         loss, nll, correct, finite_tokens, in_a_row, skipped, all_tokens = self.sums.tolist()
-        return {"loss_sum": loss, "nll_sum": nll, "finite_tokens": finite_tokens, "bad_in_a_row": int(in_a_row),
-                "skipped": int(skipped), "tokens": all_tokens, "correct": correct}
+        return {
+            "loss_sum": loss,
+            "nll_sum": nll,
+            "finite_tokens": finite_tokens,
+            "bad_in_a_row": int(in_a_row),
+            "skipped": int(skipped),
+            "tokens": all_tokens,
+            "correct": correct,
+        }
 
     def check_finite(self, fp16: bool) -> None:
         """Stop after trainer.max_bad_steps non-finite steps in a row (x10 under fp16, whose loss scaler
@@ -67,10 +75,12 @@ class TrainLog:
         in_a_row = int(self.sums[BAD_IN_A_ROW])
         limit = self.max_bad_steps * (10 if fp16 else 1)
         if in_a_row >= limit:
-            raise TrainingError(f"loss or gradients were not finite for {in_a_row} steps in a row "
-                                f"(trainer.max_bad_steps={self.max_bad_steps}); lower trainer.lr or "
-                                "use trainer.precision=bf16/fp32. Those steps were skipped: the checkpoints "
-                                "hold finite weights.")
+            raise TrainingError(
+                f"loss or gradients were not finite for {in_a_row} steps in a row "
+                f"(trainer.max_bad_steps={self.max_bad_steps}); lower trainer.lr or "
+                "use trainer.precision=bf16/fp32. Those steps were skipped: the checkpoints "
+                "hold finite weights."
+            )
 
     def write(self, step: int, epoch: int, lr: float, loss_scale: float, fp16: bool, bar) -> float:
         """The log line, TensorBoard's points (`Monitor.training`) and the progress bar; returns target tokens/s."""
@@ -80,20 +90,37 @@ class TrainLog:
         elapsed = time.monotonic() - self.started
         tokens = max(numbers["finite_tokens"], 1.0)
         loss, nll = numbers["loss_sum"] / tokens, numbers["nll_sum"] / tokens
-        values = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "accuracy": numbers["correct"] / tokens,
-                  "lr": lr,
-                  "grad_norm": float(self.grad_norm), "loss_scale": loss_scale,
-                  "tokens_per_s": numbers["tokens"] / max(elapsed, 1e-9),
-                  "padding_share": self.padding / max(1, self.steps), "skipped_steps": self.skipped_total}
+        values = {
+            "loss": loss,
+            "nll": nll,
+            "ppl": math.exp(min(nll, 50)),
+            "accuracy": numbers["correct"] / tokens,
+            "lr": lr,
+            "grad_norm": float(self.grad_norm),
+            "loss_scale": loss_scale,
+            "tokens_per_s": numbers["tokens"] / max(elapsed, 1e-9),
+            "padding_share": self.padding / max(1, self.steps),
+            "skipped_steps": self.skipped_total,
+        }
         if self.monitor:
             self.monitor.training(step, epoch, values, self.device)
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{values['tokens_per_s']:.0f}")
-        log.info("step %d | epoch %d | loss %.3f | nll %.3f | ppl %.2f | accuracy %.1f%% | lr %.3g | gnorm %.2f | "
-                 "tok/s %.0f | pad %.1f%%%s%s", step, epoch, loss, nll, values["ppl"], 100 * values["accuracy"], lr,
-                 values["grad_norm"], values["tokens_per_s"],
-                 100 * values["padding_share"],
-                 f" | loss scale {loss_scale:g}" if fp16 else "",
-                 f" | {numbers['skipped']} non-finite steps skipped" if numbers["skipped"] else "")
+        log.info(
+            "step %d | epoch %d | loss %.3f | nll %.3f | ppl %.2f | accuracy %.1f%% | lr %.3g | gnorm %.2f | "
+            "tok/s %.0f | pad %.1f%%%s%s",
+            step,
+            epoch,
+            loss,
+            nll,
+            values["ppl"],
+            100 * values["accuracy"],
+            lr,
+            values["grad_norm"],
+            values["tokens_per_s"],
+            100 * values["padding_share"],
+            f" | loss scale {loss_scale:g}" if fp16 else "",
+            f" | {numbers['skipped']} non-finite steps skipped" if numbers["skipped"] else "",
+        )
         self._start_window()
         return values["tokens_per_s"]
 
@@ -104,13 +131,20 @@ class TrainingBar:
     rate measured since `started` (validations included, as for the limit), re-estimated at every step,
     so that the bar's total and its time left follow the clock. On a terminal only (stderr), rank 0."""
 
-    def __init__(self, step: int, max_steps: int, max_minutes: float, started: float, show: bool = True,
-                 clock=time.monotonic):
+    def __init__(
+        self, step: int, max_steps: int, max_minutes: float, started: float, show: bool = True, clock=time.monotonic
+    ):
         self.max_steps, self.seconds = max_steps or None, 60.0 * max_minutes
         self.first_step, self.started, self.clock = step, started, clock
         desc = f"train ({max_minutes:g} min)" if max_minutes else "train"
-        self.bar = tqdm(total=self.total(step), initial=step, desc=desc, unit="step",
-                        disable=None if show else True, dynamic_ncols=True)
+        self.bar = tqdm(
+            total=self.total(step),
+            initial=step,
+            desc=desc,
+            unit="step",
+            disable=None if show else True,
+            dynamic_ncols=True,
+        )
 
     def total(self, step: int) -> int | None:
         """The steps the run will have made when it stops, as far as can be told at `step`."""

@@ -39,7 +39,7 @@ from transformer.errors import (
     next_interrupt_ends_at_once,
 )
 
-if TYPE_CHECKING:                         # imported where used: torch comes with them
+if TYPE_CHECKING:  # imported where used: torch comes with them
     from transformer.search import Sampling
     from transformer.translator import Translator
 
@@ -49,7 +49,7 @@ class CommandLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         flag = re.fullmatch(r"argument ([^/:]+)(?:/\S+)?: expected one argument", message)
-        if flag:                          # `--alpha -1`: argparse takes -1 for an option
+        if flag:  # `--alpha -1`: argparse takes -1 for an option
             message += f" (give one; a value that starts with '-' is written {flag[1]}=VALUE)"
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
@@ -70,65 +70,108 @@ def flag_dest(option: DecodeOption) -> str:
 def add_decoding_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = ()) -> None:
     """The decoding options (config.DECODE_OPTIONS but `leave_out`) as flags, each with the type, meaning
     and default of its one definition; None when not given (`given_decoding_options`)."""
-    group = parser.add_argument_group("decoding options", "each is also a key of the config's decode section "
-                                      "(decode.KEY) and a keyword of Translator.translate (KEY=...)")
+    group = parser.add_argument_group(
+        "decoding options",
+        "each is also a key of the config's decode section "
+        "(decode.KEY) and a keyword of Translator.translate (KEY=...)",
+    )
     for option in DECODE_OPTIONS:
         if option.key in leave_out:
             continue
-        default = f"the checkpoint's decode.{option.key}; {option.default} unless training set it" \
-            if option.saved else option.default
+        default = (
+            f"the checkpoint's decode.{option.key}; {option.default} unless training set it"
+            if option.saved
+            else option.default
+        )
         if option.key == "alpha":
             default = f"a multilingual model's decode.alpha_by_language for the target language, else {default}"
-        group.add_argument(option.flag, type=number if option.whole else float, dest=flag_dest(option),
-                           help=f"{option.meaning}; default: {default}".replace("%", "%%"))
+        group.add_argument(
+            option.flag,
+            type=number if option.whole else float,
+            dest=flag_dest(option),
+            help=f"{option.meaning}; default: {default}".replace("%", "%%"),
+        )
 
 
 def given_decoding_options(args: argparse.Namespace) -> dict[str, Any]:
     """The decoding options given on the command line, by config key: {"beam_size": 4}."""
-    return {option.key: getattr(args, flag_dest(option)) for option in DECODE_OPTIONS
-            if getattr(args, flag_dest(option), None) is not None}
+    return {
+        option.key: getattr(args, flag_dest(option))
+        for option in DECODE_OPTIONS
+        if getattr(args, flag_dest(option), None) is not None
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandLineParser(
         prog="transformer-translate",
         description="Translate text with a trained checkpoint: one output line per input line (with --nbest N > 1, "
-                    "N lines INDEX<TAB>SCORE<TAB>TEXT per input line).")
+        "N lines INDEX<TAB>SCORE<TAB>TEXT per input line).",
+    )
     add_model_arguments(parser)
     parser.add_argument("--input", "-i", help="source text file (default: stdin)")
     parser.add_argument("--output", "-o", help="where to write translations (default: stdout)")
-    parser.add_argument("--tgt-lang", metavar="LANG", help="the target language of a multilingual model (its "
-                        "<2LANG> tag starts every source sentence; a bilingual model needs none)")
-    parser.add_argument("--prefix", metavar="FILE", help="target-language prefixes, one per input line (an empty "
-                        "line: none): each translation starts with its prefix and the search continues from there")
-    add_decoding_flags(parser)                  # --beam, --nbest, --alpha, ...
-    parser.add_argument("--sampling", metavar="topk:K|topp:P",
-                        help="draw each token at random (back-translation) from the K most probable, or from "
-                        "the smallest set with probability P, instead of searching")
-    parser.add_argument("--temperature", type=float, help="with --sampling: divides the "
-                        "log-probabilities (default 1; lower is closer to greedy)")
+    parser.add_argument(
+        "--tgt-lang",
+        metavar="LANG",
+        help="the target language of a multilingual model (its "
+        "<2LANG> tag starts every source sentence; a bilingual model needs none)",
+    )
+    parser.add_argument(
+        "--prefix",
+        metavar="FILE",
+        help="target-language prefixes, one per input line (an empty "
+        "line: none): each translation starts with its prefix and the search continues from there",
+    )
+    add_decoding_flags(parser)  # --beam, --nbest, --alpha, ...
+    parser.add_argument(
+        "--sampling",
+        metavar="topk:K|topp:P",
+        help="draw each token at random (back-translation) from the K most probable, or from "
+        "the smallest set with probability P, instead of searching",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        help="with --sampling: divides the log-probabilities (default 1; lower is closer to greedy)",
+    )
     parser.add_argument("--seed", type=int, help="with --sampling: the same seed, the same samples (default 1)")
-    parser.add_argument("--score-reference", metavar="REF",
-                        help="write the log-probability of each line of REF (one translation per input line) "
-                        "given its source, instead of translating (forced decoding)")
+    parser.add_argument(
+        "--score-reference",
+        metavar="REF",
+        help="write the log-probability of each line of REF (one translation per input line) "
+        "given its source, instead of translating (forced decoding)",
+    )
     return parser
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model(s) and how they compute, as transformer-translate and transformer-evaluate take them."""
-    parser.add_argument("checkpoints", nargs="+", metavar="checkpoint",
-                        help="a .pt checkpoint written by training (best.pt, last.pt, ...), or a directory (or "
-                        "HuggingFace Hub id) written by transformer-export --format safetensors; several: an "
-                        "ensemble, the mean of their log-probabilities at every step (same vocabulary)")
-    parser.add_argument("--weights", metavar="W,W,...", help="an ensemble's weights, one per checkpoint "
-                        "(default: equal)")
+    parser.add_argument(
+        "checkpoints",
+        nargs="+",
+        metavar="checkpoint",
+        help="a .pt checkpoint written by training (best.pt, last.pt, ...), or a directory (or "
+        "HuggingFace Hub id) written by transformer-export --format safetensors; several: an "
+        "ensemble, the mean of their log-probabilities at every step (same vocabulary)",
+    )
+    parser.add_argument(
+        "--weights", metavar="W,W,...", help="an ensemble's weights, one per checkpoint (default: equal)"
+    )
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    parser.add_argument("--quantize", choices=QUANTIZATIONS, help="int8: the linear layers in int8 (CPU only; "
-                        "the rest in float32); fastest on CPUs without native bf16")
-    parser.add_argument("--workers", type=int, help="batches decoded at a time on the CPU, one core each (like "
-                        "CTranslate2's inter_threads; default: as many as PyTorch uses threads, i.e. the cores; 1: "
-                        "every core on each batch)")
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        help="int8: the linear layers in int8 (CPU only; the rest in float32); fastest on CPUs without native bf16",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        help="batches decoded at a time on the CPU, one core each (like "
+        "CTranslate2's inter_threads; default: as many as PyTorch uses threads, i.e. the cores; 1: "
+        "every core on each batch)",
+    )
 
 
 def parse_weights(text: str | None, count: int) -> list[float] | None:
@@ -138,8 +181,10 @@ def parse_weights(text: str | None, count: int) -> list[float] | None:
     try:
         return check_weights([float(w) for w in text.split(",")], count)
     except ValueError:
-        raise ValueError(f"--weights {text}: give {count} comma-separated numbers >= 0, one per checkpoint, "
-                         "not all 0 (e.g. --weights " + ",".join(["1"] * count) + ")") from None
+        raise ValueError(
+            f"--weights {text}: give {count} comma-separated numbers >= 0, one per checkpoint, "
+            "not all 0 (e.g. --weights " + ",".join(["1"] * count) + ")"
+        ) from None
 
 
 def checked_model_arguments(args: argparse.Namespace) -> list[float] | None:
@@ -158,7 +203,7 @@ def device_error(device: str) -> str | None:
     import_torch_holding_interrupts()
     from transformer.runtime import inference_device_error, tune_cpu_process
 
-    tune_cpu_process()                    # before the first tensor operation (runtime.py says why)
+    tune_cpu_process()  # before the first tensor operation (runtime.py says why)
     return inference_device_error(device, "--device ")
 
 
@@ -169,17 +214,17 @@ def load_translator(args: argparse.Namespace) -> Translator:
 
     weights = checked_model_arguments(args)
     try:
-        return Translator.from_checkpoints(args.checkpoints, weights, device=args.device, precision=args.precision,
-                                           quantize=args.quantize)
-    except ValueError as error:                  # the API's words for --quantize and --precision
-        raise ValueError(str(error).replace("quantize=", "--quantize ").replace("precision=", "--precision ")) \
-            from None
+        return Translator.from_checkpoints(
+            args.checkpoints, weights, device=args.device, precision=args.precision, quantize=args.quantize
+        )
+    except ValueError as error:  # the API's words for --quantize and --precision
+        raise ValueError(str(error).replace("quantize=", "--quantize ").replace("precision=", "--precision ")) from None
 
 
 def parse_sampling(text: str, temperature: float, seed: int) -> Sampling:
     """`topk:K` or `topp:P` -> Sampling; ValueError with the fix otherwise."""
     kind, _, value = text.partition(":")
-    top = {}                              # checked here, before torch comes with transformer.search
+    top = {}  # checked here, before torch comes with transformer.search
     if kind == "topk" and value.isdecimal() and int(value) >= 1:
         top = {"top_k": int(value)}
     elif kind == "topp":
@@ -236,10 +281,10 @@ def stream_chunks(stream, max_lines: int = STREAM_CHUNK_LINES):
         try:
             for raw in iter(stream.readline, b""):
                 arrived.put(raw)
-        except OSError as error:                    # handed to the consumer: one error line, not a thread traceback
+        except OSError as error:  # handed to the consumer: one error line, not a thread traceback
             arrived.put(error)
         finally:
-            arrived.put(None)                       # end of input
+            arrived.put(None)  # end of input
 
     threading.Thread(target=read, name="translate-input", daemon=True).start()
     first, ended = True, False
@@ -276,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except KeyboardInterrupt:              # Ctrl-C; while streaming, what was translated has been written
+    except KeyboardInterrupt:  # Ctrl-C; while streaming, what was translated has been written
         next_interrupt_ends_at_once()
         print("transformer-translate: interrupted", file=sys.stderr)
         return 130
@@ -293,24 +338,29 @@ def _run(args) -> int:
     args.nbest = 1 if args.nbest is None else args.nbest
     args.temperature = 1.0 if args.temperature is None else args.temperature
     args.seed = 1 if args.seed is None else args.seed
-    try:                                  # refused before the model is loaded
+    try:  # refused before the model is loaded
         check_decode_options(given_decoding_options(args), "cli")
     except ValueError as error:
         return _fail(str(error))
-    sampled = args.sampling is not None                 # beyond these, the scaled scores overflow or vanish
+    sampled = args.sampling is not None  # beyond these, the scaled scores overflow or vanish
     if not math.isfinite(args.temperature) or (sampled and not 1e-6 <= args.temperature <= 1e6):
-        return _fail(f"--temperature {args.temperature}: must be between 1e-6 and 1e6 (1 = the model's own "
-                     "distribution)")
-    if sampled and not 0 <= args.seed < 2 ** 63:
+        return _fail(
+            f"--temperature {args.temperature}: must be between 1e-6 and 1e6 (1 = the model's own distribution)"
+        )
+    if sampled and not 0 <= args.seed < 2**63:
         return _fail(f"--seed {args.seed}: must be a whole number from 0 to 2**63 - 1")
-    for flag, path in (("--input", args.input), ("--output", args.output), ("--score-reference", args.score_reference),
-                       ("--prefix", args.prefix)):
+    for flag, path in (
+        ("--input", args.input),
+        ("--output", args.output),
+        ("--score-reference", args.score_reference),
+        ("--prefix", args.prefix),
+    ):
         if path is not None and not path.strip():
             return _fail(f"{flag} is empty (an unset shell variable?); give a file name")
     if args.output and Path(args.output).is_dir():
         return _fail(f"--output {args.output}: is a directory; give a file name")
-    if args.output:             # found now, not after the whole file is translated
-        parent = Path(args.output).parent             # as open() will take it: no ~ expansion
+    if args.output:  # found now, not after the whole file is translated
+        parent = Path(args.output).parent  # as open() will take it: no ~ expansion
         if not parent.is_dir():
             return _fail(f"--output {args.output}: no directory {parent}; create it first")
         if not os.access(args.output if Path(args.output).exists() else parent, os.W_OK):
@@ -339,15 +389,17 @@ def _run(args) -> int:
         translator = load_translator(args)
     except (CheckpointError, ConfigError, ValueError) as error:
         return _fail(str(error))
-    try:                                  # every path below translates into this language
+    try:  # every path below translates into this language
         translator.tgt_lang = translator.target_language(args.tgt_lang, knob="--tgt-lang ")
     except ValueError as error:
         return _fail(str(error))
     if not scoring:
-        if args.beam is None:             # one draw per line, or the decode config the model was trained with
+        if args.beam is None:  # one draw per line, or the decode config the model was trained with
             args.beam = 1 if sampling is not None else translator.config.decode.beam_size
             if args.nbest > args.beam:
-                return _fail(f"--nbest {args.nbest}: the checkpoint's beam size is {args.beam}; add --beam {args.nbest}")
+                return _fail(
+                    f"--nbest {args.nbest}: the checkpoint's beam size is {args.beam}; add --beam {args.nbest}"
+                )
         if too_wide := translator.beam_error(args.beam, "--beam "):
             return _fail(too_wide)
     ignored = _ignored_options(given, scoring, args.beam)
@@ -373,8 +425,10 @@ def _run(args) -> int:
         except OSError as error:
             return _fail(f"--score-reference {args.score_reference}: {error.strerror}")
         if len(references) != len(lines):
-            return _fail(f"--score-reference {args.score_reference}: {len(references)} lines for "
-                         f"{len(lines)} input lines; give one translation per input line")
+            return _fail(
+                f"--score-reference {args.score_reference}: {len(references)} lines for "
+                f"{len(lines)} input lines; give one translation per input line"
+            )
         with _warnings_as_lines():
             scores = translator.score(lines, references, batch_tokens=args.batch_tokens)
         return _write("".join(f"{value:.4f}\n" for value in scores), args.output)
@@ -386,10 +440,13 @@ def _run(args) -> int:
         except OSError as error:
             return _fail(f"--prefix {args.prefix}: {error.strerror}")
         if len(prefixes) != len(lines):
-            return _fail(f"--prefix {args.prefix}: {len(prefixes)} lines for {len(lines)} input lines; give one "
-                         "prefix per input line (an empty line for none)")
-    results = _translate_lines(translator, lines, args, sampling, progress=bool(args.output) and sys.stderr.isatty(),
-                               prefixes=prefixes)
+            return _fail(
+                f"--prefix {args.prefix}: {len(prefixes)} lines for {len(lines)} input lines; give one "
+                "prefix per input line (an empty line for none)"
+            )
+    results = _translate_lines(
+        translator, lines, args, sampling, progress=bool(args.output) and sys.stderr.isatty(), prefixes=prefixes
+    )
     return _write(_format(results, args.nbest, first_index=0), args.output)
 
 
@@ -422,44 +479,55 @@ def overwritten_input(output: str | Path | int, inputs: dict[str, str | Path | i
 def _overwritten_input(args) -> str | None:
     """The error line when this run would write its output over one of its inputs (`--input f --output f`,
     `--output` the checkpoint, `< f > f`, ...); None when it would not. Checked before anything is written."""
-    inputs = {f"the --input file {args.input}": args.input,
-              f"the --score-reference file {args.score_reference}": args.score_reference,
-              f"the --prefix file {args.prefix}": args.prefix,
-              **{f"the checkpoint {checkpoint}": checkpoint for checkpoint in args.checkpoints},
-              "the file on stdin": None if args.input else _fileno(sys.stdin)}
+    inputs = {
+        f"the --input file {args.input}": args.input,
+        f"the --score-reference file {args.score_reference}": args.score_reference,
+        f"the --prefix file {args.prefix}": args.prefix,
+        **{f"the checkpoint {checkpoint}": checkpoint for checkpoint in args.checkpoints},
+        "the file on stdin": None if args.input else _fileno(sys.stdin),
+    }
     if args.output:
         name = overwritten_input(args.output, inputs)
         if name:
-            return f"--output {args.output}: is {name}; writing the translations there would destroy it; " \
-                   "choose another file"
+            return (
+                f"--output {args.output}: is {name}; writing the translations there would destroy it; "
+                "choose another file"
+            )
         return None
     stdout = _fileno(sys.stdout)
     name = None if stdout is None else overwritten_input(stdout, inputs)
     if name:
-        return f"stdout is {name}; redirect the output to another file (`> FILE` empties FILE before the " \
-               "command starts)"
+        return (
+            f"stdout is {name}; redirect the output to another file (`> FILE` empties FILE before the command starts)"
+        )
     return None
 
 
 def _fileno(stream) -> int | None:
     try:
         return stream.fileno()
-    except (AttributeError, OSError, ValueError):       # closed, or replaced by one without a descriptor
+    except (AttributeError, OSError, ValueError):  # closed, or replaced by one without a descriptor
         return None
 
 
 def _ignored_options(given: set[str], scoring: bool, beam: int | None) -> str | None:
     """The warning for options given on the command line that this run does not use; None when all are used."""
+
     def flags(*names):
         return ", ".join(f"--{name.replace('_', '-')}" for name in names if name in given)
 
     if scoring:
-        unused = [(flags(*DECODING_OPTIONS), "with --score-reference (it scores the given translations; "
-                                             "nothing is decoded)")]
+        unused = [
+            (flags(*DECODING_OPTIONS), "with --score-reference (it scores the given translations; nothing is decoded)")
+        ]
     else:
-        unused = [(flags("temperature", "seed") if "sampling" not in given else "", "without --sampling"),
-                  (flags("alpha") if beam == 1 else "", "by greedy search and sampling (the length penalty "
-                                                        "ranks the hypotheses of a beam of 2 or more)")]
+        unused = [
+            (flags("temperature", "seed") if "sampling" not in given else "", "without --sampling"),
+            (
+                flags("alpha") if beam == 1 else "",
+                "by greedy search and sampling (the length penalty ranks the hypotheses of a beam of 2 or more)",
+            ),
+        ]
     said = [f"{names} {'are' if ',' in names else 'is'} ignored {why}" for names, why in unused if names]
     return "; ".join(said) or None
 
@@ -473,14 +541,23 @@ def _streams(stdin) -> bool:
         return False
 
 
-def _translate_lines(translator: Translator, lines: list[str], args, sampling, progress: bool = False,
-                     prefixes: list[str] | None = None):
+def _translate_lines(
+    translator: Translator, lines: list[str], args, sampling, progress: bool = False, prefixes: list[str] | None = None
+):
     with _warnings_as_lines():
         return translator.translate_hypotheses(
-            lines, beam_size=args.beam, nbest=args.nbest, max_len_a=args.max_len_a,
-            alpha=None if sampling is not None or args.beam == 1 else args.alpha,      # its warning is said
-            max_len_b=args.max_len_b, batch_tokens=args.batch_tokens, progress=progress, sampling=sampling,
-            prefixes=prefixes, workers=args.workers)
+            lines,
+            beam_size=args.beam,
+            nbest=args.nbest,
+            max_len_a=args.max_len_a,
+            alpha=None if sampling is not None or args.beam == 1 else args.alpha,  # its warning is said
+            max_len_b=args.max_len_b,
+            batch_tokens=args.batch_tokens,
+            progress=progress,
+            sampling=sampling,
+            prefixes=prefixes,
+            workers=args.workers,
+        )
 
 
 @contextlib.contextmanager
@@ -499,8 +576,11 @@ def _warnings_as_lines():
 def _format(results, nbest: int, first_index: int) -> str:
     if nbest == 1:
         return "".join(_one_line(hyps[0][0]) + "\n" for hyps in results)
-    return "".join(f"{index}\t{score:.4f}\t{_one_line(text)}\n"
-                   for index, hyps in enumerate(results, start=first_index) for text, score in hyps)
+    return "".join(
+        f"{index}\t{score:.4f}\t{_one_line(text)}\n"
+        for index, hyps in enumerate(results, start=first_index)
+        for text, score in hyps
+    )
 
 
 def _translate_stream(translator: Translator, args) -> int:
@@ -526,7 +606,7 @@ def _translate_stream(translator: Translator, args) -> int:
             stopped = _send(text, out, args.output)
             if stopped is not None:
                 return stopped
-    except OSError as error:                    # from stream_chunks: _send reports its own
+    except OSError as error:  # from stream_chunks: _send reports its own
         return _fail(f"reading the input: {error.strerror or error}")
     finally:
         _close(out)
@@ -535,8 +615,10 @@ def _translate_stream(translator: Translator, args) -> int:
 
 def _warn_invalid(bad: int) -> None:
     if bad:
-        print(f"transformer-translate: warning: {bad} input line(s) were not valid UTF-8; "
-              "invalid bytes were replaced", file=sys.stderr)
+        print(
+            f"transformer-translate: warning: {bad} input line(s) were not valid UTF-8; invalid bytes were replaced",
+            file=sys.stderr,
+        )
 
 
 def _write(text: str, output: str | None) -> int:
@@ -564,7 +646,7 @@ def _send(text: str, out, output: str | None) -> int | None:
             sys.stdout.flush()
         return None
     except OSError as error:
-        if out is None:                         # what stdout still holds would fail again at exit, with a traceback
+        if out is None:  # what stdout still holds would fail again at exit, with a traceback
             discard_stdout()
         if isinstance(error, BrokenPipeError):
             return 0
@@ -576,7 +658,7 @@ def _close(out) -> None:
     if out is not None:
         try:
             out.close()
-        except OSError:                         # a failed write, already reported: closing retries its flush
+        except OSError:  # a failed write, already reported: closing retries its flush
             pass
 
 

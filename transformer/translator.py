@@ -35,12 +35,20 @@ class Translator:
     `from_checkpoints` makes an ensemble: several models over one vocabulary, decoding together.
     """
 
-    def __init__(self, model, tokenizer, config, device: torch.device, precision: str = "fp32", autocast=None,
-                 tgt_lang: str | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        config,
+        device: torch.device,
+        precision: str = "fp32",
+        autocast=None,
+        tgt_lang: str | None = None,
+    ):
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.tgt_lang = tgt_lang                            # a multilingual model's default target language
-        self.models, self.weights = [model], None           # an ensemble: `from_checkpoints`
-        self.max_length = model.cfg.max_positions - 1       # tokens of a sentence, EOS or BOS aside
+        self.tgt_lang = tgt_lang  # a multilingual model's default target language
+        self.models, self.weights = [model], None  # an ensemble: `from_checkpoints`
+        self.max_length = model.cfg.max_positions - 1  # tokens of a sentence, EOS or BOS aside
         self.device = torch.device(device)
         if precision not in DTYPES:
             raise ValueError(f"precision={precision!r} must be one of {', '.join(DTYPES)}")
@@ -52,8 +60,9 @@ class Translator:
         return is_int8(self.model)
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "auto",
-                        quantize: str | None = None) -> Translator:
+    def from_checkpoint(
+        cls, path: str | Path, device: str = "auto", precision: str = "auto", quantize: str | None = None
+    ) -> Translator:
         """A `.pt` checkpoint written by training. `quantize="int8"`: the linear layers' weights in int8
         (CPU only; the rest in float32): `inference_model`."""
         runtime = inference_runtime(device, precision, quantize)
@@ -61,8 +70,9 @@ class Translator:
         return cls(inference_model(model, runtime, quantize), tokenizer, config, runtime.device, runtime.precision)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "auto", precision: str = "auto",
-                        quantize: str | None = None) -> Translator:
+    def from_pretrained(
+        cls, path: str | Path, device: str = "auto", precision: str = "auto", quantize: str | None = None
+    ) -> Translator:
         """A directory written by `transformer-export --format safetensors`, or a HuggingFace Hub id holding one
         (`owner/name`, downloaded and cached by huggingface_hub)."""
         from transformer.export import load_pretrained
@@ -72,8 +82,9 @@ class Translator:
         return cls(inference_model(model, runtime, quantize), tokenizer, config, runtime.device, runtime.precision)
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "auto", precision: str = "auto",
-             quantize: str | None = None) -> Translator:
+    def load(
+        cls, path: str | Path, device: str = "auto", precision: str = "auto", quantize: str | None = None
+    ) -> Translator:
         """A checkpoint file, an exported directory, or a hub id (`owner/name`, nothing of that name on
         disk): what the command lines accept."""
         from transformer.export import looks_like_hub_id
@@ -83,13 +94,19 @@ class Translator:
         return cls.from_checkpoint(path, device, precision, quantize)
 
     @classmethod
-    def from_checkpoints(cls, paths: list[str | Path], weights: list[float] | None = None, device: str = "auto",
-                         precision: str = "auto", quantize: str | None = None) -> Translator:
+    def from_checkpoints(
+        cls,
+        paths: list[str | Path],
+        weights: list[float] | None = None,
+        device: str = "auto",
+        precision: str = "auto",
+        quantize: str | None = None,
+    ) -> Translator:
         """An ensemble of checkpoints (or exported directories, as `load` takes them) trained with the same
         SentencePiece model(s): at every step the weighted mean of their log-probabilities (equal
         weights by default). The first one's decode settings are the defaults. CheckpointError names a
         model whose vocabulary differs from the first's; ValueError for weights that do not fit."""
-        paths = [paths] if isinstance(paths, (str, Path)) else list(paths)      # one path: an ensemble of one
+        paths = [paths] if isinstance(paths, (str, Path)) else list(paths)  # one path: an ensemble of one
         if not paths:
             raise ValueError("from_checkpoints needs at least one checkpoint")
         if weights is not None:
@@ -98,8 +115,10 @@ class Translator:
         first = members[0]
         for path, member in zip(paths[1:], members[1:]):
             if member.tokenizer.fingerprint() != first.tokenizer.fingerprint():
-                raise CheckpointError(f"{path}: its SentencePiece vocabulary differs from that of {paths[0]}; an "
-                                      "ensemble needs models trained with the same SentencePiece model(s)")
+                raise CheckpointError(
+                    f"{path}: its SentencePiece vocabulary differs from that of {paths[0]}; an "
+                    "ensemble needs models trained with the same SentencePiece model(s)"
+                )
         first.models, first.weights = [member.model for member in members], weights
         first.max_length = min(member.max_length for member in members)
         return first
@@ -119,19 +138,24 @@ class Translator:
         if not languages:
             if language not in (None, data.tgt_lang):
                 named = knob if tgt_lang else "Translator.tgt_lang="
-                raise ValueError(f"{named}{language}: this model translates {data.src_lang} -> {data.tgt_lang} only; "
-                                 "leave the target language out")
+                raise ValueError(
+                    f"{named}{language}: this model translates {data.src_lang} -> {data.tgt_lang} only; "
+                    "leave the target language out"
+                )
             return None
         if language is None:
-            raise ValueError(f"this model translates into several languages ({', '.join(languages)}): choose one "
-                             f"with {knob}LANG")
+            raise ValueError(
+                f"this model translates into several languages ({', '.join(languages)}): choose one with {knob}LANG"
+            )
         if language not in languages:
-            raise ValueError(f"{knob}{language}: not a target language of this model; it translates into "
-                             f"{', '.join(languages)}")
+            raise ValueError(
+                f"{knob}{language}: not a target language of this model; it translates into {', '.join(languages)}"
+            )
         return language
 
-    def encode_sources(self, sentences: list[str], tgt_lang: str | None = None,
-                       tag_empty: bool | list[bool] = False) -> list[list[int]]:
+    def encode_sources(
+        self, sentences: list[str], tgt_lang: str | None = None, tag_empty: bool | list[bool] = False
+    ) -> list[list[int]]:
         """Source token ids, each cut to the model's positions (with one warning for all that were); a
         multilingual model's start with the tag of `tgt_lang` (`target_language`). An empty one stays empty
         (it is not translated) unless `tag_empty` (all, or one flag per sentence): forced decoding, or a
@@ -145,23 +169,40 @@ class Translator:
             sources = [[tag, *ids] if ids or wanted else [] for ids, wanted in zip(sources, tagged)]
         truncated = sum(len(s) > limit for s in sources)
         if truncated:
-            warnings.warn(f"{truncated} source sentence(s) longer than {limit} tokens were truncated "
-                          "to the model's maximum length", stacklevel=3)
+            warnings.warn(
+                f"{truncated} source sentence(s) longer than {limit} tokens were truncated "
+                "to the model's maximum length",
+                stacklevel=3,
+            )
         return [s[:limit] for s in sources]
 
     def translate_hypotheses(self, sentences: list[str], **options) -> list[list[tuple[str, float]]]:
         """n-best (text, score) lists, best first; the options of `hypotheses`."""
         return [[(h.text, h.score) for h in hyps] for hyps in self.hypotheses(sentences, **options)]
 
-    def hypotheses(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
-                   nbest: int | None = None, max_len_a: float | None = None, max_len_b: int | None = None,
-                   batch_tokens: int | None = None, progress: bool | None = False, desc: str = "translate",
-                   sampling: Sampling | None = None, stop=None, use_cache: bool = True,
-                   prefixes: list[str] | None = None, workers: int | None = None,
-                   tgt_lang: str | None = None) -> list[list[Hypothesis]]:
+    def hypotheses(
+        self,
+        sentences: list[str],
+        *,
+        beam_size: int | None = None,
+        alpha: float | None = None,
+        nbest: int | None = None,
+        max_len_a: float | None = None,
+        max_len_b: int | None = None,
+        batch_tokens: int | None = None,
+        progress: bool | None = False,
+        desc: str = "translate",
+        sampling: Sampling | None = None,
+        stop=None,
+        use_cache: bool = True,
+        prefixes: list[str] | None = None,
+        workers: int | None = None,
+        tgt_lang: str | None = None,
+    ) -> list[list[Hypothesis]]:
         """n-best `Hypothesis` lists (text, score, tokens, ...), best first. Options left out come from the
         config's decode section (nbest, batch_tokens: the schema's defaults; `DecodeConfig.for_translation`),
-        and a bad one is a ValueError naming it. Empty sentences translate to ''. With `sampling` (`search.Sampling`), one
+        and a bad one is a ValueError naming it. Empty sentences translate to ''. With `sampling`
+        (`search.Sampling`), one
         sampled translation per sentence instead of a search. `prefixes`: one target-language prefix per
         sentence ('' for none) that each translation starts with, the search continuing after it (its
         log-probability counts in the score). `workers`: on the CPU, batches decoded at a time, one core
@@ -170,44 +211,70 @@ class Translator:
         `search.Interrupted`; `use_cache=False` recomputes every prefix (the bench's reference).
         `tgt_lang`: the target language of a multilingual model (`target_languages`), which needs one."""
         sentences = list_of_str(sentences, "sentences", "translate([text])")
-        language = self.target_language(tgt_lang)   # refused before anything else is done
+        language = self.target_language(tgt_lang)  # refused before anything else is done
         if workers is not None and (type(workers) is not int or workers < 1):
             raise ValueError(f"workers={workers!r}: must be a whole number >= 1 (None: one per core)")
         if stop is not None and not callable(stop):
             raise TypeError(f"stop={stop!r}: must be a function asked between batches (True stops the decoding)")
         if sampling is not None:
-            searched = [f"{name}={value}" for name, value in (("beam_size", beam_size), ("nbest", nbest))
-                        if value not in (None, 1)]
+            searched = [
+                f"{name}={value}"
+                for name, value in (("beam_size", beam_size), ("nbest", nbest))
+                if value not in (None, 1)
+            ]
             if searched:
                 raise ValueError(f"sampling draws one translation per sentence: leave out {' and '.join(searched)}")
         prefix_ids = self.encode_prefixes(prefixes, len(sentences))
         batch_tokens_given = batch_tokens is not None
-        decode = self.config.decode.for_translation(beam_size=beam_size, nbest=nbest, max_len_a=max_len_a,
-                                                    alpha=self.config.decode.alpha_for(language) if alpha is None
-                                                    else alpha, max_len_b=max_len_b, batch_tokens=batch_tokens)
+        decode = self.config.decode.for_translation(
+            beam_size=beam_size,
+            nbest=nbest,
+            max_len_a=max_len_a,
+            alpha=self.config.decode.alpha_for(language) if alpha is None else alpha,
+            max_len_b=max_len_b,
+            batch_tokens=batch_tokens,
+        )
         if alpha is not None and (sampling is not None or decode.beam_size == 1):
-            warnings.warn(f"alpha={alpha} is ignored by greedy search and sampling (the length penalty ranks the "
-                          "hypotheses of a beam of 2 or more)", stacklevel=3)
+            warnings.warn(
+                f"alpha={alpha} is ignored by greedy search and sampling (the length penalty ranks the "
+                "hypotheses of a beam of 2 or more)",
+                stacklevel=3,
+            )
         beam_size, alpha, nbest = decode.beam_size, decode.alpha, decode.nbest
         if too_wide := self.beam_error(beam_size, "beam_size="):
             raise ValueError(too_wide)
         max_len_a, max_len_b, batch_tokens = decode.max_len_a, decode.max_len_b, decode.batch_tokens
-        if self.quantized and not batch_tokens_given:    # int8 runs fastest on batches of a few thousand
+        if self.quantized and not batch_tokens_given:  # int8 runs fastest on batches of a few thousand
             rows = 1 if sampling is not None or beam_size == 1 else beam_size
             batch_tokens = min(batch_tokens, INT8_SOURCE_TOKENS * rows)
-        sources = self.encode_sources(sentences, tgt_lang,
-                                      tag_empty=[bool(ids) for ids in prefix_ids] if prefix_ids else False)
+        sources = self.encode_sources(
+            sentences, tgt_lang, tag_empty=[bool(ids) for ids in prefix_ids] if prefix_ids else False
+        )
         # An empty sentence translates to '' unless it has a prefix, which its translation starts with.
         wanted = [i for i, s in enumerate(sources) if s or (prefix_ids is not None and prefix_ids[i])]
         results: list[list[Hypothesis]] = [[] for _ in sources]
-        with tqdm(total=len(wanted), desc=desc, unit="sent", leave=False,
-                  disable=None if progress is None else not progress) as bar:
+        with tqdm(
+            total=len(wanted), desc=desc, unit="sent", leave=False, disable=None if progress is None else not progress
+        ) as bar:
             decoded = translate_ids(
-                self.models, [sources[i] for i in wanted], beam_size=beam_size, alpha=alpha, nbest=nbest,
-                max_len_a=max_len_a, max_len_b=max_len_b, batch_tokens=batch_tokens, device=self.device,
-                progress=bar, autocast=self.autocast, sampling=sampling, stop=stop, use_cache=use_cache,
-                weights=self.weights, prefixes=None if prefix_ids is None else [prefix_ids[i] for i in wanted],
-                workers=cpu_workers(self.device) if workers is None else workers)
+                self.models,
+                [sources[i] for i in wanted],
+                beam_size=beam_size,
+                alpha=alpha,
+                nbest=nbest,
+                max_len_a=max_len_a,
+                max_len_b=max_len_b,
+                batch_tokens=batch_tokens,
+                device=self.device,
+                progress=bar,
+                autocast=self.autocast,
+                sampling=sampling,
+                stop=stop,
+                use_cache=use_cache,
+                weights=self.weights,
+                prefixes=None if prefix_ids is None else [prefix_ids[i] for i in wanted],
+                workers=cpu_workers(self.device) if workers is None else workers,
+            )
         for index, hyps in zip(wanted, decoded):
             results[index] = hyps
         flat = [h for hyps in results for h in hyps]
@@ -221,7 +288,9 @@ class Translator:
         vocabulary = self.tokenizer.tgt_vocab_size
         if beam_size <= vocabulary:
             return None
-        return f"{knob}{beam_size}: the model's target vocabulary has {vocabulary} pieces; give at most that (5 is usual)"
+        return (
+            f"{knob}{beam_size}: the model's target vocabulary has {vocabulary} pieces; give at most that (5 is usual)"
+        )
 
     def encode_prefixes(self, prefixes, count: int) -> list[list[int]] | None:
         """Target token ids of each prefix, cut to leave room for EOS; None when no sentence has one."""
@@ -229,15 +298,17 @@ class Translator:
             return None
         prefixes = list_of_str(prefixes, "prefixes", "translate([text], prefixes=[prefix])")
         if len(prefixes) != count:
-            raise ValueError(f"{len(prefixes)} prefixes for {count} sentences: give one prefix per sentence "
-                             "('' for none)")
+            raise ValueError(
+                f"{len(prefixes)} prefixes for {count} sentences: give one prefix per sentence ('' for none)"
+            )
         if not any(p.strip() for p in prefixes):
             return None
-        return [ids[:self.max_length - 1] for ids in self.tokenizer.encode_tgt([p.strip() for p in prefixes])]
+        return [ids[: self.max_length - 1] for ids in self.tokenizer.encode_tgt([p.strip() for p in prefixes])]
 
     @torch.inference_mode()
-    def score(self, sentences: list[str], references: list[str], batch_tokens: int | None = None,
-              tgt_lang: str | None = None) -> list[float]:
+    def score(
+        self, sentences: list[str], references: list[str], batch_tokens: int | None = None, tgt_lang: str | None = None
+    ) -> list[float]:
         """Log-probability of each reference translation given its source under the model (forced
         decoding): the sum over its tokens and the final EOS, as sentence scores for filtering corpora.
         An ensemble's is the weighted mean of its models' (as its search scores each token). Sources and
@@ -245,33 +316,37 @@ class Translator:
         sentences = list_of_str(sentences, "sentences", "score([source], [reference])")
         references = list_of_str(references, "references", "score([source], [reference])")
         if len(sentences) != len(references):
-            raise ValueError(f"{len(sentences)} sources but {len(references)} references: give one reference "
-                             "per source")
+            raise ValueError(
+                f"{len(sentences)} sources but {len(references)} references: give one reference per source"
+            )
         if batch_tokens is not None:
             check_decode_options({"batch_tokens": batch_tokens}, "api")
         sources = self.encode_sources(sentences, tgt_lang, tag_empty=True)
         targets = self.tokenizer.encode_tgt([r.strip() for r in references])
         cut = sum(len(ids) > self.max_length for ids in targets)
         if cut:
-            warnings.warn(f"{cut} reference(s) longer than {self.max_length} tokens were cut to the model's maximum "
-                          "length: their scores cover only their beginning", stacklevel=2)
-        targets = [ids[:self.max_length] for ids in targets]
+            warnings.warn(
+                f"{cut} reference(s) longer than {self.max_length} tokens were cut to the model's maximum "
+                "length: their scores cover only their beginning",
+                stacklevel=2,
+            )
+        targets = [ids[: self.max_length] for ids in targets]
         widths = [max(len(a), len(b)) for a, b in zip(sources, targets)]
         scores = [0.0] * len(sources)
         weights = self.weights or [1.0] * len(self.models)
         shares = [w / sum(weights) for w in weights]
         # The (B, T, V) float32 log-probabilities bound the batch: 2048 tokens x 32k pieces = 256 MB.
         for indices in batches_in_order(widths, batch_tokens or SCORE_BATCH_TOKENS):
-            src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(self.device)      # (B, S)
+            src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(self.device)  # (B, S)
             tgt = [targets[i] for i in indices]
-            tgt_in = pad_sequences(tgt, prefix=[BOS_ID]).to(self.device)                           # (B, T)
-            tgt_out = pad_sequences(tgt, suffix=[EOS_ID]).to(self.device)                          # (B, T)
+            tgt_in = pad_sequences(tgt, prefix=[BOS_ID]).to(self.device)  # (B, T)
+            tgt_out = pad_sequences(tgt, suffix=[EOS_ID]).to(self.device)  # (B, T)
             sums = 0.0
             for model, share in zip(self.models, shares):
                 with self.autocast(), eval_mode(model):
-                    logits = model(src, tgt_in)                                                    # (B, T, V)
+                    logits = model(src, tgt_in)  # (B, T, V)
                 logprobs = torch.log_softmax(logits.float(), dim=-1).gather(2, tgt_out[:, :, None]).squeeze(2)
-                sums = sums + share * logprobs.masked_fill(tgt_out == PAD_ID, 0.0).sum(dim=1)      # (B,)
+                sums = sums + share * logprobs.masked_fill(tgt_out == PAD_ID, 0.0).sum(dim=1)  # (B,)
             for index, value in zip(indices, sums.tolist()):
                 scores[index] = value
         return scores
@@ -303,8 +378,10 @@ def inference_runtime(device: str, precision: str, quantize: str | None) -> Runt
         raise ValueError(f"quantize={quantize} runs float32 around its int8 layers: leave precision={precision} out")
     runtime = Runtime.for_inference(device, "fp32" if quantize else precision)
     if quantize and runtime.device.type != "cpu":
-        raise ValueError(f"quantize={quantize} is for the CPU (PyTorch's dynamic int8 linear layers); on "
-                         f"{runtime.device} leave it out")
+        raise ValueError(
+            f"quantize={quantize} is for the CPU (PyTorch's dynamic int8 linear layers); on "
+            f"{runtime.device} leave it out"
+        )
     return runtime
 
 
@@ -313,7 +390,7 @@ def inference_model(model: torch.nn.Module, runtime: Runtime, quantize: str | No
     by PyTorch's dynamic int8 ones (weights int8 per tensor, activations quantized on the fly)."""
     model = model.to(runtime.device).eval()
     if quantize == "int8":
-        with warnings.catch_warnings():          # torch.ao's notices that this API moves to torchao one day
+        with warnings.catch_warnings():  # torch.ao's notices that this API moves to torchao one day
             warnings.simplefilter("ignore")
             model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     return model
@@ -331,10 +408,13 @@ def list_of_str(sentences, name: str, example: str) -> list[str]:
     if not isinstance(sentences, (str, bytes)):
         try:
             items = list(sentences)
-        except TypeError:                                # not iterable
+        except TypeError:  # not iterable
             pass
-    kind = type(sentences).__name__ if items is None else \
-        next((type(s).__name__ for s in items if not isinstance(s, str)), None)
+    kind = (
+        type(sentences).__name__
+        if items is None
+        else next((type(s).__name__ for s in items if not isinstance(s, str)), None)
+    )
     if kind is not None:
         raise TypeError(f"{name} must be a list of str (got {kind}); for one sentence write {example}")
     return items

@@ -61,8 +61,12 @@ def bleu_metric(tgt_lang: str | None) -> sacrebleu.metrics.BLEU:
     try:
         return sacrebleu.metrics.BLEU(trg_lang=tgt_lang or "")
     except RuntimeError:
-        log.warning("BLEU for target language %r: sacreBLEU's tokenizer for it needs `pip install "
-                    "sacrebleu[%s]`; scoring with character tokenization instead (tok:char)", tgt_lang, tgt_lang)
+        log.warning(
+            "BLEU for target language %r: sacreBLEU's tokenizer for it needs `pip install "
+            "sacrebleu[%s]`; scoring with character tokenization instead (tok:char)",
+            tgt_lang,
+            tgt_lang,
+        )
         return sacrebleu.metrics.BLEU(tokenize="char")
 
 
@@ -81,9 +85,12 @@ def score(hypotheses: list[str], references: list[str], tgt_lang: str | None = N
     chrf = sacrebleu.metrics.CHRF()
     bleu_score = bleu.corpus_score(hypotheses, [references])
     chrf_score = chrf.corpus_score(hypotheses, [references])
-    return {"bleu": bleu_score.score, "chrf": chrf_score.score,
-            "bleu_signature": str(bleu.get_signature()) + NORMALIZATION_SIGNATURE,
-            "chrf_signature": str(chrf.get_signature()) + NORMALIZATION_SIGNATURE}
+    return {
+        "bleu": bleu_score.score,
+        "chrf": chrf_score.score,
+        "bleu_signature": str(bleu.get_signature()) + NORMALIZATION_SIGNATURE,
+        "chrf_signature": str(chrf.get_signature()) + NORMALIZATION_SIGNATURE,
+    }
 
 
 def literature_tokenize(lines: list[str], lang: str) -> list[str]:
@@ -105,8 +112,10 @@ def tokenized_lowercased_bleu(hypotheses: list[str], tokenized_references: list[
     # lowercase=True changes nothing (both sides are lowercased already) but makes the signature say case:lc
     bleu = sacrebleu.metrics.BLEU(tokenize="none", lowercase=True, force=True)
     result = bleu.corpus_score(literature_tokenize(nfc(hypotheses), tgt_lang), [nfc(tokenized_references)])
-    return {"bleu_tokenized_lc": result.score,
-            "bleu_tokenized_lc_signature": f"{bleu.get_signature()}|hyp:moses-lc-norm-tok-{tgt_lang}"}
+    return {
+        "bleu_tokenized_lc": result.score,
+        "bleu_tokenized_lc_signature": f"{bleu.get_signature()}|hyp:moses-lc-norm-tok-{tgt_lang}",
+    }
 
 
 def nfc(lines: list[str]) -> list[str]:
@@ -120,8 +129,9 @@ def cross_attention(model, source_ids: list[int], hypothesis_ids: list[int], dev
     return cross_attention_by_layer(model, source_ids, hypothesis_ids, device, [-1])[0].mean(0)
 
 
-def cross_attention_panels(model, source_ids: list[int], hypothesis_ids: list[int], device,
-                           by: str) -> list[tuple[str, np.ndarray]]:
+def cross_attention_panels(
+    model, source_ids: list[int], hypothesis_ids: list[int], device, by: str
+) -> list[tuple[str, np.ndarray]]:
     """(label, (T, S) weights) for `trainer.attention_heatmaps`: `heads`, each head of the last decoder
     layer; `layers`, each layer's mean over heads."""
     if by == "heads":
@@ -132,8 +142,9 @@ def cross_attention_panels(model, source_ids: list[int], hypothesis_ids: list[in
 
 
 @torch.no_grad()
-def cross_attention_by_layer(model, source_ids: list[int], hypothesis_ids: list[int], device,
-                             layers) -> list[np.ndarray]:
+def cross_attention_by_layer(
+    model, source_ids: list[int], hypothesis_ids: list[int], device, layers
+) -> list[np.ndarray]:
     """Per decoder layer in `layers` (indices): its cross-attention weights (H, T, S) for the sentence."""
     src = torch.tensor([source_ids + [EOS_ID]], device=device)
     tgt = torch.tensor([[BOS_ID] + hypothesis_ids], device=device)
@@ -162,6 +173,7 @@ class Validation:
     `signature`, `samples` (source, reference, hypothesis) in validation order, and the attention
     pictures: `panels` (weights (T, S), source pieces, predicted pieces) per attention sentence,
     `detail` (kind, labelled panels per head or layer of the first sentence) or None."""
+
     metrics: dict
     signature: str
     samples: list[tuple[str, str, str]]
@@ -176,8 +188,9 @@ class Validator:
     nothing (`off`, and ranks other than 0). A multilingual model's validator per direction decodes through a
     translator into that direction's target language (`Translator.tgt_lang`), scored by its rules."""
 
-    def __init__(self, cfg, model, translator, corpus, text: tuple[list[str], list[str]], device, autocast,
-                 attention: str | None):
+    def __init__(
+        self, cfg, model, translator, corpus, text: tuple[list[str], list[str]], device, autocast, attention: str | None
+    ):
         self.cfg, self.model, self.translator, self.corpus = cfg, model, translator, corpus
         self.device, self.autocast, self.attention = device, autocast, attention
         limit = cfg.trainer.val_max_sentences
@@ -192,24 +205,48 @@ class Validator:
         """Loss, BLEU, chrF, samples and pictures of the weights the model holds now. `stop()` is asked
         between batches; True raises `search.Interrupted`."""
         tc, dc = self.cfg.trainer, self.cfg.decode
-        loss, nll, accuracy = validation_loss(self.model, self.corpus, tc.max_tokens, self.device, self.autocast,
-                                              tc.label_smoothing, stop)
-        hyps = self.translator.hypotheses(self.sources, beam_size=tc.val_beam_size, batch_tokens=dc.batch_tokens,
-                                          progress=None, desc="validate", stop=stop)
+        loss, nll, accuracy = validation_loss(
+            self.model, self.corpus, tc.max_tokens, self.device, self.autocast, tc.label_smoothing, stop
+        )
+        hyps = self.translator.hypotheses(
+            self.sources,
+            beam_size=tc.val_beam_size,
+            batch_tokens=dc.batch_tokens,
+            progress=None,
+            desc="validate",
+            stop=stop,
+        )
         texts = [h[0].text for h in hyps]
         scores = score(texts, self.references, self.translator.tgt_lang or self.cfg.data.tgt_lang)
-        metrics = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "accuracy": accuracy,
-                   "bleu": scores["bleu"], "chrf": scores["chrf"],
-                   "cut_at_max_len": sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps))}
-        shown = [hyps[i][0].tokens for i in self.drawn]          # what each drawn sentence decodes to now
-        return Validation(metrics, scores["bleu_signature"], list(zip(self.sources, self.references, texts)),
-                          self._panels(shown), self._detail(shown))
+        metrics = {
+            "loss": loss,
+            "nll": nll,
+            "ppl": math.exp(min(nll, 50)),
+            "accuracy": accuracy,
+            "bleu": scores["bleu"],
+            "chrf": scores["chrf"],
+            "cut_at_max_len": sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps)),
+        }
+        shown = [hyps[i][0].tokens for i in self.drawn]  # what each drawn sentence decodes to now
+        return Validation(
+            metrics,
+            scores["bleu_signature"],
+            list(zip(self.sources, self.references, texts)),
+            self._panels(shown),
+            self._detail(shown),
+        )
 
     def _panels(self, hypotheses: list[list[int]]) -> list:
         """(weights, source pieces, predicted pieces) of each drawn sentence and its hypothesis."""
         tokenizer = self.translator.tokenizer
-        return [(cross_attention(self.model, source, hypothesis, self.device), pieces(tokenizer.src, source),
-                 pieces(tokenizer.tgt, hypothesis)) for source, hypothesis in zip(self.drawn_sources, hypotheses)]
+        return [
+            (
+                cross_attention(self.model, source, hypothesis, self.device),
+                pieces(tokenizer.src, source),
+                pieces(tokenizer.tgt, hypothesis),
+            )
+            for source, hypothesis in zip(self.drawn_sources, hypotheses)
+        ]
 
     def _detail(self, hypotheses: list[list[int]]) -> tuple[str, list] | None:
         """With trainer.attention_heatmaps heads or layers: that kind, and one labelled panel per head or
@@ -220,5 +257,5 @@ class Validator:
         source_pieces, predicted = pieces(tokenizer.src, source), pieces(tokenizer.tgt, hypotheses[0])
         return self.attention, [
             (weights, source_pieces, predicted, label)
-            for label, weights in cross_attention_panels(self.model, source, hypotheses[0], self.device,
-                                                         self.attention)]
+            for label, weights in cross_attention_panels(self.model, source, hypotheses[0], self.device, self.attention)
+        ]
