@@ -46,24 +46,24 @@ $(STAMP): pyproject.toml
 install: $(STAMP)  ## create/refresh .venv (torch pinned by TORCH above)
 
 prepare: $(STAMP)  ## SentencePiece + memory-mapped encoded corpus for the data config (train does it when missing)
-	$(PY) -m transformer.corpus $(HYDRA_ARGS)
+	$(PY) -m transformer.cli.prepare $(HYDRA_ARGS)
 
 train: $(STAMP)  ## train; key=value args are Hydra overrides (default: tiny model on the embedded corpus)
-	$(PY) -m transformer.train_cli $(HYDRA_ARGS)
+	$(PY) -m transformer.cli.train $(HYDRA_ARGS)
 
 sweep: $(STAMP)  ## one training job per combination: make sweep trainer.lr=1e-3,5e-4 (summary in runs/sweeps/)
-	$(PY) -m transformer.train_cli --multirun $(HYDRA_ARGS)
+	$(PY) -m transformer.cli.train --multirun $(HYDRA_ARGS)
 
 train-ddp: $(STAMP)  ## train with torchrun on NPROC processes (NPROC=2 by default)
-	$(PY) -m transformer.launch --standalone --nproc_per_node=$(NPROC) $(HYDRA_ARGS)
+	$(PY) -m transformer.cli.launch --standalone --nproc_per_node=$(NPROC) $(HYDRA_ARGS)
 
 evaluate: $(STAMP)  ## BLEU/chrF of CKPT=path on split=test (writes hypotheses and scores beside CKPT)
 	@test -n "$(CKPT)" || { echo "usage: make evaluate CKPT=runs/.../checkpoints/best.pt [split=test]"; exit 2; }
-	$(PY) -m transformer.evaluate $(CKPT) --split $(split) $(ARGS)
+	$(PY) -m transformer.cli.evaluate $(CKPT) --split $(split) $(ARGS)
 
 translate: $(STAMP)  ## translate stdin to stdout with CKPT=path (beam 5)
 	@test -n "$(CKPT)" || { echo "usage: make translate CKPT=path < in.txt > out.txt"; exit 2; }
-	@$(PY) -m transformer.translate $(CKPT) $(ARGS)
+	@$(PY) -m transformer.cli.translate $(CKPT) $(ARGS)
 
 tensorboard: $(STAMP)  ## serve TensorBoard for runs/
 	$(VENV)/bin/tensorboard --logdir runs

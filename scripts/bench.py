@@ -39,9 +39,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformer.attention import padding_mask  # noqa: E402
-from transformer.batching import TokenBatchSampler  # noqa: E402
 from transformer.config import compose  # noqa: E402
-from transformer.corpus import prepare  # noqa: E402
+from transformer.data.batching import TokenBatchSampler  # noqa: E402
+from transformer.data.prepare import prepare  # noqa: E402
 from transformer.loss import batch_loss  # noqa: E402
 from transformer.model import SinusoidalPositions, build_model, compile_layers  # noqa: E402
 from transformer.runtime import (  # noqa: E402
@@ -233,7 +233,7 @@ def bench_trainer(overrides: list[str], device, args) -> list[dict]:
     """The trainer's own step on fresh batches from its DataLoader (see the module docstring)."""
     import tempfile
 
-    from transformer.train import Trainer
+    from transformer.training.trainer import Trainer
 
     precisions = ["fp32"] + (["bf16"] if device.type == "cuda" or cpu_has_native_bf16() else [])
     rows = []
@@ -259,7 +259,7 @@ def bench_trainer(overrides: list[str], device, args) -> list[dict]:
 
 
 def _time_trainer(trainer, cfg, device, steps: int, precision: str, compiled: bool) -> dict:
-    from transformer.train_log import TrainLog
+    from transformer.training.step_log import TrainLog
 
     loader = _epochs(trainer)
     for _ in range(5):  # warm-up: allocator, kernels, compile, workers
@@ -332,7 +332,7 @@ def _peak_tflops(device) -> float | None:
 def bench_decode(model, tokenizer, cfg, sources: list[str], device, repeats: int) -> list[dict]:
     """Decoding inside this process through `Translator` (tokenizing included) at the precision
     `transformer-translate` picks (auto), with the key/value cache and without."""
-    from transformer.translator import Translator
+    from transformer.inference.translator import Translator
 
     precision = resolve_precision("auto", device)
     translator = Translator(model.to(device).eval(), tokenizer, cfg, device, precision)
@@ -424,7 +424,7 @@ def main() -> int:
     )
 
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
-    from transformer.data import load_split_text
+    from transformer.data.sources import load_split_text
 
     if args.checkpoint:
         model, tokenizer, ckpt_cfg = model_from_checkpoint(load_checkpoint(args.checkpoint), args.checkpoint)
@@ -471,8 +471,8 @@ def _quick_model():
     import tempfile
 
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
-    from transformer.data import load_split_text
-    from transformer.train import train
+    from transformer.data.sources import load_split_text
+    from transformer.training.trainer import train
 
     run_dir = Path(tempfile.mkdtemp(prefix="bench-"))
     cfg = compose(["trainer.max_steps=300", "trainer.validate_every=300", "trainer.max_minutes=0"])

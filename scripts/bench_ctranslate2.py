@@ -114,7 +114,7 @@ def _with_startup(row: dict, command: list[str], repeats: int, known: dict) -> d
 def _bleu(lines: list[str], reference_file: Path, checkpoint: str) -> float:
     """BLEU the way validation and transformer-evaluate compute it (`validate.score`: NFC, the target
     language's tokenizer)."""
-    from transformer.validate import score
+    from transformer.inference.scoring import score
 
     references = reference_file.read_text(encoding="utf-8").splitlines()
     return round(score(lines, references, _target_language(checkpoint))["bleu"], 2)
@@ -146,7 +146,7 @@ def bench_translate_cli(
     rows, startups = [], {} if startups is None else startups
     for beam in beams:
         for setting, flags in settings.items():
-            command = [sys.executable, "-m", "transformer.translate", *checkpoints, "--beam", str(beam), *flags]
+            command = [sys.executable, "-m", "transformer.cli.translate", *checkpoints, "--beam", str(beam), *flags]
             times, lines = _timed(command, source_file, repeats)
             row = {
                 "section": "translate_cli",
@@ -169,7 +169,7 @@ def bench_translate_cli(
 def bench_startup(checkpoint: str, repeats: int) -> dict:
     """A whole `transformer-translate` process on empty input: Python, torch, the model, no decoding."""
     with tempfile.NamedTemporaryFile(suffix=".de") as empty:
-        times, _ = _timed([sys.executable, "-m", "transformer.translate", checkpoint], Path(empty.name), repeats)
+        times, _ = _timed([sys.executable, "-m", "transformer.cli.translate", checkpoint], Path(empty.name), repeats)
     return {"section": "translate_startup", "seconds_median": statistics.median(times), "repeats": repeats}
 
 
@@ -191,14 +191,14 @@ def bench_ctranslate2(
         print("bench: CTranslate2 section skipped (pip install ctranslate2)", file=sys.stderr)
         return []
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
-    from transformer.export import export_ctranslate2
+    from transformer.inference.ctranslate2 import export_ctranslate2
 
     quantizations, thread_settings = (
         (("int8",), THREAD_SETTINGS[:1]) if fastest else (("float32", "int8"), THREAD_SETTINGS)
     )
     if not fastest:
         _, ours_fp32_greedy = _timed(
-            [sys.executable, "-m", "transformer.translate", checkpoint, "--beam", "1", "--precision", "fp32"],
+            [sys.executable, "-m", "transformer.cli.translate", checkpoint, "--beam", "1", "--precision", "fp32"],
             source_file,
             1,
         )

@@ -29,8 +29,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from transformer.batching import TokenBatchSampler  # noqa: E402
-from transformer.corpus import check_prepared, prepare  # noqa: E402
+from transformer.data.batching import TokenBatchSampler  # noqa: E402
+from transformer.data.corpus import check_prepared  # noqa: E402
+from transformer.data.prepare import prepare  # noqa: E402
 from transformer.special import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 
 

@@ -28,7 +28,7 @@ stage_env() {
     $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), 'bf16', torch.cuda.is_bf16_supported())" 2>&1 | tee -a "$LOG"
     $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$LOG" 2>&1 \
         && say "env: package installed (entry points)" || say "env: pip install -e . failed (modules still run with python -m)"
-    $PY -c "import transformer.train, transformer.translate, hydra, sacrebleu, sentencepiece, tensorboard; print('imports ok')" 2>&1 | tee -a "$LOG"
+    $PY -c "import transformer.train, transformer.cli.translate, hydra, sacrebleu, sentencepiece, tensorboard; print('imports ok')" 2>&1 | tee -a "$LOG"
 }
 
 stage_gputests() {
@@ -89,7 +89,7 @@ stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core ea
     common=$(list_common "$list")
     for data in $(grep -v "^#" "$list" | grep -o "data=[a-z0-9_]*" | sort -u); do   # each corpus once, before the runs
         # shellcheck disable=SC2086
-        $PY -m transformer.corpus $common $data data.path=$M data.cache_dir=$CACHE >>"$LOG" 2>&1
+        $PY -m transformer.cli.prepare $common $data data.path=$M data.cache_dir=$CACHE >>"$LOG" 2>&1
     done
     say "search: $(list_runs "$list" | wc -l) runs of '$common' for $seconds s"
     while IFS='|' read -r name args; do
@@ -137,7 +137,7 @@ stage_evaluate() {   # the search runs' best.pt on test_2016_flickr, beam 5, sid
         (for direction in $directions; do
             local langs=()
             [ "$data" = multi ] && langs=(--src-lang "${direction%-*}" --tgt-lang "${direction#*-}")
-            OMP_NUM_THREADS=1 $PY -m transformer.evaluate $RUNS/search/$name/checkpoints/best.pt --device ${EVAL_DEVICE:-cuda} \
+            OMP_NUM_THREADS=1 $PY -m transformer.cli.evaluate $RUNS/search/$name/checkpoints/best.pt --device ${EVAL_DEVICE:-cuda} \
                 --beam 5 "${langs[@]}" --tokenized-lc "$M/tok/test_2016_flickr.lc.norm.tok.${direction#*-}" 2>&1
         done) >"$OUT/eval-$name.out" &
         pids+=($!)
@@ -181,7 +181,7 @@ stage_ddp() {
 stage_translate() {
     $PY - <<'EOF' 2>&1 | tee -a "$LOG"
 import os, time, sacrebleu, torch
-from transformer.translator import Translator
+from transformer.inference.translator import Translator
 m = os.environ["MULTI30K_DIR"]
 src = open(f"{m}/test_2016_flickr.de").read().splitlines()
 ref = open(f"{m}/test_2016_flickr.en").read().splitlines()
@@ -201,7 +201,7 @@ for precision in ("fp32", "bf16", "fp16"):
 EOF
     # the CLI as users run it
     local t0=$SECONDS
-    $PY -m transformer.translate .gpu/deen-s1.pt --device cuda --beam 5 <"$M/test_2016_flickr.de" >/tmp/cli.hyp 2>>"$LOG"
+    $PY -m transformer.cli.translate .gpu/deen-s1.pt --device cuda --beam 5 <"$M/test_2016_flickr.de" >/tmp/cli.hyp 2>>"$LOG"
     say "translate CLI --device cuda: rc $?, $((SECONDS - t0)) s whole process, $(wc -l </tmp/cli.hyp) lines"
 }
 

@@ -57,7 +57,7 @@ def main() -> int:
     parser.add_argument("--source", help="sentences to translate (default: Multi30k val.de from MULTI30K_DIR)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from transformer.translator import Translator
+    from transformer.inference.translator import Translator
 
     torch.set_num_threads(args.threads)
     source = Path(args.source or Path(os.environ.get("MULTI30K_DIR", ".")) / "val.de")

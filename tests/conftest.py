@@ -25,7 +25,7 @@ def _fast_tests_train_nothing(request, monkeypatch):
     """`make test-fast` (-m "not slow") must train nothing: a test without the `slow` marker that
     reaches the training loop, itself or through a fixture, fails."""
     if request.node.get_closest_marker("slow") is None:
-        import transformer.train as train_module
+        import transformer.training.trainer as train_module
 
         def refuse(*args, **kwargs):
             raise AssertionError(f"{request.node.nodeid} trains a model but is not marked slow")
@@ -42,7 +42,7 @@ def data_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, data_cache):
     """A tiny model trained on the embedded corpus: (run_dir, metrics)."""
-    from transformer.train import train
+    from transformer.training.trainer import train
 
     run_dir = tmp_path_factory.mktemp("trained-run")
     cfg = compose_config(

@@ -16,9 +16,9 @@ import torch
 
 from transformer.checkpoint import save_checkpoint
 from transformer.config import Config, compose
+from transformer.data.tokenizer import Tokenizer, train_sentencepiece
+from transformer.data.toy import generate
 from transformer.model import build_model
-from transformer.tokenizer import Tokenizer, train_sentencepiece
-from transformer.toy import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from tests.helpers import FAST, compose_config
-from transformer.averaging import ExponentialMovingAverage, weights_swapped
 from transformer.checkpoint import average_checkpoints, load_checkpoint, step_checkpoints
 from transformer.config import ConfigError
+from transformer.training.ema import ExponentialMovingAverage, weights_swapped
 
 
 class _Tied(nn.Module):
@@ -67,7 +67,7 @@ def test_ema_warmup_sets_how_long_the_decay_warms_up():
 
 
 def test_the_run_state_builds_its_ema_from_the_config():
-    from transformer.run_state import TrainingState
+    from transformer.training.state import TrainingState
 
     cfg = compose_config(["trainer.ema_decay=0.99", "trainer.ema_warmup=3"])
     state = TrainingState(cfg, _Tied(), None, None, None, None, None, "", None, torch.device("cpu"))
@@ -103,7 +103,7 @@ def test_averaging_settings_are_checked(overrides, message):
 
 @pytest.mark.slow
 def test_a_run_validates_raw_ema_and_average_and_keeps_the_best(tmp_path, data_cache):
-    from transformer.train import train
+    from transformer.training.trainer import train
 
     cfg = compose_config(
         FAST
@@ -154,7 +154,7 @@ def test_a_run_validates_raw_ema_and_average_and_keeps_the_best(tmp_path, data_c
 
 
 def test_a_checkpoint_holding_averaged_weights_cannot_resume_a_run():
-    from transformer.run_state import TrainingError, _resumable
+    from transformer.training.state import TrainingError, _resumable
 
     full = {"optimizer": {}, "scheduler": {}, "scaler": {}, "rng": [], "data_state": {}}
     assert _resumable({**full, "weights": "raw"}, "last.pt")

@@ -18,11 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import transformer.corpus as corpus_module
+import transformer.data.corpus as corpus_module
 from tests.helpers import INTERRUPTIBLE, ROOT
+from transformer.cli.prepare import main as prepare_command
 from transformer.config import DataConfig
-from transformer.corpus import DATA_FILES, prepare
-from transformer.data import DataError
+from transformer.data.corpus import DATA_FILES
+from transformer.data.prepare import prepare
+from transformer.data.sources import DataError
 
 SETTINGS = dict(name="unit", embedded=True, embedded_pairs=300, vocab_size=80)
 OVERRIDES = ["data=toy", "data.embedded_pairs=300", "data.vocab_size=80"]  # the same, for the CLI
@@ -188,7 +190,7 @@ def test_damage_after_the_check_is_refused_where_it_cannot_be_repaired(cache):
 REPAIR = """
 import logging, sys
 from transformer.config import DataConfig
-from transformer.corpus import prepare
+from transformer.data.prepare import prepare
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
 print("pairs", len(prepare(DataConfig(**eval(sys.argv[2]), cache_dir=sys.argv[1])).train))
 """
@@ -216,7 +218,7 @@ def test_concurrent_processes_repair_a_damaged_split_once(cache, pristine):
 
 def _prepare_cli(capsys, cache: Path) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exit_:
-        corpus_module.main([*OVERRIDES, f"data.cache_dir={cache}"])
+        prepare_command([*OVERRIDES, f"data.cache_dir={cache}"])
     return exit_.value.code, capsys.readouterr().err
 
 
@@ -264,13 +266,14 @@ def test_a_full_disk_while_saving_the_sentencepiece_model_is_one_line(tmp_path, 
 
 INTERRUPTED = """
 import sys, time
-import transformer.corpus as corpus
+import transformer.data.corpus as corpus
 def slow(tmp, *args):
     (tmp / "src.ids").write_bytes(b"part of the ids")
     print("encoding", flush=True)
     time.sleep(60)
 corpus._write_split = slow
-corpus.main(sys.argv[1:])
+from transformer.cli.prepare import main
+main(sys.argv[1:])
 """
 
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from tests.helpers import flip_a_byte_of
-from transformer.average import main as average_main
 from transformer.checkpoint import (
     CheckpointError,
     average_checkpoints,
@@ -14,9 +13,10 @@ from transformer.checkpoint import (
     load_model_weights,
     save_checkpoint,
 )
+from transformer.cli.average import main as average_main
+from transformer.cli.translate import main as translate_main
 from transformer.config import ModelConfig
 from transformer.model import build_model
-from transformer.translate import main as translate_main
 
 
 def _state(value: float) -> dict:

@@ -10,9 +10,9 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from transformer.config import ModelConfig
+from transformer.inference.search import translate_ids
 from transformer.loss import output_cross_entropy
 from transformer.model import build_model, compile_layers
-from transformer.search import translate_ids
 
 SHAPES = [(6, 9, 7), (5, 11, 13), (7, 4, 6), (6, 16, 9), (6, 9, 7)]  # (sentences, source, target)
 
@@ -89,6 +89,6 @@ def test_the_inference_side_does_not_load_the_compiler():
     import subprocess
     import sys
 
-    code = "import sys, transformer.translate, transformer.loss; print('torch._dynamo' in sys.modules)"
+    code = "import sys, transformer.cli.translate, transformer.loss; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -10,19 +10,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformer import data as data_module
-from transformer import toy
-from transformer.batching import (
+from transformer.config import ConfigError, DataConfig
+from transformer.data import sources as data_module
+from transformer.data import toy
+from transformer.data.batching import (
     TokenBatchSampler,
     UpdateSampler,
     batches_in_order,
     pack_sorted,
     pad_sequences,
 )
-from transformer.config import ConfigError, DataConfig
-from transformer.corpus import Cleaning, EncodedCorpus, encoded_split, prepare
-from transformer.data import DataError, InMemory, ParallelFiles, load_split_text, open_split, read_lines
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+from transformer.data.corpus import Cleaning, EncodedCorpus, encoded_split
+from transformer.data.prepare import prepare
+from transformer.data.sources import DataError, InMemory, ParallelFiles, load_split_text, open_split, read_lines
+from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 
 
 def _write(path, data: bytes):
@@ -112,7 +113,7 @@ def test_without_network_the_hub_is_not_retried_for_half_a_minute(monkeypatch):
     import datasets.config
     from huggingface_hub import constants
 
-    from transformer.hub import cache_only_without_network
+    from transformer.data.hub import cache_only_without_network
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # restored after the test
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
@@ -154,14 +155,14 @@ def test_a_tsv_header_is_skipped_and_csv_quoting_is_said_not_guessed(tmp_path, c
     header is no pair; quoted fields are kept as they are (a sentence may be in quotes) with one warning."""
     for header in (b"de\ten\n", b"Source\tTarget\n", b"src\ttgt\n"):
         _write(tmp_path / "train.tsv", header + b"Hallo\tHello\n")
-        with caplog.at_level(logging.INFO, logger="transformer.data"):
+        with caplog.at_level(logging.INFO, logger="transformer.data.sources"):
             assert load_split_text(DataConfig(path=str(tmp_path)), "train") == (["Hallo"], ["Hello"])
         assert "line 1 (" in caplog.text and "is a header, not a pair: skipped" in caplog.text
     _write(tmp_path / "train.tsv", b"Hallo\tHello\nde\ten\n")  # not on line 1: a pair like any other
     assert load_split_text(DataConfig(path=str(tmp_path)), "train") == (["Hallo", "de"], ["Hello", "en"])
     caplog.clear()
     _write(tmp_path / "train.tsv", b'"Er sagte ""ja"""\t"He said ""yes"""\n"Hallo"\tHello\n')
-    with caplog.at_level(logging.WARNING, logger="transformer.data"):
+    with caplog.at_level(logging.WARNING, logger="transformer.data.sources"):
         for _ in range(2):
             assert load_split_text(DataConfig(path=str(tmp_path)), "train") == (
                 ['"Er sagte ""ja"""', '"Hallo"'],
@@ -171,7 +172,7 @@ def test_a_tsv_header_is_skipped_and_csv_quoting_is_said_not_guessed(tmp_path, c
     assert len(warnings) == 1 and "train.tsv:1: a field in CSV quotes" in warnings[0] and "QUOTE_NONE" in warnings[0]
     caplog.clear()
     _write(tmp_path / "validation.tsv", b'"Hallo"\tHello\n"Ja" und "Nein"\tYes and no\n')  # quotes in text
-    with caplog.at_level(logging.WARNING, logger="transformer.data"):
+    with caplog.at_level(logging.WARNING, logger="transformer.data.sources"):
         load_split_text(DataConfig(path=str(tmp_path)), "validation")
     assert not caplog.records
     _write(tmp_path / "test.tsv", b'"Ein\tTab"\tA tab\n')
@@ -307,7 +308,7 @@ def test_prepared_corpus_round_trips_and_pickles_as_its_directory(tmp_path):
 
 RACE = """
 import logging, sys, time
-import transformer.corpus as corpus
+import transformer.data.corpus as corpus
 from transformer.config import DataConfig
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 real = corpus._encode_to
@@ -315,7 +316,8 @@ def slow(*args, **kwargs):
     time.sleep(1.0)                 # hold the lock long enough for the other process to arrive
     real(*args, **kwargs)
 corpus._encode_to = slow
-prepared = corpus.prepare(DataConfig(name="race", embedded=True, embedded_pairs=300, vocab_size=80,
+from transformer.data.prepare import prepare
+prepared = prepare(DataConfig(name="race", embedded=True, embedded_pairs=300, vocab_size=80,
                                      cache_dir=sys.argv[1]))
 print("pairs", len(prepared.train))
 """
@@ -345,7 +347,7 @@ def test_a_failed_preparation_leaves_no_temporary_files_and_its_own_error(tmp_pa
     cfg = DataConfig(path=str(tmp_path), cache_dir=str(tmp_path / "cache"), vocab_size=30)
     with pytest.raises(DataError, match=r"^line counts differ: .*train.de has 3 lines"):  # not wrapped by SentencePiece
         prepare(cfg)
-    from transformer.tokenizer import Tokenizer
+    from transformer.data.tokenizer import Tokenizer
 
     tokenizer = build_tokenizer(
         InMemory(["ein Hund"] * 5, ["a dog"] * 5, "unit"), vocab_size=30, cache_dir=tmp_path / "cache"
@@ -728,7 +730,7 @@ def test_sampled_epochs_are_packed_by_their_own_lengths(tmp_path):
 def test_a_corpus_file_written_to_while_it_is_prepared_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
     """A file rewritten in place during `transformer-prepare` left a prepared corpus mixing old and new
     lines under the old content's key, reused by every later run on that file."""
-    from transformer import corpus as corpus_module
+    from transformer.data import corpus as corpus_module
 
     (tmp_path / "train.de").write_text("".join(f"Haus {i}\n" for i in range(50)))
     (tmp_path / "train.en").write_text("".join(f"house {i}\n" for i in range(50)))

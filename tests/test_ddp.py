@@ -1,5 +1,5 @@
 """torchrun + DDP on CPU with gloo: 2 ranks equal one process with update_freq=2; DDP resume is exact;
-transformer-train-ddp (`transformer.launch`) ends as transformer-train does, without torchrun's reports."""
+transformer-train-ddp (`transformer.cli.launch`) ends as transformer-train does, without torchrun's reports."""
 
 import os
 import re
@@ -27,7 +27,7 @@ COMMON = FAST + [
 ]
 
 
-LAUNCHER = [sys.executable, "-m", "transformer.launch"]  # transformer-train-ddp
+LAUNCHER = [sys.executable, "-m", "transformer.cli.launch"]  # transformer-train-ddp
 
 
 def _run(args, nproc=None, launcher=False):
@@ -121,7 +121,7 @@ def test_ctrl_c_to_the_launcher_saves_last_from_every_rank_and_exits_130(tmp_pat
     assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
     resume = re.search(r"continue from \S+ with: (.*)", out).group(1)
     assert resume.endswith(
-        " -m transformer.launch --nproc_per_node=2 --standalone "
+        " -m transformer.cli.launch --nproc_per_node=2 --standalone "
         + shlex.join([*overrides[:-1], "trainer.resume=true", f"hydra.run.dir={run_dir}"])
     ), resume
 

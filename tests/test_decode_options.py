@@ -9,12 +9,12 @@ import inspect
 import pytest
 
 from tests.helpers import compose_config
+from transformer.cli.evaluate import build_parser as evaluate_parser
+from transformer.cli.evaluate import main as evaluate_main
+from transformer.cli.translate import build_parser as translate_parser
+from transformer.cli.translate import main as translate_main
 from transformer.config import DECODE_OPTIONS, Config, ConfigError, DecodeConfig
-from transformer.evaluate import build_parser as evaluate_parser
-from transformer.evaluate import main as evaluate_main
-from transformer.translate import build_parser as translate_parser
-from transformer.translate import main as translate_main
-from transformer.translator import Translator
+from transformer.inference.translator import Translator
 
 OPTIONS = {option.key: option for option in DECODE_OPTIONS}
 FLOAT_OPTIONS = [option for option in DECODE_OPTIONS if not option.whole]

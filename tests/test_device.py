@@ -14,11 +14,11 @@ from torch.utils._pytree import tree_flatten
 
 from tests.helpers import HostReads
 from transformer.attention import BACKENDS, padding_mask
-from transformer.batching import Batch
 from transformer.config import ModelConfig
+from transformer.data.batching import Batch
+from transformer.inference.search import ModelDecoder, beam_search, greedy_search, max_lengths, row_topk, top_candidates
 from transformer.loss import batch_loss
 from transformer.model import build_model
-from transformer.search import ModelDecoder, beam_search, greedy_search, max_lengths, row_topk, top_candidates
 from transformer.special import BOS_ID, PAD_ID
 
 META = torch.device("meta")

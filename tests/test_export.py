@@ -14,12 +14,15 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from transformer import Translator, export
+from transformer import Translator
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from transformer.data import load_split_text
-from transformer.export import export_ctranslate2, load_pretrained, save_pretrained
+from transformer.cli import export as export_command
+from transformer.data.sources import load_split_text
+from transformer.data.tokenizer import Tokenizer, train_sentencepiece
+from transformer.inference import model_card, model_directory, pretrained
+from transformer.inference.ctranslate2 import export_ctranslate2
+from transformer.inference.pretrained import load_pretrained, save_pretrained
 from transformer.model import build_model
-from transformer.tokenizer import Tokenizer, train_sentencepiece
 
 try:
     import ctranslate2  # noqa: F401
@@ -39,7 +42,7 @@ def _sources(trained_checkpoint, n=120):
 def test_safetensors_directory_round_trip_translates_identically(trained_checkpoint, tmp_path):
     out = tmp_path / "exported"
     result = subprocess.run(
-        [sys.executable, "-m", "transformer.export", str(trained_checkpoint), str(out), "--format", "safetensors"],
+        [sys.executable, "-m", "transformer.cli.export", str(trained_checkpoint), str(out), "--format", "safetensors"],
         capture_output=True,
         text=True,
     )
@@ -76,7 +79,7 @@ def test_safetensors_directory_round_trip_translates_identically(trained_checkpo
 
     # The CLI takes the directory where it takes a checkpoint.
     cli = subprocess.run(
-        [sys.executable, "-m", "transformer.translate", str(out), "--beam", "1"],
+        [sys.executable, "-m", "transformer.cli.translate", str(out), "--beam", "1"],
         input="\n".join(sources[:5]) + "\n",
         capture_output=True,
         text=True,
@@ -85,7 +88,7 @@ def test_safetensors_directory_round_trip_translates_identically(trained_checkpo
     assert cli.stdout.splitlines() == original.translate(sources[:5], beam_size=1)
 
     again = subprocess.run(
-        [sys.executable, "-m", "transformer.export", str(trained_checkpoint), str(out), "--format", "safetensors"],
+        [sys.executable, "-m", "transformer.cli.export", str(trained_checkpoint), str(out), "--format", "safetensors"],
         capture_output=True,
         text=True,
     )
@@ -199,7 +202,7 @@ def test_ctranslate2_scores_equal_ours_for_each_architecture(pre_norm, tied, joi
 def test_export_cli_refuses_bad_requests(untrained_checkpoint, tmp_path):
     def run(*args):
         return subprocess.run(
-            [sys.executable, "-m", "transformer.export", *map(str, args)], capture_output=True, text=True
+            [sys.executable, "-m", "transformer.cli.export", *map(str, args)], capture_output=True, text=True
         )
 
     result = run(untrained_checkpoint, tmp_path / "x", "--format", "hf", "--quantization", "int8")
@@ -219,7 +222,7 @@ def test_export_cli_refuses_bad_requests(untrained_checkpoint, tmp_path):
 
 
 def _export(capsys, checkpoint, out, fmt):
-    code = export.main([str(checkpoint), str(out), "--format", fmt])
+    code = export_command.main([str(checkpoint), str(out), "--format", fmt])
     return code, *capsys.readouterr()
 
 
@@ -234,7 +237,7 @@ def test_safetensors_and_its_old_name_hf_write_the_same_loadable_directory(untra
         sentences, beam_size=1, max_len_b=8
     )
     for name in ("new", "old"):
-        assert json.loads((tmp_path / name / export.MANIFEST_FILE).read_text())["format"] == "safetensors"
+        assert json.loads((tmp_path / name / model_directory.MANIFEST_FILE).read_text())["format"] == "safetensors"
         loaded = Translator.from_pretrained(tmp_path / name, device="cpu")
         assert loaded.translate(sentences, beam_size=1, max_len_b=8) == expected
     assert _tree_bytes(tmp_path / "new") == _tree_bytes(tmp_path / "old")
@@ -247,9 +250,11 @@ def _tree_bytes(directory):
     of one checkpoint had different digests until the export sorted it."""
 
     def content(path):
-        if path.name == export.MANIFEST_FILE:
+        if path.name == model_directory.MANIFEST_FILE:
             manifest = json.loads(path.read_text())
-            assert manifest["sha256"].pop(export.CARD_FILE) == export.file_sha256(path.parent / export.CARD_FILE)
+            assert manifest["sha256"].pop(model_directory.CARD_FILE) == model_directory.file_sha256(
+                path.parent / model_directory.CARD_FILE
+            )
             return manifest
         return path.read_bytes().replace(directory.name.encode(), b"DIR")
 
@@ -264,7 +269,7 @@ def test_the_safetensors_header_is_written_sorted_and_still_loads(tmp_path):
     path = tmp_path / "m.safetensors"
     save_file(tensors, str(path), metadata={"zeta": "1", "alpha": "2", "mid": "3"})
     size = path.stat().st_size
-    export.canonical_safetensors_header(path)
+    pretrained.canonical_safetensors_header(path)
     raw = path.read_bytes()
     length = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8 : 8 + length])
@@ -281,7 +286,7 @@ def test_the_export_has_a_model_card(untrained_checkpoint, tmp_path, capsys):
     out = tmp_path / "de-en-model"
     assert _export(capsys, untrained_checkpoint, out, "safetensors")[0] == 0
     card = (out / "README.md").read_text()
-    assert "README.md" in json.loads((out / export.MANIFEST_FILE).read_text())["files"]
+    assert "README.md" in json.loads((out / model_directory.MANIFEST_FILE).read_text())["files"]
     _, front, body = card.split("---\n", 2)
     meta = yaml.safe_load(front)
     assert meta["library_name"] == "transformer-nmt" and meta["language"] == ["de", "en"]
@@ -306,7 +311,7 @@ def test_the_model_card_names_a_hub_dataset_and_says_when_there_are_no_scores(un
     model, tokenizer, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
     config.data.embedded, config.data.name, config.data.hub_id = False, "wmt14", "wmt/wmt14"
     config.data.src_lang, config.data.tgt_lang = "no", "en"  # "no" is not YAML's false here
-    card = export.model_card(model, tokenizer, config, "m", {})
+    card = model_card.model_card(model, tokenizer, config, "m", {})
     meta = yaml.safe_load(card.split("---\n")[1])
     assert meta["language"] == ["no", "en"] and meta["datasets"] == ["wmt/wmt14"]
     assert "https://huggingface.co/datasets/wmt/wmt14" in card and "records no validation scores" in card

@@ -7,9 +7,9 @@ import torch
 
 from transformer.attention import attend, attention_math, causal_allowed
 from transformer.config import ModelConfig
+from transformer.inference.search import translate_ids
 from transformer.loss import output_cross_entropy, output_cross_entropy_reference
 from transformer.model import build_model
-from transformer.search import translate_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -91,7 +91,7 @@ def test_fused_adamw_and_grad_scaler_step():
 def test_a_training_step_never_waits_for_the_gpu(precision, tmp_path, data_cache):
     """On CUDA, PyTorch itself can refuse every operation that makes the host wait for the device."""
     from tests.helpers import FAST, compose_config
-    from transformer.train import Trainer
+    from transformer.training.trainer import Trainer
 
     cfg = compose_config(
         FAST + ["trainer.device=cuda", f"trainer.precision={precision}", "trainer.update_freq=2"], data_cache
@@ -179,8 +179,8 @@ def test_training_batches_too_large_for_the_gpu_stop_with_one_line(memory_limit,
     """Every batch out of memory: skipped with a warning, and after OOM_SKIP_LIMIT in a row the run
     stops with a TrainingError that names trainer.max_tokens; the weights are untouched."""
     from tests.helpers import FAST, compose_config
-    from transformer.run_dir import TrainingError
-    from transformer.train import OOM_SKIP_LIMIT, Trainer
+    from transformer.training.run_dir import TrainingError
+    from transformer.training.trainer import OOM_SKIP_LIMIT, Trainer
 
     cfg = compose_config(
         FAST + ["trainer.device=cuda", "trainer.precision=fp32", "trainer.max_tokens=40000", "trainer.num_workers=0"],

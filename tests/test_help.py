@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.helpers import ROOT
-from transformer import corpus
+from transformer.cli import prepare as prepare_command
 from transformer.config import CONF_DIR, Config
 
 SECTIONS = ("model", "data", "trainer", "decode")
@@ -105,14 +105,14 @@ def test_the_help_fits_100_columns_and_starts_with_the_usage(train_help):
 
 
 def test_prepare_help_exits_0_with_the_same_presets_and_keys(train_help):
-    proc = run("transformer.corpus", "--help")
+    proc = run("transformer.cli.prepare", "--help")
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert proc.stdout.startswith("transformer-prepare: ")
     assert proc.stdout[proc.stdout.index("\nPresets") :] == train_help[train_help.index("\nPresets") :]
 
 
 def test_help_with_overrides_shows_the_values_they_give(capsys):
-    corpus.main(["--help", "model=small", "trainer.lr=0.01"])
+    prepare_command.main(["--help", "model=small", "trainer.lr=0.01"])
     out = capsys.readouterr().out
     assert "  model.d_model: int = 128 -> 256\n" in out and "  trainer.lr: float = 0.0007 -> 0.01\n" in out
     assert "  model.n_heads: int = 4\n" in out  # unchanged by model=small: no arrow
@@ -124,7 +124,7 @@ def test_prepare_uses_a_user_preset_from_config_dir_and_makes_no_run_directory(
 ):
     monkeypatch.chdir(tmp_path)
     cache = tmp_path / "cache"
-    corpus.main(["--config-dir", str(preset_dir), "data=mypreset", f"data.cache_dir={cache}"])
+    prepare_command.main(["--config-dir", str(preset_dir), "data=mypreset", f"data.cache_dir={cache}"])
     assert "prepared mypreset: 300 training pairs" in capsys.readouterr().out
     assert any(path.name.startswith("mypreset.train.") for path in (cache / "corpus").iterdir())
     assert sorted(path.name for path in tmp_path.iterdir()) == ["cache", "presets"]  # no runs/, no outputs/
@@ -132,7 +132,7 @@ def test_prepare_uses_a_user_preset_from_config_dir_and_makes_no_run_directory(
 
 def test_cfg_job_prints_the_composed_config_the_same_for_train_and_prepare(preset_dir, capsys):
     args = ["--config-dir", str(preset_dir), "data=mypreset", "model=small", "trainer.lr=0.01", "--cfg", "job"]
-    corpus.main(args)
+    prepare_command.main(args)
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["data"]["name"] == "mypreset" and printed["data"]["embedded_pairs"] == 300
     assert printed["model"]["d_model"] == 256 and printed["trainer"]["lr"] == 0.01
@@ -142,9 +142,9 @@ def test_cfg_job_prints_the_composed_config_the_same_for_train_and_prepare(prese
 
 
 def test_cfg_job_resolve_resolves_interpolations(capsys):
-    corpus.main(["--cfg", "job", "run_dir=runs/x-${now:%Y}"])
+    prepare_command.main(["--cfg", "job", "run_dir=runs/x-${now:%Y}"])
     assert "run_dir: runs/x-${now:%Y}" in capsys.readouterr().out
-    corpus.main(["--cfg", "job", "--resolve", "run_dir=runs/x-${now:%Y}"])
+    prepare_command.main(["--cfg", "job", "--resolve", "run_dir=runs/x-${now:%Y}"])
     assert re.search(r"run_dir: runs/x-20\d\d\n", capsys.readouterr().out)
 
 
@@ -173,7 +173,7 @@ def test_cfg_job_resolve_resolves_interpolations(capsys):
 def test_prepare_refuses_what_it_cannot_take_in_one_line(args, message, preset_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stop:
-        corpus.main(["--config-dir", str(preset_dir), *args] if "--config-dir" not in args else args)
+        prepare_command.main(["--config-dir", str(preset_dir), *args] if "--config-dir" not in args else args)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
     assert [path.name for path in tmp_path.iterdir()] == ["presets"]

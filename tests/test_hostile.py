@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from tests.helpers import FAST, INTERRUPTIBLE, ROOT, compose_config, wait_for_log
-from transformer.average import main as average_main
 from transformer.checkpoint import load_checkpoint
-from transformer.evaluate import main as evaluate_main
-from transformer.run_state import RunDirectoryLock, TrainingError
-from transformer.search import beam_search
-from transformer.translate import main as translate_main
-from transformer.translator import Translator
+from transformer.cli.average import main as average_main
+from transformer.cli.evaluate import main as evaluate_main
+from transformer.cli.translate import main as translate_main
+from transformer.inference.search import beam_search
+from transformer.inference.translator import Translator
+from transformer.training.state import RunDirectoryLock, TrainingError
 
 
 def _snapshot(root: Path) -> dict:
@@ -368,7 +368,7 @@ def test_hostile_input_table(case, workspace, capsys, data_cache):
 def test_resume_true_passes_over_a_weights_only_checkpoint(trained_run, tmp_path):
     from transformer.config import TrainerConfig
     from transformer.distributed import DistInfo
-    from transformer.run_state import find_resume_state
+    from transformer.training.state import find_resume_state
 
     checkpoints = tmp_path / "checkpoints"  # a run's checkpoints: last.pt can resume it
     shutil.copytree(trained_run[0] / "checkpoints", checkpoints)
@@ -468,7 +468,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; "
-            "from transformer.run_dir import RunDirectoryLock as L; "
+            "from transformer.training.run_dir import RunDirectoryLock as L; "
             "L.acquire(Path(sys.argv[1])); print('held', flush=True); time.sleep(60)",
             str(tmp_path),
         ],
@@ -527,7 +527,7 @@ def test_sigterm_during_validation_saves_and_exits_within_seconds(tmp_path, data
 @pytest.mark.slow
 def test_disk_full_while_saving_names_the_file_and_the_last_good_checkpoint(tmp_path, data_cache, monkeypatch):
     import transformer.checkpoint as checkpoint
-    from transformer.train import train
+    from transformer.training.trainer import train
 
     real_save, calls = torch.save, {"n": 0}
 
@@ -568,7 +568,7 @@ def test_disk_full_while_saving_names_the_file_and_the_last_good_checkpoint(tmp_
 @pytest.mark.slow
 def test_a_test_split_the_end_could_not_read_is_said_before_training(tmp_path, data_cache, caplog):
     """A corpus without a test split (or a broken one) was found out only after the whole run."""
-    from transformer.train import train
+    from transformer.training.trainer import train
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -679,7 +679,7 @@ def test_ctrl_c_while_training_starts_is_one_line_and_exit_130(tmp_path):
         [
             sys.executable,
             "-m",
-            "transformer.train_cli",
+            "transformer.cli.train",
             *FAST,
             "trainer.max_steps=3",
             f"hydra.run.dir={tmp_path / 'run'}",

@@ -5,13 +5,13 @@ model's own uncached greedy continuation) are in test_search.py."""
 import pytest
 import torch
 
-from transformer.batching import pad_sequences
 from transformer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from transformer.search import ModelDecoder, beam_search, max_lengths, translate_ids
+from transformer.data.batching import pad_sequences
+from transformer.data.tokenizer import Tokenizer, train_sentencepiece
+from transformer.data.toy import generate
+from transformer.inference.search import ModelDecoder, beam_search, max_lengths, translate_ids
+from transformer.inference.translator import Translator
 from transformer.special import EOS_ID
-from transformer.tokenizer import Tokenizer, train_sentencepiece
-from transformer.toy import generate
-from transformer.translator import Translator
 
 SENTENCES = ["Der Hund sieht die Katze.", "Die Kuh.", "Oft ruft das Kind den Vogel."]
 
@@ -153,7 +153,7 @@ def source_file(tmp_path):
 
 
 def test_translate_takes_an_ensemble_weights_and_workers(untrained_checkpoint, source_file, capsys):
-    from transformer.translate import main
+    from transformer.cli.translate import main
 
     common = ["--input", source_file, "--beam", 2, "--max-len-b", 6, "--precision", "fp32"]
     rc, alone, _ = _cli(main, capsys, untrained_checkpoint, *common)
@@ -174,7 +174,7 @@ def test_translate_takes_an_ensemble_weights_and_workers(untrained_checkpoint, s
     ],
 )
 def test_translate_refuses_ensemble_settings_that_do_not_fit(untrained_checkpoint, source_file, capsys, extra, message):
-    from transformer.translate import main
+    from transformer.cli.translate import main
 
     rc, out, err = _cli(main, capsys, untrained_checkpoint, untrained_checkpoint, "--input", source_file, *extra)
     assert rc == 2 and out == "" and len(err) == 1 and message in err[0], err
@@ -183,14 +183,14 @@ def test_translate_refuses_ensemble_settings_that_do_not_fit(untrained_checkpoin
 def test_translate_refuses_an_ensemble_over_two_vocabularies(
     untrained_checkpoint, other_vocabulary_checkpoint, source_file, capsys
 ):
-    from transformer.translate import main
+    from transformer.cli.translate import main
 
     rc, out, err = _cli(main, capsys, untrained_checkpoint, other_vocabulary_checkpoint, "--input", source_file)
     assert rc == 2 and out == "" and len(err) == 1 and "vocabulary differs" in err[0], err
 
 
 def test_translate_keeps_the_prefixes_of_a_prefix_file(untrained_checkpoint, source_file, tmp_path, capsys):
-    from transformer.translate import main
+    from transformer.cli.translate import main
 
     prefixes = tmp_path / "prefix.en"
     prefixes.write_text("the dog\n\na cat sees\n", encoding="utf-8")
@@ -219,7 +219,7 @@ def test_evaluate_takes_an_ensemble(untrained_checkpoint, source_file, tmp_path,
     import json
     import shutil
 
-    from transformer.evaluate import main
+    from transformer.cli.evaluate import main
 
     first = tmp_path / "a.pt"
     shutil.copy(untrained_checkpoint, first)
@@ -247,7 +247,7 @@ def test_evaluate_searches_the_length_penalty_over_several_alphas(untrained_chec
     import json
     import shutil
 
-    from transformer.evaluate import main
+    from transformer.cli.evaluate import main
 
     checkpoint = tmp_path / "m.pt"
     shutil.copy(untrained_checkpoint, checkpoint)
@@ -284,7 +284,7 @@ def test_evaluate_searches_the_length_penalty_over_several_alphas(untrained_chec
 def test_sampling_refuses_search_options_and_alpha_without_a_beam_is_warned(untrained_checkpoint):
     """Through the API, sampling silently dropped beam_size and alpha, and nbest gave one hypothesis per
     sentence but nbest placeholders per empty one."""
-    from transformer.search import Sampling
+    from transformer.inference.search import Sampling
 
     translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
     for options, named in (
@@ -345,7 +345,7 @@ def test_exported_directories_that_cannot_load_say_why_in_one_line(untrained_che
     model failed inside safetensors."""
     import json
 
-    from transformer.export import load_pretrained, save_pretrained
+    from transformer.inference.pretrained import load_pretrained, save_pretrained
 
     translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu")
     out = save_pretrained(translator.model, translator.tokenizer, translator.config, tmp_path / "m")
@@ -378,7 +378,7 @@ def test_exported_directories_that_cannot_load_say_why_in_one_line(untrained_che
 
 def test_workers_beyond_the_batches_fork_no_more_processes_than_batches(untrained_checkpoint, monkeypatch):
     """workers=100 forked 100 decoding processes for a handful of batches."""
-    from transformer import search
+    from transformer.inference import search
 
     translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
     expected = translator.translate(SENTENCES, beam_size=1, max_len_b=4, workers=1)

@@ -1,4 +1,4 @@
-"""Language identification (transformer/langid.py): the off-target rate transformer-evaluate reports for
+"""Language identification (transformer/data/langid.py): the off-target rate transformer-evaluate reports for
 a multilingual model, and the cleaning rule data.langid (whole corpus or one corpus of a mixture),
 against py3langid asked one sentence at a time."""
 
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from tests.helpers import compose_config
-from transformer import corpus as corpus_module
-from transformer import langid
 from transformer.config import ConfigError, CorpusConfig, DataConfig
-from transformer.corpus import encoded_split
-from transformer.data import DataError, InMemory
-from transformer.mixture import corpus_config
-from transformer.tokenizer import build_tokenizer
+from transformer.data import corpus as corpus_module
+from transformer.data import langid
+from transformer.data.corpus import encoded_split
+from transformer.data.mixture import corpus_config
+from transformer.data.sources import DataError, InMemory
+from transformer.data.tokenizer import build_tokenizer
 
 ENGLISH = [
     "A man in a blue shirt is standing on a ladder and cleaning the windows.",

@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from transformer.launch import failure_line, main, split_command_line, torchrun_options
+from transformer.cli.launch import failure_line, main, split_command_line, torchrun_options
 
 
 def test_torchrun_options_go_to_torchrun_with_their_values_and_the_rest_to_the_trainer():

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import transformer.loss as loss_module
-from transformer.batching import pad_sequences
 from transformer.config import ModelConfig
+from transformer.data.batching import pad_sequences
+from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer.loss import (
     batch_loss,
     output_cross_entropy,
@@ -17,8 +18,7 @@ from transformer.loss import (
     rdrop_cross_entropy_reference,
 )
 from transformer.model import build_model
-from transformer.optim import inverse_sqrt_schedule
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.training.optim import inverse_sqrt_schedule
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
@@ -160,7 +160,7 @@ def test_loss_by_hand():
 def test_batch_loss_ignores_padding_like_cross_entropy_with_ignore_index(smoothing):
     """Padded target positions contribute nothing: the fused loss over the real positions of a padded
     batch equals torch's cross_entropy over all positions with ignore_index=PAD."""
-    from transformer.batching import Batch
+    from transformer.data.batching import Batch
 
     torch.manual_seed(0)
     model = build_model(
@@ -200,7 +200,7 @@ def test_inverse_sqrt_schedule_by_hand():
 
 def test_the_optimizer_follows_the_schedule():
     from transformer.config import TrainerConfig
-    from transformer.optim import build_optimizer
+    from transformer.training.optim import build_optimizer
 
     model = torch.nn.Linear(3, 3)
     optimizer, scheduler = build_optimizer(model, TrainerConfig(lr=2e-3, warmup=10, max_steps=1), torch.device("cpu"))
@@ -220,7 +220,7 @@ def test_weight_decay_reaches_norms_and_biases_only_when_asked(decay_norm_bias):
     by that factor, or, without trainer.weight_decay_norm_bias, the weight matrices and embeddings do
     and the LayerNorm gains and biases stay as they were."""
     from transformer.config import TrainerConfig
-    from transformer.optim import build_optimizer
+    from transformer.training.optim import build_optimizer
 
     model = build_model(ModelConfig(d_model=16, n_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1), 50, 50, True)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -247,7 +247,7 @@ def test_weight_decay_reaches_norms_and_biases_only_when_asked(decay_norm_bias):
 )
 def test_schedules_by_hand(schedule, expected_at):
     from transformer.config import TrainerConfig
-    from transformer.optim import build_optimizer
+    from transformer.training.optim import build_optimizer
 
     config = TrainerConfig(lr=2e-3, min_lr=2e-4, warmup=10, max_steps=110, schedule=schedule)
     config.validate()
@@ -373,7 +373,7 @@ def test_rdrop_of_two_equal_passes_is_the_plain_loss_and_an_odd_row_count_is_ref
 
 
 def test_a_batch_twice_puts_the_copy_after_the_batch_and_its_targets_in_the_same_order():
-    from transformer.batching import Batch
+    from transformer.data.batching import Batch
 
     src = pad_sequences([[5, 6, 7], [8, 9]], suffix=[EOS_ID])
     tgt = [[14, 15], [16, 17, 18]]

@@ -15,8 +15,6 @@ import pytest
 import torch
 
 from tests.helpers import write_untrained_checkpoint
-from transformer import export
-from transformer.average import main as average_main
 from transformer.checkpoint import (
     CHECKPOINT_FORMAT_VERSION,
     CheckpointError,
@@ -25,9 +23,12 @@ from transformer.checkpoint import (
     non_finite_tensors,
     save_checkpoint,
 )
+from transformer.cli import export as export_command
+from transformer.cli.average import main as average_main
+from transformer.cli.evaluate import main as evaluate_main
+from transformer.cli.translate import main as translate_main
 from transformer.config import ConfigError
-from transformer.evaluate import main as evaluate_main
-from transformer.translate import main as translate_main
+from transformer.inference import model_directory, pretrained
 
 try:
     import ctranslate2  # noqa: F401
@@ -61,7 +62,7 @@ def _tree(root: Path) -> dict:
 
 
 def _export(capsys, checkpoint, out, fmt, *extra):
-    return _run(export.main, capsys, checkpoint, out, "--format", fmt, *extra)
+    return _run(export_command.main, capsys, checkpoint, out, "--format", fmt, *extra)
 
 
 # ----- 1. --force replaces a previous export and nothing else ------------------------------------------
@@ -114,7 +115,7 @@ def test_force_from_inside_the_directory_loses_nothing(fmt, checkpoint, tmp_path
 def test_reexport_into_an_export_holding_user_files_keeps_them(fmt, checkpoint, tmp_path, capsys):
     out = tmp_path / "model"
     assert _export(capsys, checkpoint, out, fmt)[0] == 0
-    manifest = json.loads((out / export.MANIFEST_FILE).read_text())
+    manifest = json.loads((out / model_directory.MANIFEST_FILE).read_text())
     assert manifest["format"] == fmt and sorted(manifest["files"]) == sorted(p.name for p in out.iterdir())
     (out / "notes.md").write_text("my notes\n")
     (out / "extra").mkdir()
@@ -139,11 +140,14 @@ def test_reexport_into_an_export_holding_user_files_keeps_them(fmt, checkpoint, 
 def test_force_replaces_an_hf_export_from_before_manifests(checkpoint, tmp_path, capsys):
     out = tmp_path / "model"
     assert _export(capsys, checkpoint, out, "hf")[0] == 0
-    for name in (export.MANIFEST_FILE, export.CARD_FILE):  # as exports were written before the manifest
+    for name in (
+        model_directory.MANIFEST_FILE,
+        model_directory.CARD_FILE,
+    ):  # as exports were written before the manifest
         (out / name).unlink()
     assert _export(capsys, checkpoint, out, "hf", "--force")[0] == 0
-    assert (out / export.MANIFEST_FILE).is_file()
-    for name in (export.MANIFEST_FILE, export.CARD_FILE):
+    assert (out / model_directory.MANIFEST_FILE).is_file()
+    for name in (model_directory.MANIFEST_FILE, model_directory.CARD_FILE):
         (out / name).unlink()
     (out / "notes.txt").write_text("mine\n")
     code, _, err = _export(capsys, checkpoint, out, "hf", "--force")
@@ -250,9 +254,9 @@ def test_interrupted_export_keeps_the_previous_one(checkpoint, tmp_path, capsys,
             raise KeyboardInterrupt
         real_replace(src, dst)
 
-    monkeypatch.setattr(export.os, "replace", interrupt_second_rename)
+    monkeypatch.setattr(model_directory.os, "replace", interrupt_second_rename)
     code, _, err = _export(capsys, checkpoint, out, "hf", "--force")
-    monkeypatch.setattr(export.os, "replace", real_replace)
+    monkeypatch.setattr(model_directory.os, "replace", real_replace)
     assert code == 130 and "interrupted" in _one_line(err)
     assert _tree(out) == previous and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
@@ -346,7 +350,7 @@ def test_a_checkpoint_from_a_newer_release_is_refused_and_an_old_one_loads(check
         load_checkpoint(newer)
     for main, args in (
         (translate_main, [newer, "--input", checkpoint]),
-        (export.main, [newer, tmp_path / "x", "--format", "hf"]),
+        (export_command.main, [newer, tmp_path / "x", "--format", "hf"]),
         (average_main, [newer, "-o", tmp_path / "avg.pt"]),
     ):
         code, _, err = _run(main, capsys, *args)
@@ -388,7 +392,7 @@ def test_a_damaged_embedded_tokenizer_is_one_line(tokenizer, problem, checkpoint
     (tmp_path / "in.de").write_text("Der Hund.\n")
     for main, args in (
         (translate_main, [path, "--input", tmp_path / "in.de"]),
-        (export.main, [path, tmp_path / "x", "--format", "hf"]),
+        (export_command.main, [path, tmp_path / "x", "--format", "hf"]),
         (evaluate_main, [path, "--src", tmp_path / "in.de", "--ref", tmp_path / "in.de"]),
     ):
         code, out, err = _run(main, capsys, *args)
@@ -418,7 +422,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(value, checkpoint, tmp
     (tmp_path / "in.de").write_text("Der Hund.\n")
     for main, args in (
         (translate_main, [path, "--input", tmp_path / "in.de"]),
-        (export.main, [path, tmp_path / "x", "--format", FORMATS[-1]]),
+        (export_command.main, [path, tmp_path / "x", "--format", FORMATS[-1]]),
         (evaluate_main, [path, "--src", tmp_path / "in.de", "--ref", tmp_path / "in.de"]),
     ):
         code, _, err = _run(main, capsys, *args)
@@ -430,20 +434,22 @@ def test_an_exported_directory_with_non_finite_weights_is_refused(checkpoint, tm
     from safetensors.torch import load_file, save_file
 
     model, tokenizer, config = model_from_checkpoint(load_checkpoint(checkpoint))
-    out = export.save_pretrained(model, tokenizer, config, tmp_path / "hf")
-    weights = load_file(out / export.WEIGHTS_FILE)
+    out = pretrained.save_pretrained(model, tokenizer, config, tmp_path / "hf")
+    weights = load_file(out / model_directory.WEIGHTS_FILE)
     name = sorted(weights)[0]
     weights[name].view(-1)[0] = float("nan")
-    save_file(weights, out / export.WEIGHTS_FILE, metadata={"format": export.FORMAT_NAME})
-    manifest = json.loads((out / export.MANIFEST_FILE).read_text())
-    manifest["sha256"][export.WEIGHTS_FILE] = export.file_sha256(out / export.WEIGHTS_FILE)  # NaN as exported
-    (out / export.MANIFEST_FILE).write_text(json.dumps(manifest))
+    save_file(weights, out / model_directory.WEIGHTS_FILE, metadata={"format": model_directory.FORMAT_NAME})
+    manifest = json.loads((out / model_directory.MANIFEST_FILE).read_text())
+    manifest["sha256"][model_directory.WEIGHTS_FILE] = model_directory.file_sha256(
+        out / model_directory.WEIGHTS_FILE
+    )  # NaN as exported
+    (out / model_directory.MANIFEST_FILE).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=f"model.safetensors: weight {name} holds NaN"):
-        export.load_pretrained(out)
+        pretrained.load_pretrained(out)
     with torch.no_grad():
         next(model.parameters()).view(-1)[0] = float("inf")
     with pytest.raises(CheckpointError, match="the model: weight .* holds NaN or infinite values"):
-        export.save_pretrained(model, tokenizer, config, tmp_path / "other")
+        pretrained.save_pretrained(model, tokenizer, config, tmp_path / "other")
     assert not (tmp_path / "other").exists()
 
 

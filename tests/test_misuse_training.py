@@ -22,12 +22,12 @@ from tests.helpers import FAST, ROOT, compose_config, flip_a_byte_of
 from transformer.checkpoint import CheckpointError, load_checkpoint, non_finite_tensors
 from transformer.config import ConfigError, TrainerConfig
 from transformer.distributed import DistInfo
-from transformer.run_state import (
+from transformer.training.state import (
     TrainingError,
     adopt_resumed_config,
     find_resume_state,
 )
-from transformer.sweep import read_summary
+from transformer.training.sweep import read_summary
 
 TRAINING_STATE = {"optimizer": {}, "scheduler": {}, "scaler": {}, "rng": [], "data_state": {}}
 
@@ -159,7 +159,7 @@ def test_cli_resume_true_with_only_best_exits_2_with_one_line_and_best_byte_iden
 def test_a_quoted_run_directory_is_checked_before_hydra_writes_into_it(tmp_path):
     """`hydra.run.dir='runs/my run'` (quoted for Hydra) is read as Hydra reads it, so the pre-check runs
     for it too: a refused resume leaves the directory as it was."""
-    from transformer.run_dir import named_run_directory
+    from transformer.training.run_dir import named_run_directory
 
     run_dir = tmp_path / "my run"
     best = _checkpoint(run_dir / "checkpoints" / "best.pt", 40)
@@ -245,7 +245,7 @@ def test_training_refuses_a_config_hydra_cannot_compose_in_one_line_and_writes_n
 def test_the_composition_check_lets_through_what_hydra_takes(tmp_path):
     """A search path given as hydra.searchpath, and sweeps Hydra runs from hydra.mode=MULTIRUN or a sweep
     function, are Hydra's to take: the one-line check must not refuse them."""
-    from transformer.train_cli import refuse_uncomposable
+    from transformer.cli.train import refuse_uncomposable
 
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "mine.yaml").write_text("defaults:\n  - custom\n  - _self_\npath: /corpus\nname: mine\n")
@@ -259,7 +259,7 @@ def test_the_composition_check_lets_through_what_hydra_takes(tmp_path):
 
 
 def test_the_cli_refuses_before_hydra_writes_into_the_run_directory(tmp_path):
-    from transformer.run_state import RunDirectoryLock, check_run_directory
+    from transformer.training.state import RunDirectoryLock, check_run_directory
 
     best = _checkpoint(tmp_path / "checkpoints" / "best.pt", 40)
     elsewhere = _checkpoint(tmp_path / "other" / "last.pt", 7)
@@ -282,7 +282,7 @@ def test_a_resume_that_leaves_out_the_runs_corpus_or_model_is_refused_with_what_
     """`make train trainer.resume=true hydra.run.dir=DIR` alone would compose the defaults (the embedded toy
     corpus, model=tiny) around the checkpoint: the run's own overrides (Hydra's record of its launch)
     must be named again; limits, decoding and the run directory may be dropped, values may change."""
-    from transformer.run_state import RunDirectoryLock, check_run_directory
+    from transformer.training.state import RunDirectoryLock, check_run_directory
 
     _checkpoint(tmp_path / "checkpoints" / "last.pt", 40)
     (tmp_path / ".hydra").mkdir()
@@ -332,7 +332,7 @@ def test_a_resume_that_leaves_out_the_runs_corpus_or_model_is_refused_with_what_
 def test_a_resume_that_leaves_out_the_runs_config_name_or_config_dir_is_refused(tmp_path):
     """A run started with `--config-name my_exp --config-dir DIR` and resumed without them would compose
     conf/config.yaml around the checkpoint: Hydra's record of the launch (.hydra/hydra.yaml) names them."""
-    from transformer.run_state import RunDirectoryLock, check_run_directory
+    from transformer.training.state import RunDirectoryLock, check_run_directory
 
     _checkpoint(tmp_path / "checkpoints" / "last.pt", 40)
     (tmp_path / ".hydra").mkdir()
@@ -409,7 +409,7 @@ def test_non_finite_tensors_names_each_float_tensor_with_a_nan_or_an_infinity():
 
 @pytest.mark.slow
 def test_weights_gone_non_finite_stop_the_run_before_any_checkpoint_holds_them(tmp_path, data_cache, monkeypatch):
-    import transformer.train as train_module
+    import transformer.training.trainer as train_module
 
     real_step = train_module.Trainer.train_step
 
@@ -573,8 +573,8 @@ def test_resume_and_overwrite_together_warn_that_overwrite_is_ignored(tmp_path, 
 
 
 def test_an_update_freq_beyond_an_epoch_and_a_warmup_beyond_the_run_are_said(caplog):
-    from transformer.batching import TokenBatchSampler
-    from transformer.train import Trainer
+    from transformer.data.batching import TokenBatchSampler
+    from transformer.training.trainer import Trainer
 
     sampler = TokenBatchSampler([9] * 40, [9] * 40, max_tokens=100, seed=1)  # 10 pairs a batch: 4 batches
     assert len(sampler.batches(0)) == 4
@@ -603,7 +603,7 @@ def test_an_update_freq_beyond_an_epoch_and_a_warmup_beyond_the_run_are_said(cap
 # The training job replaced by one that returns a BLEU, or raises an unexpected error for the seeds given.
 SWEEP = """
 import sys
-import transformer.train as train_module
+import transformer.training.trainer as train_module
 failing = {int(seed) for seed in sys.argv[1].split(",") if seed}
 def train(cfg, run_dir):
     if cfg.trainer.seed in failing:
@@ -611,7 +611,8 @@ def train(cfg, run_dir):
     return {"best_bleu": 10.0 + cfg.trainer.seed}
 train_module.train = train
 sys.argv = ["train", *sys.argv[2:]]
-train_module.main()
+from transformer.cli.train import main
+main()
 """
 
 
@@ -668,9 +669,10 @@ def test_a_sweep_whose_every_job_failed_exits_2_with_one_line(tmp_path):
 def test_ctrl_c_before_the_training_loop_is_one_line_and_exit_130(tmp_path):
     # KeyboardInterrupt while the data is prepared (the loop's SIGINT handler is not installed yet).
     stub = (
-        "import sys\nimport transformer.train as t\n"
+        "import sys\nimport transformer.training.trainer as t\n"
         "def train(cfg, run_dir):\n    raise KeyboardInterrupt\n"
-        "t.train = train\nsys.argv = ['train', *sys.argv[1:]]\nt.main()\n"
+        "t.train = train\nsys.argv = ['train', *sys.argv[1:]]\n"
+        "from transformer.cli.train import main\nmain()\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", stub, f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -750,7 +752,7 @@ def test_a_sweep_with_a_value_hydra_cannot_compose_is_refused_in_one_line_before
 
 
 def test_the_sweep_check_composes_each_value_once_and_leaves_other_sweeps_to_hydra():
-    from transformer.train_cli import sweep_jobs_to_check
+    from transformer.cli.train import sweep_jobs_to_check
 
     assert sweep_jobs_to_check(["model=small", "trainer.lr=1e-3,2e-3", "model.dropout=0.1,0.2,0.3"]) == [
         ["model=small", "trainer.lr=0.001", "model.dropout=0.1"],
@@ -786,7 +788,7 @@ def test_hydra_job_chdir_is_refused_in_one_line(tmp_path):
 def test_hydra_flags_it_answers_with_a_traceback_or_several_lines_are_one_line(tmp_path):
     """`-m --cfg job` and a bare `--shell-completion` were Hydra tracebacks; `-cn nope` eight lines; a
     missing --config-dir Hydra's message and exit 1 (transformer-prepare already said it in one line)."""
-    from transformer.train_cli import hydra_flag_error
+    from transformer.cli.train import hydra_flag_error
 
     (tmp_path / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\n")
     refused = {

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from tests.helpers import INTERRUPTIBLE, ROOT
-from transformer.evaluate import main as evaluate_main
-from transformer.evaluate import output_paths
-from transformer.search import Sampling
-from transformer.translate import main as translate_main
-from transformer.translator import Translator
+from transformer.cli.evaluate import main as evaluate_main
+from transformer.cli.translate import main as translate_main
+from transformer.inference.evaluate import output_paths
+from transformer.inference.search import Sampling
+from transformer.inference.translator import Translator
 
 SOURCE = "Der Hund sieht die Katze.\nDie Frau gibt dem Mann das Buch.\n"
 
@@ -42,7 +42,7 @@ def _one_line(err: str) -> str:
 
 def _cli(*args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE):
     proc = subprocess.run(
-        [sys.executable, "-m", "transformer.translate", *map(str, args)],
+        [sys.executable, "-m", "transformer.cli.translate", *map(str, args)],
         cwd=ROOT,
         stdin=stdin,
         stdout=stdout,
@@ -180,7 +180,7 @@ def test_a_full_disk_on_stdout_is_one_line_that_says_writing(untrained_checkpoin
 
 
 def test_a_full_disk_on_the_output_file_is_one_line(untrained_checkpoint, source, tmp_path, capsys, monkeypatch):
-    import transformer.translate as translate_module
+    import transformer.cli.translate as translate_module
 
     class FullDisk(io.StringIO):
         def write(self, text):
@@ -206,7 +206,7 @@ def test_a_full_disk_on_the_output_file_is_one_line(untrained_checkpoint, source
 
 def test_ctrl_c_while_streaming_keeps_what_was_translated_and_exits_130(untrained_checkpoint):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "transformer.translate", str(untrained_checkpoint), "--beam", "1"],
+        [sys.executable, "-m", "transformer.cli.translate", str(untrained_checkpoint), "--beam", "1"],
         cwd=ROOT,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -471,7 +471,7 @@ def test_a_closed_stdin_or_stdout_is_said_in_one_line(untrained_checkpoint, sour
         [
             sys.executable,
             "-m",
-            "transformer.translate",
+            "transformer.cli.translate",
             str(untrained_checkpoint),
             *[a.format(source=source) for a in args],
         ],
@@ -492,7 +492,7 @@ def test_scoring_a_reference_longer_than_the_model_says_it_was_cut(untrained_che
         [
             sys.executable,
             "-m",
-            "transformer.translate",
+            "transformer.cli.translate",
             str(untrained_checkpoint),
             "--input",
             str(source),

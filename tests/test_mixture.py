@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from tests.helpers import FAST, compose_config
-from transformer.batching import TokenBatchSampler, pad_sequences
 from transformer.checkpoint import load_checkpoint
 from transformer.config import ConfigError
-from transformer.corpus import prepare
+from transformer.data.batching import TokenBatchSampler, pad_sequences
+from transformer.data.mixture import MixedCorpus, epoch_counts, mixture_shares
+from transformer.data.prepare import prepare
+from transformer.data.toy import generate
 from transformer.errors import DataError
-from transformer.mixture import MixedCorpus, epoch_counts, mixture_shares
-from transformer.toy import generate
 
 
 def _write_corpus(directory: Path, pairs: int, seed: int) -> Path:
@@ -183,7 +183,7 @@ def test_subword_sampling_of_a_mixture_is_refused(corpora):
 def test_a_two_corpus_run_resumed_mid_epoch_trains_like_an_uninterrupted_one(
     corpora, tmp_path, data_cache, workers, caplog
 ):
-    from transformer.train import train
+    from transformer.training.trainer import train
 
     common = (
         FAST

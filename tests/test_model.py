@@ -3,8 +3,8 @@ import torch
 
 from transformer.attention import padding_mask
 from transformer.config import ModelConfig
+from transformer.data.tokenizer import BOS_ID, PAD_ID
 from transformer.model import build_model
-from transformer.tokenizer import BOS_ID, PAD_ID
 
 
 def _model(pre_norm=True, shared=True, protected=4, **kw):

@@ -1,10 +1,10 @@
-"""What a run writes to TensorBoard (transformer/monitor.py)."""
+"""What a run writes to TensorBoard (transformer/training/monitor.py)."""
 
 import numpy as np
 import pytest
 
 from tests.helpers import FAST, compose_config
-from transformer.monitor import attention_figure, figure_pixels
+from transformer.training.monitor import attention_figure, figure_pixels
 
 
 def test_the_attention_heatmap_labels_both_axes_with_the_sentence_tokens_on_a_0_to_1_scale():
@@ -38,7 +38,7 @@ def test_per_head_and_per_layer_panels_are_the_weights_the_mean_picture_averages
     """trainer.attention_heatmaps=heads: each head of the last layer (their mean is the default picture);
     =layers: each layer's mean over heads (the last one is the default picture); labelled panels."""
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
-    from transformer.validate import cross_attention, cross_attention_panels
+    from transformer.training.validate import cross_attention, cross_attention_panels
 
     model, _, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
     source, hypothesis = [5, 9, 14, 20], [7, 8, 11]
@@ -59,7 +59,7 @@ def test_per_head_and_per_layer_panels_are_the_weights_the_mean_picture_averages
 def test_a_run_writes_test_scores_config_hparams_one_loss_chart_and_the_attention_image(tmp_path, data_cache):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from transformer.train import train
+    from transformer.training.trainer import train
 
     cfg = compose_config(
         FAST
@@ -112,7 +112,7 @@ def test_a_run_writes_test_scores_config_hparams_one_loss_chart_and_the_attentio
 
 
 def test_sweep_jobs_are_named_by_their_number_and_swept_values(monkeypatch):
-    import transformer.sweep as sweep
+    import transformer.training.sweep as sweep
 
     monkeypatch.setattr(
         sweep,

@@ -15,10 +15,10 @@ import torch
 from tests.helpers import FAST, ROOT, compose_config
 from transformer.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import ConfigError
-from transformer.corpus import prepare
+from transformer.data.prepare import prepare
+from transformer.data.toy import generate
+from transformer.inference.translator import Translator
 from transformer.model import build_model
-from transformer.toy import generate
-from transformer.translator import Translator
 
 
 def _write_corpus(directory: Path, pairs: int) -> Path:
@@ -122,7 +122,7 @@ def test_a_bilingual_model_needs_no_target_language_and_refuses_another(untraine
 
 
 def test_the_length_penalty_follows_the_target_language_unless_one_is_given(multilingual, monkeypatch):
-    import transformer.translator as translator_module
+    import transformer.inference.translator as translator_module
 
     _, path = multilingual
     translator = Translator.from_checkpoint(path, device="cpu")
@@ -140,7 +140,7 @@ def test_the_length_penalty_follows_the_target_language_unless_one_is_given(mult
 
 
 def test_an_empty_source_with_a_prefix_is_decoded_with_its_language_tag(multilingual, monkeypatch):
-    import transformer.translator as translator_module
+    import transformer.inference.translator as translator_module
 
     _, path = multilingual
     translator = Translator.from_checkpoint(path, device="cpu")
@@ -197,7 +197,7 @@ def test_a_length_penalty_per_language_names_only_target_languages(tmp_path):
 def test_the_cli_refuses_a_missing_or_unknown_target_language_in_one_line(multilingual, flags, code, message):
     _, path = multilingual
     result = subprocess.run(
-        [sys.executable, "-m", "transformer.translate", str(path), "--beam", "1", *flags],
+        [sys.executable, "-m", "transformer.cli.translate", str(path), "--beam", "1", *flags],
         input="Der Hund .\n",
         capture_output=True,
         text=True,
@@ -241,7 +241,7 @@ def test_corpora_of_one_directory_are_named_by_their_languages():
 def test_a_multilingual_run_validates_each_direction_and_keeps_the_best_by_their_mean(tmp_path, data_cache):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from transformer.train import train
+    from transformer.training.trainer import train
 
     corpus = _write_corpus(tmp_path / "toy", 300)
     cfg = compose_config(
@@ -276,7 +276,8 @@ def test_a_multilingual_run_validates_each_direction_and_keeps_the_best_by_their
 
 
 def test_evaluate_scores_a_chosen_direction_and_refuses_an_unknown_one(multilingual, capsys):
-    from transformer.evaluate import evaluate, main
+    from transformer.cli.evaluate import main
+    from transformer.inference.evaluate import evaluate
 
     _, path = multilingual
     result = evaluate(path, split="test", src_lang="en", tgt_lang="de", beam_size=1, device="cpu")
@@ -341,7 +342,7 @@ def test_evaluate_scores_a_chosen_direction_and_refuses_an_unknown_one(multiling
 
 
 def test_evaluate_scores_every_direction_and_chooses_a_length_penalty_per_target_language(multilingual, capsys):
-    from transformer.evaluate import main
+    from transformer.cli.evaluate import main
 
     _, path = multilingual
     assert (
@@ -398,7 +399,7 @@ def test_evaluate_scores_every_direction_and_chooses_a_length_penalty_per_target
 def test_evaluate_takes_a_length_penalty_per_target_language(multilingual, capsys):
     """The values a search chose per target language could only be used by retraining with
     decode.alpha_by_language: `--alpha de=0.5,en=2` scores each direction with its language's value."""
-    from transformer.evaluate import main
+    from transformer.cli.evaluate import main
 
     _, path = multilingual
     default = load_checkpoint(path)["config"]["decode"]["alpha"]
@@ -496,8 +497,8 @@ def test_evaluate_takes_a_length_penalty_per_target_language(multilingual, capsy
 
 
 def test_the_joint_tokenizer_reads_each_language_once_and_at_most_its_share(tmp_path):
-    from transformer.data import open_split
-    from transformer.mixture import corpus_config, tokenizer_input
+    from transformer.data.mixture import corpus_config, tokenizer_input
+    from transformer.data.sources import open_split
 
     corpus = _write_corpus(tmp_path / "toy", 300)
     cfg = compose_config(FAST + _overrides(corpus) + ["data.tokenizer_sample=400"]).data
@@ -522,7 +523,8 @@ def test_the_joint_tokenizer_reads_each_language_once_and_at_most_its_share(tmp_
 
 def test_exports_keep_the_tag_a_safetensors_card_says_how_and_ctranslate2_scores_like_ours(multilingual, tmp_path):
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
-    from transformer.export import export_ctranslate2, save_pretrained
+    from transformer.inference.ctranslate2 import export_ctranslate2
+    from transformer.inference.pretrained import save_pretrained
 
     _, path = multilingual
     model, tokenizer, config = model_from_checkpoint(load_checkpoint(path))
@@ -555,8 +557,8 @@ def test_exports_keep_the_tag_a_safetensors_card_says_how_and_ctranslate2_scores
 
 def test_a_bilingual_models_tokenizer_cannot_continue_into_a_multilingual_mixture(tmp_path, untrained_checkpoint):
     from transformer.checkpoint import load_checkpoint
+    from transformer.data.tokenizer import Tokenizer
     from transformer.errors import DataError
-    from transformer.tokenizer import Tokenizer
 
     bilingual = Tokenizer.from_state_dict(load_checkpoint(untrained_checkpoint)["tokenizer"])
     assert bilingual.target_languages == []
@@ -573,7 +575,7 @@ def test_evaluate_refuses_a_source_the_model_never_saw_or_a_target_equal_to_the_
     multilingual, untrained_checkpoint
 ):
     from transformer.errors import DataError
-    from transformer.evaluate import evaluate
+    from transformer.inference.evaluate import evaluate
 
     _, path = multilingual
     with pytest.raises(
@@ -592,7 +594,7 @@ def test_evaluate_refuses_a_source_the_model_never_saw_or_a_target_equal_to_the_
 
 
 def test_evaluating_one_source_file_into_each_target_keeps_each_result(multilingual, tmp_path):
-    from transformer.evaluate import evaluate
+    from transformer.inference.evaluate import evaluate
 
     _, path = multilingual
     model = tmp_path / "best.pt"
@@ -612,7 +614,7 @@ def test_evaluating_one_source_file_into_each_target_keeps_each_result(multiling
 
 
 def test_word_dropout_never_drops_a_language_tag(tmp_path):
-    from transformer.train import Trainer
+    from transformer.training.trainer import Trainer
 
     cfg = compose_config(
         FAST + _overrides(_write_corpus(tmp_path / "toy", 300)) + ["model.src_word_dropout=0.5"], tmp_path / "cache"

@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import ROOT, write_untrained_checkpoint
 from transformer.config import DataConfig
-from transformer.data import DataError, open_split
+from transformer.data.sources import DataError, open_split
 
 try:
     import tomllib
@@ -88,8 +88,8 @@ def _loaded_data_stack(code: str) -> list[str]:
 def test_importing_the_commands_loads_no_data_stack():
     assert (
         _loaded_data_stack(
-            "import transformer.translate, transformer.export, transformer.evaluate, "
-            "transformer.corpus, transformer.train"
+            "import transformer.cli.translate, transformer.cli.export, transformer.cli.evaluate, "
+            "transformer.cli.prepare, transformer.train"
         )
         == []
     )
@@ -108,8 +108,8 @@ def test_translating_and_exporting_need_no_data_stack(tmp_path):
         WITHOUT_DATA_STACK
         + f"""
 from transformer import Translator
-from transformer.export import main as export
-from transformer.translate import main as translate
+from transformer.cli.export import main as export
+from transformer.cli.translate import main as translate
 assert len(Translator.from_checkpoint({str(checkpoint)!r}).translate(["Der Hund."], beam_size=2, max_len_b=5)) == 1
 assert export([{str(checkpoint)!r}, {str(out)!r}, "--format", "safetensors"]) == 0
 assert len(Translator.from_pretrained({str(out)!r}).translate(["Der Hund."], beam_size=1, max_len_b=5)) == 1
@@ -131,7 +131,7 @@ def test_preparing_a_plain_text_corpus_needs_no_data_stack(tmp_path):
     code = (
         WITHOUT_DATA_STACK
         + f"""
-from transformer.corpus import main
+from transformer.cli.prepare import main
 main(["data=custom", "data.path={corpus}", "data.vocab_size=60", "data.cache_dir={tmp_path / "cache"}"])
 """
     )
@@ -156,27 +156,39 @@ def test_a_source_that_needs_the_data_extra_says_so_in_one_line(source, tmp_path
 def test_importing_the_model_loads_neither_the_tokenizer_nor_the_corpus_readers():
     code = (
         "import sys, transformer.model; "
-        "print(sorted(m for m in sys.modules if m in ('transformer.tokenizer', 'transformer.data', "
-        "'transformer.corpus', 'sentencepiece')))"
+        "print(sorted(m for m in sys.modules if m in ('transformer.data.tokenizer', 'transformer.data.sources', "
+        "'transformer.data.corpus', 'sentencepiece')))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 
 
-@pytest.mark.parametrize("module", ["translator", "translate", "search", "checkpoint", "export", "batching"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "inference.translator",
+        "cli.translate",
+        "inference.search",
+        "checkpoint",
+        "inference.pretrained",
+        "cli.export",
+        "data.batching",
+    ],
+)
 def test_the_inference_side_does_not_load_the_corpus_readers(module):
-    """Only what reads corpora (data, corpus, train, evaluate) imports transformer.data; the rest raise
+    """Only what reads corpora (data, corpus, train, evaluate) imports transformer.data.sources; the rest raise
     DataError from its leaf module, transformer.errors."""
     code = (
         f"import sys, transformer.{module}; "
-        "print(sorted(m for m in sys.modules if m in ('transformer.data', 'transformer.corpus', 'hydra')))"
+        "print(sorted(m for m in sys.modules if m in ('transformer.data.sources', 'transformer.data.corpus', 'hydra')))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 
 
 def test_data_error_has_one_home():
-    from transformer import data, errors
+    from transformer import errors
+    from transformer.data import sources as data
 
     assert data.DataError is errors.DataError
 
@@ -184,34 +196,34 @@ def test_data_error_has_one_home():
 # Each command answers --help and refuses a bad argument (in one line) before it loads torch (about 2 s):
 # (module, arguments, exit code, words of the answer).
 ANSWERED_WITHOUT_TORCH = [
-    ("transformer.translate", ["--help"], 0, "usage: transformer-translate"),
-    ("transformer.translate", ["best.pt", "--beam", "0"], 2, "--beam 0: must be a whole number >= 1"),
-    ("transformer.translate", ["best.pt", "--device", "tpu"], 2, "--device tpu: must be auto, cpu, cuda or cuda:N"),
-    ("transformer.translate", ["best.pt", "--sampling", "top3"], 2, "--sampling top3: write topk:K"),
-    ("transformer.translate", ["best.pt", "--bogus"], 2, "unrecognized arguments: --bogus"),
-    ("transformer.evaluate", ["--help"], 0, "usage: transformer-evaluate"),
-    ("transformer.evaluate", ["best.pt", "--alpha", "nan"], 2, "--alpha nan: must be a finite number"),
-    ("transformer.evaluate", ["a.pt", "b.pt", "--weights", "1"], 2, "--weights 1: give 2 comma-separated numbers"),
-    ("transformer.export", ["--help"], 0, "usage: transformer-export"),
+    ("transformer.cli.translate", ["--help"], 0, "usage: transformer-translate"),
+    ("transformer.cli.translate", ["best.pt", "--beam", "0"], 2, "--beam 0: must be a whole number >= 1"),
+    ("transformer.cli.translate", ["best.pt", "--device", "tpu"], 2, "--device tpu: must be auto, cpu, cuda or cuda:N"),
+    ("transformer.cli.translate", ["best.pt", "--sampling", "top3"], 2, "--sampling top3: write topk:K"),
+    ("transformer.cli.translate", ["best.pt", "--bogus"], 2, "unrecognized arguments: --bogus"),
+    ("transformer.cli.evaluate", ["--help"], 0, "usage: transformer-evaluate"),
+    ("transformer.cli.evaluate", ["best.pt", "--alpha", "nan"], 2, "--alpha nan: must be a finite number"),
+    ("transformer.cli.evaluate", ["a.pt", "b.pt", "--weights", "1"], 2, "--weights 1: give 2 comma-separated numbers"),
+    ("transformer.cli.export", ["--help"], 0, "usage: transformer-export"),
     (
-        "transformer.export",
+        "transformer.cli.export",
         ["best.pt", "out", "--format", "safetensors", "--quantization", "int8"],
         2,
         "--quantization applies to --format ctranslate2 only",
     ),
-    ("transformer.average", ["--help"], 0, "usage: transformer-average"),
-    ("transformer.average", ["best.pt"], 2, "the following arguments are required: --output/-o"),
-    ("transformer.corpus", ["--help"], 0, "transformer-prepare: train the tokenizer"),
-    ("transformer.corpus", ["--bogus"], 2, "transformer-prepare: unrecognized arguments: --bogus"),
-    ("transformer.train_cli", ["--help"], 0, "transformer-train: train a Transformer"),
-    ("transformer.train_cli", ["--help", "model.d_model=64"], 0, "-> 64"),
+    ("transformer.cli.average", ["--help"], 0, "usage: transformer-average"),
+    ("transformer.cli.average", ["best.pt"], 2, "the following arguments are required: --output/-o"),
+    ("transformer.cli.prepare", ["--help"], 0, "transformer-prepare: train the tokenizer"),
+    ("transformer.cli.prepare", ["--bogus"], 2, "transformer-prepare: unrecognized arguments: --bogus"),
+    ("transformer.cli.train", ["--help"], 0, "transformer-train: train a Transformer"),
+    ("transformer.cli.train", ["--help", "model.d_model=64"], 0, "-> 64"),
     (
-        "transformer.train_cli",
+        "transformer.cli.train",
         ["model", "small"],
         2,
         "error: transformer-train: 'model' is not an override: write KEY=VALUE or GROUP=OPTION (e.g. model=NAME)",
     ),
-    ("transformer.corpus", ["data=toy", "trainer.lr"], 2, "'trainer.lr' is not an override"),
+    ("transformer.cli.prepare", ["data=toy", "trainer.lr"], 2, "'trainer.lr' is not an override"),
 ]
 
 

@@ -22,10 +22,10 @@ import pytest
 from tqdm import tqdm
 
 from tests.helpers import FAST, ROOT, compose_config
-from transformer import tokenizer as tokenizer_module
 from transformer.checkpoint import load_checkpoint
-from transformer.run_dir import LAUNCH_ENV, Launch
-from transformer.train_log import TrainingBar
+from transformer.data import tokenizer as tokenizer_module
+from transformer.training.run_dir import LAUNCH_ENV, Launch
+from transformer.training.step_log import TrainingBar
 
 RUN = "runs/toy/tiny/x"
 
@@ -60,13 +60,13 @@ def test_the_bar_total_follows_max_minutes_when_it_binds_first():
     "argv0, environ, expected",
     [
         (
-            "/repo/transformer/train_cli.py",
+            "/repo/transformer/cli/train.py",
             {"MAKELEVEL": "1"},
             "make train model=small 'data.path=my data' trainer.resume=true hydra.run.dir=runs/toy/tiny/x "
             "'ARGS=--config-dir presets'",
         ),
         (
-            "/repo/transformer/train_cli.py",
+            "/repo/transformer/cli/train.py",
             {"MAKELEVEL": "1", "LOCAL_WORLD_SIZE": "2"},
             "make train-ddp NPROC=2 model=small 'data.path=my data' trainer.resume=true hydra.run.dir=runs/toy/tiny/x "
             "'ARGS=--config-dir presets'",
@@ -84,7 +84,7 @@ def test_the_bar_total_follows_max_minutes_when_it_binds_first():
             "'data.path=my data' trainer.resume=true hydra.run.dir=runs/toy/tiny/x",
         ),
         (
-            "/repo/transformer/train_cli.py",
+            "/repo/transformer/cli/train.py",
             {
                 "LOCAL_WORLD_SIZE": "8",
                 LAUNCH_ENV: "transformer-train-ddp --nnodes 2 --nproc_per_node=8 --rdzv-endpoint=host0:29500",
@@ -116,7 +116,7 @@ def test_the_resume_command_of_python_dash_m_names_this_interpreter(monkeypatch,
 def test_the_resume_command_names_a_run_directory_hydra_reads_back(run_dir, monkeypatch, tmp_path):
     """A directory Hydra's unquoted grammar would misread (a comma makes a sweep, non-ASCII and `=` do not
     parse) is quoted for Hydra inside the shell's quoting: the printed command names the same directory."""
-    from transformer.run_dir import named_run_directory
+    from transformer.training.run_dir import named_run_directory
 
     monkeypatch.chdir(tmp_path)
     launch = Launch.detect(["/venv/bin/transformer-train", "model=small"], {}, ["model=small"])
@@ -129,7 +129,7 @@ def test_the_resume_command_names_a_run_directory_hydra_reads_back(run_dir, monk
 
 def test_sentencepiece_training_shows_the_lines_it_reads_on_a_terminal_only(monkeypatch, capsys, caplog):
     lines = [f"ein kleiner satz nummer {i} mit worten" for i in range(300)]
-    with caplog.at_level(logging.INFO, logger="transformer.tokenizer"):
+    with caplog.at_level(logging.INFO, logger="transformer.data.tokenizer"):
         tokenizer_module.train_sentencepiece(
             iter(lines), vocab_size=40, model_type="bpe", character_coverage=1.0, sample=1000, where="the test lines"
         )
@@ -154,7 +154,7 @@ def test_sentencepiece_training_shows_the_lines_it_reads_on_a_terminal_only(monk
 
 @pytest.mark.slow
 def test_train_log_has_the_banner_every_checkpoint_and_every_new_best(tmp_path, data_cache):
-    from transformer.train import train
+    from transformer.training.trainer import train
 
     run_dir, common = (
         tmp_path / "run",
@@ -301,7 +301,7 @@ def test_on_a_terminal_log_lines_stay_off_the_bar_whose_total_follows_max_minute
 
 @pytest.mark.slow
 def test_an_error_after_a_checkpoint_says_how_to_continue(tmp_path, data_cache, monkeypatch):
-    from transformer.train import Trainer, train
+    from transformer.training.trainer import Trainer, train
 
     validate, calls = Trainer.validate, []
 

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from tests.helpers import FAST, ROOT
 from transformer.checkpoint import load_checkpoint
+from transformer.cli.translate import main as translate_main
 from transformer.config import DataConfig
-from transformer.data import DataError, load_split_text
-from transformer.translate import main as translate_main
+from transformer.data.sources import DataError, load_split_text
 
 lines_of_bytes = st.lists(st.binary(max_size=60).filter(lambda b: b"\n" not in b), max_size=6)
 
@@ -67,7 +67,7 @@ def slow_save(obj, f, *args, **kwargs):
     real_save(obj, f, *args, **kwargs)
     time.sleep(0.4)           # widen the window in which a kill lands mid-write
 checkpoint.torch.save = slow_save
-from transformer.train import main
+from transformer.cli.train import main
 sys.argv = ["train", *sys.argv[1:]]
 main()
 """

@@ -11,11 +11,11 @@ import torch
 from tests.helpers import FAST, compose_config
 from transformer import distributed as D
 from transformer.checkpoint import CheckpointDirectory, load_checkpoint
+from transformer.data.tokenizer import Tokenizer
 from transformer.model import build_model
-from transformer.optim import build_optimizer
-from transformer.run_dir import TrainingError
-from transformer.run_state import TrainingState
-from transformer.tokenizer import Tokenizer
+from transformer.training.optim import build_optimizer
+from transformer.training.run_dir import TrainingError
+from transformer.training.state import TrainingState
 
 CORPUS = "toy.train.0123abcd"
 

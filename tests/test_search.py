@@ -11,7 +11,9 @@ import torch
 
 from tests.helpers import ROOT
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint
-from transformer.search import (
+from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.errors import DecodingProcessDied
+from transformer.inference.search import (
     ModelDecoder,
     Sampling,
     beam_search,
@@ -21,7 +23,6 @@ from transformer.search import (
     top_candidates,
     translate_ids,
 )
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 A, B = 4, 5
 VOCAB = 6  # PAD UNK BOS EOS A B
@@ -84,7 +85,7 @@ def test_max_length_forces_eos():
 
 def test_a_length_limit_beyond_int64_is_the_models_limit_not_one_token():
     """max_len_a=1e30 ("no limit") went past int64 and wrapped to the minimum: every output was empty."""
-    from transformer.search import max_lengths
+    from transformer.inference.search import max_lengths
 
     src = torch.tensor([[5, 6, 7, EOS_ID], [5, EOS_ID, PAD_ID, PAD_ID]])  # 3 and 1 tokens
     assert max_lengths(src, 1.2, 10, 1000).tolist() == [13, 11]
@@ -132,7 +133,7 @@ class CountdownDecoder:
 
 
 def test_greedy_drops_finished_sentences_in_batches_with_the_same_results(monkeypatch):
-    import transformer.search as search
+    import transformer.inference.search as search
 
     lengths = [3, 0, 7, 1, 1, 5, 2, 9, 4, 6, 2, 8]
     results = {}
@@ -187,7 +188,7 @@ def test_beam_one_equals_greedy(model_and_sources):
     model, sources = model_and_sources
     greedy = translate_ids(model, sources, beam_size=1)
     src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [EOS_ID]) for s in sources], batch_first=True)
-    from transformer.search import max_lengths
+    from transformer.inference.search import max_lengths
 
     lens = max_lengths(src, 1.2, 10, 1000)
     beam1 = beam_search(ModelDecoder(model, src), lens, beam_size=1)
@@ -220,7 +221,7 @@ def test_blockwise_candidates_equal_those_from_the_full_distribution(model_and_s
 
 
 def test_greedy_batches_of_finished_sentences_do_not_change_the_model_output(model_and_sources, monkeypatch):
-    import transformer.search as search
+    import transformer.inference.search as search
 
     model, sources = model_and_sources
     lazily = translate_ids(model, sources, beam_size=1)
@@ -247,7 +248,7 @@ def test_cache_gives_the_same_output_as_recomputing_the_prefix(model_and_sources
 
 
 def test_out_of_memory_in_decoding_splits_the_batch_and_retries(model_and_sources, monkeypatch):
-    import transformer.search as search
+    import transformer.inference.search as search
 
     model, sources = model_and_sources
     expected = translate_ids(model, sources, beam_size=3)
@@ -333,8 +334,8 @@ def test_sampling_at_a_low_temperature_is_greedy():
 
 def test_decoders_meet_the_search_protocols():
     from transformer.config import ModelConfig
+    from transformer.inference.search import LogitsDecoder, ModelDecoder, StepDecoder
     from transformer.model import build_model
-    from transformer.search import LogitsDecoder, ModelDecoder, StepDecoder
 
     model = build_model(ModelConfig(d_model=16, n_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1), 20, 20, True)
     decoder = ModelDecoder(model.eval(), torch.tensor([[5, 6, 3]]))
@@ -392,7 +393,7 @@ def _reference_greedy(models, weights, src, max_len, prefix=()):
 
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_an_ensemble_of_one_model_equals_that_model(model_and_sources, beam_size):
-    from transformer.search import EnsembleDecoder, max_lengths
+    from transformer.inference.search import EnsembleDecoder, max_lengths
 
     model, sources = model_and_sources
     src = _padded(sources)
@@ -410,7 +411,7 @@ def test_an_ensemble_of_one_model_equals_that_model(model_and_sources, beam_size
 def test_an_ensemble_steps_with_the_weighted_mean_of_the_models_logprobs(two_models):
     """Forced decoding of a fixed target through the ensemble's cached steps, against the hand
     computation from each model's uncached distribution."""
-    from transformer.search import EnsembleDecoder
+    from transformer.inference.search import EnsembleDecoder
 
     first, second, sources = two_models
     src = _padded(sources[:2])
@@ -477,7 +478,7 @@ def test_parallel_workers_give_the_results_of_one(model_and_sources, beam_size):
 
 
 def test_parallel_workers_stop_when_asked_and_pass_errors_on(model_and_sources, monkeypatch):
-    import transformer.search as search
+    import transformer.inference.search as search
 
     model, sources = model_and_sources
     asked = []
@@ -504,7 +505,7 @@ def test_parallel_workers_stop_while_waiting_for_batches_already_handed_out(mode
     import threading
     import time
 
-    import transformer.search as search
+    import transformer.inference.search as search
 
     model, sources = model_and_sources
     slow_greedy = search.greedy_search
@@ -550,7 +551,7 @@ def test_decoding_processes_end_with_a_parent_killed_outright(untrained_checkpoi
 
     script = f"""
 import multiprocessing, threading, time
-import transformer.search as search
+import transformer.inference.search as search
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint
 model, tokenizer, _ = model_from_checkpoint(load_checkpoint({str(untrained_checkpoint)!r}))
 slow = search.greedy_search
@@ -595,7 +596,7 @@ search.translate_ids(model, tokenizer.encode_src(["Der Hund sieht die Katze."] *
 def test_a_decoding_process_that_dies_is_reported_not_waited_for(model_and_sources, monkeypatch):
     import os
 
-    import transformer.search as search
+    import transformer.inference.search as search
 
     model, sources = model_and_sources
 
@@ -603,5 +604,5 @@ def test_a_decoding_process_that_dies_is_reported_not_waited_for(model_and_sourc
         os._exit(9)
 
     monkeypatch.setattr(search, "greedy_search", killed)
-    with pytest.raises(search.DecodingProcessDied, match="exit code 9"):
+    with pytest.raises(DecodingProcessDied, match="exit code 9"):
         translate_ids(model, sources * 6, beam_size=1, batch_tokens=30, workers=2)

@@ -1,8 +1,8 @@
 import pytest
 
-from transformer import toy
-from transformer.data import InMemory
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, build_tokenizer
+from transformer.data import toy
+from transformer.data.sources import InMemory
+from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, build_tokenizer
 
 
 def test_round_trip_cache_and_special_ids(tmp_path):
@@ -32,7 +32,7 @@ def test_separate_vocabularies(tmp_path):
 
 
 def test_ctrl_c_while_sentencepiece_reads_the_corpus_stays_a_keyboard_interrupt():
-    from transformer.tokenizer import train_sentencepiece
+    from transformer.data.tokenizer import train_sentencepiece
 
     def lines_until_ctrl_c():
         yield from (f"ein Hund {i}" for i in range(100))

@@ -15,8 +15,8 @@ import torch
 from tests.helpers import FAST, ROOT, HostReads, compose_config, wait_for_log
 from transformer.checkpoint import load_checkpoint
 from transformer.config import ConfigError
-from transformer.data import DataError
-from transformer.train import TrainingError, train
+from transformer.data.sources import DataError
+from transformer.training.trainer import TrainingError, train
 
 
 @pytest.mark.slow
@@ -197,7 +197,7 @@ def test_a_refused_start_leaves_no_timestamped_directory_behind(tmp_path):
 
 
 def test_only_an_unused_run_directory_is_discarded(tmp_path):
-    from transformer.run_dir import RunDirectoryLock, discard_unused_run_directory
+    from transformer.training.run_dir import RunDirectoryLock, discard_unused_run_directory
 
     base = tmp_path / "runs" / "toy"
     for name, extra in (("with-checkpoints", "checkpoints"), ("locked", None), ("unused", None)):
@@ -219,7 +219,7 @@ def test_only_an_unused_run_directory_is_discarded(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, time; from transformer.run_dir import "
+            "import sys, time; from transformer.training.run_dir import "
             f"RunDirectoryLock; RunDirectoryLock.acquire({str(base / 'locked')!r}); "
             "print('held', flush=True); time.sleep(60)",
         ],
@@ -272,7 +272,7 @@ def test_a_stop_signal_finishes_the_step_saves_last_and_exits_128_plus_its_numbe
 
 @pytest.mark.slow
 def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cache, monkeypatch):
-    import transformer.train as train_module
+    import transformer.training.trainer as train_module
 
     calls = {"n": 0}
     real_batch_loss = train_module.batch_loss
@@ -317,7 +317,7 @@ def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cach
 def test_out_of_memory_on_one_batch_skips_it_and_training_goes_on(tmp_path, data_cache, monkeypatch, caplog):
     import logging
 
-    import transformer.train as train_module
+    import transformer.training.trainer as train_module
 
     calls = {"n": 0}
     real_batch_loss = train_module.batch_loss
@@ -349,8 +349,8 @@ def test_out_of_memory_on_one_batch_skips_it_and_training_goes_on(tmp_path, data
 
 @pytest.mark.slow
 def test_a_batch_budget_too_large_for_the_device_stops_with_one_line(tmp_path, data_cache, monkeypatch):
-    import transformer.train as train_module
-    from transformer.run_state import TrainingError
+    import transformer.training.trainer as train_module
+    from transformer.training.state import TrainingError
 
     calls = {"n": 0}
     real_batch_loss = train_module.batch_loss
@@ -422,7 +422,7 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer(trained_run,
 
 @pytest.mark.slow
 def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
-    from transformer.train import Trainer
+    from transformer.training.trainer import Trainer
 
     cfg = compose_config(FAST + ["trainer.update_freq=2", "trainer.precision=fp32"], data_cache)
     trainer = Trainer(cfg, tmp_path)
@@ -453,7 +453,7 @@ def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
 
 
 def test_progress_keeps_the_best_score_and_the_patience_count_and_resumes_them():
-    from transformer.progress import Progress
+    from transformer.training.progress import Progress
 
     progress = Progress(step=100)
     assert progress.record_validation({"loss": 3.0, "bleu": 20.0})
@@ -474,8 +474,8 @@ def test_progress_keeps_the_best_score_and_the_patience_count_and_resumes_them()
 def test_the_train_log_sums_finite_steps_on_the_device_and_stops_on_a_run_of_bad_ones():
     from types import SimpleNamespace
 
-    from transformer.run_state import TrainingError
-    from transformer.train_log import TrainLog
+    from transformer.training.state import TrainingError
+    from transformer.training.step_log import TrainLog
 
     log = TrainLog(torch.device("cpu"), monitor=None, max_bad_steps=3)
     micro = [(SimpleNamespace(padding_share=0.1), 1)]
@@ -516,7 +516,7 @@ def test_the_train_log_sums_finite_steps_on_the_device_and_stops_on_a_run_of_bad
 
 
 def test_resuming_into_fp16_starts_the_loss_scaler_afresh_from_a_bf16_or_fp32_checkpoint(caplog):
-    from transformer.run_state import load_scaler_state
+    from transformer.training.state import load_scaler_state
 
     written_in_bf16 = torch.amp.GradScaler("cpu", enabled=False).state_dict()
     assert written_in_bf16 == {}
@@ -535,7 +535,7 @@ def test_resuming_into_fp16_starts_the_loss_scaler_afresh_from_a_bf16_or_fp32_ch
 def test_rdrop_without_dropout_makes_the_plain_update_and_with_dropout_a_different_one(tmp_path, data_cache, caplog):
     """R-Drop's two passes agree when nothing is dropped: the KL term is 0 and the doubled batch, divided
     by twice the tokens, gives the plain step's update. With dropout the passes differ and so does it."""
-    from transformer.train import Trainer
+    from transformer.training.trainer import Trainer
 
     def one_step(run, *overrides):
         cfg = compose_config(FAST + ["trainer.precision=fp32", *overrides], data_cache)

@@ -8,14 +8,17 @@ import sys
 import pytest
 
 from transformer import Translator
-from transformer.data import load_split_text
-from transformer.evaluate import evaluate
-from transformer.validate import score
+from transformer.data.sources import load_split_text
+from transformer.inference.evaluate import evaluate
+from transformer.inference.scoring import score
 
 
 def _cli(*args, stdin: bytes = b""):
     proc = subprocess.run(
-        [sys.executable, "-m", "transformer.translate", *map(str, args)], input=stdin, capture_output=True, timeout=300
+        [sys.executable, "-m", "transformer.cli.translate", *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        timeout=300,
     )
     return proc.returncode, proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
 
@@ -195,7 +198,7 @@ def test_cuda_devices_by_number_are_understood():
 def test_reference_scores_are_sums_of_per_token_log_probabilities(untrained_checkpoint, tmp_path):
     import torch
 
-    from transformer.tokenizer import BOS_ID, EOS_ID
+    from transformer.data.tokenizer import BOS_ID, EOS_ID
 
     translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
     sources, references = load_split_text(translator.config.data, "test")
@@ -254,7 +257,7 @@ def test_a_pipe_receives_the_first_translations_before_the_input_ends(untrained_
         [
             sys.executable,
             "-m",
-            "transformer.translate",
+            "transformer.cli.translate",
             str(untrained_checkpoint),
             "--beam",
             "2",
@@ -292,7 +295,7 @@ def test_a_pipe_receives_the_first_translations_before_the_input_ends(untrained_
 def test_stream_chunks_take_what_has_arrived(tmp_path):
     import io
 
-    from transformer.translate import stream_chunks
+    from transformer.cli.translate import stream_chunks
 
     data = "\ufeffeins\r\nzwei\n".encode() + b"\xff drei\n" + b"vier"
     chunks = list(stream_chunks(io.BytesIO(data), max_lines=3))

@@ -1,6 +1,6 @@
 import pytest
 
-from transformer.validate import score
+from transformer.inference.scoring import score
 
 
 def test_score_uses_sacrebleu_defaults():
@@ -10,7 +10,7 @@ def test_score_uses_sacrebleu_defaults():
 
 
 def test_bleu_tokenizes_for_the_target_language():
-    from transformer.validate import score
+    from transformer.inference.scoring import score
 
     hyps, refs = ["我喜欢猫和狗"], ["我喜欢狗和猫"]
     chinese = score(hyps, refs, "zh")
@@ -22,7 +22,7 @@ def test_bleu_tokenizes_for_the_target_language():
 def test_bleu_without_the_japanese_extras_falls_back_to_characters(caplog):
     import importlib.util
 
-    from transformer.validate import bleu_metric, score
+    from transformer.inference.scoring import bleu_metric, score
 
     bleu_metric.cache_clear()  # the fallback is announced once per process
     result = score(["猫が好きです"], ["猫が好きです"], "ja")
@@ -34,7 +34,7 @@ def test_bleu_without_the_japanese_extras_falls_back_to_characters(caplog):
 def test_references_in_another_unicode_form_score_the_same():
     import unicodedata
 
-    from transformer.validate import score
+    from transformer.inference.scoring import score
 
     hypotheses = ["Der Mann fährt über die Brücke.", "Ein Café in Köln öffnet früh.", "Zoë naïve résumé."]
     decomposed = [unicodedata.normalize("NFD", line) for line in hypotheses]
@@ -47,7 +47,7 @@ def test_references_in_another_unicode_form_score_the_same():
 
 
 def test_the_literature_bleu_tokenizes_and_lowercases_our_output_like_its_references():
-    from transformer.validate import literature_tokenize, tokenized_lowercased_bleu
+    from transformer.inference.scoring import literature_tokenize, tokenized_lowercased_bleu
 
     hypotheses = ['One man\'s head, "down" & out.', "A dog runs."]
     assert literature_tokenize(hypotheses, "en") == [
@@ -66,7 +66,7 @@ def test_the_literature_bleu_tokenizes_and_lowercases_our_output_like_its_refere
 
 @pytest.mark.parametrize("lang", ["en", "de", "cs"])
 def test_the_literature_tokenization_reproduces_multi30k_tokenized_references(multi30k_dir, lang):
-    from transformer.validate import literature_tokenize
+    from transformer.inference.scoring import literature_tokenize
 
     raw = (multi30k_dir / f"test_2016_flickr.{lang}").read_text(encoding="utf-8").splitlines()
     tokenized = (multi30k_dir / "tok" / f"test_2016_flickr.lc.norm.tok.{lang}").read_text(encoding="utf-8").splitlines()
@@ -77,7 +77,7 @@ def test_evaluate_reports_the_literature_bleu_beside_ours(untrained_checkpoint, 
     import json
     import shutil
 
-    from transformer.evaluate import main
+    from transformer.cli.evaluate import main
 
     checkpoint = tmp_path / "best.pt"
     shutil.copy(untrained_checkpoint, checkpoint)
@@ -108,10 +108,10 @@ def test_the_validator_computes_and_returns_without_writing(tmp_path, data_cache
     import torch
 
     from tests.helpers import FAST, compose_config
-    from transformer.corpus import prepare
+    from transformer.data.prepare import prepare
+    from transformer.inference.translator import Translator
     from transformer.model import build_model
-    from transformer.translator import Translator
-    from transformer.validate import Validator, validation_loss
+    from transformer.training.validate import Validator, validation_loss
 
     cfg = compose_config(FAST + ["trainer.val_max_sentences=7", "trainer.attention_heatmaps=heads"], data_cache)
     data = prepare(cfg.data)

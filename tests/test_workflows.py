@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.helpers import FAST, ROOT
-from transformer.sweep import format_summary, read_summary
+from transformer.training.sweep import format_summary, read_summary
 
 
 @pytest.mark.slow
@@ -140,8 +140,8 @@ def test_make_hands_hydra_the_overrides_in_the_order_typed():
         text=True,
         timeout=60,
     )
-    command = next(line for line in proc.stdout.splitlines() if "transformer.train_cli" in line)
-    assert command.split("transformer.train_cli ", 1)[1].split() == [
+    command = next(line for line in proc.stdout.splitlines() if "transformer.cli.train" in line)
+    assert command.split("transformer.cli.train ", 1)[1].split() == [
         "model=small",
         "+trainer.foo=1",
         "hydra.run.dir=a\\",

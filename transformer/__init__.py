@@ -4,9 +4,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # Lazy: `import transformer.data` should not pay for loading the model code, and vice versa.
+    # Lazy: `import transformer.data.sources` should not pay for loading the model code, and vice versa.
     if name == "Translator":
-        from transformer.translator import Translator
+        from transformer.inference.translator import Translator
 
         return Translator
     raise AttributeError(f"module 'transformer' has no attribute {name!r}")

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from transformer.config import Config, ConfigError
+from transformer.data.tokenizer import Tokenizer
 from transformer.errors import CheckpointError, os_error_in  # their home; imported from here too
 from transformer.model import Transformer, build_model
-from transformer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from transformer.errors import ConfigError  # noqa: F401  (its home is errors.py; imported from here too)
+
 # Hydra's config tree, inside the package (absolute, so that any launcher finds it: -m, torchrun,
 # console scripts, an installed wheel).
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -39,10 +41,6 @@ def setting(
     `more`: further metadata (a decoding option's rule, `decode_setting`)."""
     metadata = {"help": meaning, "type": shown_type} if shown_type else {"help": meaning}
     return field(default=default, default_factory=factory, metadata={**metadata, **more})
-
-
-class ConfigError(ValueError):
-    """A configuration value is unusable; the message names the key (e.g. `model.d_model`)."""
 
 
 @dataclass
@@ -151,7 +149,7 @@ class DataConfig:
     path: str | None = setting(None, "local directory with {split}.{lang}, .tsv, .jsonl or .parquet files")
     hub_id: str | None = setting(None, "HuggingFace hub dataset id")
     hub_config: str | None = setting(None, "its configuration name, if it has several")
-    embedded: bool = setting(False, "the generated corpus of transformer/toy.py (data=toy)")
+    embedded: bool = setting(False, "the generated corpus of transformer/data/toy.py (data=toy)")
     embedded_pairs: int = setting(12000, "training pairs generated for the embedded corpus")
     src_lang: str = setting("de", "source language code: file suffix, column or `translation` key")
     tgt_lang: str = setting("en", "target language code")
@@ -347,8 +345,8 @@ class DataConfig:
             if (self.langid if c.langid is None else c.langid)
         ]
         if identified or (self.langid and not self.corpora):  # known before any corpus is read
+            from transformer.data.langid import check_known
             from transformer.errors import DataError
-            from transformer.langid import check_known
 
             try:
                 check_known(lang for pair in identified or [(self.src_lang, self.tgt_lang)] for lang in pair)

@@ -1,13 +1,23 @@
 """What the commands share when something goes wrong, in a leaf module: DataError (what only raises it,
 batching, the caches, the tokenizer, imports it from here, so that translating does not load the corpus
-readers of `transformer.data`, which re-exports it), CheckpointError (so that a command line can name it
+readers of `transformer.data.sources`, which re-exports it), CheckpointError (so that a command line can name it
 before it loads torch with `transformer.checkpoint`, which re-exports it), stdout's reader going away,
 and Ctrl-C at a command's start and end."""
 
 import os
 import signal
+import stat
 import sys
 import threading
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configuration value is unusable; the message names the key (e.g. `model.d_model`)."""
+
+
+class TrainingError(RuntimeError):
+    """A run cannot start or go on as asked (its directory, a resume, a non-finite loss); the message says why."""
 
 
 class DataError(ValueError):
@@ -83,3 +93,37 @@ def forget_unhandled_interrupt() -> None:
         ctypes.pythonapi.PyRun_SimpleString(b"")
     except (ImportError, AttributeError, OSError):  # not CPython: no such flag
         pass
+
+
+def same_file(a: str | Path | int, b: str | Path | int) -> bool:
+    """Whether `a` and `b` (paths, or open file descriptors) are one regular file on disk, however they are
+    spelled: symlinks, hard links, ./ and ../ included. Never for terminals, pipes and devices
+    (/dev/stdin and /dev/stdout are often one terminal, and that destroys nothing)."""
+    try:
+        first, second = os.stat(a), os.stat(b)
+    except (OSError, ValueError, TypeError):
+        return False
+    return stat.S_ISREG(first.st_mode) and os.path.samestat(first, second)
+
+
+def overwritten_input(output: str | Path | int, inputs: dict[str, str | Path | int | None]) -> str | None:
+    """Which of `inputs` (a description -> a path or an open file descriptor; None: not in use) writing
+    `output` would destroy: the same file, or a file inside an input directory (an exported model).
+    None when it destroys none."""
+    for name, source in inputs.items():
+        if source is None:
+            continue
+        files = [source]
+        if not isinstance(source, int) and Path(source).is_dir():
+            files = list(Path(source).rglob("*"))
+        if any(same_file(file, output) for file in files):
+            return name
+    return None
+
+
+class Interrupted(Exception):
+    """Decoding stopped between batches because `stop()` said so (a training run's SIGTERM)."""
+
+
+class DecodingProcessDied(RuntimeError):
+    """A decoding process ended without a result (killed, out of memory)."""

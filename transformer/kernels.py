@@ -69,3 +69,8 @@ class Dropout(nn.Dropout):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + dropout(x), on the CPU in one pass."""
         return _CpuDropout.apply(x, self.p, residual) if self._cpu_mask(x) else residual + self.forward(x)
+
+
+def is_int8(model: torch.nn.Module) -> bool:
+    """Whether `model`'s linear layers are PyTorch's dynamic int8 ones (`inference_model`)."""
+    return any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in model.modules())

@@ -7,8 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from transformer.cli.args import CommandLineParser
 from transformer.errors import CheckpointError, import_torch_holding_interrupts, next_interrupt_ends_at_once
-from transformer.translate import CommandLineParser
 
 DEFAULT_LAST = 5  # step checkpoints averaged from a run directory without --last
 

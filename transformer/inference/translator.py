@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from transformer.batching import batches_in_order, pad_sequences
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import QUANTIZATIONS, check_decode_options, check_weights
+from transformer.data.batching import batches_in_order, pad_sequences
+from transformer.inference.search import Hypothesis, Sampling, translate_ids
+from transformer.kernels import is_int8
 from transformer.model import eval_mode
 from transformer.runtime import DTYPES, Runtime, autocast_factory
-from transformer.search import Hypothesis, Sampling, translate_ids
 from transformer.special import BOS_ID, EOS_ID, PAD_ID
 
 # Target tokens per batch when scoring references (`Translator.score`).
@@ -75,7 +76,7 @@ class Translator:
     ) -> Translator:
         """A directory written by `transformer-export --format safetensors`, or a HuggingFace Hub id holding one
         (`owner/name`, downloaded and cached by huggingface_hub)."""
-        from transformer.export import load_pretrained
+        from transformer.inference.pretrained import load_pretrained
 
         runtime = inference_runtime(device, precision, quantize)
         model, tokenizer, config = load_pretrained(path)
@@ -87,7 +88,7 @@ class Translator:
     ) -> Translator:
         """A checkpoint file, an exported directory, or a hub id (`owner/name`, nothing of that name on
         disk): what the command lines accept."""
-        from transformer.export import looks_like_hub_id
+        from transformer.inference.pretrained import looks_like_hub_id
 
         if Path(path).is_dir() or looks_like_hub_id(path):
             return cls.from_pretrained(path, device, precision, quantize)
@@ -394,11 +395,6 @@ def inference_model(model: torch.nn.Module, runtime: Runtime, quantize: str | No
             warnings.simplefilter("ignore")
             model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     return model
-
-
-def is_int8(model: torch.nn.Module) -> bool:
-    """Whether `model`'s linear layers are PyTorch's dynamic int8 ones (`inference_model`)."""
-    return any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in model.modules())
 
 
 def list_of_str(sentences, name: str, example: str) -> list[str]:

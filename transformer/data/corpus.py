@@ -16,7 +16,7 @@ builds whatever is missing. A split is stored under `data.cache_dir/corpus/<data
 
 written into a temporary directory that is renamed into place, so a killed preparation leaves nothing
 half-written. Readers memory-map the files: N processes or ranks share one copy in the page cache.
-Before a split is used its files are checked against meta.json (sizes and CRC-32, transformer/cache.py):
+Before a split is used its files are checked against meta.json (sizes and CRC-32, transformer/data/cache.py):
 a damaged split is prepared again, with one warning that names the file and what was wrong.
 When something is missing or damaged, preparation takes a file lock, so concurrent runs and torchrun
 ranks prepare a corpus once (the others wait on the lock, outside any collective, however long it
@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,15 +45,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
-from transformer.cache import CacheDamage, check_file, file_record, read_record, sealed, write_failure
-from transformer.config import ConfigError, DataConfig
-from transformer.data import DataError, SplitSource, open_split
-from transformer.errors import discard_stdout, next_interrupt_ends_at_once
-from transformer.langid import WRONG_SOURCE, WRONG_TARGET, language_flags
-from transformer.tokenizer import Tokenizer, build_tokenizer
+from transformer.config import DataConfig
+from transformer.data.cache import CacheDamage, check_file, file_record, read_record, sealed, write_failure
+from transformer.data.langid import WRONG_SOURCE, WRONG_TARGET, language_flags
+from transformer.data.sources import DataError, SplitSource
+from transformer.data.tokenizer import Tokenizer, build_tokenizer
 
 if TYPE_CHECKING:  # torch comes with it: imported where batches are made, not to prepare
-    from transformer.batching import Batch
+    from transformer.data.batching import Batch
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +127,7 @@ class EncodedCorpus:
     def collate(self, positions, key: tuple[int, int] | None = None) -> Batch:
         """The batch of kept pairs `positions`. With subword sampling enabled and a `key` (epoch, batch
         number), the pairs in that epoch's sampled segmentation."""
-        from transformer.batching import make_batch
+        from transformer.data.batching import make_batch
 
         positions = np.asarray(positions, dtype=np.int64)
         pairs = self.pair_index[positions]
@@ -283,7 +281,7 @@ class SubwordSampling:
         return (np.concatenate(src) if src else empty), (np.concatenate(tgt) if tgt else empty)
 
     def batch(self, corpus: EncodedCorpus, pairs: np.ndarray, epoch: int) -> Batch:
-        from transformer.batching import flat_ids, make_batch
+        from transformer.data.batching import flat_ids, make_batch
 
         src, tgt = self.segment(corpus, pairs, epoch)
         return make_batch(*flat_ids(src), *flat_ids(tgt))
@@ -536,7 +534,7 @@ def _identified(path: Path, pairs: int) -> bool:
 
 
 def _identify_languages(path: Path, source: SplitSource, cfg: DataConfig, desc: str, pairs: int) -> None:
-    """The language flags of every pair of `source` (transformer/langid.py), saved as `path` beside the
+    """The language flags of every pair of `source` (transformer/data/langid.py), saved as `path` beside the
     prepared split, written under another name and renamed. Called under the preparation lock."""
     started = time.perf_counter()
     with tqdm(
@@ -610,102 +608,3 @@ def train_tokenizer(cfg: DataConfig, source: SplitSource, build: bool = True) ->
         build=build,
         languages=cfg.target_languages(),
     )
-
-
-def prepare(
-    cfg: DataConfig,
-    tokenizer: Tokenizer | None = None,
-    splits=("train", "validation"),
-    sources: dict[str, SplitSource] | None = None,
-) -> PreparedData:
-    """Tokenizer (trained on the training split unless given) and the encoded `splits` (or `sources`,
-    already opened). With data.corpora, the mixture of those corpora (`mixture.prepare_mixture`).
-
-    Everything cached and whole: read without the lock (every rank at once). Something missing or
-    damaged: take the lock and build what is still missing or damaged once it is held.
-    """
-    if cfg.corpora:
-        from transformer.mixture import prepare_mixture
-
-        return prepare_mixture(cfg, tokenizer, splits, sources)
-    sources = sources or {split: open_split(cfg, split) for split in splits}
-    for source in sources.values():
-        source.fingerprint()  # hashed outside the lock, once per process
-    checked: dict[tuple[str, str], EncodedCorpus] = {}  # (split, tokenizer): checked once per process
-
-    def collect(build: bool) -> dict | None:
-        tok = tokenizer or train_tokenizer(cfg, sources["train"], build=build)
-        if tok is None:
-            return None
-        found = {"tokenizer": tok}
-        for split, source in sources.items():
-            key = (split, tok.fingerprint())
-            if key not in checked:
-                corpus = encoded_split(source, tok, cfg, split, build=build)
-                if corpus is None:
-                    return None
-                checked[key] = corpus
-            found[split] = checked[key]
-        return found
-
-    encoded = collect(build=False)
-    if encoded is None:
-        with preparation_lock(cfg):
-            encoded = collect(build=True)
-    tokenizer = encoded["tokenizer"]
-    for split in ("train", "validation"):  # the test split is scored from its text: no filter report
-        if split in encoded:
-            encoded[split].report()
-    log.info(
-        "data %s: %d training pairs%s",
-        cfg.name,
-        len(encoded["train"]),
-        f", {len(encoded['validation'])} validation pairs" if "validation" in encoded else "",
-    )
-    return PreparedData(tokenizer, encoded["train"], encoded.get("validation"), sources)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`transformer-prepare key=value ...` (`make prepare`): composes the same Hydra config as training,
-    with the same arguments (--config-dir DIR, --cfg job, --help), makes no run directory, and prepares
-    the tokenizer and every split."""
-    from transformer.config import command_line_config
-
-    # The log on stdout (as Hydra's for training), so that stderr holds nothing but an error line.
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stdout, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
-    )
-    try:
-        cfg = command_line_config(sys.argv[1:] if argv is None else argv, "transformer-prepare")
-        if cfg is None:  # it printed the help or the composed config
-            return
-        splits = ("validation",) if cfg.data.corpora else ("train", "validation")  # a mixture: its corpora
-        sources = {split: open_split(cfg.data, split) for split in splits}
-        try:
-            sources["test"] = open_split(cfg.data, "test")
-        except DataError as error:
-            log.warning("no test split to prepare: %s", error)
-        prepared = prepare(cfg.data, sources=sources)
-    except (ConfigError, DataError) as error:
-        print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        next_interrupt_ends_at_once()
-        print(
-            "interrupted: preparation stopped; what was finished is kept, nothing half-written is left "
-            "(run it again to finish)",
-            file=sys.stderr,
-        )
-        sys.exit(130)
-    except BrokenPipeError:  # `transformer-prepare --help | head`: the reader went away
-        discard_stdout()
-        sys.exit(0)
-    print(
-        f"prepared {cfg.data.name}: {len(prepared.train)} training pairs, vocabulary "
-        f"{prepared.tokenizer.src_vocab_size} pieces, in {Path(cfg.data.cache_dir).resolve()}",
-        flush=True,
-    )
-
-
-if __name__ == "__main__":
-    main()

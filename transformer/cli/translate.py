@@ -15,91 +15,36 @@ import contextlib
 import math
 import os
 import queue
-import re
 import stat
 import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from transformer.cli.args import (
+    CommandLineParser,
+    add_decoding_flags,
+    add_model_arguments,
+    checked_model_arguments,
+    device_error,
+    given_decoding_options,
+    parse_sampling,
+)
 from transformer.config import (
-    DECODE_OPTIONS,
-    QUANTIZATIONS,
     ConfigError,
-    DecodeOption,
     check_decode_options,
-    check_weights,
-    device_name_error,
 )
 from transformer.errors import (
     CheckpointError,
     discard_stdout,
     import_torch_holding_interrupts,
     next_interrupt_ends_at_once,
+    overwritten_input,
 )
 
 if TYPE_CHECKING:  # imported where used: torch comes with them
-    from transformer.search import Sampling
-    from transformer.translator import Translator
-
-
-class CommandLineParser(argparse.ArgumentParser):
-    """argparse, its errors one line (`PROG: error: ...; see PROG --help`, exit code 2) without the usage."""
-
-    def error(self, message: str):
-        flag = re.fullmatch(r"argument ([^/:]+)(?:/\S+)?: expected one argument", message)
-        if flag:  # `--alpha -1`: argparse takes -1 for an option
-            message += f" (give one; a value that starts with '-' is written {flag[1]}=VALUE)"
-        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
-
-
-def number(text: str) -> int | float:
-    """A whole number as an int, any other number as a float: `check_decode_options` says what fits."""
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
-
-
-def flag_dest(option: DecodeOption) -> str:
-    """The attribute of the parsed arguments that holds a decoding option's flag: --max-len-a -> max_len_a."""
-    return option.flag.removeprefix("--").replace("-", "_")
-
-
-def add_decoding_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = ()) -> None:
-    """The decoding options (config.DECODE_OPTIONS but `leave_out`) as flags, each with the type, meaning
-    and default of its one definition; None when not given (`given_decoding_options`)."""
-    group = parser.add_argument_group(
-        "decoding options",
-        "each is also a key of the config's decode section "
-        "(decode.KEY) and a keyword of Translator.translate (KEY=...)",
-    )
-    for option in DECODE_OPTIONS:
-        if option.key in leave_out:
-            continue
-        default = (
-            f"the checkpoint's decode.{option.key}; {option.default} unless training set it"
-            if option.saved
-            else option.default
-        )
-        if option.key == "alpha":
-            default = f"a multilingual model's decode.alpha_by_language for the target language, else {default}"
-        group.add_argument(
-            option.flag,
-            type=number if option.whole else float,
-            dest=flag_dest(option),
-            help=f"{option.meaning}; default: {default}".replace("%", "%%"),
-        )
-
-
-def given_decoding_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The decoding options given on the command line, by config key: {"beam_size": 4}."""
-    return {
-        option.key: getattr(args, flag_dest(option))
-        for option in DECODE_OPTIONS
-        if getattr(args, flag_dest(option), None) is not None
-    }
+    from transformer.inference.translator import Translator
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,72 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model(s) and how they compute, as transformer-translate and transformer-evaluate take them."""
-    parser.add_argument(
-        "checkpoints",
-        nargs="+",
-        metavar="checkpoint",
-        help="a .pt checkpoint written by training (best.pt, last.pt, ...), or a directory (or "
-        "HuggingFace Hub id) written by transformer-export --format safetensors; several: an "
-        "ensemble, the mean of their log-probabilities at every step (same vocabulary)",
-    )
-    parser.add_argument(
-        "--weights", metavar="W,W,...", help="an ensemble's weights, one per checkpoint (default: equal)"
-    )
-    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
-    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    parser.add_argument(
-        "--quantize",
-        choices=QUANTIZATIONS,
-        help="int8: the linear layers in int8 (CPU only; the rest in float32); fastest on CPUs without native bf16",
-    )
-    parser.add_argument(
-        "--workers",
-        type=int,
-        help="batches decoded at a time on the CPU, one core each (like "
-        "CTranslate2's inter_threads; default: as many as PyTorch uses threads, i.e. the cores; 1: "
-        "every core on each batch)",
-    )
-
-
-def parse_weights(text: str | None, count: int) -> list[float] | None:
-    """`--weights 0.6,0.4` -> [0.6, 0.4]; ValueError with the fix when it is not one number >= 0 per checkpoint."""
-    if text is None:
-        return None
-    try:
-        return check_weights([float(w) for w in text.split(",")], count)
-    except ValueError:
-        raise ValueError(
-            f"--weights {text}: give {count} comma-separated numbers >= 0, one per checkpoint, "
-            "not all 0 (e.g. --weights " + ",".join(["1"] * count) + ")"
-        ) from None
-
-
-def checked_model_arguments(args: argparse.Namespace) -> list[float] | None:
-    """`add_model_arguments`' values checked (ValueError in the command line's words); the weights."""
-    weights = parse_weights(args.weights, len(args.checkpoints))
-    if args.workers is not None and args.workers < 1:
-        raise ValueError(f"--workers {args.workers}: must be a whole number >= 1")
-    return weights
-
-
-def device_error(device: str) -> str | None:
-    """Why `--device` cannot be used here (one line), or None. Imports torch (and tunes this process for
-    it) when the name is one it could take."""
-    if bad_name := device_name_error(device, "--device "):
-        return bad_name
-    import_torch_holding_interrupts()
-    from transformer.runtime import inference_device_error, tune_cpu_process
-
-    tune_cpu_process()  # before the first tensor operation (runtime.py says why)
-    return inference_device_error(device, "--device ")
-
-
 def load_translator(args: argparse.Namespace) -> Translator:
     """The model(s) the command line names (`add_model_arguments`): one, or an ensemble."""
     import_torch_holding_interrupts()
-    from transformer.translator import Translator
+    from transformer.inference.translator import Translator
 
     weights = checked_model_arguments(args)
     try:
@@ -219,25 +102,6 @@ def load_translator(args: argparse.Namespace) -> Translator:
         )
     except ValueError as error:  # the API's words for --quantize and --precision
         raise ValueError(str(error).replace("quantize=", "--quantize ").replace("precision=", "--precision ")) from None
-
-
-def parse_sampling(text: str, temperature: float, seed: int) -> Sampling:
-    """`topk:K` or `topp:P` -> Sampling; ValueError with the fix otherwise."""
-    kind, _, value = text.partition(":")
-    top = {}  # checked here, before torch comes with transformer.search
-    if kind == "topk" and value.isdecimal() and int(value) >= 1:
-        top = {"top_k": int(value)}
-    elif kind == "topp":
-        try:
-            top = {"top_p": float(value)} if 0.0 < float(value) <= 1.0 else {}
-        except ValueError:
-            pass
-    if not top:
-        raise ValueError(f"--sampling {text}: write topk:K (a whole number >= 1) or topp:P (0 < P <= 1)")
-    import_torch_holding_interrupts()
-    from transformer.search import Sampling
-
-    return Sampling(**top, temperature=temperature, seed=seed)
 
 
 def _text_line(raw: bytes) -> tuple[str, bool]:
@@ -448,32 +312,6 @@ def _run(args) -> int:
         translator, lines, args, sampling, progress=bool(args.output) and sys.stderr.isatty(), prefixes=prefixes
     )
     return _write(_format(results, args.nbest, first_index=0), args.output)
-
-
-def same_file(a: str | Path | int, b: str | Path | int) -> bool:
-    """Whether `a` and `b` (paths, or open file descriptors) are one regular file on disk, however they are
-    spelled: symlinks, hard links, ./ and ../ included. Never for terminals, pipes and devices
-    (/dev/stdin and /dev/stdout are often one terminal, and that destroys nothing)."""
-    try:
-        first, second = os.stat(a), os.stat(b)
-    except (OSError, ValueError, TypeError):
-        return False
-    return stat.S_ISREG(first.st_mode) and os.path.samestat(first, second)
-
-
-def overwritten_input(output: str | Path | int, inputs: dict[str, str | Path | int | None]) -> str | None:
-    """Which of `inputs` (a description -> a path or an open file descriptor; None: not in use) writing
-    `output` would destroy: the same file, or a file inside an input directory (an exported model).
-    None when it destroys none."""
-    for name, source in inputs.items():
-        if source is None:
-            continue
-        files = [source]
-        if not isinstance(source, int) and Path(source).is_dir():
-            files = list(Path(source).rglob("*"))
-        if any(same_file(file, output) for file in files):
-            return name
-    return None
 
 
 def _overwritten_input(args) -> str | None:

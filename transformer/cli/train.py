@@ -4,7 +4,10 @@ training (`transformer.train.main`), whose --help prints the same text."""
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 from transformer.config import (
@@ -17,7 +20,13 @@ from transformer.config import (
     compose,
     compose_tree,
 )
-from transformer.errors import discard_stdout, import_torch_holding_interrupts, next_interrupt_ends_at_once
+from transformer.errors import (
+    DataError,
+    TrainingError,
+    discard_stdout,
+    import_torch_holding_interrupts,
+    next_interrupt_ends_at_once,
+)
 
 
 def refuse_bare_words(argv: list[str]) -> None:
@@ -130,7 +139,7 @@ def sweep_jobs_to_check(overrides: list[str]) -> list[list[str]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
 
-    from transformer.run_dir import hydra_value
+    from transformer.training.run_dir import hydra_value
 
     parser = OverridesParser.create()
     fixed, swept = [], []
@@ -165,13 +174,115 @@ def main() -> None:
             return
     try:
         import_torch_holding_interrupts()
-        from transformer.train import main as train_main
-
-        train_main()  # a Ctrl-C once the run has started is its own: it saves, says so and exits
+        run_training()  # a Ctrl-C once the run has started is its own: it saves, says so and exits
     except KeyboardInterrupt:
         next_interrupt_ends_at_once()
         print("transformer-train: interrupted before training started", file=sys.stderr)
         sys.exit(130)
+
+
+def run_training() -> None:
+    """The Hydra application: compose the config, train in the run directory Hydra made, end as a
+    command ends (exit 2 with one line for a refused setting, 130 / 143 for a signal)."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from transformer.checkpoint import CheckpointError
+    from transformer.config import CONF_DIR, register_schema
+    from transformer.errors import signal_exit_status
+    from transformer.runtime import tune_cpu_process
+    from transformer.training import trainer
+    from transformer.training.run_dir import (
+        check_sweep_directory,
+        chooses_run_directory,
+        discard_unused_run_directory,
+        named_run_directory,
+    )
+    from transformer.training.state import check_run_directory
+    from transformer.training.sweep import interrupt_sweep, job_failed, sweep_interrupted
+
+    started = time.time() - 0.1  # what this start writes is newer (the file clock is a tick behind)
+    refuse_bare_words(sys.argv[1:])
+    refuse_uncomposable(sys.argv[1:])
+
+    # Before Hydra writes .hydra/ and train.log into an explicitly named run directory, make sure no
+    # other run is using it (a timestamped default directory is taken again inside `train`); a named
+    # sweep directory must not hold an earlier sweep.
+    rank = int(os.environ.get("RANK", "0"))
+    single_process = int(os.environ.get("WORLD_SIZE", "1")) == 1  # not under torchrun
+    sweep = bool({"-m", "--multirun"} & set(sys.argv))
+    named_dir = named_run_directory(sys.argv[1:], "hydra.sweep.dir" if sweep else "hydra.run.dir")
+    try:
+        if named_dir is not None and sweep:
+            check_sweep_directory(named_dir, sys.argv[1:])
+        elif named_dir is not None and rank == 0:
+            check_run_directory(named_dir, sys.argv[1:])
+    except TrainingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    if rank != 0 and not any(a.startswith("hydra.output_subdir=") for a in sys.argv):
+        # Rank 0 alone writes .hydra/: its record of the launch is what the next resume is checked against.
+        sys.argv.append("hydra.output_subdir=null")
+
+    # An absolute path: Hydra then finds conf/ however this module was started (-m, torchrun, -c).
+    tune_cpu_process()  # before the first tensor operation (runtime.py says why)
+    register_schema()  # the ConfigStore entries conf/config.yaml names, and the help's resolver
+
+    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+    def _main(cfg) -> float | None:
+        """Trains; returns the best validation BLEU (what a sweeper such as Optuna optimises)."""
+        hydra_cfg = HydraConfig.get()
+        run_dir = cfg.get("run_dir") or hydra_cfg.runtime.output_dir
+        in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+        stopped_by = sweep_interrupted() if in_sweep else None
+        if stopped_by:
+            job_failed(f"not run: the sweep was stopped by {stopped_by}", status="not run")
+            return None
+        try:
+            result = trainer.train(cfg, run_dir)
+            if in_sweep and result.get("stopped_by"):
+                interrupt_sweep(result["stopped_by"])
+                job_failed(
+                    f"stopped by {result['stopped_by']}; last.pt resumes it (trainer.resume=true)", status="interrupted"
+                )
+                return None
+            if result.get("stopped_by") and single_process:
+                # Saved, not finished: 130 / 143, so that `make train && make evaluate` stops here. Not
+                # under torchrun, which takes a worker's non-zero status for a crash (a ChildFailedError
+                # report; with --max-restarts, the workers started again), and whose ranks may not all
+                # have seen the signal.
+                sys.exit(signal_exit_status(result["stopped_by"]))
+            return result["best_bleu"]
+        except (ConfigError, DataError, CheckpointError, TrainingError) as error:
+            logging.getLogger("transformer").error("%s", error)
+            if not in_sweep:
+                if not chooses_run_directory(sys.argv[1:]) and not cfg.get("run_dir") and single_process:
+                    discard_unused_run_directory(Path(run_dir), started)  # the default, timestamped one
+                print(f"error: {error}", file=sys.stderr)
+                sys.exit(2)
+            reason = str(error)
+        except KeyboardInterrupt:  # while preparing data (before the loop's own handler), or a second Ctrl-C
+            next_interrupt_ends_at_once()
+            print(
+                f"interrupted: stopped at once; checkpoints written before now stay in {run_dir}/checkpoints",
+                file=sys.stderr,
+            )
+            sys.exit(130)
+        except Exception as error:
+            if not in_sweep:
+                raise
+            # One job's bug must not end the sweep: the traceback goes to its train.log, the reason to its row.
+            logging.getLogger("transformer").exception("this job of the sweep failed")
+            reason = f"{type(error).__name__}: {error}"
+        job_failed(reason)  # the sweep goes on with the next job; its summary marks this one failed
+        return None
+
+    try:
+        _main()
+    except BrokenPipeError:  # `transformer-train --help | head`: the reader has what it wanted
+        discard_stdout()
+        sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from transformer import distributed as D
-from transformer.averaging import ExponentialMovingAverage
 from transformer.checkpoint import (
     CheckpointDirectory,
     CheckpointError,
@@ -27,11 +26,12 @@ from transformer.checkpoint import (
     non_finite_tensors,
 )
 from transformer.config import Config, DecodeConfig, TrainerConfig
-from transformer.progress import Progress, restore_rng_state, rng_state
-from transformer.run_dir import RESUME_REPLACES, RunDirectoryLock, TrainingError, hydra_value, override_key
+from transformer.training.ema import ExponentialMovingAverage
+from transformer.training.progress import Progress, restore_rng_state, rng_state
+from transformer.training.run_dir import RESUME_REPLACES, RunDirectoryLock, TrainingError, hydra_value, override_key
 
 if TYPE_CHECKING:
-    from transformer.tokenizer import Tokenizer
+    from transformer.data.tokenizer import Tokenizer
 
 log = logging.getLogger("transformer.train")
 

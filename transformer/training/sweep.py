@@ -26,7 +26,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from transformer.errors import signal_exit_status
-from transformer.run_dir import override_key
+from transformer.training.run_dir import override_key
 
 log = logging.getLogger(__name__)
 

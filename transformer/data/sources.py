@@ -18,8 +18,8 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from transformer import toy
 from transformer.config import DataConfig
+from transformer.data import toy
 from transformer.errors import DataError  # noqa: F401 - its home is errors.py; imported from here too
 
 log = logging.getLogger(__name__)
@@ -565,7 +565,7 @@ def _open_local(cfg: DataConfig, split: str, key: str) -> SplitSource:
 
 
 def _open_hub(cfg: DataConfig, split: str, key: str) -> SplitSource:
-    from transformer.hub import cache_only_without_network
+    from transformer.data.hub import cache_only_without_network
 
     datasets = _datasets(f"{key}.hub_id={cfg.hub_id}")
     offline = cache_only_without_network()

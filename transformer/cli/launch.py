@@ -15,11 +15,11 @@ import signal
 import sys
 from pathlib import Path
 
+from transformer.cli.train import refuse_bare_words, refuse_uncomposable
 from transformer.errors import import_torch_holding_interrupts, signal_exit_status
-from transformer.run_dir import LAUNCH_ENV, python_command
-from transformer.train_cli import refuse_bare_words, refuse_uncomposable
+from transformer.training.run_dir import LAUNCH_ENV, python_command
 
-PROGRAM = ["-m", "transformer.train_cli"]
+PROGRAM = ["-m", "transformer.cli.train"]
 # torchrun's options that pick the program (this launcher does) or are also Hydra's short flags (-m
 # multirun, -r run, -h help): these words go to the trainer; torchrun's long forms (--redirects) still work.
 NOT_TORCHRUN = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path", "-r", "-h", "--help"}
@@ -77,7 +77,7 @@ def launcher_name() -> list[str]:
     """This launcher as a user would type it again."""
     if Path(sys.argv[0]).name == "transformer-train-ddp":
         return ["transformer-train-ddp"]
-    return [python_command(), "-m", "transformer.launch"]
+    return [python_command(), "-m", "transformer.cli.launch"]
 
 
 def main(argv: list[str] | None = None) -> int:

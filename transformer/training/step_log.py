@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from transformer.run_dir import TrainingError
+from transformer.training.run_dir import TrainingError
 
 log = logging.getLogger("transformer.train")
 
@@ -31,7 +31,7 @@ LOSS, NLL, CORRECT, FINITE_TOKENS, BAD_IN_A_ROW, BAD_IN_WINDOW, ALL_TOKENS = ran
 
 class TrainLog:
     def __init__(self, device: torch.device, monitor, max_bad_steps: int):
-        """`monitor`: the run's `transformer.monitor.Monitor` (TensorBoard), or None."""
+        """`monitor`: the run's `transformer.training.monitor.Monitor` (TensorBoard), or None."""
         self.device, self.monitor, self.max_bad_steps = device, monitor, max_bad_steps
         self.sums = torch.zeros(7, dtype=torch.float64, device=device)
         self.grad_norm: torch.Tensor | None = None

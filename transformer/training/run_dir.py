@@ -18,12 +18,9 @@ import time
 from pathlib import Path
 
 from transformer.config import CONFIG_SOURCE_FLAGS, override_text
+from transformer.errors import TrainingError  # noqa: F401  (its home is errors.py; imported from here too)
 
 log = logging.getLogger("transformer.train")
-
-
-class TrainingError(RuntimeError):
-    pass
 
 
 class RunDirectoryLock:
@@ -187,7 +184,7 @@ def check_sweep_directory(sweep_dir: Path, argv: list[str]) -> None:
         )
 
 
-# Set by transformer-train-ddp (`transformer.launch`) for its ranks: the launcher and its torchrun options.
+# Set by transformer-train-ddp (`transformer.cli.launch`) for its ranks: the launcher and its torchrun options.
 LAUNCH_ENV = "TRANSFORMER_TRAIN_DDP"
 
 
@@ -204,7 +201,7 @@ class Launch:
     @classmethod
     def detect(cls, argv: list[str], environ, overrides: list[str]) -> Launch:
         """From this process: make exports MAKELEVEL to the commands of its recipes (the Makefile runs
-        `python -m transformer.train_cli`, or `transformer.launch` for train-ddp, from the directory holding
+        `python -m transformer.cli.train`, or `transformer.cli.launch` for train-ddp, from the directory holding
         it), torchrun sets LOCAL_WORLD_SIZE, transformer-train-ddp LAUNCH_ENV (itself with its torchrun
         options), the console script is argv[0]. A Makefile target cannot be told apart from the same
         command typed under some other make: both read as `make train`."""

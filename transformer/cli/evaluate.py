@@ -1,8 +1,8 @@
-"""`make evaluate CKPT=... [split=test]`: translate a split (or a source/reference file pair), print
-sacreBLEU and chrF with their signatures (`validate.score`: hypotheses and references in Unicode NFC,
+"""`make evaluate CKPT=... [split=test]`, `transformer-evaluate`: translate a split (or a source/reference
+file pair), print sacreBLEU and chrF with their signatures (`scoring.score`: hypotheses and references in Unicode NFC,
 `|norm:nfc`), and write the hypotheses and a JSON of scores beside the checkpoint (the first one of an
 ensemble). For a multilingual model, also the share of translations in another of its languages
-(off-target rate, transformer/langid.py). `--alpha 1,1.5,2` scores each length penalty and names the
+(off-target rate, transformer/data/langid.py). `--alpha 1,1.5,2` scores each length penalty and names the
 best; `--directions all` scores every direction of a multilingual model (with an alpha list: the best
 per target language, `decode.alpha_by_language`). Like transformer-translate, it answers --help and
 refuses bad arguments before it loads torch."""
@@ -10,205 +10,20 @@ refuses bad arguments before it loads torch."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
-import json
 import sys
-import time
-from pathlib import Path
 
-from transformer.config import check_decode_options
-from transformer.data import DataError, load_split_text, read_lines
-from transformer.errors import CheckpointError, next_interrupt_ends_at_once
-from transformer.translate import (
+from transformer.cli.args import (
     CommandLineParser,
     add_decoding_flags,
     add_model_arguments,
     checked_model_arguments,
     device_error,
     given_decoding_options,
-    overwritten_input,
 )
-
-
-def evaluate(
-    checkpoint: str | Path | list[str | Path],
-    split: str = "test",
-    src_file: str | None = None,
-    ref_file: str | None = None,
-    beam_size: int | None = None,
-    alpha: float | None = None,
-    device: str = "auto",
-    precision: str = "auto",
-    batch_tokens: int | None = None,
-    max_len_a: float | None = None,
-    max_len_b: int | None = None,
-    *,
-    weights: list[float] | None = None,
-    quantize: str | None = None,
-    workers: int | None = None,
-    tokenized_lc: str | None = None,
-    src_lang: str | None = None,
-    tgt_lang: str | None = None,
-    label: str | None = None,
-    translator=None,
-) -> dict:
-    """`checkpoint`: one, or a list (an ensemble, with optional `weights`). `tokenized_lc`: a file of the
-    references lowercased and Moses-tokenized (Multi30k's tok/*.lc.norm.tok.*): BLEU as the literature
-    reports it, beside ours (`validate.tokenized_lowercased_bleu`). `src_lang` / `tgt_lang`: another
-    direction of a multilingual model (the split's files in those languages; the translations into
-    `tgt_lang`, which files given with `src_file` need). `label`: added to the output files' names;
-    `translator`: the checkpoints already loaded (a search or several directions load them once)."""
-    from transformer.langid import off_target
-    from transformer.translator import Translator
-    from transformer.validate import score, tokenized_lowercased_bleu
-
-    checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
-    checkpoint = checkpoints[0]
-    translator = translator or Translator.from_checkpoints(
-        checkpoints, weights, device=device, precision=precision, quantize=quantize
-    )
-    data = translator.config.data
-    known = data.languages()
-    if src_lang and not data.target_languages() and src_lang != data.src_lang:
-        raise DataError(
-            f"--src-lang {src_lang}: this model translates {data.src_lang} -> {data.tgt_lang} only; "
-            "leave --src-lang out"
-        )
-    if src_lang and src_lang not in known:  # its text would be tagged and translated all the same
-        raise DataError(f"--src-lang {src_lang}: the model was trained on {', '.join(known)} only; give one of those")
-    if src_lang or tgt_lang:
-        data = dataclasses.replace(
-            data, src_lang=src_lang or data.src_lang, tgt_lang=tgt_lang or data.tgt_lang, corpora=[]
-        )
-        if data.src_lang == data.tgt_lang and (src_lang or not src_file):  # a --src file's language: unknown
-            source = f"--src-lang {src_lang}" if src_lang else f"the checkpoint's data.src_lang {data.src_lang}"
-            target = f"--tgt-lang {tgt_lang}" if tgt_lang else f"the checkpoint's data.tgt_lang {data.tgt_lang}"
-            raise DataError(
-                f"{source} into {target}: source and target are the same language; give another "
-                + ("--tgt-lang" if src_lang else "--src-lang")
-            )
-    translator.tgt_lang = translator.target_language(
-        tgt_lang or (None if src_file else data.tgt_lang), knob="--tgt-lang "
-    )
-    if src_file or ref_file:
-        if not (src_file and ref_file):
-            raise DataError("give both --src and --ref")
-        for flag, file in (("--src", src_file), ("--ref", ref_file)):
-            _check_file(flag, file)
-        sources, references = read_lines(Path(src_file)), read_lines(Path(ref_file))
-        if len(sources) != len(references):
-            raise DataError(f"line counts differ: {src_file} has {len(sources)}, {ref_file} has {len(references)}")
-        name = Path(src_file).name
-        if translator.config.data.target_languages():  # one file, several target languages: one result each
-            name += f".to-{data.tgt_lang}"
-    else:
-        sources, references = load_split_text(data, split)
-        name = f"{split}.{data.src_lang}-{data.tgt_lang}" if src_lang or tgt_lang else split
-    if not sources:
-        raise DataError(f"{src_file or f'the {split} split'}: no sentences to translate and score")
-    tokenized_references = None
-    if tokenized_lc:
-        _check_file("--tokenized-lc", tokenized_lc)
-        tokenized_references = read_lines(Path(tokenized_lc))
-        if len(tokenized_references) != len(sources):
-            raise DataError(
-                f"--tokenized-lc {tokenized_lc}: {len(tokenized_references)} lines for {len(sources)} "
-                f"sources; give the tokenized references of the same {name} lines"
-            )
-        if not data.tgt_lang:
-            raise DataError(
-                "--tokenized-lc tokenizes for the target language, and the checkpoint's data.tgt_lang is not set"
-            )
-    beam = translator.config.decode.beam_size if beam_size is None else beam_size
-    name += (
-        (f".ensemble{len(checkpoints)}" if len(checkpoints) > 1 else "")
-        + (f".{quantize}" if quantize else "")
-        + (f".{label}" if label else "")
-    )
-    hyp_path, json_path = output_paths(checkpoint, name, beam)
-    source = str(Path(src_file).resolve()) if src_file else None
-    if _results_of_another_source(json_path, source):  # test.de of two directories, or a --src file named test
-        name += "." + hashlib.sha256(str(source or split).encode()).hexdigest()[:6]
-        hyp_path, json_path = output_paths(checkpoint, name, beam)
-    inputs = {
-        f"the --src file {src_file}": src_file,
-        f"the --ref file {ref_file}": ref_file,
-        **{f"the checkpoint {each}": each for each in checkpoints},
-    }
-    for path in (hyp_path, json_path):
-        overwritten = overwritten_input(path, inputs)
-        if overwritten:
-            raise DataError(
-                f"{path}: is {overwritten}; evaluate writes its results there, which would destroy "
-                "it; move or rename that file"
-            )
-    started = time.perf_counter()
-    hypotheses = translator.translate(
-        sources,
-        beam_size=beam,
-        alpha=alpha,
-        batch_tokens=batch_tokens,
-        max_len_a=max_len_a,
-        max_len_b=max_len_b,
-        progress=sys.stderr.isatty(),
-        workers=workers,
-    )
-    seconds = time.perf_counter() - started
-    result = {
-        "checkpoint": str(checkpoint),
-        "split": name,
-        "src": source,
-        "ref": str(Path(ref_file).resolve()) if ref_file else None,
-        "src_lang": data.src_lang,
-        "tgt_lang": data.tgt_lang,
-        "sentences": len(sources),
-        "beam_size": beam,
-        **(
-            {"alpha": translator.config.decode.alpha_for(translator.tgt_lang) if alpha is None else alpha}
-            if beam > 1
-            else {}
-        ),
-        **({"ensemble": [str(each) for each in checkpoints], "weights": weights} if len(checkpoints) > 1 else {}),
-        **({"quantize": quantize} if quantize else {}),
-        "seconds": round(seconds, 2),
-        **score(hypotheses, references, data.tgt_lang),
-    }
-    if tokenized_references is not None:
-        result.update(tokenized_lowercased_bleu(hypotheses, tokenized_references, data.tgt_lang))
-    model_data = translator.config.data
-    if model_data.target_languages():  # a multilingual model: how often it answers in another language
-        result.update(off_target(hypotheses, data.tgt_lang, model_data.languages()) or {})
-    hyp_path.write_text("".join(h.replace("\n", " ") + "\n" for h in hypotheses), encoding="utf-8")
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    result["hypotheses_file"], result["scores_file"] = str(hyp_path), str(json_path)
-    return result
-
-
-def _results_of_another_source(json_path: Path, source: str | None) -> bool:
-    """Whether `json_path` holds the scores of another source file (`source`: this one's resolved path,
-    None for a split), which writing these results would overwrite; results of releases that did not
-    record the source are overwritten as before."""
-    try:
-        recorded = json.loads(json_path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(recorded, dict) and "src" in recorded and recorded["src"] != source
-
-
-def _check_file(flag: str, file: str) -> None:
-    """DataError naming the flag unless `file` is a file one can read lines from."""
-    if Path(file).is_dir():
-        raise DataError(f"{flag} {file}: is a directory; give a file of one sentence per line")
-    if not Path(file).exists():
-        raise DataError(f"{flag} {file}: no such file")
-
-
-def output_paths(checkpoint: str | Path, name: str, beam: int) -> tuple[Path, Path]:
-    """The hypotheses and the scores of an evaluation: beside the checkpoint file or model directory,
-    or in the working directory for a HuggingFace Hub id (`owner/name` -> owner--name.NAME.beamN.hyp)."""
-    stem = Path(checkpoint).with_suffix("") if Path(checkpoint).exists() else Path(str(checkpoint).replace("/", "--"))
-    return Path(f"{stem}.{name}.beam{beam}.hyp"), Path(f"{stem}.{name}.beam{beam}.json")
+from transformer.config import check_decode_options
+from transformer.data.sources import DataError
+from transformer.errors import CheckpointError, next_interrupt_ends_at_once
+from transformer.inference.evaluate import evaluate
 
 
 def build_parser() -> CommandLineParser:
@@ -312,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(bad_device)
         translator = None
         if len(alphas) > 1 or args.directions or per_language is not None:  # loaded once for all below
-            from transformer.translator import Translator
+            from transformer.inference.translator import Translator
 
             translator = Translator.from_checkpoints(
                 args.checkpoints, weights, device=args.device, precision=args.precision, quantize=args.quantize

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import sentencepiece as spm
 from tqdm import tqdm
 
-from transformer.cache import (
+from transformer.data.cache import (
     CacheDamage,
     bytes_record,
     check_bytes,
@@ -34,7 +34,7 @@ from transformer.errors import DataError
 from transformer.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (also imported from here)
 
 if TYPE_CHECKING:  # the corpus readers: only for the annotation, not loaded by translating
-    from transformer.data import SplitSource
+    from transformer.data.sources import SplitSource
 
 CACHE_VERSION = 2  # 2: each cached model's size and CRC-32 recorded beside it
 # A multilingual model's target-language tag: a piece of its own in SentencePiece (a user-defined

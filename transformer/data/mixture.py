@@ -24,14 +24,14 @@ import logging
 
 import numpy as np
 
-from transformer.batching import Batch, make_batch
 from transformer.config import CorpusConfig, DataConfig
-from transformer.corpus import EncodedCorpus, PreparedData, encoded_split, preparation_lock, train_tokenizer
-from transformer.data import ArrowTable, Concatenated, ParallelFiles, SplitSource, open_split
+from transformer.data.batching import Batch, make_batch
+from transformer.data.corpus import EncodedCorpus, PreparedData, encoded_split, preparation_lock, train_tokenizer
+from transformer.data.sources import ArrowTable, Concatenated, ParallelFiles, SplitSource, open_split
+from transformer.data.tokenizer import Tokenizer
 from transformer.errors import DataError
-from transformer.tokenizer import Tokenizer
 
-log = logging.getLogger("transformer.corpus")
+log = logging.getLogger("transformer.data.corpus")
 CLEANING_KEYS = ("drop_duplicates", "drop_copies", "max_len_ratio", "langid")  # a corpus may set its own
 
 
@@ -267,7 +267,7 @@ def tokenizer_input(cfg: DataConfig, part_cfgs: list[DataConfig], part_sources: 
 
 
 def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, sources: dict | None) -> PreparedData:
-    """`corpus.prepare` for data.corpora: one tokenizer for all corpora (unless given), each corpus's
+    """`prepare.prepare` for data.corpora: one tokenizer for all corpora (unless given), each corpus's
     training split prepared under its own lock; validation (and test) from data.path / data.hub_id, and
     for a multilingual model a validation split per direction: data.path's files in those languages, else
     the first corpus's of that direction."""

@@ -1,0 +1,90 @@
+"""`transformer-export CKPT --format safetensors|ctranslate2 OUT`: a checkpoint as a model directory."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from transformer.cli.args import CommandLineParser
+from transformer.errors import (
+    CheckpointError,
+    import_torch_holding_interrupts,
+    next_interrupt_ends_at_once,
+)
+from transformer.inference.ctranslate2 import CT2_QUANTIZATIONS, export_ctranslate2
+from transformer.inference.model_directory import check_output_directory, failure_reason
+from transformer.inference.pretrained import save_pretrained
+
+if TYPE_CHECKING:
+    pass
+
+
+FORMATS = ("safetensors", "ctranslate2")
+DEPRECATED_FORMATS = {"hf": "safetensors"}  # --format hf: the safetensors directory's first name
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = CommandLineParser(  # errors in one line, as transformer-translate's
+        prog="transformer-export",
+        description="Write a checkpoint as a CTranslate2 model or as a shareable safetensors directory.",
+    )
+    parser.add_argument("checkpoint", help="a .pt checkpoint written by training (best.pt, avg.pt, ...)")
+    parser.add_argument("output", help="the directory to write")
+    parser.add_argument(
+        "--format",
+        required=True,
+        choices=[*FORMATS, *DEPRECATED_FORMATS],
+        help="safetensors: model.safetensors + config.json + SentencePiece + a model card "
+        "(README.md), loaded by Translator.from_pretrained and transformer-translate (not by "
+        "HuggingFace transformers; hf is its old name); ctranslate2: for the CTranslate2 engine",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=CT2_QUANTIZATIONS,
+        help="with --format ctranslate2: weight type (default: float32 as trained)",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a previous export in the output directory (refused if it holds anything else)",
+    )
+    args = parser.parse_args(argv)
+    requested, export_format = args.format, DEPRECATED_FORMATS.get(args.format, args.format)
+    if args.quantization and export_format != "ctranslate2":
+        parser.error("--quantization applies to --format ctranslate2 only")
+    try:
+        check_output_directory(Path(args.output).resolve(), args.force)  # before reading the checkpoint
+        import_torch_holding_interrupts()
+        from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+
+        state = load_checkpoint(args.checkpoint)
+        model, tokenizer, config = model_from_checkpoint(state, args.checkpoint)
+        if export_format == "safetensors":
+            trained = {"step": state.get("step"), "metrics": state.get("metrics")}
+            out = save_pretrained(model, tokenizer, config, args.output, overwrite=args.force, trained=trained)
+        else:
+            out = export_ctranslate2(model, tokenizer, args.output, args.quantization, overwrite=args.force)
+    except (CheckpointError, FileExistsError, ValueError) as error:
+        print(f"transformer-export: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # e.g. the output directory cannot be listed
+        print(f"transformer-export: error: {error.filename or args.output}: {failure_reason(error)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the staging directory is removed, a previous export kept
+        next_interrupt_ends_at_once()
+        print("transformer-export: interrupted; nothing was exported", file=sys.stderr)
+        return 130
+    if requested != export_format:
+        print(
+            f"transformer-export: warning: --format {requested} is deprecated (the directory is this package's "
+            f"format, not a HuggingFace transformers model): use --format {export_format}, which writes the same "
+            "files",
+            file=sys.stderr,
+        )
+    print(f"wrote {out} ({export_format}{', ' + args.quantization if args.quantization else ''})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""An evaluation as a library: translate a split (or a source/reference file pair) with a checkpoint or an
+ensemble, score it (scoring.py) and write the hypotheses and a JSON of the scores beside the checkpoint;
+the off-target rate of a multilingual model. `transformer-evaluate` (cli/evaluate.py) is its command."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from transformer.data.sources import DataError, load_split_text, read_lines
+from transformer.errors import overwritten_input
+
+
+def evaluate(
+    checkpoint: str | Path | list[str | Path],
+    split: str = "test",
+    src_file: str | None = None,
+    ref_file: str | None = None,
+    beam_size: int | None = None,
+    alpha: float | None = None,
+    device: str = "auto",
+    precision: str = "auto",
+    batch_tokens: int | None = None,
+    max_len_a: float | None = None,
+    max_len_b: int | None = None,
+    *,
+    weights: list[float] | None = None,
+    quantize: str | None = None,
+    workers: int | None = None,
+    tokenized_lc: str | None = None,
+    src_lang: str | None = None,
+    tgt_lang: str | None = None,
+    label: str | None = None,
+    translator=None,
+) -> dict:
+    """`checkpoint`: one, or a list (an ensemble, with optional `weights`). `tokenized_lc`: a file of the
+    references lowercased and Moses-tokenized (Multi30k's tok/*.lc.norm.tok.*): BLEU as the literature
+    reports it, beside ours (`validate.tokenized_lowercased_bleu`). `src_lang` / `tgt_lang`: another
+    direction of a multilingual model (the split's files in those languages; the translations into
+    `tgt_lang`, which files given with `src_file` need). `label`: added to the output files' names;
+    `translator`: the checkpoints already loaded (a search or several directions load them once)."""
+    from transformer.data.langid import off_target
+    from transformer.inference.scoring import score, tokenized_lowercased_bleu
+    from transformer.inference.translator import Translator
+
+    checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
+    checkpoint = checkpoints[0]
+    translator = translator or Translator.from_checkpoints(
+        checkpoints, weights, device=device, precision=precision, quantize=quantize
+    )
+    data = translator.config.data
+    known = data.languages()
+    if src_lang and not data.target_languages() and src_lang != data.src_lang:
+        raise DataError(
+            f"--src-lang {src_lang}: this model translates {data.src_lang} -> {data.tgt_lang} only; "
+            "leave --src-lang out"
+        )
+    if src_lang and src_lang not in known:  # its text would be tagged and translated all the same
+        raise DataError(f"--src-lang {src_lang}: the model was trained on {', '.join(known)} only; give one of those")
+    if src_lang or tgt_lang:
+        data = dataclasses.replace(
+            data, src_lang=src_lang or data.src_lang, tgt_lang=tgt_lang or data.tgt_lang, corpora=[]
+        )
+        if data.src_lang == data.tgt_lang and (src_lang or not src_file):  # a --src file's language: unknown
+            source = f"--src-lang {src_lang}" if src_lang else f"the checkpoint's data.src_lang {data.src_lang}"
+            target = f"--tgt-lang {tgt_lang}" if tgt_lang else f"the checkpoint's data.tgt_lang {data.tgt_lang}"
+            raise DataError(
+                f"{source} into {target}: source and target are the same language; give another "
+                + ("--tgt-lang" if src_lang else "--src-lang")
+            )
+    translator.tgt_lang = translator.target_language(
+        tgt_lang or (None if src_file else data.tgt_lang), knob="--tgt-lang "
+    )
+    if src_file or ref_file:
+        if not (src_file and ref_file):
+            raise DataError("give both --src and --ref")
+        for flag, file in (("--src", src_file), ("--ref", ref_file)):
+            _check_file(flag, file)
+        sources, references = read_lines(Path(src_file)), read_lines(Path(ref_file))
+        if len(sources) != len(references):
+            raise DataError(f"line counts differ: {src_file} has {len(sources)}, {ref_file} has {len(references)}")
+        name = Path(src_file).name
+        if translator.config.data.target_languages():  # one file, several target languages: one result each
+            name += f".to-{data.tgt_lang}"
+    else:
+        sources, references = load_split_text(data, split)
+        name = f"{split}.{data.src_lang}-{data.tgt_lang}" if src_lang or tgt_lang else split
+    if not sources:
+        raise DataError(f"{src_file or f'the {split} split'}: no sentences to translate and score")
+    tokenized_references = None
+    if tokenized_lc:
+        _check_file("--tokenized-lc", tokenized_lc)
+        tokenized_references = read_lines(Path(tokenized_lc))
+        if len(tokenized_references) != len(sources):
+            raise DataError(
+                f"--tokenized-lc {tokenized_lc}: {len(tokenized_references)} lines for {len(sources)} "
+                f"sources; give the tokenized references of the same {name} lines"
+            )
+        if not data.tgt_lang:
+            raise DataError(
+                "--tokenized-lc tokenizes for the target language, and the checkpoint's data.tgt_lang is not set"
+            )
+    beam = translator.config.decode.beam_size if beam_size is None else beam_size
+    name += (
+        (f".ensemble{len(checkpoints)}" if len(checkpoints) > 1 else "")
+        + (f".{quantize}" if quantize else "")
+        + (f".{label}" if label else "")
+    )
+    hyp_path, json_path = output_paths(checkpoint, name, beam)
+    source = str(Path(src_file).resolve()) if src_file else None
+    if _results_of_another_source(json_path, source):  # test.de of two directories, or a --src file named test
+        name += "." + hashlib.sha256(str(source or split).encode()).hexdigest()[:6]
+        hyp_path, json_path = output_paths(checkpoint, name, beam)
+    inputs = {
+        f"the --src file {src_file}": src_file,
+        f"the --ref file {ref_file}": ref_file,
+        **{f"the checkpoint {each}": each for each in checkpoints},
+    }
+    for path in (hyp_path, json_path):
+        overwritten = overwritten_input(path, inputs)
+        if overwritten:
+            raise DataError(
+                f"{path}: is {overwritten}; evaluate writes its results there, which would destroy "
+                "it; move or rename that file"
+            )
+    started = time.perf_counter()
+    hypotheses = translator.translate(
+        sources,
+        beam_size=beam,
+        alpha=alpha,
+        batch_tokens=batch_tokens,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+        progress=sys.stderr.isatty(),
+        workers=workers,
+    )
+    seconds = time.perf_counter() - started
+    result = {
+        "checkpoint": str(checkpoint),
+        "split": name,
+        "src": source,
+        "ref": str(Path(ref_file).resolve()) if ref_file else None,
+        "src_lang": data.src_lang,
+        "tgt_lang": data.tgt_lang,
+        "sentences": len(sources),
+        "beam_size": beam,
+        **(
+            {"alpha": translator.config.decode.alpha_for(translator.tgt_lang) if alpha is None else alpha}
+            if beam > 1
+            else {}
+        ),
+        **({"ensemble": [str(each) for each in checkpoints], "weights": weights} if len(checkpoints) > 1 else {}),
+        **({"quantize": quantize} if quantize else {}),
+        "seconds": round(seconds, 2),
+        **score(hypotheses, references, data.tgt_lang),
+    }
+    if tokenized_references is not None:
+        result.update(tokenized_lowercased_bleu(hypotheses, tokenized_references, data.tgt_lang))
+    model_data = translator.config.data
+    if model_data.target_languages():  # a multilingual model: how often it answers in another language
+        result.update(off_target(hypotheses, data.tgt_lang, model_data.languages()) or {})
+    hyp_path.write_text("".join(h.replace("\n", " ") + "\n" for h in hypotheses), encoding="utf-8")
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    result["hypotheses_file"], result["scores_file"] = str(hyp_path), str(json_path)
+    return result
+
+
+def _results_of_another_source(json_path: Path, source: str | None) -> bool:
+    """Whether `json_path` holds the scores of another source file (`source`: this one's resolved path,
+    None for a split), which writing these results would overwrite; results of releases that did not
+    record the source are overwritten as before."""
+    try:
+        recorded = json.loads(json_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and "src" in recorded and recorded["src"] != source
+
+
+def _check_file(flag: str, file: str) -> None:
+    """DataError naming the flag unless `file` is a file one can read lines from."""
+    if Path(file).is_dir():
+        raise DataError(f"{flag} {file}: is a directory; give a file of one sentence per line")
+    if not Path(file).exists():
+        raise DataError(f"{flag} {file}: no such file")
+
+
+def output_paths(checkpoint: str | Path, name: str, beam: int) -> tuple[Path, Path]:
+    """The hypotheses and the scores of an evaluation: beside the checkpoint file or model directory,
+    or in the working directory for a HuggingFace Hub id (`owner/name` -> owner--name.NAME.beamN.hyp)."""
+    stem = Path(checkpoint).with_suffix("") if Path(checkpoint).exists() else Path(str(checkpoint).replace("/", "--"))
+    return Path(f"{stem}.{name}.beam{beam}.hyp"), Path(f"{stem}.{name}.beam{beam}.json")
