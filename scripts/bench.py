@@ -39,7 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformer.attention import padding_mask  # noqa: E402
-from transformer.config import compose  # noqa: E402
+from transformer.compose import compose  # noqa: E402
 from transformer.data.batching import TokenBatchSampler  # noqa: E402
 from transformer.data.prepare import prepare  # noqa: E402
 from transformer.loss import batch_loss  # noqa: E402

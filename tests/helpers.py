@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from transformer.checkpoint import save_checkpoint
-from transformer.config import Config, compose
+from transformer.compose import compose
+from transformer.config import Config
 from transformer.data.tokenizer import Tokenizer, train_sentencepiece
 from transformer.data.toy import generate
 from transformer.model import build_model

@@ -211,7 +211,7 @@ def test_the_positions_cover_the_longest_training_sentence_with_its_eos_or_bos(m
 
 
 def test_the_readme_key_table_has_one_row_per_schema_key():
-    from transformer.config import markdown_key_table, schema_keys
+    from transformer.cli.help import markdown_key_table, schema_keys
 
     rows = markdown_key_table().splitlines()
     keys = schema_keys()
@@ -223,11 +223,11 @@ def test_the_readme_key_table_has_one_row_per_schema_key():
 
 
 def test_docs_configuration_is_the_generated_key_table():
-    from transformer.config import configuration_markdown
+    from transformer.cli.help import configuration_markdown
 
     text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert text == configuration_markdown(), (
-        "regenerate: python -m transformer.config --markdown > docs/configuration.md"
+        "regenerate: python -m transformer.cli.help --markdown > docs/configuration.md"
     )
 
 
@@ -240,7 +240,7 @@ def test_attention_heatmaps_takes_mean_heads_layers_or_off():
 
 
 def test_a_bare_word_is_refused_but_flag_values_and_overrides_are_not():
-    from transformer.config import bare_word
+    from transformer.cli.hydra_args import bare_word
 
     assert (
         bare_word(["-cd", "my_conf", "--cfg", "job", "model=small", "~trainer.seed", "+x=1", "--resolve"], "p") is None
@@ -280,7 +280,7 @@ def test_local_splits_that_name_no_split_or_the_training_files_are_refused(overr
 def test_prepare_refuses_flags_it_would_misread_in_one_line(capsys):
     """`transformer-prepare -cn nope` was read as `-c n` ("invalid choice: 'n'"), and --resolve without
     --cfg job was ignored: a whole preparation ran and wrote ./data."""
-    from transformer.config import command_line_config
+    from transformer.cli.hydra_args import command_line_config
 
     for argv, message in (
         (["-cn", "nope"], "--config-name nope: it composes conf/config.yaml; put your presets in a --config-dir DIR"),

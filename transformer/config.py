@@ -381,6 +381,8 @@ class DataConfig:
 
 
 ATTENTION_HEATMAPS = ("mean", "heads", "layers", "off")  # trainer.attention_heatmaps
+
+
 SCHEDULES = ("inverse_sqrt", "cosine", "linear", "constant")
 
 
@@ -787,294 +789,31 @@ class Config:
         return dataclasses.asdict(self)
 
 
-_schema_registered = False
-
-
-def register_schema() -> None:
-    """Put the dataclasses into Hydra's ConfigStore: `schema` types the whole tree (conf/config.yaml
-    lists it first), and each group's default option is its dataclass (no YAML copy of a default).
-    Called by whatever composes a config (`compose_tree`, `transformer-train` before hydra.main), not on
-    import: translating needs the schema's dataclasses, not Hydra (about 0.15 s of every start-up)."""
-    global _schema_registered
-    if _schema_registered:
-        return
-    _schema_registered = True
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    store = ConfigStore.instance()
-    schema = OmegaConf.structured(Config)
-    # Hydra makes the composed tree "struct" (no new keys); this mapping's keys are the user's to add:
-    # data.local_splits='{validation: dev, test: newstest2014}' on the command line.
-    OmegaConf.set_struct(schema.data.local_splits, False)
-    OmegaConf.set_struct(schema.decode.alpha_by_language, False)  # decode.alpha_by_language.en=2.5
-    store.store(name="schema", node=schema)
-    store.store(group="model", name="tiny", node=ModelConfig)
-    store.store(group="trainer", name="default", node=TrainerConfig)
-    store.store(group="decode", name="beam", node=DecodeConfig)
-    # hydra.main's --help: conf/config.yaml's hydra.help.template is ${transformer.help:PROGRAM}. Its
-    # text goes through string.Template, where $$ is a dollar sign.
-    OmegaConf.register_new_resolver(
-        "transformer.help", lambda program, *, _root_: render_help(program, _root_).replace("$", "$$"), replace=True
-    )
-
-
-def compose(overrides: list[str] = (), config_name: str = "config", config_dir: str | None = None) -> Config:
-    """The config `make train key=value ...` would see, composed with Hydra's compose API (for tools
-    that make no run directory: prepare, bench, tests), with the presets of `config_dir` as
-    `--config-dir` adds them. Errors become one ConfigError line."""
-    from omegaconf import OmegaConf
-
-    tree = compose_tree(overrides, config_name, config_dir)
-    return Config.from_dict(OmegaConf.to_container(tree, resolve=True))
-
-
-def compose_tree(
-    overrides: list[str] = (), config_name: str = "config", config_dir: str | None = None, with_hydra: bool = False
-):
-    """The composed DictConfig, unresolved and unvalidated (what `--cfg job` prints); `with_hydra` keeps
-    Hydra's node (the chosen presets, the config directories) for the help."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    register_schema()
-    overrides = list(overrides)
-    if config_dir is not None:
-        directory = Path(config_dir).resolve()
-        if not directory.is_dir():
-            raise ConfigError(
-                f"--config-dir {config_dir}: no such directory; give the directory that holds "
-                "your presets (DIR/data/NAME.yaml, then data=NAME)"
-            )
-        quoted = str(directory).replace("\\", "\\\\").replace("'", "\\'")
-        overrides.append(f"hydra.searchpath=['file://{quoted}']")  # where hydra.main puts --config-dir
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return hydra_compose(config_name, overrides=overrides, return_hydra_config=with_hydra)
-    except (HydraException, OmegaConfBaseException) as error:
-        raise ConfigError(composition_error_line(error)) from None
-
-
-def command_line_config(argv: list[str], program: str) -> Config | None:
-    """What `transformer-train` takes, for a tool that composes without hydra.main (so without a run
-    directory): key=value overrides, --config-dir DIR, --cfg job [--resolve] and --help. Prints the help
-    or the composed config and returns None for those; else the validated Config."""
-    import argparse
-
-    from omegaconf import OmegaConf
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise ConfigError(
-                f"{program}: {message}; it takes key=value overrides, --config-dir DIR, "
-                "--cfg job [--resolve] and --help"
-            )
-
-    parser = Parser(prog=program, add_help=False, allow_abbrev=False)
-    parser.add_argument("--help", "-h", action="store_true")
-    parser.add_argument("--cfg", "-c", choices=["job"])
-    parser.add_argument("--resolve", action="store_true")
-    parser.add_argument("--config-dir", "-cd")
-    parser.add_argument("--config-name", "-cn")  # refused below: read as `-c n` otherwise
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_intermixed_args(argv)
-    if args.config_name is not None:
-        raise ConfigError(
-            f"{program}: --config-name {args.config_name}: it composes conf/config.yaml; put your "
-            "presets in a --config-dir DIR (DIR/data/NAME.yaml, then data=NAME)"
-        )
-    if args.resolve and not args.cfg:
-        raise ConfigError(f"{program}: --resolve goes with --cfg job (it prints the composed config resolved)")
-    bare = bare_word(args.overrides, program)
-    if bare:
-        raise ConfigError(bare)
-    if args.help:
-        print(help_text(program, args.overrides, args.config_dir))
-        return None
-    if args.cfg:
-        print(OmegaConf.to_yaml(compose_tree(args.overrides, config_dir=args.config_dir), resolve=args.resolve))
-        return None
-    return compose(args.overrides, config_dir=args.config_dir)
-
-
-# Hydra's flags that choose what is composed, short form -> long form; a resume command repeats them.
-HYDRA_CONFIG_FLAGS = {"-cd": "--config-dir", "-cn": "--config-name", "-cp": "--config-path"}
-CONFIG_SOURCE_FLAGS = (*HYDRA_CONFIG_FLAGS, *HYDRA_CONFIG_FLAGS.values())
-# Hydra's flags that take the next word as their value (that word is not an override).
-HYDRA_VALUE_FLAGS = (
-    *CONFIG_SOURCE_FLAGS,
-    "-c",
-    "--cfg",
-    "-p",
-    "--package",
-    "-i",
-    "--info",
-    "--experimental-rerun",
-    "-sc",
-    "--shell-completion",
-)
-
-
-def bare_word(argv: list[str], program: str) -> str | None:
-    """The one-line error for a word that is neither a flag nor an override (`make train model small`:
-    Hydra answers with five lines about its grammar), or None."""
-    for previous, word in zip(["", *argv], argv):
-        if "=" in word or word.startswith(("-", "~")) or previous in HYDRA_VALUE_FLAGS:
+def _require_finite(section: str, values) -> None:
+    """Every float key of a config section (lists of floats too) holds a finite number: nan and inf
+    pass comparisons such as `lr <= 0` unnoticed, then train nothing or make every weight non-finite."""
+    for spec in dataclasses.fields(values):
+        if "float" not in str(spec.type):
             continue
-        hint = (
-            f"{word}=VALUE"
-            if "." in word
-            else f"{word}=NAME"
-            if word in ("model", "data", "decode", "recipe")
-            else "model=small, trainer.lr=1e-3"
+        value = getattr(values, spec.name)
+        named = (
+            [(f"{spec.name}.{key}", number) for key, number in value.items()]
+            if isinstance(value, dict)
+            else [(spec.name, number) for number in (value if isinstance(value, (list, tuple)) else [value])]
         )
-        return (
-            f"{program}: {word!r} is not an override: write KEY=VALUE or GROUP=OPTION (e.g. {hint}); "
-            f"{program} --help lists them"
-        )
-    return None
-
-
-# --- The help: every key of the schema with its type, default and meaning --------------------------
-
-
-class SchemaKey(NamedTuple):
-    key: str  # dotted, as on the command line: model.d_model
-    type: str
-    default: str  # as an override would write it: null, true, [0.9, 0.98]
-    meaning: str
-
-
-def schema_keys(schema: type = Config, prefix: str = "") -> list[SchemaKey]:
-    """Every key of the schema, walking the sections, in declaration order (the help's and the README's
-    key table)."""
-    keys = []
-    for spec in dataclasses.fields(schema):
-        default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
-        if dataclasses.is_dataclass(default):
-            keys += schema_keys(type(default), f"{prefix}{spec.name}.")
-        else:
-            keys.append(
-                SchemaKey(
-                    prefix + spec.name,
-                    spec.metadata.get("type", spec.type),
-                    override_text(default),
-                    spec.metadata["help"],
+        for name, number in named:
+            if isinstance(number, float) and not math.isfinite(number):
+                if isinstance(value, dict):  # one entry of a mapping: no default to point to
+                    raise ConfigError(f"{section}.{name}={number} is not finite; give a finite number")
+                default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
+                raise ConfigError(
+                    f"{section}.{name}={value} is not finite; give a finite number (the default is {default})"
                 )
-            )
-    return keys
 
 
-def override_text(value: Any) -> str:
-    """A value as a key=value override writes it."""
-    if value is None or isinstance(value, bool):
-        return {None: "null", True: "true", False: "false"}[value]
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{key}: {override_text(item)}" for key, item in value.items()) + "}"
-    if isinstance(value, list):
-        return "[" + ", ".join(override_text(item) for item in value) + "]"
-    return str(value)
-
-
-def markdown_key_table() -> str:
-    """The README's table of every key: | key | type | default | meaning |."""
-
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|")
-
-    rows = [
-        f"| `{key.key}` | {cell(key.type)} | `{cell(key.default)}` | {cell(key.meaning)} |" for key in schema_keys()
-    ]
-    return "\n".join(["| key | type | default | meaning |", "|---|---|---|---|", *rows])
-
-
-WIDTH = 100  # the help fits a terminal this wide
-
-USAGE = """\
-{program}: {what}
-Usage: {program} [GROUP=OPTION | KEY=VALUE ...] [--config-dir DIR] [--cfg job [--resolve]]
-       make {target} [GROUP=OPTION | KEY=VALUE ...] [ARGS="--config-dir DIR"]
-  GROUP=OPTION       pick a preset (below): make {target} model=small data=multi30k_de_en
-  KEY=VALUE          set any key (below): make {target} data=custom data.path=DIR data.src_lang=fr
-  --config-dir DIR   add your own presets: DIR/data/mine.yaml is data=mine, DIR/model/x.yaml model=x
-  --cfg job          print the composed config (presets and overrides applied) and exit
-  --resolve          with --cfg job: resolve interpolations such as ${{now:...}}
-  --help             this help; with overrides, each key they change shows its new value after ->
-transformer-train and transformer-prepare take the same arguments; transformer-train also takes
-Hydra's own flags (--hydra-help lists them): make sweep trainer.lr=1e-3,5e-4 trains one job a value."""
-
-PROGRAMS = {
-    "transformer-train": ("train", "train a Transformer translation model (make train)."),
-    "transformer-prepare": (
-        "prepare",
-        "train the tokenizer and encode the corpus of the data config as "
-        "training would, without training (make prepare).",
-    ),
-}
-
-
-def help_text(program: str = "transformer-train", overrides: list[str] = (), config_dir: str | None = None) -> str:
-    """`program --help`: usage, the presets of each group and every key (type, default, meaning)."""
-    return render_help(program, compose_tree(overrides, config_dir=config_dir, with_hydra=True))
-
-
-def render_help(program: str, composed) -> str:
-    """The help for a composed config that holds Hydra's node (its chosen presets, its config
-    directories); hydra.main's --help shows it through the `transformer.help` resolver."""
-    import textwrap
-
-    from omegaconf import OmegaConf
-
-    target, what = PROGRAMS.get(program, ("train", ""))
-    usage = USAGE.format(program=program, what=what, target=target).splitlines()
-    lines = textwrap.wrap(usage[0], WIDTH, subsequent_indent="  ") + usage[1:]
-    lines += ["", "Presets (GROUP=OPTION; * marks the one picked, recipe goes after data=...):"]
-    choices = composed.hydra.runtime.choices
-    for group, options in preset_options(composed.hydra.runtime.config_sources).items():
-        marked = [f"{option}*" if option == choices.get(group) else option for option in options]
-        picked = "" if choices.get(group) else "   (none picked)"
-        lines += textwrap.wrap(
-            f"{group}=" + " | ".join(marked) + picked, WIDTH, initial_indent="  ", subsequent_indent="      "
-        )
-    lines += ["", "Keys (KEY: TYPE = DEFAULT, then -> the value this command line gives where it differs):"]
-    section = None
-    for key in schema_keys():
-        head = key.key.partition(".")[0] if "." in key.key else ""
-        if head != section:
-            section = head
-            doc = (type(getattr(Config(), head)) if head else Config).__doc__
-            lines += ["", *textwrap.wrap(f"[{head or 'top level'}] " + " ".join(doc.split()), WIDTH)]
-        value = OmegaConf.select(composed, key.key, throw_on_resolution_failure=False)
-        if OmegaConf.is_config(value):
-            value = OmegaConf.to_container(value, resolve=True)
-        now = "" if override_text(value) == key.default else f" -> {override_text(value)}"
-        lines.append(f"  {key.key}: {key.type} = {key.default}{now}")
-        lines += textwrap.wrap(key.meaning, WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6)
-    return "\n".join(lines)
-
-
-def preset_options(config_sources) -> dict[str, list[str]]:
-    """Each config group's options: the ConfigStore's (a section's dataclass), then the YAML files of every
-    directory on the search path (conf/, and DIR of --config-dir); the sections' groups first."""
-    from hydra.core.config_store import ConfigStore
-
-    register_schema()
-    store = ConfigStore.instance()
-    options: dict[str, list[str]] = {
-        spec.name: [] for spec in dataclasses.fields(Config) if spec.default_factory is not dataclasses.MISSING
-    }
-    for group in options:
-        if group in store.list(""):
-            options[group] += [name.removesuffix(".yaml") for name in store.list(group)]
-    for source in config_sources:
-        if source.schema != "file":
-            continue
-        for directory in sorted(path for path in Path(source.path).iterdir() if path.is_dir()):
-            found = options.setdefault(directory.name, [])
-            found += sorted(path.stem for path in directory.glob("*.yaml") if path.stem not in found)
-    return {group: names for group, names in options.items() if names and group != "hydra"}
+def _positive(key: str, value: int | float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}={value} must be > 0")
 
 
 def composition_error_line(error: BaseException) -> str:
@@ -1113,54 +852,3 @@ def composition_error_line(error: BaseException) -> str:
             else f"; `transformer-train --help` lists the {section[0]} keys"
         )
     return line
-
-
-def _require_finite(section: str, values) -> None:
-    """Every float key of a config section (lists of floats too) holds a finite number: nan and inf
-    pass comparisons such as `lr <= 0` unnoticed, then train nothing or make every weight non-finite."""
-    for spec in dataclasses.fields(values):
-        if "float" not in str(spec.type):
-            continue
-        value = getattr(values, spec.name)
-        named = (
-            [(f"{spec.name}.{key}", number) for key, number in value.items()]
-            if isinstance(value, dict)
-            else [(spec.name, number) for number in (value if isinstance(value, (list, tuple)) else [value])]
-        )
-        for name, number in named:
-            if isinstance(number, float) and not math.isfinite(number):
-                if isinstance(value, dict):  # one entry of a mapping: no default to point to
-                    raise ConfigError(f"{section}.{name}={number} is not finite; give a finite number")
-                default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
-                raise ConfigError(
-                    f"{section}.{name}={value} is not finite; give a finite number (the default is {default})"
-                )
-
-
-def _positive(key: str, value: int | float) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key}={value} must be > 0")
-
-
-CONFIGURATION_DOC_HEADER = """# Configuration keys
-
-Every key of the one schema (`transformer/config.py`), with its type, default and meaning. Set any of them
-on the command line (`make train key=value`, `transformer-train key=value`, `transformer-prepare key=value`);
-presets (`model=small`, `data=multi30k_de_en`, `recipe=multi30k_long`, ...) change several at once.
-`transformer-train --help` prints the same table for the presets and overrides you give it.
-This file is generated: `.venv/bin/python -m transformer.config --markdown > docs/configuration.md`
-(a test fails when it is out of date).
-"""
-
-
-def configuration_markdown() -> str:
-    """docs/configuration.md: the header and one table row per schema key."""
-    return f"{CONFIGURATION_DOC_HEADER}\n{markdown_key_table()}\n"
-
-
-if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:] != ["--markdown"]:
-        sys.exit("usage: python -m transformer.config --markdown > docs/configuration.md")
-    sys.stdout.write(configuration_markdown())

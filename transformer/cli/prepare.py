@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     """`transformer-prepare key=value ...` (`make prepare`): composes the same Hydra config as training,
     with the same arguments (--config-dir DIR, --cfg job, --help), makes no run directory, and prepares
     the tokenizer and every split."""
-    from transformer.config import command_line_config
+    from transformer.cli.hydra_args import command_line_config
 
     # The log on stdout (as Hydra's for training), so that stderr holds nothing but an error line.
     logging.basicConfig(

@@ -10,16 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from transformer.config import (
-    CONF_DIR,
-    CONFIG_SOURCE_FLAGS,
-    HYDRA_CONFIG_FLAGS,
-    ConfigError,
-    bare_word,
-    command_line_config,
-    compose,
-    compose_tree,
-)
+from transformer.cli.hydra_args import bare_word, command_line_config
+from transformer.compose import CONFIG_SOURCE_FLAGS, HYDRA_CONFIG_FLAGS, compose, compose_tree
+from transformer.config import CONF_DIR, ConfigError
 from transformer.errors import (
     DataError,
     TrainingError,
@@ -30,7 +23,7 @@ from transformer.errors import (
 
 
 def refuse_bare_words(argv: list[str]) -> None:
-    """Exit 2 with one line for a word that is neither a flag nor an override (`config.bare_word`),
+    """Exit 2 with one line for a word that is neither a flag nor an override (`hydra_args.bare_word`),
     before Hydra answers it in five lines (also for python -m transformer.train and torchrun), or for an
     empty run directory."""
     bare = bare_word(argv, "transformer-train")
@@ -189,7 +182,9 @@ def run_training() -> None:
     from hydra.types import RunMode
 
     from transformer.checkpoint import CheckpointError
-    from transformer.config import CONF_DIR, register_schema
+    from transformer.cli.help import register_help_resolver
+    from transformer.compose import register_schema
+    from transformer.config import CONF_DIR
     from transformer.errors import signal_exit_status
     from transformer.runtime import tune_cpu_process
     from transformer.training import trainer
@@ -227,7 +222,8 @@ def run_training() -> None:
 
     # An absolute path: Hydra then finds conf/ however this module was started (-m, torchrun, -c).
     tune_cpu_process()  # before the first tensor operation (runtime.py says why)
-    register_schema()  # the ConfigStore entries conf/config.yaml names, and the help's resolver
+    register_schema()  # the ConfigStore entries conf/config.yaml names
+    register_help_resolver()  # hydra.main's --help
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
     def _main(cfg) -> float | None:

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from transformer.config import CONFIG_SOURCE_FLAGS, override_text
+from transformer.compose import CONFIG_SOURCE_FLAGS, override_text
 from transformer.errors import TrainingError  # noqa: F401  (its home is errors.py; imported from here too)
 
 log = logging.getLogger("transformer.train")
