@@ -264,18 +264,18 @@ def _time_trainer(trainer, cfg, device, steps: int, precision: str, compiled: bo
     loader = _epochs(trainer)
     for _ in range(5):  # warm-up: allocator, kernels, compile, workers
         micro, _ = next(loader)
-        trainer.log.add(trainer.train_step(micro), micro)
-    trainer.log.read()
-    trainer.log = TrainLog(trainer.device, None, max_bad_steps=1)
+        trainer.step.log.add(trainer.step(micro), micro)
+    trainer.step.log.read()
+    trainer.step.log = TrainLog(trainer.runtime.device, None, max_bad_steps=1)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     seen = []
     start = time.perf_counter()
     for _ in range(steps):
         micro, _ = next(loader)
-        trainer.log.add(trainer.train_step(micro), micro)
+        trainer.step.log.add(trainer.step(micro), micro)
         seen.extend(batch for batch, _ in micro)
-    numbers = trainer.log.read()  # waits for the device
+    numbers = trainer.step.log.read()  # waits for the device
     seconds = time.perf_counter() - start
     row = {
         "section": "trainer",
@@ -302,8 +302,8 @@ def _epochs(trainer):
     trainer.max_tokens leaves few updates per Multi30k epoch (15 at 32k tokens)."""
     epoch = 0
     while True:
-        trainer.updates.start(epoch, 0)
-        yield from ((micro, None) for micro, _ in trainer.loader)
+        trainer.batches.updates.start(epoch, 0)
+        yield from ((micro, None) for micro, _ in trainer.batches.loader)
         epoch += 1
 
 

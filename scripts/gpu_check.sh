@@ -6,7 +6,7 @@
 # (hydra, omegaconf, antlr4, sacremoses, py3langid) from .gpu/site, a CPU-trained checkpoint and its CPU
 # fp32 hypotheses from .gpu/ (translate and bench only; see docs/development.md, "On a GPU"). Full logs go
 # to $OUT (or /tmp/gpu_out), one summary line per finding to stdout. `search` runs the training runs listed
-# in $SEARCH (default scripts/gpu_search.txt) side by side until $SEARCH_SECONDS (default 300) have passed;
+# in $SEARCH (default docs/lab/gpu_search.txt) side by side until $SEARCH_SECONDS (default 300) have passed;
 # SEARCH_RESUME=1 continues them from their last.pt in a later call while the machine is still warm.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -84,7 +84,7 @@ list_common() {   # the overrides of its `common:` line
 }
 
 stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core each
-    local list=${SEARCH:-scripts/gpu_search.txt} seconds=${SEARCH_SECONDS:-300} pids=() names=() name args i
+    local list=${SEARCH:-docs/lab/gpu_search.txt} seconds=${SEARCH_SECONDS:-300} pids=() names=() name args i
     local common data
     common=$(list_common "$list")
     for data in $(grep -v "^#" "$list" | grep -o "data=[a-z0-9_]*" | sort -u); do   # each corpus once, before the runs
@@ -124,7 +124,7 @@ stage_search() {   # the runs of $SEARCH side by side: one GPU, one host core ea
 stage_evaluate() {   # the search runs' best.pt on test_2016_flickr, beam 5, side by side: cased detokenized and
                     # tokenized lowercased BLEU (the references in $M/tok), for the direction named by the run's data
                     # preset (multi30k_de_en: de-en), or each of the six of data=multi30k_multi, one after another
-    local list=${SEARCH:-scripts/gpu_search.txt} name args data directions pids=()
+    local list=${SEARCH:-docs/lab/gpu_search.txt} name args data directions pids=()
     while IFS='|' read -r name args; do
         name=$(echo $name)
         data=$(echo "$(list_common "$list") $args" | grep -o "data=multi30k_[a-z_]*" | tail -1 | cut -c 15-)

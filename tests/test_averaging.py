@@ -154,7 +154,8 @@ def test_a_run_validates_raw_ema_and_average_and_keeps_the_best(tmp_path, data_c
 
 
 def test_a_checkpoint_holding_averaged_weights_cannot_resume_a_run():
-    from transformer.training.state import TrainingError, _resumable
+    from transformer.errors import TrainingError
+    from transformer.training.resume import _resumable
 
     full = {"optimizer": {}, "scheduler": {}, "scaler": {}, "rng": [], "data_state": {}}
     assert _resumable({**full, "weights": "raw"}, "last.pt")

@@ -10,7 +10,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from transformer.config import ModelConfig
-from transformer.inference.search import translate_ids
+from transformer.inference.search import Search, translate_ids
 from transformer.loss import output_cross_entropy
 from transformer.model import build_model, compile_layers
 
@@ -77,8 +77,8 @@ def test_cached_decoding_stays_eager_and_unchanged(fresh_dynamo):
     compile_layers(compiled)
     sources = [src[0].tolist() for src, _ in batches()]
     for beam in (1, 3):
-        expected = translate_ids(eager, sources, beam_size=beam, max_len_b=6)
-        got = translate_ids(compiled, sources, beam_size=beam, max_len_b=6)
+        expected = translate_ids(eager, sources, Search(beam_size=beam, max_len_b=6))
+        got = translate_ids(compiled, sources, Search(beam_size=beam, max_len_b=6))
         assert [h[0].tokens for h in got] == [h[0].tokens for h in expected]
     assert counters["stats"].get("unique_graphs", 0) <= 1  # the encoder's eval graph, nothing per step
 

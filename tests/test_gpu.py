@@ -7,7 +7,7 @@ import torch
 
 from transformer.attention import attend, attention_math, causal_allowed
 from transformer.config import ModelConfig
-from transformer.inference.search import translate_ids
+from transformer.inference.search import Search, translate_ids
 from transformer.loss import output_cross_entropy, output_cross_entropy_reference
 from transformer.model import build_model
 
@@ -62,8 +62,8 @@ def test_cached_decoding_equals_recomputation_on_cuda():
     model = build_model(ModelConfig(d_model=64, n_heads=4, d_ff=128, dropout=0.0), 100, 100, True).cuda().eval()
     sources = [[5 + (i * 7 + j) % 90 for j in range(3 + i % 5)] for i in range(12)]
     for beam in (1, 4):
-        cached = translate_ids(model, sources, beam_size=beam, device="cuda", max_len_b=8)
-        plain = translate_ids(model, sources, beam_size=beam, device="cuda", max_len_b=8, use_cache=False)
+        cached = translate_ids(model, sources, Search(beam_size=beam, max_len_b=8), device="cuda")
+        plain = translate_ids(model, sources, Search(beam_size=beam, max_len_b=8, use_cache=False), device="cuda")
         assert [h[0].tokens for h in cached] == [h[0].tokens for h in plain]
 
 
@@ -98,19 +98,19 @@ def test_a_training_step_never_waits_for_the_gpu(precision, tmp_path, data_cache
     )
     trainer = Trainer(cfg, tmp_path)
     try:
-        trainer.updates.start(0, 0)
-        loader = iter(trainer.loader)
+        trainer.batches.updates.start(0, 0)
+        loader = iter(trainer.batches.loader)
         micro, _ = next(loader)
-        trainer.log.add(trainer.train_step(micro), micro)  # warm-up: allocator, kernels
+        trainer.step.log.add(trainer.step(micro), micro)  # warm-up: allocator, kernels
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(3):
                 micro, _ = next(loader)
-                trainer.log.add(trainer.train_step(micro), micro)
+                trainer.step.log.add(trainer.step(micro), micro)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        numbers = trainer.log.read()
+        numbers = trainer.step.log.read()
         assert numbers["skipped"] == 0 and numbers["finite_tokens"] > 0
     finally:
         trainer.leave_process_group(clean=True)
@@ -166,10 +166,10 @@ def test_a_decoding_batch_out_of_memory_is_split_and_retried(memory_limit):
     )
     sources = [[5 + (i * 31 + j * 7) % 31000 for j in range(40 + i % 20)] for i in range(512)]
     settings = dict(beam_size=5, device="cuda", max_len_a=0.0, max_len_b=30)
-    reference = translate_ids(model, sources, batch_tokens=20_000, **settings)  # small batches
+    reference = translate_ids(model, sources, Search(batch_tokens=20_000), **settings)  # small batches
     ooms = torch.cuda.memory_stats().get("num_ooms", 0)
     memory_limit(1 << 30)
-    limited = translate_ids(model, sources, batch_tokens=10_000_000, **settings)  # one batch asked
+    limited = translate_ids(model, sources, Search(batch_tokens=10_000_000), **settings)  # one batch asked
     assert torch.cuda.memory_stats().get("num_ooms", 0) > ooms, "the batch fit: the test tests nothing"
     same = sum(a[0].tokens == b[0].tokens for a, b in zip(limited, reference))
     assert same >= 0.99 * len(sources)
@@ -180,7 +180,8 @@ def test_training_batches_too_large_for_the_gpu_stop_with_one_line(memory_limit,
     stops with a TrainingError that names trainer.max_tokens; the weights are untouched."""
     from tests.helpers import FAST, compose_config
     from transformer.training.run_dir import TrainingError
-    from transformer.training.trainer import OOM_SKIP_LIMIT, Trainer
+    from transformer.training.step import OOM_SKIP_LIMIT, StepResult
+    from transformer.training.trainer import Trainer
 
     cfg = compose_config(
         FAST + ["trainer.device=cuda", "trainer.precision=fp32", "trainer.max_tokens=40000", "trainer.num_workers=0"],
@@ -189,13 +190,13 @@ def test_training_batches_too_large_for_the_gpu_stop_with_one_line(memory_limit,
     trainer = Trainer(cfg, tmp_path)
     try:
         before = [p.detach().clone() for p in trainer.model.parameters()]
-        trainer.updates.start(0, 0)
-        micro, _ = next(iter(trainer.loader))  # ~40k tokens: hundreds of MB of activations
+        trainer.batches.updates.start(0, 0)
+        micro, _ = next(iter(trainer.batches.loader))  # ~40k tokens: hundreds of MB of activations
         memory_limit(torch.cuda.memory_allocated() + (8 << 20))  # 8 MB beyond the weights
         with pytest.raises(TrainingError, match="trainer.max_tokens=40000 is too large") as stopped:
             for _ in range(OOM_SKIP_LIMIT):
-                assert trainer.train_step(micro) == {"oom": True}
-        assert "\n" not in str(stopped.value) and trainer.oom_in_a_row == OOM_SKIP_LIMIT
+                assert trainer.step(micro) == StepResult(out_of_memory=True)
+        assert "\n" not in str(stopped.value) and trainer.step.oom_in_a_row == OOM_SKIP_LIMIT
         assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
     finally:
         trainer.leave_process_group(clean=True)

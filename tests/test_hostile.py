@@ -23,9 +23,10 @@ from transformer.checkpoint import load_checkpoint
 from transformer.cli.average import main as average_main
 from transformer.cli.evaluate import main as evaluate_main
 from transformer.cli.translate import main as translate_main
+from transformer.errors import TrainingError
 from transformer.inference.search import beam_search
 from transformer.inference.translator import Translator
-from transformer.training.state import RunDirectoryLock, TrainingError
+from transformer.training.run_dir import RunDirectoryLock
 
 
 def _snapshot(root: Path) -> dict:
@@ -368,7 +369,7 @@ def test_hostile_input_table(case, workspace, capsys, data_cache):
 def test_resume_true_passes_over_a_weights_only_checkpoint(trained_run, tmp_path):
     from transformer.config import TrainerConfig
     from transformer.distributed import DistInfo
-    from transformer.training.state import find_resume_state
+    from transformer.training.resume import find_resume_state
 
     checkpoints = tmp_path / "checkpoints"  # a run's checkpoints: last.pt can resume it
     shutil.copytree(trained_run[0] / "checkpoints", checkpoints)

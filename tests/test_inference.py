@@ -9,7 +9,7 @@ from transformer.checkpoint import CheckpointError, load_checkpoint, save_checkp
 from transformer.data.batching import pad_sequences
 from transformer.data.tokenizer import Tokenizer, train_sentencepiece
 from transformer.data.toy import generate
-from transformer.inference.search import ModelDecoder, beam_search, max_lengths, translate_ids
+from transformer.inference.search import ModelDecoder, Search, beam_search, max_lengths, translate_ids
 from transformer.inference.translator import Translator
 from transformer.special import EOS_ID
 
@@ -111,10 +111,10 @@ def test_int8_weights_keep_the_search_equivalences(untrained_checkpoint):
     assert type(translator.model.output).__module__.startswith("torch.ao.nn.quantized")
     sources = translator.encode_sources(SENTENCES)
     for beam in (1, 3):
-        cached = translate_ids(translator.model, sources, beam_size=beam, max_len_b=8)
-        uncached = translate_ids(translator.model, sources, beam_size=beam, max_len_b=8, use_cache=False)
+        cached = translate_ids(translator.model, sources, Search(beam_size=beam, max_len_b=8))
+        uncached = translate_ids(translator.model, sources, Search(beam_size=beam, max_len_b=8, use_cache=False))
         assert [h[0].tokens for h in cached] == [h[0].tokens for h in uncached]
-    greedy = translate_ids(translator.model, sources, beam_size=1, max_len_b=8)
+    greedy = translate_ids(translator.model, sources, Search(beam_size=1, max_len_b=8))
     src = pad_sequences(sources, suffix=[EOS_ID])
     with torch.inference_mode():
         beam1 = beam_search(ModelDecoder(translator.model, src), max_lengths(src, 1.2, 8, 1000), beam_size=1)

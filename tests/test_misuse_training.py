@@ -13,7 +13,6 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,11 +21,8 @@ from tests.helpers import FAST, ROOT, compose_config, flip_a_byte_of
 from transformer.checkpoint import CheckpointError, load_checkpoint, non_finite_tensors
 from transformer.config import ConfigError, TrainerConfig
 from transformer.distributed import DistInfo
-from transformer.training.state import (
-    TrainingError,
-    adopt_resumed_config,
-    find_resume_state,
-)
+from transformer.errors import TrainingError
+from transformer.training.resume import adopt_resumed_config, find_resume_state
 from transformer.training.sweep import read_summary
 
 TRAINING_STATE = {"optimizer": {}, "scheduler": {}, "scaler": {}, "rng": [], "data_state": {}}
@@ -259,7 +255,8 @@ def test_the_composition_check_lets_through_what_hydra_takes(tmp_path):
 
 
 def test_the_cli_refuses_before_hydra_writes_into_the_run_directory(tmp_path):
-    from transformer.training.state import RunDirectoryLock, check_run_directory
+    from transformer.training.resume import check_run_directory
+    from transformer.training.run_dir import RunDirectoryLock
 
     best = _checkpoint(tmp_path / "checkpoints" / "best.pt", 40)
     elsewhere = _checkpoint(tmp_path / "other" / "last.pt", 7)
@@ -282,7 +279,8 @@ def test_a_resume_that_leaves_out_the_runs_corpus_or_model_is_refused_with_what_
     """`make train trainer.resume=true hydra.run.dir=DIR` alone would compose the defaults (the embedded toy
     corpus, model=tiny) around the checkpoint: the run's own overrides (Hydra's record of its launch)
     must be named again; limits, decoding and the run directory may be dropped, values may change."""
-    from transformer.training.state import RunDirectoryLock, check_run_directory
+    from transformer.training.resume import check_run_directory
+    from transformer.training.run_dir import RunDirectoryLock
 
     _checkpoint(tmp_path / "checkpoints" / "last.pt", 40)
     (tmp_path / ".hydra").mkdir()
@@ -332,7 +330,8 @@ def test_a_resume_that_leaves_out_the_runs_corpus_or_model_is_refused_with_what_
 def test_a_resume_that_leaves_out_the_runs_config_name_or_config_dir_is_refused(tmp_path):
     """A run started with `--config-name my_exp --config-dir DIR` and resumed without them would compose
     conf/config.yaml around the checkpoint: Hydra's record of the launch (.hydra/hydra.yaml) names them."""
-    from transformer.training.state import RunDirectoryLock, check_run_directory
+    from transformer.training.resume import check_run_directory
+    from transformer.training.run_dir import RunDirectoryLock
 
     _checkpoint(tmp_path / "checkpoints" / "last.pt", 40)
     (tmp_path / ".hydra").mkdir()
@@ -410,17 +409,18 @@ def test_non_finite_tensors_names_each_float_tensor_with_a_nan_or_an_infinity():
 @pytest.mark.slow
 def test_weights_gone_non_finite_stop_the_run_before_any_checkpoint_holds_them(tmp_path, data_cache, monkeypatch):
     import transformer.training.trainer as train_module
+    from transformer.training.step import TrainingStep
 
-    real_step = train_module.Trainer.train_step
+    real_step = TrainingStep.__call__
 
     def step_that_overflows_a_weight(self, micro):
         stats = real_step(self, micro)
-        if self.progress.step == 2:  # the update of step 3 (finite gradients) overflows
+        if self.state.progress.step == 2:  # the update of step 3 (finite gradients) overflows
             with torch.no_grad():
-                self.model.output.weight.fill_(float("inf"))
+                self.state.model.output.weight.fill_(float("inf"))
         return stats
 
-    monkeypatch.setattr(train_module.Trainer, "train_step", step_that_overflows_a_weight)
+    monkeypatch.setattr(TrainingStep, "__call__", step_that_overflows_a_weight)
     cfg = compose_config(
         FAST
         + [
@@ -574,16 +574,15 @@ def test_resume_and_overwrite_together_warn_that_overwrite_is_ignored(tmp_path, 
 
 def test_an_update_freq_beyond_an_epoch_and_a_warmup_beyond_the_run_are_said(caplog):
     from transformer.data.batching import TokenBatchSampler
-    from transformer.training.trainer import Trainer
+    from transformer.training.banner import warn_about_settings_the_run_cannot_honour
 
     sampler = TokenBatchSampler([9] * 40, [9] * 40, max_tokens=100, seed=1)  # 10 pairs a batch: 4 batches
     assert len(sampler.batches(0)) == 4
 
     def warnings_for(*overrides):
         caplog.clear()
-        trainer = SimpleNamespace(cfg=compose_config(list(overrides)), dist=DistInfo(), sampler=sampler)
         with caplog.at_level(logging.WARNING):
-            Trainer._warn_about_settings_the_run_cannot_honour(trainer)
+            warn_about_settings_the_run_cannot_honour(compose_config(list(overrides)), sampler, world=1)
         return [r.getMessage() for r in caplog.records]
 
     assert warnings_for("trainer.update_freq=4", "trainer.max_tokens=100") == []

@@ -277,10 +277,15 @@ def test_a_multilingual_run_validates_each_direction_and_keeps_the_best_by_their
 
 def test_evaluate_scores_a_chosen_direction_and_refuses_an_unknown_one(multilingual, capsys):
     from transformer.cli.evaluate import main
-    from transformer.inference.evaluate import evaluate
+    from transformer.inference.evaluate import EvaluationSet, Models, evaluate
+    from transformer.inference.request import DecodeRequest
 
     _, path = multilingual
-    result = evaluate(path, split="test", src_lang="en", tgt_lang="de", beam_size=1, device="cpu")
+    result = evaluate(
+        Models((path,), device="cpu"),
+        EvaluationSet(split="test", src_lang="en"),
+        DecodeRequest(tgt_lang="de", beam_size=1),
+    )
     assert result["split"] == "test.en-de" and result["sentences"] == 30
     assert Path(result["hypotheses_file"]).name == "best.test.en-de.beam1.hyp"
     assert "|tok:13a|" in result["bleu_signature"] and "alpha" not in result  # greedy: no length penalty
@@ -294,13 +299,9 @@ def test_evaluate_scores_a_chosen_direction_and_refuses_an_unknown_one(multiling
     ):
         assert (
             evaluate(
-                path.parent / "per-language.pt",
-                split="test",
-                src_lang="de" if tgt_lang == "en" else "en",
-                tgt_lang=tgt_lang,
-                beam_size=2,
-                alpha=alpha,
-                device="cpu",
+                Models((path.parent / "per-language.pt",), device="cpu"),
+                EvaluationSet(split="test", src_lang="de" if tgt_lang == "en" else "en"),
+                DecodeRequest(tgt_lang=tgt_lang, beam_size=2, alpha=alpha),
             )["alpha"]
             == used
         )
@@ -308,7 +309,9 @@ def test_evaluate_scores_a_chosen_direction_and_refuses_an_unknown_one(multiling
     assert result["off_target_among"] == ["de", "en"] and 0 <= result["off_target"] <= 100
     assert result["off_target_count"] == sum(result["off_target_languages"].values())
     assert set(result["off_target_languages"]) <= {"en"}
-    default = evaluate(path, split="test", beam_size=1, device="cpu")  # the checkpoint's data pair
+    default = evaluate(
+        Models((path,), device="cpu"), EvaluationSet(split="test"), DecodeRequest(beam_size=1)
+    )  # the checkpoint's data pair
     assert default["split"] == "test" and default["sentences"] == 30
     assert main([str(path), "--src-lang", "en", "--tgt-lang", "de", "--beam", "1"]) == 0
     assert "off-target: " in capsys.readouterr().out
@@ -575,7 +578,8 @@ def test_evaluate_refuses_a_source_the_model_never_saw_or_a_target_equal_to_the_
     multilingual, untrained_checkpoint
 ):
     from transformer.errors import DataError
-    from transformer.inference.evaluate import evaluate
+    from transformer.inference.evaluate import EvaluationSet, Models, evaluate
+    from transformer.inference.request import DecodeRequest
 
     _, path = multilingual
     with pytest.raises(
@@ -583,18 +587,23 @@ def test_evaluate_refuses_a_source_the_model_never_saw_or_a_target_equal_to_the_
         match="--src-lang en into the checkpoint's data.tgt_lang en: source and target "
         "are the same language; give another --tgt-lang",
     ):
-        evaluate(path, src_lang="en", beam_size=1, device="cpu")
+        evaluate(Models((path,), device="cpu"), EvaluationSet(src_lang="en"), DecodeRequest(beam_size=1))
     with pytest.raises(DataError, match="--src-lang fr: the model was trained on de, en only; give one of those"):
-        evaluate(path, src_lang="fr", tgt_lang="de", beam_size=1, device="cpu")
+        evaluate(Models((path,), device="cpu"), EvaluationSet(src_lang="fr"), DecodeRequest(tgt_lang="de", beam_size=1))
     for source in ("fr", "en"):  # a bilingual de -> en model: en is its target, never a source
         with pytest.raises(
             DataError, match=f"--src-lang {source}: this model translates de -> en only; leave --src-lang out"
         ):
-            evaluate(untrained_checkpoint, src_lang=source, beam_size=1, device="cpu")
+            evaluate(
+                Models((untrained_checkpoint,), device="cpu"),
+                EvaluationSet(src_lang=source),
+                DecodeRequest(beam_size=1),
+            )
 
 
 def test_evaluating_one_source_file_into_each_target_keeps_each_result(multilingual, tmp_path):
-    from transformer.inference.evaluate import evaluate
+    from transformer.inference.evaluate import EvaluationSet, Models, evaluate
+    from transformer.inference.request import DecodeRequest
 
     _, path = multilingual
     model = tmp_path / "best.pt"
@@ -604,7 +613,9 @@ def test_evaluating_one_source_file_into_each_target_keeps_each_result(multiling
     reference.write_text("The dog .\nThe cat .\n")
     results = {
         lang: evaluate(
-            model, src_file=str(source), ref_file=str(reference), tgt_lang=lang, beam_size=1, device="cpu", max_len_b=5
+            Models((model,), device="cpu"),
+            EvaluationSet(src_file=str(source), ref_file=str(reference)),
+            DecodeRequest(tgt_lang=lang, beam_size=1, max_len_b=5),
         )
         for lang in ("de", "en")
     }

@@ -301,17 +301,18 @@ def test_on_a_terminal_log_lines_stay_off_the_bar_whose_total_follows_max_minute
 
 @pytest.mark.slow
 def test_an_error_after_a_checkpoint_says_how_to_continue(tmp_path, data_cache, monkeypatch):
-    from transformer.training.trainer import Trainer, train
+    from transformer.training.selection import Selection
+    from transformer.training.trainer import train
 
-    validate, calls = Trainer.validate, []
+    validate, calls = Selection.validate, []
 
     def failing_the_second_time(self):
-        calls.append(self.progress.step)
+        calls.append(self.state.progress.step)
         if len(calls) == 2:
             raise RuntimeError("the second validation failed")
-        validate(self)
+        return validate(self)
 
-    monkeypatch.setattr(Trainer, "validate", failing_the_second_time)
+    monkeypatch.setattr(Selection, "validate", failing_the_second_time)
     config = compose_config(
         FAST
         + ["trainer.max_steps=20", "trainer.validate_every=5", "trainer.max_minutes=0", "trainer.test_at_end=false"],

@@ -16,6 +16,7 @@ from transformer.errors import DecodingProcessDied
 from transformer.inference.search import (
     ModelDecoder,
     Sampling,
+    Search,
     beam_search,
     greedy_search,
     length_penalty,
@@ -186,7 +187,7 @@ def model_and_sources(untrained_checkpoint):
 
 def test_beam_one_equals_greedy(model_and_sources):
     model, sources = model_and_sources
-    greedy = translate_ids(model, sources, beam_size=1)
+    greedy = translate_ids(model, sources, Search(beam_size=1))
     src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [EOS_ID]) for s in sources], batch_first=True)
     from transformer.inference.search import max_lengths
 
@@ -224,24 +225,24 @@ def test_greedy_batches_of_finished_sentences_do_not_change_the_model_output(mod
     import transformer.inference.search as search
 
     model, sources = model_and_sources
-    lazily = translate_ids(model, sources, beam_size=1)
+    lazily = translate_ids(model, sources, Search(beam_size=1))
     monkeypatch.setattr(search, "GREEDY_COMPACT_SHARE", 0.0)
-    assert [h[0].tokens for h in translate_ids(model, sources, beam_size=1)] == [h[0].tokens for h in lazily]
+    assert [h[0].tokens for h in translate_ids(model, sources, Search(beam_size=1))] == [h[0].tokens for h in lazily]
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_mixed_length_batch_equals_one_at_a_time(model_and_sources, beam_size):
     model, sources = model_and_sources
-    batched = translate_ids(model, sources, beam_size=beam_size, alpha=0.6)
-    single = [translate_ids(model, [s], beam_size=beam_size, alpha=0.6)[0] for s in sources]
+    batched = translate_ids(model, sources, Search(beam_size=beam_size, alpha=0.6))
+    single = [translate_ids(model, [s], Search(beam_size=beam_size, alpha=0.6))[0] for s in sources]
     assert [h[0].tokens for h in batched] == [h[0].tokens for h in single]
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_cache_gives_the_same_output_as_recomputing_the_prefix(model_and_sources, beam_size):
     model, sources = model_and_sources
-    cached = translate_ids(model, sources, beam_size=beam_size, nbest=1)
-    uncached = translate_ids(model, sources, beam_size=beam_size, nbest=1, use_cache=False)
+    cached = translate_ids(model, sources, Search(beam_size=beam_size, nbest=1))
+    uncached = translate_ids(model, sources, Search(beam_size=beam_size, nbest=1, use_cache=False))
     assert [h[0].tokens for h in cached] == [h[0].tokens for h in uncached]
     for c, u in zip(cached, uncached):
         assert c[0].score == pytest.approx(u[0].score, abs=1e-4)
@@ -251,7 +252,7 @@ def test_out_of_memory_in_decoding_splits_the_batch_and_retries(model_and_source
     import transformer.inference.search as search
 
     model, sources = model_and_sources
-    expected = translate_ids(model, sources, beam_size=3)
+    expected = translate_ids(model, sources, Search(beam_size=3))
     real = search.beam_search
     sizes, failed_attempts = [], []
 
@@ -265,7 +266,7 @@ def test_out_of_memory_in_decoding_splits_the_batch_and_retries(model_and_source
         return real(decoder, max_lens, *args, **kwargs)
 
     monkeypatch.setattr(search, "beam_search", small_memory)
-    assert [h[0].tokens for h in translate_ids(model, sources, beam_size=3)] == [h[0].tokens for h in expected]
+    assert [h[0].tokens for h in translate_ids(model, sources, Search(beam_size=3))] == [h[0].tokens for h in expected]
     assert sizes == [5, 2, 3, 1, 2]  # 5 fails, halves: 2 | 3 fails, halves: 1, 2
     assert len(failed_attempts) == 4
 
@@ -405,7 +406,7 @@ def test_an_ensemble_of_one_model_equals_that_model(model_and_sources, beam_size
     assert [[h.tokens for h in hyps] for hyps in alone] == [[h.tokens for h in hyps] for hyps in ensemble]
     for a, e in zip(alone, ensemble):
         assert [h.score for h in a] == pytest.approx([h.score for h in e], abs=1e-5)
-    assert translate_ids([model], sources, beam_size=beam_size)[0][0].tokens == alone[0][0].tokens
+    assert translate_ids([model], sources, Search(beam_size=beam_size))[0][0].tokens == alone[0][0].tokens
 
 
 def test_an_ensemble_steps_with_the_weighted_mean_of_the_models_logprobs(two_models):
@@ -429,12 +430,12 @@ def test_an_ensemble_steps_with_the_weighted_mean_of_the_models_logprobs(two_mod
 
 def test_ensemble_greedy_equals_the_hand_computed_average(two_models):
     first, second, sources = two_models
-    found = translate_ids([first, second], sources, beam_size=1, weights=[2.0, 1.0], max_len_a=0.0, max_len_b=8)
+    found = translate_ids([first, second], sources, Search(beam_size=1, max_len_a=0.0, max_len_b=8), weights=[2.0, 1.0])
     for source, hyps in zip(sources, found):
         tokens, logprob = _reference_greedy([first, second], [2.0, 1.0], _padded([source]), max_len=8)
         assert hyps[0].tokens == tokens
         assert hyps[0].logprob == pytest.approx(logprob, abs=1e-4)
-    alone = translate_ids(first, sources, beam_size=1, max_len_a=0.0, max_len_b=8)
+    alone = translate_ids(first, sources, Search(beam_size=1, max_len_a=0.0, max_len_b=8))
     assert [h[0].tokens for h in found] != [h[0].tokens for h in alone]
 
 
@@ -444,8 +445,8 @@ def test_a_prefix_is_kept_and_decoding_continues_as_the_model_would(model_and_so
     a beam's best hypothesis also starts with it; sentences without a prefix decode as without any."""
     model, sources = model_and_sources
     prefixes = [[7, 9, 11], [], [30], [12, 12, 40, 5, 8], []]
-    found = translate_ids(model, sources, beam_size=beam_size, prefixes=prefixes, max_len_a=0.0, max_len_b=9)
-    plain = translate_ids(model, sources, beam_size=beam_size, max_len_a=0.0, max_len_b=9)
+    found = translate_ids(model, sources, Search(beam_size=beam_size, prefixes=prefixes, max_len_a=0.0, max_len_b=9))
+    plain = translate_ids(model, sources, Search(beam_size=beam_size, max_len_a=0.0, max_len_b=9))
     for source, prefix, hyps, without in zip(sources, prefixes, found, plain):
         assert hyps[0].tokens[: len(prefix)] == prefix
         if not prefix:
@@ -461,7 +462,9 @@ def test_a_prefix_longer_than_the_length_limit_still_ends_with_eos(model_and_sou
     model, sources = model_and_sources
     prefix = [7, 9, 11, 13, 15, 17]
     for beam_size in (1, 3):
-        hyps = translate_ids(model, sources[:1], beam_size=beam_size, prefixes=[prefix], max_len_a=0.0, max_len_b=2)
+        hyps = translate_ids(
+            model, sources[:1], Search(beam_size=beam_size, prefixes=[prefix], max_len_a=0.0, max_len_b=2)
+        )
         assert hyps[0][0].tokens[: len(prefix)] == prefix and len(hyps[0][0].tokens) <= len(prefix)
 
 
@@ -469,9 +472,9 @@ def test_a_prefix_longer_than_the_length_limit_still_ends_with_eos(model_and_sou
 def test_parallel_workers_give_the_results_of_one(model_and_sources, beam_size):
     model, sources = model_and_sources
     many = sources * 6  # several batches at a small batch size
-    one = translate_ids(model, many, beam_size=beam_size, batch_tokens=60)
+    one = translate_ids(model, many, Search(beam_size=beam_size, batch_tokens=60))
     threads = torch.get_num_threads()
-    two = translate_ids(model, many, beam_size=beam_size, batch_tokens=60, workers=2)
+    two = translate_ids(model, many, Search(beam_size=beam_size, batch_tokens=60, workers=2))
     assert [h[0].tokens for h in two] == [h[0].tokens for h in one]
     assert [h[0].score for h in two] == pytest.approx([h[0].score for h in one], abs=1e-5)
     assert torch.get_num_threads() == threads  # PyTorch's own thread count is given back
@@ -488,7 +491,7 @@ def test_parallel_workers_stop_when_asked_and_pass_errors_on(model_and_sources, 
         return len(asked) > 2
 
     with pytest.raises(search.Interrupted):
-        translate_ids(model, sources * 6, beam_size=1, batch_tokens=30, workers=2, stop=stop)
+        translate_ids(model, sources * 6, Search(beam_size=1, batch_tokens=30, workers=2), stop=stop)
     assert len(asked) == 3  # no batch is started after the stop
 
     def broken(*args, **kwargs):
@@ -496,7 +499,7 @@ def test_parallel_workers_stop_when_asked_and_pass_errors_on(model_and_sources, 
 
     monkeypatch.setattr(search, "greedy_search", broken)
     with pytest.raises(RuntimeError, match="decoding failed"):
-        translate_ids(model, sources * 6, beam_size=1, batch_tokens=30, workers=2)
+        translate_ids(model, sources * 6, Search(beam_size=1, batch_tokens=30, workers=2))
 
 
 def test_parallel_workers_stop_while_waiting_for_batches_already_handed_out(model_and_sources, monkeypatch):
@@ -519,7 +522,7 @@ def test_parallel_workers_stop_while_waiting_for_batches_already_handed_out(mode
     threading.Timer(0.5, asked_to_stop.set).start()
     started = time.monotonic()
     with pytest.raises(search.Interrupted):
-        translate_ids(model, sources * 6, beam_size=1, batch_tokens=30, workers=2, stop=asked_to_stop.is_set)
+        translate_ids(model, sources * 6, Search(beam_size=1, batch_tokens=30, workers=2), stop=asked_to_stop.is_set)
     assert time.monotonic() - started < 3
 
 
@@ -536,8 +539,8 @@ def test_decoding_processes_run_compiled_layers_eager(model_and_sources):
 
     for layer in (*compiled.encoder_layers, *compiled.decoder_layers):
         layer.compile(backend=refusing_backend, dynamic=True)
-    eager = translate_ids(model, sources * 2, beam_size=1, batch_tokens=30)
-    two = translate_ids(compiled, sources * 2, beam_size=1, batch_tokens=30, workers=2)
+    eager = translate_ids(model, sources * 2, Search(beam_size=1, batch_tokens=30))
+    two = translate_ids(compiled, sources * 2, Search(beam_size=1, batch_tokens=30, workers=2))
     assert [h[0].tokens for h in two] == [h[0].tokens for h in eager]
 
 
@@ -563,8 +566,8 @@ def report():
     time.sleep(2)
     open({str(tmp_path / "children")!r}, "w").write(" ".join(str(p.pid) for p in multiprocessing.active_children()))
 threading.Thread(target=report, daemon=True).start()
-search.translate_ids(model, tokenizer.encode_src(["Der Hund sieht die Katze."] * 30), beam_size=1, batch_tokens=30,
-                     workers=2)
+search.translate_ids(model, tokenizer.encode_src(["Der Hund sieht die Katze."] * 30),
+                     search.Search(beam_size=1, batch_tokens=30, workers=2))
 """
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
     try:
@@ -605,4 +608,4 @@ def test_a_decoding_process_that_dies_is_reported_not_waited_for(model_and_sourc
 
     monkeypatch.setattr(search, "greedy_search", killed)
     with pytest.raises(DecodingProcessDied, match="exit code 9"):
-        translate_ids(model, sources * 6, beam_size=1, batch_tokens=30, workers=2)
+        translate_ids(model, sources * 6, Search(beam_size=1, batch_tokens=30, workers=2))

@@ -16,7 +16,8 @@ from tests.helpers import FAST, ROOT, HostReads, compose_config, wait_for_log
 from transformer.checkpoint import load_checkpoint
 from transformer.config import ConfigError
 from transformer.data.sources import DataError
-from transformer.training.trainer import TrainingError, train
+from transformer.errors import TrainingError
+from transformer.training.trainer import train
 
 
 @pytest.mark.slow
@@ -272,7 +273,7 @@ def test_a_stop_signal_finishes_the_step_saves_last_and_exits_128_plus_its_numbe
 
 @pytest.mark.slow
 def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cache, monkeypatch):
-    import transformer.training.trainer as train_module
+    import transformer.training.step as train_module
 
     calls = {"n": 0}
     real_batch_loss = train_module.batch_loss
@@ -317,7 +318,7 @@ def test_nan_loss_stops_the_run_and_keeps_finite_checkpoints(tmp_path, data_cach
 def test_out_of_memory_on_one_batch_skips_it_and_training_goes_on(tmp_path, data_cache, monkeypatch, caplog):
     import logging
 
-    import transformer.training.trainer as train_module
+    import transformer.training.step as train_module
 
     calls = {"n": 0}
     real_batch_loss = train_module.batch_loss
@@ -349,8 +350,8 @@ def test_out_of_memory_on_one_batch_skips_it_and_training_goes_on(tmp_path, data
 
 @pytest.mark.slow
 def test_a_batch_budget_too_large_for_the_device_stops_with_one_line(tmp_path, data_cache, monkeypatch):
-    import transformer.training.trainer as train_module
-    from transformer.training.state import TrainingError
+    import transformer.training.step as train_module
+    from transformer.errors import TrainingError
 
     calls = {"n": 0}
     real_batch_loss = train_module.batch_loss
@@ -427,8 +428,8 @@ def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
     cfg = compose_config(FAST + ["trainer.update_freq=2", "trainer.precision=fp32"], data_cache)
     trainer = Trainer(cfg, tmp_path)
     try:
-        trainer.updates.start(0, 0)
-        loader = iter(trainer.loader)
+        trainer.batches.updates.start(0, 0)
+        loader = iter(trainer.batches.loader)
         with HostReads() as reads:  # the detector sees a read when there is one
             float(torch.ones(()))
             torch.ones(3)[torch.ones(3) > 0]
@@ -437,13 +438,13 @@ def test_a_training_step_reads_nothing_back_to_the_host(tmp_path, data_cache):
         for step in range(3):  # steps 1-3 are not log steps (log_every=10)
             micro, consumed = next(loader)
             with HostReads() as reads:
-                stats = trainer.train_step(micro)
+                stats = trainer.step(micro)
             assert reads.seen == [], f"step {step + 1} read tensor values on the host: {reads.seen}"
             with HostReads() as reads:
-                trainer.log.add(stats, micro)
+                trainer.step.log.add(stats, micro)
             assert reads.seen == []
-        assert trainer.optimizer.state_dict()["state"][0]["step"] == 3  # the steps were real updates
-        numbers = trainer.log.read()
+        assert trainer.state.optimizer.state_dict()["state"][0]["step"] == 3  # the steps were real updates
+        numbers = trainer.step.log.read()
         tokens = numbers["finite_tokens"]
         assert numbers["skipped"] == 0 and tokens == numbers["tokens"] > 0
         assert 0 < numbers["nll_sum"] / tokens < numbers["loss_sum"] / tokens < 10
@@ -474,7 +475,7 @@ def test_progress_keeps_the_best_score_and_the_patience_count_and_resumes_them()
 def test_the_train_log_sums_finite_steps_on_the_device_and_stops_on_a_run_of_bad_ones():
     from types import SimpleNamespace
 
-    from transformer.training.state import TrainingError
+    from transformer.errors import TrainingError
     from transformer.training.step_log import TrainLog
 
     log = TrainLog(torch.device("cpu"), monitor=None, max_bad_steps=3)
@@ -541,17 +542,17 @@ def test_rdrop_without_dropout_makes_the_plain_update_and_with_dropout_a_differe
         cfg = compose_config(FAST + ["trainer.precision=fp32", *overrides], data_cache)
         trainer = Trainer(cfg, tmp_path / run)
         try:
-            trainer.updates.start(0, 0)
-            micro, _ = next(iter(trainer.loader))
-            gradients, optimizer_step = {}, trainer.optimizer.step
+            trainer.batches.updates.start(0, 0)
+            micro, _ = next(iter(trainer.batches.loader))
+            gradients, optimizer_step = {}, trainer.state.optimizer.step
 
             def step_recording_the_gradients(*args, **kwargs):
                 gradients.update({k: p.grad.clone() for k, p in trainer.model.named_parameters()})
                 return optimizer_step(*args, **kwargs)
 
-            trainer.optimizer.step = step_recording_the_gradients
+            trainer.state.optimizer.step = step_recording_the_gradients
             torch.manual_seed(3)
-            stats = trainer.train_step(micro)
+            stats = trainer.step(micro)
             return gradients, stats
         finally:
             trainer.leave_process_group(clean=True)
@@ -560,9 +561,9 @@ def test_rdrop_without_dropout_makes_the_plain_update_and_with_dropout_a_differe
     plain, plain_stats = one_step("plain", "model.dropout=0")
     rdrop, rdrop_stats = one_step("rdrop", "model.dropout=0", "trainer.rdrop=5")
     assert "R-Drop adds nothing and doubles the compute" in caplog.text  # said once, at the start
-    assert rdrop_stats["tokens"] == 2 * plain_stats["tokens"]
-    assert torch.allclose(rdrop_stats["sums"] / 2, plain_stats["sums"], rtol=1e-5)
-    assert torch.allclose(rdrop_stats["grad_norm"], plain_stats["grad_norm"], rtol=1e-5)  # the gradient's scale
+    assert rdrop_stats.tokens == 2 * plain_stats.tokens
+    assert torch.allclose(rdrop_stats.sums / 2, plain_stats.sums, rtol=1e-5)
+    assert torch.allclose(rdrop_stats.grad_norm, plain_stats.grad_norm, rtol=1e-5)  # the gradient's scale
     # Every parameter's gradient, not the update: Adam's first step blows the rounding noise of the
     # exactly-zero gradient of the key biases up to a step of the learning rate's size.
     assert plain.keys() == rdrop.keys() and len(plain) > 10

@@ -9,7 +9,8 @@ import pytest
 
 from transformer import Translator
 from transformer.data.sources import load_split_text
-from transformer.inference.evaluate import evaluate
+from transformer.inference.evaluate import EvaluationSet, Models, evaluate
+from transformer.inference.request import DecodeRequest
 from transformer.inference.scoring import score
 
 
@@ -87,7 +88,9 @@ def test_python_api_and_evaluate_agree_with_the_cli(trained_checkpoint, trained_
     # a pipe's lines as they arrive, so only fp32 makes the three paths comparable line for line.
     translator = Translator.from_checkpoint(trained_checkpoint, device="auto")
     assert translator.translate(["", "Der Hund."], beam_size=5)[0] == ""
-    result = evaluate(trained_checkpoint, split="test", beam_size=5, precision="fp32")
+    result = evaluate(
+        Models((trained_checkpoint,), precision="fp32"), EvaluationSet(split="test"), DecodeRequest(beam_size=5)
+    )
     config = translator.config.data
     sources, references = load_split_text(config, "test")
     code, out, _ = _cli(
@@ -96,7 +99,7 @@ def test_python_api_and_evaluate_agree_with_the_cli(trained_checkpoint, trained_
     cli_bleu = score(out.split("\n")[:-1], references, config.tgt_lang)["bleu"]
     assert code == 0 and cli_bleu == pytest.approx(result["bleu"], abs=1e-9)
     assert result["bleu"] > 80
-    greedy = evaluate(trained_checkpoint, split="test", beam_size=1)
+    greedy = evaluate(trained_checkpoint, EvaluationSet(split="test"), DecodeRequest(beam_size=1))
     assert greedy["bleu"] > 75 and abs(greedy["bleu"] - result["bleu"]) < 10  # a trained model, both ways
     with open(result["hypotheses_file"]) as handle:
         assert len(handle.readlines()) == len(sources)

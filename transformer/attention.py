@@ -1,9 +1,9 @@
 """Multi-head attention, its masks and its key/value cache: the only place masks are built.
 
-Shape legend: B batch (sentences, or sentences x beams), S source length, T target length,
-H heads, D model dim, Dh = D / H head dim, K beam size. Boolean "allowed" masks are True where a
-query may attend to a key (the convention of `F.scaled_dot_product_attention`); padding masks are
-True where a token is padding.
+Shape legend (the model's, search's and the loss's too): B batch (sentences, or sentences x beams),
+S source length, T target length, H heads, D model dim, Dh = D / H head dim, K beam size, V vocabulary.
+Boolean "allowed" masks are True where a query may attend to a key (the convention of
+`F.scaled_dot_product_attention`); padding masks are True where a token is padding.
 """
 
 from __future__ import annotations
@@ -85,7 +85,16 @@ def gpu_sdpa_kernels() -> list:
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def attend(q, k, v, allowed=None, causal=False, dropout_p=0.0, need_weights=False, backend="auto"):
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None = None,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention by `backend` (see BACKENDS): (output (B, H, Tq, Dh), weights or None).
 
     `need_weights` always takes the reference formula, whose weights it returns. `causal=True` is only
@@ -132,7 +141,9 @@ def cpu_backend(dtype: torch.dtype, dropout_p: float, queries: int, keys: int) -
     return "matmul" if queries == 1 and keys >= CPU_ONE_QUERY_MATMUL_KEYS else "sdpa"
 
 
-def matmul_attention(q, k, v, allowed=None, dropout_p=0.0) -> torch.Tensor:
+def matmul_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None, dropout_p: float = 0.0
+) -> torch.Tensor:
     """Attention as two batched matmuls in the input dtype, the softmax in float32 (`auto` on CPUs
     in bf16/fp16 or with attention dropout).
 

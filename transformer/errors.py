@@ -20,6 +20,10 @@ class TrainingError(RuntimeError):
     """A run cannot start or go on as asked (its directory, a resume, a non-finite loss); the message says why."""
 
 
+class UsageError(ValueError):
+    """A command line that cannot run as given (a flag's value, a file it names); the message names the flag."""
+
+
 class DataError(ValueError):
     """Input data cannot be used; the message names the file (and line) or the config key."""
 

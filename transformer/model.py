@@ -11,7 +11,13 @@ import math
 import torch
 from torch import nn
 
-from transformer.attention import DecoderCache, MultiHeadAttention, key_padding_allowed, padding_mask
+from transformer.attention import (
+    DecoderCache,
+    MultiHeadAttention,
+    SelfAttentionCache,
+    key_padding_allowed,
+    padding_mask,
+)
 from transformer.config import ModelConfig
 from transformer.kernels import Dropout
 from transformer.special import EOS_ID, PAD_ID
@@ -92,7 +98,14 @@ class DecoderLayer(nn.Module):
         self.sub_cross = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.sub_ff = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
-    def forward(self, x, memory, memory_allowed, memory_kv=None, self_cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor | None,
+        memory_allowed: torch.Tensor,
+        memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self_cache: SelfAttentionCache | None = None,
+    ) -> torch.Tensor:
         """x (B, T, D); memory_allowed (B, 1, 1, S): the memory positions that are not padding."""
         # Target padding sits after every real token, so the causal mask alone keeps real positions from
         # seeing it; padded positions are ignored by the loss.
@@ -195,6 +208,11 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """tgt_in (B, T) -> logits (B, T, V)."""
         return self.output(self.decode_hidden(tgt_in, memory, src_pad_mask, cache))
+
+    def decode_step(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
+        """One incremental step: tokens (B, t) so far, the last one new -> logits (B, V) of token t+1, the
+        cache holding the keys and values of the earlier ones (and the encoder's)."""
+        return self.decode(tokens[:, -1:], None, None, cache)[:, -1]
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
         """src (B, S), tgt_in (B, T) -> logits (B, T, V), or the decoder output (B, T, D) if return_hidden."""

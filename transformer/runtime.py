@@ -160,6 +160,29 @@ class Runtime:
     autocast: object  # a zero-argument callable returning the autocast context
     dist: DistInfo
 
+    # The collectives a run needs, single-process no-ops without torchrun (distributed.py).
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that logs, validates and writes."""
+        return self.dist.is_main
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank (a pickled object, read on the host)."""
+        return D.broadcast_object(obj, self.dist)
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if it is True on any (stop decisions must agree)."""
+        return D.any_rank(flag, self.dist, self.device)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over ranks in place, left on the device."""
+        return D.all_reduce_tensor(tensor, self.dist)
+
+    def shutdown(self, barrier: bool) -> None:
+        """Leave the process group; with `barrier`, together."""
+        D.shutdown(self.dist, barrier=barrier)
+
     @classmethod
     def for_training(cls, tc: TrainerConfig) -> Runtime:
         """The device (cuda:LOCAL_RANK under torchrun), the process group (joined here when torchrun

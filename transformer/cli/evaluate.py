@@ -20,10 +20,11 @@ from transformer.cli.args import (
     device_error,
     given_decoding_options,
 )
+from transformer.cli.run import run_command
 from transformer.config import check_decode_options
-from transformer.data.sources import DataError
-from transformer.errors import CheckpointError, next_interrupt_ends_at_once
-from transformer.inference.evaluate import evaluate
+from transformer.errors import UsageError
+from transformer.inference.evaluate import EvaluationSet, Models, evaluate
+from transformer.inference.request import DecodeRequest
 
 
 def build_parser() -> CommandLineParser:
@@ -101,104 +102,112 @@ def alpha_values(text: str) -> list[float] | dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    per_language = args.alpha if isinstance(args.alpha, dict) else None  # --alpha en=2,de=1.5
-    alphas = [None] if per_language is not None else args.alpha or [None]
-    try:  # refused before the model is loaded
-        others = {key: value for key, value in given_decoding_options(args).items() if key != "alpha"}
-        for alpha in alphas:
-            check_decode_options({**others, **({} if alpha is None else {"alpha": alpha})}, "cli")
-        for language, alpha in (per_language or {}).items():
-            try:
-                check_decode_options({**others, "alpha": alpha}, "cli")
-            except ValueError as error:  # "--alpha -1.0: must be ...", named with its language
-                raise ValueError(f"--alpha {language}={alpha:g}: {str(error).split(': ', 1)[1]}") from None
-        _refuse_greedy(args.beam, alphas, per_language)
-        if args.directions and (args.src_lang or args.tgt_lang or args.src or args.ref):
-            raise ValueError(
-                "--directions scores the split in each direction: leave out --src-lang, --tgt-lang, --src and --ref"
-            )
-    except ValueError as error:
-        print(f"transformer-evaluate: error: {error}", file=sys.stderr)
-        return 2
-    try:
-        weights = checked_model_arguments(args)
-        bad_device = device_error(args.device)
-        if bad_device:
-            raise ValueError(bad_device)
-        translator = None
-        if len(alphas) > 1 or args.directions or per_language is not None:  # loaded once for all below
-            from transformer.inference.translator import Translator
+    return run_command("transformer-evaluate", lambda: _evaluate(args))
 
-            translator = Translator.from_checkpoints(
-                args.checkpoints, weights, device=args.device, precision=args.precision, quantize=args.quantize
-            )
-        directions = _directions(args.directions, translator) if args.directions else [(args.src_lang, args.tgt_lang)]
-        if translator is not None:  # a checkpoint that decodes greedily unless told otherwise
-            _refuse_greedy(translator.config.decode.beam_size if args.beam is None else args.beam, alphas, per_language)
-        if per_language is not None:
-            _check_alpha_languages(per_language, translator, {tgt for _, tgt in directions})
-        if (
-            args.directions
-            and args.tokenized_lc
-            and "{tgt}" not in args.tokenized_lc
-            and len({tgt for _, tgt in directions}) > 1
-        ):
-            raise ValueError(
-                f"--tokenized-lc {args.tokenized_lc}: the directions have several target languages; "
-                "write {tgt} where the language goes in the file name (test.lc.norm.tok.{tgt})"
-            )
-        results = []
-        for src_lang, tgt_lang in directions:
-            if per_language is not None:  # the language's own, else the model's default for it
-                alphas = [per_language.get(_scored_language(tgt_lang, translator))]
-            for alpha in alphas:
-                results.append(
-                    evaluate(
-                        args.checkpoints,
-                        args.split,
-                        args.src,
-                        args.ref,
-                        args.beam,
-                        alpha,
-                        args.device,
-                        args.precision,
-                        args.batch_tokens,
-                        args.max_len_a,
-                        args.max_len_b,
-                        weights=weights,
-                        quantize=args.quantize,
-                        workers=args.workers,
-                        src_lang=src_lang,
-                        tgt_lang=tgt_lang,
-                        translator=translator,
-                        tokenized_lc=args.tokenized_lc.replace("{tgt}", tgt_lang)
-                        if args.tokenized_lc and tgt_lang
-                        else args.tokenized_lc,
-                        label=f"alpha{alpha:g}" if len(alphas) > 1 else None,
-                    )
-                )
-                if len(alphas) > 1 or args.directions:
-                    print(
-                        _search_line(results[-1], bool(args.directions), len(alphas) > 1 or per_language is not None),
-                        flush=True,
-                    )
-    except KeyboardInterrupt:
-        next_interrupt_ends_at_once()
-        print("transformer-evaluate: interrupted", file=sys.stderr)
-        return 130
-    except (CheckpointError, DataError, ValueError) as error:
-        print(f"transformer-evaluate: error: {error}", file=sys.stderr)
-        return 2
+
+def _evaluate(args) -> int:
+    """Check the command line, load the model(s) once where several evaluations share them, evaluate
+    each (alpha, direction), report."""
+    try:
+        alphas, per_language = _check(args)
+        translator, directions = _load(args, alphas, per_language)
+        results = _run(args, translator, directions, alphas, per_language)
+    except ValueError as error:  # a bad value the library names (ConfigError and DataError are ValueErrors)
+        raise UsageError(str(error)) from None
     except OSError as error:  # e.g. the hypothesis file cannot be written beside the checkpoint
-        print(f"transformer-evaluate: error: {error.filename}: {error.strerror}", file=sys.stderr)
-        return 2
+        raise UsageError(f"{error.filename}: {error.strerror}") from None
     if args.directions:
         _print_directions(results, len(alphas) > 1, show_alpha=per_language is not None)
-        return 0
-    if len(results) > 1:
+    elif len(results) > 1:
         _print_search(results, args)
-        return 0
-    result = results[0]
+    else:
+        _print_result(results[0])
+    return 0
+
+
+def _check(args) -> tuple[list, dict[str, float] | None]:
+    """Refused before the model is loaded: the decoding options (each alpha of a search), --directions
+    with flags that choose one direction. Returns the alphas to score and the per-language ones."""
+    per_language = args.alpha if isinstance(args.alpha, dict) else None  # --alpha en=2,de=1.5
+    alphas = [None] if per_language is not None else args.alpha or [None]
+    others = {key: value for key, value in given_decoding_options(args).items() if key != "alpha"}
+    for alpha in alphas:
+        check_decode_options({**others, **({} if alpha is None else {"alpha": alpha})}, "cli")
+    for language, alpha in (per_language or {}).items():
+        try:
+            check_decode_options({**others, "alpha": alpha}, "cli")
+        except ValueError as error:  # "--alpha -1.0: must be ...", named with its language
+            raise ValueError(f"--alpha {language}={alpha:g}: {str(error).split(': ', 1)[1]}") from None
+    _refuse_greedy(args.beam, alphas, per_language)
+    if args.directions and (args.src_lang or args.tgt_lang or args.src or args.ref):
+        raise ValueError(
+            "--directions scores the split in each direction: leave out --src-lang, --tgt-lang, --src and --ref"
+        )
+    args.weights = checked_model_arguments(args)
+    bad_device = device_error(args.device)
+    if bad_device:
+        raise ValueError(bad_device)
+    return alphas, per_language
+
+
+def _load(args, alphas: list, per_language: dict[str, float] | None):
+    """The model(s), loaded here when several evaluations share them (else by each evaluation), and the
+    directions to score, checked against them."""
+    translator = None
+    if len(alphas) > 1 or args.directions or per_language is not None:  # loaded once for all below
+        from transformer.inference.translator import Translator
+
+        translator = Translator.from_checkpoints(
+            args.checkpoints, args.weights, device=args.device, precision=args.precision, quantize=args.quantize
+        )
+    directions = _directions(args.directions, translator) if args.directions else [(args.src_lang, args.tgt_lang)]
+    if translator is not None:  # a checkpoint that decodes greedily unless told otherwise
+        _refuse_greedy(translator.config.decode.beam_size if args.beam is None else args.beam, alphas, per_language)
+    if per_language is not None:
+        _check_alpha_languages(per_language, translator, {tgt for _, tgt in directions})
+    if (
+        args.directions
+        and args.tokenized_lc
+        and "{tgt}" not in args.tokenized_lc
+        and len({t for _, t in directions}) > 1
+    ):
+        raise ValueError(
+            f"--tokenized-lc {args.tokenized_lc}: the directions have several target languages; "
+            "write {tgt} where the language goes in the file name (test.lc.norm.tok.{tgt})"
+        )
+    return translator, directions
+
+
+def _run(args, translator, directions, alphas: list, per_language: dict[str, float] | None) -> list[dict]:
+    """One evaluation per direction and alpha; a search's line printed as each ends."""
+    models = Models(tuple(args.checkpoints), args.weights, args.device, args.precision, args.quantize)
+    results = []
+    for src_lang, tgt_lang in directions:
+        if per_language is not None:  # the language's own, else the model's default for it
+            alphas = [per_language.get(_scored_language(tgt_lang, translator))]
+        tokenized_lc = args.tokenized_lc
+        if tokenized_lc and tgt_lang:
+            tokenized_lc = tokenized_lc.replace("{tgt}", tgt_lang)
+        data = EvaluationSet(args.split, args.src, args.ref, src_lang, tokenized_lc)
+        for alpha in alphas:
+            request = DecodeRequest(
+                beam_size=args.beam,
+                alpha=alpha,
+                max_len_a=args.max_len_a,
+                max_len_b=args.max_len_b,
+                batch_tokens=args.batch_tokens,
+                tgt_lang=tgt_lang,
+                workers=args.workers,
+            )
+            label = f"alpha{alpha:g}" if len(alphas) > 1 else None
+            results.append(evaluate(models, data, request, label=label, translator=translator))
+            if len(alphas) > 1 or args.directions:
+                line = _search_line(results[-1], bool(args.directions), len(alphas) > 1 or per_language is not None)
+                print(line, flush=True)
+    return results
+
+
+def _print_result(result: dict) -> None:
     if "ensemble" in result:
         print(f"ensemble of {len(result['ensemble'])}: {' '.join(result['ensemble'])}")
     print(
@@ -219,7 +228,6 @@ def main(argv: list[str] | None = None) -> int:
             f"({wrong or 'none'}; py3langid choosing among {', '.join(result['off_target_among'])})"
         )
     print(f"hypotheses: {result['hypotheses_file']}\nscores: {result['scores_file']}")
-    return 0
 
 
 def _alpha_text(per_language: dict[str, float]) -> str:

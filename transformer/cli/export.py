@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from transformer.cli.args import CommandLineParser
+from transformer.cli.run import run_command
 from transformer.errors import (
-    CheckpointError,
+    UsageError,
     import_torch_holding_interrupts,
-    next_interrupt_ends_at_once,
 )
 from transformer.inference.ctranslate2 import CT2_QUANTIZATIONS, export_ctranslate2
 from transformer.inference.model_directory import check_output_directory, failure_reason
@@ -50,9 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         help="replace a previous export in the output directory (refused if it holds anything else)",
     )
     args = parser.parse_args(argv)
-    requested, export_format = args.format, DEPRECATED_FORMATS.get(args.format, args.format)
-    if args.quantization and export_format != "ctranslate2":
+    if args.quantization and DEPRECATED_FORMATS.get(args.format, args.format) != "ctranslate2":
         parser.error("--quantization applies to --format ctranslate2 only")
+    # Ctrl-C: the staging directory is removed, a previous export kept
+    return run_command("transformer-export", lambda: _export(args), interrupted="interrupted; nothing was exported")
+
+
+def _export(args) -> int:
+    requested, export_format = args.format, DEPRECATED_FORMATS.get(args.format, args.format)
     try:
         check_output_directory(Path(args.output).resolve(), args.force)  # before reading the checkpoint
         import_torch_holding_interrupts()
@@ -65,16 +70,10 @@ def main(argv: list[str] | None = None) -> int:
             out = save_pretrained(model, tokenizer, config, args.output, overwrite=args.force, trained=trained)
         else:
             out = export_ctranslate2(model, tokenizer, args.output, args.quantization, overwrite=args.force)
-    except (CheckpointError, FileExistsError, ValueError) as error:
-        print(f"transformer-export: error: {error}", file=sys.stderr)
-        return 2
+    except (FileExistsError, ValueError) as error:
+        raise UsageError(str(error)) from None
     except OSError as error:  # e.g. the output directory cannot be listed
-        print(f"transformer-export: error: {error.filename or args.output}: {failure_reason(error)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # the staging directory is removed, a previous export kept
-        next_interrupt_ends_at_once()
-        print("transformer-export: interrupted; nothing was exported", file=sys.stderr)
-        return 130
+        raise UsageError(f"{error.filename or args.output}: {failure_reason(error)}") from None
     if requested != export_format:
         print(
             f"transformer-export: warning: --format {requested} is deprecated (the directory is this package's "

@@ -6,9 +6,8 @@ import logging
 import sys
 from pathlib import Path
 
-from transformer.config import ConfigError
+from transformer.cli.run import run_command
 from transformer.data.sources import DataError, open_split
-from transformer.errors import discard_stdout, next_interrupt_ends_at_once
 
 log = logging.getLogger(__name__)
 
@@ -17,39 +16,35 @@ def main(argv: list[str] | None = None) -> None:
     """`transformer-prepare key=value ...` (`make prepare`): composes the same Hydra config as training,
     with the same arguments (--config-dir DIR, --cfg job, --help), makes no run directory, and prepares
     the tokenizer and every split."""
-    from transformer.cli.hydra_args import command_line_config
-
     # The log on stdout (as Hydra's for training), so that stderr holds nothing but an error line.
     logging.basicConfig(
         level=logging.INFO, stream=sys.stdout, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
     )
-    try:
-        cfg = command_line_config(sys.argv[1:] if argv is None else argv, "transformer-prepare")
-        if cfg is None:  # it printed the help or the composed config
-            return
-        from transformer.data.prepare import prepare  # torch comes with the mixture's batches
+    code = run_command(
+        None,
+        lambda: _prepare(sys.argv[1:] if argv is None else argv),
+        interrupted="interrupted: preparation stopped; what was finished is kept, nothing half-written is left "
+        "(run it again to finish)",
+    )
+    if code:
+        sys.exit(code)
 
-        splits = ("validation",) if cfg.data.corpora else ("train", "validation")  # a mixture: its corpora
-        sources = {split: open_split(cfg.data, split) for split in splits}
-        try:
-            sources["test"] = open_split(cfg.data, "test")
-        except DataError as error:
-            log.warning("no test split to prepare: %s", error)
-        prepared = prepare(cfg.data, sources=sources)
-    except (ConfigError, DataError) as error:
-        print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        next_interrupt_ends_at_once()
-        print(
-            "interrupted: preparation stopped; what was finished is kept, nothing half-written is left "
-            "(run it again to finish)",
-            file=sys.stderr,
-        )
-        sys.exit(130)
-    except BrokenPipeError:  # `transformer-prepare --help | head`: the reader went away
-        discard_stdout()
-        sys.exit(0)
+
+def _prepare(argv: list[str]) -> None:
+    from transformer.cli.hydra_args import command_line_config
+
+    cfg = command_line_config(argv, "transformer-prepare")
+    if cfg is None:  # it printed the help or the composed config
+        return
+    from transformer.data.prepare import prepare  # torch comes with the mixture's batches
+
+    splits = ("validation",) if cfg.data.corpora else ("train", "validation")  # a mixture: its corpora
+    sources = {split: open_split(cfg.data, split) for split in splits}
+    try:
+        sources["test"] = open_split(cfg.data, "test")
+    except DataError as error:
+        log.warning("no test split to prepare: %s", error)
+    prepared = prepare(cfg.data, sources=sources)
     print(
         f"prepared {cfg.data.name}: {len(prepared.train)} training pairs, vocabulary "
         f"{prepared.tokenizer.src_vocab_size} pieces, in {Path(cfg.data.cache_dir).resolve()}",

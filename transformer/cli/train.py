@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from transformer.cli.hydra_args import bare_word, command_line_config
+from transformer.cli.run import run_command
 from transformer.compose import CONFIG_SOURCE_FLAGS, HYDRA_CONFIG_FLAGS, compose, compose_tree
 from transformer.config import CONF_DIR, ConfigError
 from transformer.errors import (
@@ -156,22 +157,20 @@ def sweep_jobs_to_check(overrides: list[str]) -> list[list[str]]:
 def main() -> None:
     argv = sys.argv[1:]
     refuse_bare_words(argv)
+    code = run_command("transformer-train", lambda: _train(argv), interrupted="interrupted before training started")
+    if code:
+        sys.exit(code)
+
+
+def _train(argv: list[str]) -> None:
     if {"--help", "-h"} & set(argv):
         try:
             if command_line_config(argv, "transformer-train") is None:  # it printed the help
                 return
         except ConfigError:  # something only Hydra takes (--multirun, --config-name, ...): Hydra's help
             pass
-        except BrokenPipeError:  # `transformer-train --help | head`
-            discard_stdout()
-            return
-    try:
-        import_torch_holding_interrupts()
-        run_training()  # a Ctrl-C once the run has started is its own: it saves, says so and exits
-    except KeyboardInterrupt:
-        next_interrupt_ends_at_once()
-        print("transformer-train: interrupted before training started", file=sys.stderr)
-        sys.exit(130)
+    import_torch_holding_interrupts()
+    run_training()  # a Ctrl-C once the run has started is its own: it saves, says so and exits
 
 
 def run_training() -> None:
@@ -188,13 +187,13 @@ def run_training() -> None:
     from transformer.errors import signal_exit_status
     from transformer.runtime import tune_cpu_process
     from transformer.training import trainer
+    from transformer.training.resume import check_run_directory
     from transformer.training.run_dir import (
         check_sweep_directory,
         chooses_run_directory,
         discard_unused_run_directory,
         named_run_directory,
     )
-    from transformer.training.state import check_run_directory
     from transformer.training.sweep import interrupt_sweep, job_failed, sweep_interrupted
 
     started = time.time() - 0.1  # what this start writes is newer (the file clock is a tick behind)

@@ -31,19 +31,20 @@ from transformer.cli.args import (
     given_decoding_options,
     parse_sampling,
 )
+from transformer.cli.run import run_command
 from transformer.config import (
-    ConfigError,
     check_decode_options,
 )
 from transformer.errors import (
-    CheckpointError,
+    UsageError,
     discard_stdout,
     import_torch_holding_interrupts,
-    next_interrupt_ends_at_once,
     overwritten_input,
 )
+from transformer.inference.request import DecodeRequest
 
 if TYPE_CHECKING:  # imported where used: torch comes with them
+    from transformer.inference.search import Sampling
     from transformer.inference.translator import Translator
 
 
@@ -183,36 +184,55 @@ DECODING_OPTIONS = ("beam", "nbest", "alpha", "max_len_a", "max_len_b", "samplin
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except KeyboardInterrupt:  # Ctrl-C; while streaming, what was translated has been written
-        next_interrupt_ends_at_once()
-        print("transformer-translate: interrupted", file=sys.stderr)
-        return 130
+    # Ctrl-C; while streaming, what was translated has been written
+    return run_command("transformer-translate", lambda: _translate(args))
 
 
-def _fail(message: str) -> int:
-    print(f"transformer-translate: error: {message}", file=sys.stderr)
-    return 2
+def _translate(args) -> int:
+    """Check everything the command line says before the model loads, load it, then translate."""
+    sampling, given = _check(args)
+    translator = _load(args, sampling, given)
+    return _run(args, translator, sampling)
 
 
-def _run(args) -> int:
+def _check(args) -> tuple[Sampling | None, set[str]]:
+    """Refuse (UsageError) what cannot run, before torch and the model load: the decoding options, the
+    files named, the streams. Returns --sampling parsed and the decoding flags given."""
     scoring = args.score_reference is not None
     given = {name for name in DECODING_OPTIONS if getattr(args, name) is not None}
     args.nbest = 1 if args.nbest is None else args.nbest
     args.temperature = 1.0 if args.temperature is None else args.temperature
     args.seed = 1 if args.seed is None else args.seed
-    try:  # refused before the model is loaded
+    try:
         check_decode_options(given_decoding_options(args), "cli")
     except ValueError as error:
-        return _fail(str(error))
+        raise UsageError(str(error)) from None
     sampled = args.sampling is not None  # beyond these, the scaled scores overflow or vanish
     if not math.isfinite(args.temperature) or (sampled and not 1e-6 <= args.temperature <= 1e6):
-        return _fail(
+        raise UsageError(
             f"--temperature {args.temperature}: must be between 1e-6 and 1e6 (1 = the model's own distribution)"
         )
     if sampled and not 0 <= args.seed < 2**63:
-        return _fail(f"--seed {args.seed}: must be a whole number from 0 to 2**63 - 1")
+        raise UsageError(f"--seed {args.seed}: must be a whole number from 0 to 2**63 - 1")
+    _check_files(args)
+    sampling = None
+    if args.sampling is not None:
+        try:
+            sampling = parse_sampling(args.sampling, args.temperature, args.seed)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        if scoring:
+            sampling = None
+        elif args.nbest != 1 or (args.beam or 1) != 1:
+            raise UsageError("--sampling draws one translation per line: leave out --beam and --nbest")
+    bad_device = device_error(args.device)
+    if bad_device:
+        raise UsageError(bad_device)
+    return sampling, given
+
+
+def _check_files(args) -> None:
+    """The files and streams the command line names: each usable, none written over another."""
     for flag, path in (
         ("--input", args.input),
         ("--output", args.output),
@@ -220,76 +240,71 @@ def _run(args) -> int:
         ("--prefix", args.prefix),
     ):
         if path is not None and not path.strip():
-            return _fail(f"{flag} is empty (an unset shell variable?); give a file name")
+            raise UsageError(f"{flag} is empty (an unset shell variable?); give a file name")
     if args.output and Path(args.output).is_dir():
-        return _fail(f"--output {args.output}: is a directory; give a file name")
+        raise UsageError(f"--output {args.output}: is a directory; give a file name")
     if args.output:  # found now, not after the whole file is translated
         parent = Path(args.output).parent  # as open() will take it: no ~ expansion
         if not parent.is_dir():
-            return _fail(f"--output {args.output}: no directory {parent}; create it first")
+            raise UsageError(f"--output {args.output}: no directory {parent}; create it first")
         if not os.access(args.output if Path(args.output).exists() else parent, os.W_OK):
-            return _fail(f"--output {args.output}: cannot be written (permission denied)")
+            raise UsageError(f"--output {args.output}: cannot be written (permission denied)")
     elif sys.stdout is None:
-        return _fail("stdout is closed; give --output FILE")
+        raise UsageError("stdout is closed; give --output FILE")
     if not args.input and sys.stdin is None:
-        return _fail("stdin is closed; give --input FILE")
+        raise UsageError("stdin is closed; give --input FILE")
     overwritten = _overwritten_input(args)
     if overwritten:
-        return _fail(overwritten)
-    sampling = None
-    if args.sampling is not None:
-        try:
-            sampling = parse_sampling(args.sampling, args.temperature, args.seed)
-        except ValueError as error:
-            return _fail(str(error))
-        if scoring:
-            sampling = None
-        elif args.nbest != 1 or (args.beam or 1) != 1:
-            return _fail("--sampling draws one translation per line: leave out --beam and --nbest")
-    bad_device = device_error(args.device)
-    if bad_device:
-        return _fail(bad_device)
+        raise UsageError(overwritten)
+
+
+def _load(args, sampling: Sampling | None, given: set[str]) -> Translator:
+    """The checkpoint(s) loaded and checked against the command line: the target language, the beam."""
+    scoring = args.score_reference is not None
     try:
         translator = load_translator(args)
-    except (CheckpointError, ConfigError, ValueError) as error:
-        return _fail(str(error))
-    try:  # every path below translates into this language
         translator.tgt_lang = translator.target_language(args.tgt_lang, knob="--tgt-lang ")
-    except ValueError as error:
-        return _fail(str(error))
+    except ValueError as error:  # ConfigError is one; CheckpointError is the skeleton's
+        raise UsageError(str(error)) from None
     if not scoring:
         if args.beam is None:  # one draw per line, or the decode config the model was trained with
             args.beam = 1 if sampling is not None else translator.config.decode.beam_size
             if args.nbest > args.beam:
-                return _fail(
+                raise UsageError(
                     f"--nbest {args.nbest}: the checkpoint's beam size is {args.beam}; add --beam {args.nbest}"
                 )
         if too_wide := translator.beam_error(args.beam, "--beam "):
-            return _fail(too_wide)
+            raise UsageError(too_wide)
     ignored = _ignored_options(given, scoring, args.beam)
     if ignored:
         print(f"transformer-translate: warning: {ignored}", file=sys.stderr)
     if args.prefix is not None and scoring:
-        return _fail("--prefix is for translating; --score-reference scores the given translations whole")
+        raise UsageError("--prefix is for translating; --score-reference scores the given translations whole")
+    return translator
+
+
+def _read(path: str | None, flag: str, stdin=None) -> tuple[list[str], int]:
+    """The lines of `path` (`flag` names it in an error), or of `stdin`; and how many were not UTF-8."""
+    try:
+        if path is None:
+            return read_input(stdin)
+        with open(path, "rb") as handle:
+            return read_input(handle)
+    except OSError as error:
+        raise UsageError(f"{flag + ' ' if flag else ''}{path or 'stdin'}: {error.strerror}") from None
+
+
+def _run(args, translator: Translator, sampling: Sampling | None) -> int:
+    """Translate (or score) the input and write the result."""
+    scoring = args.score_reference is not None
     if not scoring and sampling is None and args.prefix is None and not args.input and _streams(sys.stdin):
         return _translate_stream(translator, args)
-    try:
-        if args.input:
-            with open(args.input, "rb") as handle:
-                lines, bad = read_input(handle)
-        else:
-            lines, bad = read_input(sys.stdin.buffer)
-    except OSError as error:
-        return _fail(f"{args.input or 'stdin'}: {error.strerror}")
+    lines, bad = _read(args.input, "", stdin=sys.stdin.buffer)
     _warn_invalid(bad)
     if scoring:
-        try:
-            with open(args.score_reference, "rb") as handle:
-                references, _ = read_input(handle)
-        except OSError as error:
-            return _fail(f"--score-reference {args.score_reference}: {error.strerror}")
+        references, _ = _read(args.score_reference, "--score-reference")
         if len(references) != len(lines):
-            return _fail(
+            raise UsageError(
                 f"--score-reference {args.score_reference}: {len(references)} lines for "
                 f"{len(lines)} input lines; give one translation per input line"
             )
@@ -298,19 +313,14 @@ def _run(args) -> int:
         return _write("".join(f"{value:.4f}\n" for value in scores), args.output)
     prefixes = None
     if args.prefix is not None:
-        try:
-            with open(args.prefix, "rb") as handle:
-                prefixes, _ = read_input(handle)
-        except OSError as error:
-            return _fail(f"--prefix {args.prefix}: {error.strerror}")
+        prefixes, _ = _read(args.prefix, "--prefix")
         if len(prefixes) != len(lines):
-            return _fail(
+            raise UsageError(
                 f"--prefix {args.prefix}: {len(prefixes)} lines for {len(lines)} input lines; give one "
                 "prefix per input line (an empty line for none)"
             )
-    results = _translate_lines(
-        translator, lines, args, sampling, progress=bool(args.output) and sys.stderr.isatty(), prefixes=prefixes
-    )
+    request = _request(args, sampling, prefixes)
+    results = _translate_lines(translator, lines, request, progress=bool(args.output) and sys.stderr.isatty())
     return _write(_format(results, args.nbest, first_index=0), args.output)
 
 
@@ -379,23 +389,24 @@ def _streams(stdin) -> bool:
         return False
 
 
-def _translate_lines(
-    translator: Translator, lines: list[str], args, sampling, progress: bool = False, prefixes: list[str] | None = None
-):
+def _request(args, sampling: Sampling | None, prefixes: list[str] | None = None) -> DecodeRequest:
+    """The decoding the command line asks for, as the translator takes it."""
+    return DecodeRequest(
+        beam_size=args.beam,
+        nbest=args.nbest,
+        max_len_a=args.max_len_a,
+        alpha=None if sampling is not None or args.beam == 1 else args.alpha,  # its warning is said
+        max_len_b=args.max_len_b,
+        batch_tokens=args.batch_tokens,
+        sampling=sampling,
+        prefixes=prefixes,
+        workers=args.workers,
+    )
+
+
+def _translate_lines(translator: Translator, lines: list[str], request: DecodeRequest, progress: bool = False):
     with _warnings_as_lines():
-        return translator.translate_hypotheses(
-            lines,
-            beam_size=args.beam,
-            nbest=args.nbest,
-            max_len_a=args.max_len_a,
-            alpha=None if sampling is not None or args.beam == 1 else args.alpha,  # its warning is said
-            max_len_b=args.max_len_b,
-            batch_tokens=args.batch_tokens,
-            progress=progress,
-            sampling=sampling,
-            prefixes=prefixes,
-            workers=args.workers,
-        )
+        return translator.translate_hypotheses(lines, request, progress=progress)
 
 
 @contextlib.contextmanager
@@ -430,22 +441,22 @@ def _translate_stream(translator: Translator, args) -> int:
     try:
         out = open(args.output, "w", encoding="utf-8") if args.output else None
     except OSError as error:
-        return _fail(f"--output {args.output}: {error.strerror}")
+        raise UsageError(f"--output {args.output}: {error.strerror}") from None
     # The reader thread reads its own file object on a copy of stdin's descriptor: it may still be
     # waiting for a line when the command ends (Ctrl-C, a failed write), holding that object's lock,
     # and Python's shutdown would abort on sys.stdin's.
     source = open(os.dup(sys.stdin.fileno()), "rb")
-    done = 0
+    done, request = 0, _request(args, None)
     try:
         for lines, bad in stream_chunks(source):
             _warn_invalid(bad)
-            text = _format(_translate_lines(translator, lines, args, None), args.nbest, first_index=done)
+            text = _format(_translate_lines(translator, lines, request), args.nbest, first_index=done)
             done += len(lines)
             stopped = _send(text, out, args.output)
             if stopped is not None:
                 return stopped
     except OSError as error:  # from stream_chunks: _send reports its own
-        return _fail(f"reading the input: {error.strerror or error}")
+        raise UsageError(f"reading the input: {error.strerror or error}") from None
     finally:
         _close(out)
     return 0
@@ -464,7 +475,7 @@ def _write(text: str, output: str | None) -> int:
     try:
         out = open(output, "w", encoding="utf-8") if output else None
     except OSError as error:
-        return _fail(f"--output {output}: {error.strerror}")
+        raise UsageError(f"--output {output}: {error.strerror}") from None
     try:
         return _send(text, out, output) or 0
     finally:
@@ -473,8 +484,8 @@ def _write(text: str, output: str | None) -> int:
 
 def _send(text: str, out, output: str | None) -> int | None:
     """Write and flush `text` to the open --output file `out`, or to stdout (`out` None). None when it
-    was written; otherwise the exit code: 0 when the reader went away (`| head`), 2 with one error
-    line when it could not be written (a full disk, ...)."""
+    was written; 0 when the reader went away (`| head`); a UsageError when it could not be written (a
+    full disk, ...)."""
     try:
         if out is not None:
             out.write(text)
@@ -489,7 +500,7 @@ def _send(text: str, out, output: str | None) -> int | None:
         if isinstance(error, BrokenPipeError):
             return 0
         where = f"--output {output}" if out is not None else "stdout"
-        return _fail(f"{where}: cannot write the output: {error.strerror or error}")
+        raise UsageError(f"{where}: cannot write the output: {error.strerror or error}") from None
 
 
 def _close(out) -> None:

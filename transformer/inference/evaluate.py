@@ -9,50 +9,79 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformer.data.sources import DataError, load_split_text, read_lines
 from transformer.errors import overwritten_input
+from transformer.inference.request import DecodeRequest
+
+
+@dataclass(frozen=True)
+class Models:
+    """What an evaluation loads: one checkpoint or exported model, or several (an ensemble, with optional
+    `weights`), on `device` in `precision`, with `quantize` (int8) or not."""
+
+    checkpoints: tuple[str | Path, ...]
+    weights: list[float] | None = None
+    device: str = "auto"
+    precision: str = "auto"
+    quantize: str | None = None
+
+    @classmethod
+    def of(cls, given: Models | str | Path | list | tuple) -> Models:
+        """A Models from itself, a path, or a list of paths."""
+        if isinstance(given, Models):
+            return given
+        return cls(tuple(given) if isinstance(given, (list, tuple)) else (given,))
+
+
+@dataclass(frozen=True)
+class EvaluationSet:
+    """What an evaluation translates and scores: a split of the checkpoint's data config, or a `src_file`
+    and `ref_file` pair; `src_lang`: the source language of another direction of a multilingual model (the
+    target language is the decode request's `tgt_lang`); `tokenized_lc`: a file of the references lowercased
+    and Moses-tokenized (Multi30k's tok/*.lc.norm.tok.*), for BLEU as the literature reports it beside ours
+    (`scoring.tokenized_lowercased_bleu`)."""
+
+    split: str = "test"
+    src_file: str | None = None
+    ref_file: str | None = None
+    src_lang: str | None = None
+    tokenized_lc: str | None = None
 
 
 def evaluate(
-    checkpoint: str | Path | list[str | Path],
-    split: str = "test",
-    src_file: str | None = None,
-    ref_file: str | None = None,
-    beam_size: int | None = None,
-    alpha: float | None = None,
-    device: str = "auto",
-    precision: str = "auto",
-    batch_tokens: int | None = None,
-    max_len_a: float | None = None,
-    max_len_b: int | None = None,
+    models: Models | str | Path | list,
+    data: EvaluationSet = EvaluationSet(),
+    request: DecodeRequest | None = None,
     *,
-    weights: list[float] | None = None,
-    quantize: str | None = None,
-    workers: int | None = None,
-    tokenized_lc: str | None = None,
-    src_lang: str | None = None,
-    tgt_lang: str | None = None,
     label: str | None = None,
     translator=None,
 ) -> dict:
-    """`checkpoint`: one, or a list (an ensemble, with optional `weights`). `tokenized_lc`: a file of the
-    references lowercased and Moses-tokenized (Multi30k's tok/*.lc.norm.tok.*): BLEU as the literature
-    reports it, beside ours (`validate.tokenized_lowercased_bleu`). `src_lang` / `tgt_lang`: another
-    direction of a multilingual model (the split's files in those languages; the translations into
-    `tgt_lang`, which files given with `src_file` need). `label`: added to the output files' names;
-    `translator`: the checkpoints already loaded (a search or several directions load them once)."""
+    """Translate `data` with `models` as `request` asks (its `tgt_lang`: another direction of a
+    multilingual model, the translations into it), score them, and write the hypotheses and the scores
+    beside the first checkpoint. `label`: added to the output files' names; `translator`: the models
+    already loaded (a search or several directions load them once)."""
     from transformer.data.langid import off_target
     from transformer.inference.scoring import score, tokenized_lowercased_bleu
     from transformer.inference.translator import Translator
 
-    checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
+    models, request = Models.of(models), request or DecodeRequest()
+    checkpoints, weights, quantize = list(models.checkpoints), models.weights, models.quantize
     checkpoint = checkpoints[0]
     translator = translator or Translator.from_checkpoints(
-        checkpoints, weights, device=device, precision=precision, quantize=quantize
+        checkpoints, weights, device=models.device, precision=models.precision, quantize=quantize
     )
-    data = translator.config.data
+    split, src_file, ref_file, src_lang, tokenized_lc = (
+        data.split,
+        data.src_file,
+        data.ref_file,
+        data.src_lang,
+        data.tokenized_lc,
+    )
+    tgt_lang, alpha = request.tgt_lang, request.alpha
+    data = translator.config.data  # from here on: the data config of the direction scored
     known = data.languages()
     if src_lang and not data.target_languages() and src_lang != data.src_lang:
         raise DataError(
@@ -104,7 +133,7 @@ def evaluate(
             raise DataError(
                 "--tokenized-lc tokenizes for the target language, and the checkpoint's data.tgt_lang is not set"
             )
-    beam = translator.config.decode.beam_size if beam_size is None else beam_size
+    beam = translator.config.decode.beam_size if request.beam_size is None else request.beam_size
     name += (
         (f".ensemble{len(checkpoints)}" if len(checkpoints) > 1 else "")
         + (f".{quantize}" if quantize else "")
@@ -128,16 +157,8 @@ def evaluate(
                 "it; move or rename that file"
             )
     started = time.perf_counter()
-    hypotheses = translator.translate(
-        sources,
-        beam_size=beam,
-        alpha=alpha,
-        batch_tokens=batch_tokens,
-        max_len_a=max_len_a,
-        max_len_b=max_len_b,
-        progress=sys.stderr.isatty(),
-        workers=workers,
-    )
+    asked = dataclasses.replace(request, beam_size=beam, tgt_lang=None)  # the language: translator.tgt_lang
+    hypotheses = translator.translate(sources, asked, progress=sys.stderr.isatty())
     seconds = time.perf_counter() - started
     result = {
         "checkpoint": str(checkpoint),

@@ -8,7 +8,8 @@ implement it with hand-written probability tables. A target prefix (`prefixes`) 
 tokens of a sentence; search continues from there. Text in, text out goes through
 `transformer.inference.translator.Translator`, which calls `translate_ids` here.
 
-Shapes: n open sentences, K beam size, t tokens so far (BOS included), V vocabulary.
+Shapes: the legend of transformer/attention.py (B, S, T, D, K, ...), and here n open sentences, t tokens so
+far (BOS included), V vocabulary.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class EncoderDecoder(Protocol):
     def encode(self, src: torch.Tensor) -> torch.Tensor: ...  # (B, S) -> (B, S, D)
 
     def decode(self, tgt_in: torch.Tensor, memory, src_pad_mask, cache=None) -> torch.Tensor: ...  # (B, T, V)
+
+    def decode_step(self, tokens: torch.Tensor, cache) -> torch.Tensor: ...  # (B, t) -> (B, V)
 
     def new_cache(self, memory: torch.Tensor, src_pad_mask: torch.Tensor): ...
 
@@ -101,7 +104,7 @@ class ModelDecoder:
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (rows, t) -> logits (rows, V) of token t+1, in the model's compute dtype."""
         if self.cache is not None:
-            return self.model.decode(tokens[:, -1:], None, None, self.cache)[:, -1]
+            return self.model.decode_step(tokens, self.cache)
         # Without the cache, recompute the whole prefix: the slow reference for tests and benchmarks.
         return self.model.decode(tokens, self.memory, self.src_pad_mask)[:, -1]
 
@@ -241,6 +244,26 @@ class Sampling:
         return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
+@dataclass(frozen=True)
+class Search:
+    """A decoding as `translate_ids` runs it, every option resolved: the beam (1: greedy search), the
+    length penalty `alpha`, `nbest` hypotheses per sentence, the length limit `max_len_a * source + max_len_b`,
+    `batch_tokens` (source tokens times the beam per batch), `sampling` instead of a search, `prefixes`
+    (per source, target token ids without BOS forced first, [] for none), `workers` (CPU processes) and
+    `use_cache` (the key/value cache; False recomputes every prefix)."""
+
+    beam_size: int = 5
+    alpha: float = 0.0
+    nbest: int = 1
+    max_len_a: float = 1.2
+    max_len_b: int = 10
+    batch_tokens: int = DEFAULT_BATCH_TOKENS
+    sampling: Sampling | None = None
+    prefixes: list[list[int]] | None = None
+    workers: int = 1
+    use_cache: bool = True
+
+
 # Greedy search drops finished sentences from the batch (and the decoder's caches) once they are this
 # share of its rows, not at every step where one finishes: copying every cache for a few rows costs more
 # than carrying them a few steps.
@@ -296,7 +319,7 @@ def greedy_search(
             logprob[done_rows].tolist(),
             forced[done_rows].tolist(),
         ):
-            results[sentence] = Hypothesis(ids, score, score, was_forced)
+            results[sentence] = Hypothesis(tokens=ids, score=score, logprob=score, hit_max_len=was_forced)
         decoding = decoding & ~done
         carried += done_rows.numel()
         rows = decoding.numel()
@@ -382,9 +405,13 @@ def beam_search(
                     if token_lists is None:
                         token_lists = tokens.tolist()  # only in steps where hypotheses finish
                     raw = row_read[2 * top + j]
-                    finished[open_ids[i]].append(
-                        Hypothesis(token_lists[i * beams + int(row_read[top + j])][1:], raw / penalty, raw, forced[i])
+                    hypothesis = Hypothesis(
+                        tokens=token_lists[i * beams + int(row_read[top + j])][1:],
+                        score=raw / penalty,
+                        logprob=raw,
+                        hit_max_len=forced[i],
                     )
+                    finished[open_ids[i]].append(hypothesis)
         rows = (torch.arange(n, device=device)[:, None] * beams + top_beams.gather(1, picks)).view(-1)
         tokens = torch.cat([tokens[rows], top_tokens.gather(1, picks).view(-1, 1)], dim=1)
         scores = next_scores
@@ -442,33 +469,24 @@ def _closed(
 def translate_ids(
     model: EncoderDecoder | Sequence[EncoderDecoder],
     sources: list[list[int]],
+    search: Search = Search(),
     *,
-    beam_size: int = 5,
-    alpha: float = 0.0,
-    max_len_a: float = 1.2,
-    max_len_b: int = 10,
-    nbest: int = 1,
-    batch_tokens: int = DEFAULT_BATCH_TOKENS,
     device: torch.device | str = "cpu",
-    use_cache: bool = True,
-    progress=None,
-    autocast=None,
-    stop=None,
-    sampling: Sampling | None = None,
     weights: Sequence[float] | None = None,
-    prefixes: list[list[int]] | None = None,
-    workers: int = 1,
+    autocast=None,
+    progress=None,
+    stop=None,
 ) -> list[list[Hypothesis]]:
-    """Decode token-id sources (without EOS) in length-sorted batches; results in input order.
-    With `sampling`, one sampled hypothesis per sentence (the beam size is not used).
+    """Decode token-id sources (without EOS) as `search` says, in length-sorted batches; results in input
+    order. With `search.sampling`, one sampled hypothesis per sentence (the beam size is not used).
 
-    `beam_size=1` runs greedy search. `model` may be a list of models sharing one vocabulary: an
-    ensemble (`EnsembleDecoder`, optionally `weights`). `prefixes`: per source, target token ids
-    (without BOS) to force first, [] for none; the hypotheses start with them. Sources longer than the
-    model's positions, and prefixes that leave no room for EOS, are cut by the caller (see
+    A beam of 1 runs greedy search. `model` may be a list of models sharing one vocabulary: an ensemble
+    (`EnsembleDecoder`, optionally `weights`). The hypotheses start with their `search.prefixes`. Sources
+    longer than the model's positions, and prefixes that leave no room for EOS, are cut by the caller (see
     `Translator`). `stop`, if given, is asked before every batch; True raises `Interrupted`. On a CPU,
-    `workers` > 1 decodes that many batches at a time, one core each (`in_processes`).
+    `search.workers` > 1 decodes that many batches at a time, one core each (`in_processes`).
     """
+    beam_size, sampling, prefixes = search.beam_size, search.sampling, search.prefixes
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     results: list[list[Hypothesis]] = [[] for _ in sources]
     limit = min(m.cfg.max_positions for m in models) - 1
@@ -476,16 +494,16 @@ def translate_ids(
     def attempt(indices: list[int]) -> list[list[Hypothesis]]:
         src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(device)  # (B, S)
         with autocast() if autocast is not None else contextlib.nullcontext():
-            decoders = [ModelDecoder(m, src, use_cache) for m in models]
+            decoders = [ModelDecoder(m, src, search.use_cache) for m in models]
             decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, weights)
-            lens = max_lengths(src, max_len_a, max_len_b, limit)  # (B,)
+            lens = max_lengths(src, search.max_len_a, search.max_len_b, limit)  # (B,)
             prefix = None
             if prefixes is not None and any(prefixes[i] for i in indices):
                 prefix = pad_sequences([prefixes[i] for i in indices]).to(device)  # (B, P), PAD after each
                 lens = torch.maximum(lens, (prefix != PAD_ID).sum(dim=1) + 1)  # room for the prefix and EOS
             if beam_size == 1 or sampling is not None:
                 return [[h] for h in greedy_search(decoder, lens, sampling, prefix)]
-            return beam_search(decoder, lens, beam_size, alpha, nbest, prefix)
+            return beam_search(decoder, lens, beam_size, search.alpha, search.nbest, prefix)
 
     def done(indices: list[int], batch_results: list[list[Hypothesis]]) -> None:
         for index, hyps in zip(indices, batch_results):
@@ -518,9 +536,9 @@ def translate_ids(
         for each in models:
             in_eval_mode.enter_context(eval_mode(each))
         lengths = [len(s) for s in sources]
-        budget = max(1, batch_tokens // hypotheses)  # source tokens per batch
+        budget = max(1, search.batch_tokens // hypotheses)  # source tokens per batch
         # Sampling draws from one generator in batch order, so that its samples depend on the seed alone.
-        workers = workers if torch.device(device).type == "cpu" and sampling is None else 1
+        workers = search.workers if torch.device(device).type == "cpu" and sampling is None else 1
         if workers > 1:  # enough batches that the workers end together: about 4 each, not tiny ones
             budget = min(budget, max(PARALLEL_MIN_BATCH_TOKENS, sum(lengths) // (4 * workers)))
         batches = batches_in_order(lengths, budget)

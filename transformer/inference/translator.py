@@ -5,6 +5,7 @@ options (beam_size, alpha, ...) are defined and checked once, with the config's:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from tqdm import tqdm
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import QUANTIZATIONS, check_decode_options, check_weights
 from transformer.data.batching import batches_in_order, pad_sequences
-from transformer.inference.search import Hypothesis, Sampling, translate_ids
+from transformer.inference.request import DecodeRequest
+from transformer.inference.search import Hypothesis, Search, translate_ids
 from transformer.kernels import is_int8
 from transformer.model import eval_mode
 from transformer.runtime import DTYPES, Runtime, autocast_factory
@@ -177,82 +179,45 @@ class Translator:
             )
         return [s[:limit] for s in sources]
 
-    def translate_hypotheses(self, sentences: list[str], **options) -> list[list[tuple[str, float]]]:
-        """n-best (text, score) lists, best first; the options of `hypotheses`."""
-        return [[(h.text, h.score) for h in hyps] for hyps in self.hypotheses(sentences, **options)]
+    def translate_hypotheses(
+        self, sentences: list[str], request: DecodeRequest | None = None, **options
+    ) -> list[list[tuple[str, float]]]:
+        """n-best (text, score) lists, best first; the arguments of `hypotheses`."""
+        return [[(h.text, h.score) for h in hyps] for hyps in self.hypotheses(sentences, request, **options)]
 
     def hypotheses(
         self,
         sentences: list[str],
+        request: DecodeRequest | None = None,
         *,
-        beam_size: int | None = None,
-        alpha: float | None = None,
-        nbest: int | None = None,
-        max_len_a: float | None = None,
-        max_len_b: int | None = None,
-        batch_tokens: int | None = None,
         progress: bool | None = False,
         desc: str = "translate",
-        sampling: Sampling | None = None,
         stop=None,
-        use_cache: bool = True,
-        prefixes: list[str] | None = None,
-        workers: int | None = None,
-        tgt_lang: str | None = None,
+        **options,
     ) -> list[list[Hypothesis]]:
-        """n-best `Hypothesis` lists (text, score, tokens, ...), best first. Options left out come from the
-        config's decode section (nbest, batch_tokens: the schema's defaults; `DecodeConfig.for_translation`),
-        and a bad one is a ValueError naming it. Empty sentences translate to ''. With `sampling`
-        (`search.Sampling`), one
-        sampled translation per sentence instead of a search. `prefixes`: one target-language prefix per
-        sentence ('' for none) that each translation starts with, the search continuing after it (its
-        log-probability counts in the score). `workers`: on the CPU, batches decoded at a time, one core
-        each (`search.in_processes`; None: as many as PyTorch has threads, i.e. the cores). `progress`: a
-        tqdm bar (None: when stderr is a terminal); `stop()`, asked between batches, may raise
-        `search.Interrupted`; `use_cache=False` recomputes every prefix (the bench's reference).
-        `tgt_lang`: the target language of a multilingual model (`target_languages`), which needs one."""
+        """n-best `Hypothesis` lists (text, score, tokens, ...), best first, for what `request` asks
+        (`DecodeRequest`; or its fields as keywords, `options`: beam_size=5, tgt_lang="fr", ...). Options
+        left out come from the config's decode section (`DecodeConfig.for_translation`), and a bad one is
+        a ValueError naming it. Empty sentences translate to ''. `progress`: a tqdm bar (None: when stderr
+        is a terminal); `stop()`, asked between batches, may raise `errors.Interrupted`."""
+        if request is not None and options:
+            raise TypeError(f"give a DecodeRequest or its options as keywords, not both ({', '.join(options)})")
+        if request is not None and not isinstance(request, DecodeRequest):
+            raise TypeError(f"request={request!r}: give a DecodeRequest, or the options as keywords (beam_size=5)")
+        request = request or DecodeRequest(**options)
         sentences = list_of_str(sentences, "sentences", "translate([text])")
-        language = self.target_language(tgt_lang)  # refused before anything else is done
-        if workers is not None and (type(workers) is not int or workers < 1):
-            raise ValueError(f"workers={workers!r}: must be a whole number >= 1 (None: one per core)")
+        language = self.target_language(request.tgt_lang)  # refused before anything else is done
         if stop is not None and not callable(stop):
             raise TypeError(f"stop={stop!r}: must be a function asked between batches (True stops the decoding)")
-        if sampling is not None:
-            searched = [
-                f"{name}={value}"
-                for name, value in (("beam_size", beam_size), ("nbest", nbest))
-                if value not in (None, 1)
-            ]
-            if searched:
-                raise ValueError(f"sampling draws one translation per sentence: leave out {' and '.join(searched)}")
-        prefix_ids = self.encode_prefixes(prefixes, len(sentences))
-        batch_tokens_given = batch_tokens is not None
-        decode = self.config.decode.for_translation(
-            beam_size=beam_size,
-            nbest=nbest,
-            max_len_a=max_len_a,
-            alpha=self.config.decode.alpha_for(language) if alpha is None else alpha,
-            max_len_b=max_len_b,
-            batch_tokens=batch_tokens,
-        )
-        if alpha is not None and (sampling is not None or decode.beam_size == 1):
-            warnings.warn(
-                f"alpha={alpha} is ignored by greedy search and sampling (the length penalty ranks the "
-                "hypotheses of a beam of 2 or more)",
-                stacklevel=3,
-            )
-        beam_size, alpha, nbest = decode.beam_size, decode.alpha, decode.nbest
-        if too_wide := self.beam_error(beam_size, "beam_size="):
-            raise ValueError(too_wide)
-        max_len_a, max_len_b, batch_tokens = decode.max_len_a, decode.max_len_b, decode.batch_tokens
-        if self.quantized and not batch_tokens_given:  # int8 runs fastest on batches of a few thousand
-            rows = 1 if sampling is not None or beam_size == 1 else beam_size
-            batch_tokens = min(batch_tokens, INT8_SOURCE_TOKENS * rows)
+        search = self.search(request, language, len(sentences))
+        prefix_ids = search.prefixes
         sources = self.encode_sources(
-            sentences, tgt_lang, tag_empty=[bool(ids) for ids in prefix_ids] if prefix_ids else False
+            sentences, request.tgt_lang, tag_empty=[bool(ids) for ids in prefix_ids] if prefix_ids else False
         )
         # An empty sentence translates to '' unless it has a prefix, which its translation starts with.
         wanted = [i for i, s in enumerate(sources) if s or (prefix_ids is not None and prefix_ids[i])]
+        if prefix_ids is not None:
+            search = dataclasses.replace(search, prefixes=[prefix_ids[i] for i in wanted])
         results: list[list[Hypothesis]] = [[] for _ in sources]
         with tqdm(
             total=len(wanted), desc=desc, unit="sent", leave=False, disable=None if progress is None else not progress
@@ -260,28 +225,60 @@ class Translator:
             decoded = translate_ids(
                 self.models,
                 [sources[i] for i in wanted],
-                beam_size=beam_size,
-                alpha=alpha,
-                nbest=nbest,
-                max_len_a=max_len_a,
-                max_len_b=max_len_b,
-                batch_tokens=batch_tokens,
+                search,
                 device=self.device,
-                progress=bar,
-                autocast=self.autocast,
-                sampling=sampling,
-                stop=stop,
-                use_cache=use_cache,
                 weights=self.weights,
-                prefixes=None if prefix_ids is None else [prefix_ids[i] for i in wanted],
-                workers=cpu_workers(self.device) if workers is None else workers,
+                autocast=self.autocast,
+                progress=bar,
+                stop=stop,
             )
         for index, hyps in zip(wanted, decoded):
             results[index] = hyps
         flat = [h for hyps in results for h in hyps]
         for hyp, text in zip(flat, self.tokenizer.decode_tgt([h.tokens for h in flat])):
             hyp.text = text
-        return [hyps or [Hypothesis([], 0.0, 0.0) for _ in range(nbest)] for hyps in results]
+        empty = Hypothesis(tokens=[], score=0.0, logprob=0.0)
+        return [hyps or [dataclasses.replace(empty) for _ in range(search.nbest)] for hyps in results]
+
+    def search(self, request: DecodeRequest, language: str | None, count: int) -> Search:
+        """`request` resolved against this model's decode section, checked (a ValueError names the
+        option), its prefixes encoded (`count` sentences)."""
+        if request.workers is not None and (type(request.workers) is not int or request.workers < 1):
+            raise ValueError(f"workers={request.workers!r}: must be a whole number >= 1 (None: one per core)")
+        sampling, given = request.sampling, request.search_options()
+        if sampling is not None:
+            searched = [f"{name}={given[name]}" for name in ("beam_size", "nbest") if given[name] not in (None, 1)]
+            if searched:
+                raise ValueError(f"sampling draws one translation per sentence: leave out {' and '.join(searched)}")
+        prefix_ids = self.encode_prefixes(request.prefixes, count)
+        alpha = given["alpha"]
+        decode = self.config.decode.for_translation(
+            **{**given, "alpha": self.config.decode.alpha_for(language) if alpha is None else alpha}
+        )
+        if alpha is not None and (sampling is not None or decode.beam_size == 1):
+            warnings.warn(
+                f"alpha={alpha} is ignored by greedy search and sampling (the length penalty ranks the "
+                "hypotheses of a beam of 2 or more)",
+                stacklevel=4,
+            )
+        if too_wide := self.beam_error(decode.beam_size, "beam_size="):
+            raise ValueError(too_wide)
+        batch_tokens = decode.batch_tokens
+        if self.quantized and given["batch_tokens"] is None:  # int8 runs fastest on batches of a few thousand
+            rows = 1 if sampling is not None or decode.beam_size == 1 else decode.beam_size
+            batch_tokens = min(batch_tokens, INT8_SOURCE_TOKENS * rows)
+        return Search(
+            beam_size=decode.beam_size,
+            alpha=decode.alpha,
+            nbest=decode.nbest,
+            max_len_a=decode.max_len_a,
+            max_len_b=decode.max_len_b,
+            batch_tokens=batch_tokens,
+            sampling=sampling,
+            prefixes=prefix_ids,
+            workers=cpu_workers(self.device) if request.workers is None else request.workers,
+            use_cache=request.use_cache,
+        )
 
     def beam_error(self, beam_size: int, knob: str) -> str | None:
         """A beam wider than the target vocabulary: more hypotheses than pieces to extend them with, time
@@ -352,9 +349,10 @@ class Translator:
                 scores[index] = value
         return scores
 
-    def translate(self, sentences: list[str], beam_size: int | None = None, **options) -> list[str]:
-        """One translation per sentence (the best hypothesis)."""
-        return [hyps[0][0] for hyps in self.translate_hypotheses(sentences, beam_size=beam_size, **options)]
+    def translate(self, sentences: list[str], request: DecodeRequest | None = None, **options) -> list[str]:
+        """One translation per sentence (the best hypothesis): `translate(["Ein Hund."], beam_size=5)`, or
+        with a `DecodeRequest`; the arguments of `hypotheses`."""
+        return [hyps[0][0] for hyps in self.translate_hypotheses(sentences, request, **options)]
 
 
 # Source tokens per batch (times the beam) of an int8 model when batch_tokens is not given: its dynamic

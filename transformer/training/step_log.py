@@ -16,6 +16,7 @@ import logging
 import math
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -27,6 +28,20 @@ log = logging.getLogger("transformer.train")
 
 # The slots of TrainLog.sums (float64, on the device).
 LOSS, NLL, CORRECT, FINITE_TOKENS, BAD_IN_A_ROW, BAD_IN_WINDOW, ALL_TOKENS = range(7)
+
+
+@dataclass
+class StepResult:
+    """One update's numbers, device tensors (nothing read back): `sums` (3,) the summed loss, NLL and
+    correctly predicted targets over every rank, `grad_norm` () before clipping, `finite` () bool,
+    `tokens` every rank's target tokens (a tensor under DDP, else a float). `out_of_memory`: the update was
+    dropped (its batch did not fit); the other fields are then None."""
+
+    sums: torch.Tensor | None = None
+    grad_norm: torch.Tensor | None = None
+    finite: torch.Tensor | None = None
+    tokens: torch.Tensor | float | None = None
+    out_of_memory: bool = False
 
 
 class TrainLog:
@@ -42,17 +57,17 @@ class TrainLog:
         self.sums[[LOSS, NLL, FINITE_TOKENS, BAD_IN_WINDOW, ALL_TOKENS, CORRECT]] = 0.0  # bad steps in a row carry on
         self.padding, self.steps, self.started = 0.0, 0, time.monotonic()
 
-    def add(self, stats: dict, micro) -> None:
-        """One step's device tensors (`Trainer.train_step`) and its micro-batches; reads nothing back."""
-        finite = stats["finite"]
+    def add(self, stats: StepResult, micro) -> None:
+        """One step's device tensors (`TrainingStep`) and its micro-batches; reads nothing back."""
+        finite = stats.finite
         bad = (~finite).double()
         sums = self.sums
-        sums[LOSS : CORRECT + 1] += torch.where(finite, stats["sums"], 0.0)  # loss, NLL, correct: finite steps
-        sums[FINITE_TOKENS] += (1.0 - bad) * stats["tokens"]  # their target tokens
+        sums[LOSS : CORRECT + 1] += torch.where(finite, stats.sums, 0.0)  # loss, NLL, correct: finite steps
+        sums[FINITE_TOKENS] += (1.0 - bad) * stats.tokens  # their target tokens
         sums[BAD_IN_A_ROW] = (sums[BAD_IN_A_ROW] + 1.0) * bad  # non-finite steps in a row
         sums[BAD_IN_WINDOW] += bad
-        sums[ALL_TOKENS] += stats["tokens"]  # every rank's target tokens
-        self.grad_norm = stats["grad_norm"]
+        sums[ALL_TOKENS] += stats.tokens  # every rank's target tokens
+        self.grad_norm = stats.grad_norm
         self.padding += sum(b.padding_share for b, _ in micro) / max(1, len(micro))
         self.steps += 1
 

@@ -9,15 +9,19 @@ draws it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from transformer.data.batching import batches_in_order
+from transformer.data.corpus import EncodedCorpus
 from transformer.errors import Interrupted
+from transformer.inference.request import DecodeRequest
 from transformer.inference.scoring import score
 from transformer.loss import output_cross_entropy, target_hidden, unwrap
 from transformer.model import eval_mode
@@ -28,7 +32,15 @@ log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def validation_loss(model, corpus, max_tokens: int, device, autocast, smoothing: float, stop=None):
+def validation_loss(
+    model: torch.nn.Module,
+    corpus: EncodedCorpus,
+    max_tokens: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    smoothing: float,
+    stop: Callable[[], bool] | None = None,
+) -> tuple[float, float, float]:
     """Per-token (label-smoothed loss, NLL, accuracy) over a whole prepared split (an `EncodedCorpus`);
     accuracy: the share of target tokens that are the most probable token given the reference before
     them. `stop()` is asked between batches and True raises `search.Interrupted`."""
@@ -137,14 +149,8 @@ class Validator:
         loss, nll, accuracy = validation_loss(
             self.model, self.corpus, tc.max_tokens, self.device, self.autocast, tc.label_smoothing, stop
         )
-        hyps = self.translator.hypotheses(
-            self.sources,
-            beam_size=tc.val_beam_size,
-            batch_tokens=dc.batch_tokens,
-            progress=None,
-            desc="validate",
-            stop=stop,
-        )
+        request = DecodeRequest(beam_size=tc.val_beam_size, batch_tokens=dc.batch_tokens)
+        hyps = self.translator.hypotheses(self.sources, request, progress=None, desc="validate", stop=stop)
         texts = [h[0].text for h in hyps]
         scores = score(texts, self.references, self.translator.tgt_lang or self.cfg.data.tgt_lang)
         metrics = {
