@@ -377,9 +377,22 @@ def test_resume_true_passes_over_a_weights_only_checkpoint(trained_run, tmp_path
     assert "optimizer" in state and state["step"] == load_checkpoint(checkpoints / "last.pt")["step"]
 
 
-def test_the_table_covers_every_defect_class():
-    assert len(CASES) == 48
+def test_the_table_covers_every_command_and_each_case_can_fail():
+    """Every command the table runs has cases; no two cases share an id (pytest would suffix the second
+    silently) or the same command line; each expected message is a regular expression that an empty or
+    unrelated line does not match; and every training case runs in the workspace (hydra.run.dir), so a
+    refusal that still wrote something would be seen there and not in the repository's outputs/."""
     assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
+    ids = [c[0] for c in CASES]
+    assert len(set(ids)) == len(ids), sorted(i for i in ids if ids.count(i) > 1)
+    command_lines = [(runner, tuple(args)) for _, runner, args, _ in CASES]
+    assert len(set(command_lines)) == len(command_lines)
+    for case_id, runner, args, pattern in CASES:
+        assert args and all(isinstance(a, str) for a in args), case_id
+        assert re.compile(pattern).search("") is None, case_id
+        assert re.search(pattern, "error: something else went wrong") is None, case_id
+        if runner == "train":
+            assert any(a.startswith("hydra.run.dir={ws}/") for a in args), case_id
 
 
 def test_translator_api_refuses_what_the_cli_refuses(untrained_checkpoint):
