@@ -1,10 +1,11 @@
 """Plain helpers for the tests (conftest.py keeps the fixtures and hooks): the repository root, the
-tiny training configuration, composing the real config, an untrained checkpoint, a bit flipped in a checkpoint,
-and the counter of tensor
+tiny training configuration, composing the real config, a command's main(argv) run in the test's process and its
+one-line refusals, an untrained checkpoint, a bit flipped in a checkpoint, and the counter of tensor
 values read back to the host."""
 
 from __future__ import annotations
 
+import re
 import signal
 import struct
 import time
@@ -45,6 +46,37 @@ def compose_config(overrides: list[str] = (), cache_dir: Path | None = None) -> 
     """The real conf/ tree composed with overrides, as `make train key=value` would see it."""
     extra = [f"data.cache_dir={cache_dir}"] if cache_dir is not None else []
     return compose(list(overrides) + extra)
+
+
+def run_main(main, capsys, *args) -> tuple[int, str, str]:
+    """A command line's `main(argv)` run in this process with `args` (Paths and numbers as str): its exit
+    code (argparse's SystemExit turned into its code) and what it wrote to stdout and stderr."""
+    try:
+        code = main([str(arg) for arg in args])
+    except SystemExit as stop:
+        code = stop.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line(err: str) -> str:
+    """The one line of a command's stderr `err` (a refusal, an interrupt): fails on a traceback, on no
+    line, and on a second line (blank ones included)."""
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def assert_one_line_refusal(err: str, prog: str | None, pattern: str | None = None) -> str:
+    """`err` is one line, `PROG: error: ...` (`error: ...` for training, prog None), without a traceback,
+    and when given matches the regular expression `pattern` (re.search); returns the line."""
+    line = one_line(err)
+    prefix = f"{prog}: error: " if prog else "error: "
+    assert line.startswith(prefix), (prefix, line)
+    if pattern is not None:
+        assert re.search(pattern, line), (pattern, line)
+    return line
 
 
 def wait_for_log(log: Path, text: str, seconds: float) -> None:

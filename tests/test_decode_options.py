@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 
-from tests.helpers import compose_config
+from tests.helpers import assert_one_line_refusal, compose_config, run_main
 from transformer.cli.evaluate import build_parser as evaluate_parser
 from transformer.cli.evaluate import main as evaluate_main
 from transformer.cli.translate import build_parser as translate_parser
@@ -40,17 +40,12 @@ def _config_error(key: str, value) -> str:
     return str(composed.value)
 
 
-def _cli_error(main, capsys, *args) -> str:
-    """The one stderr line of a command line that refuses `args` with exit code 2, writing nothing."""
-    try:
-        code = main([str(arg) for arg in args])
-    except SystemExit as stop:  # argparse's own refusals
-        code = stop.code
-    out, err = capsys.readouterr()
-    assert code == 2 and out == "" and "Traceback" not in err, (code, out, err)
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
+def _cli_error(program: str, capsys, *args) -> str:
+    """The one stderr line of the command line `program` (`PROG: error: ...`) that refuses `args` with exit
+    code 2, writing nothing."""
+    code, out, err = run_main(COMMAND_LINES[program], capsys, *args)
+    assert code == 2 and out == "", (code, out, err)
+    return assert_one_line_refusal(err, program)
 
 
 def _api_error(translator, **options) -> str:
@@ -81,10 +76,10 @@ def test_the_command_lines_refuse_a_non_finite_option_naming_its_flag(
     source = tmp_path / "in.de"
     source.write_text("Der Hund.\n")
     inputs = ["--input", source] if program == "transformer-translate" else ["--src", source, "--ref", source]
-    line = _cli_error(COMMAND_LINES[program], capsys, untrained_checkpoint, *inputs, f"{flag}={value}")
+    line = _cli_error(program, capsys, untrained_checkpoint, *inputs, f"{flag}={value}")
     assert line == f"{program}: error: {flag} {value}: {OPTIONS[key].rule}", line
     # `--alpha -inf`: argparse takes -inf for an option; still one line that names the flag and the fix.
-    line = _cli_error(COMMAND_LINES[program], capsys, untrained_checkpoint, *inputs, flag, value)
+    line = _cli_error(program, capsys, untrained_checkpoint, *inputs, flag, value)
     assert line.startswith(f"{program}: error: ") and flag in line, line
     assert f"{flag} {value}: {OPTIONS[key].rule}" in line or f"is written {flag}=VALUE" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.de"]
@@ -113,7 +108,7 @@ def test_the_config_the_command_lines_and_the_api_say_the_same(values, translato
     config = str(error.value)
     api = _api_error(translator, **values)
     flags = [text for key, value in values.items() for text in (OPTIONS[key].flag, value)]
-    cli = _cli_error(translate_main, capsys, untrained_checkpoint, *flags).removeprefix(
+    cli = _cli_error("transformer-translate", capsys, untrained_checkpoint, *flags).removeprefix(
         "transformer-translate: error: "
     )
     names = {"config": f"decode.{refused}=", "api": f"{refused}=", "cli": f"{OPTIONS[refused].flag} "}
@@ -170,7 +165,7 @@ def test_a_fraction_for_a_whole_option_is_refused_alike_by_the_command_line_and_
     flag = OPTIONS[key].flag
     rule = f"must be a whole number >= {OPTIONS[key].low}"
     assert (
-        _cli_error(translate_main, capsys, untrained_checkpoint, flag, "2.5")
+        _cli_error("transformer-translate", capsys, untrained_checkpoint, flag, "2.5")
         == f"transformer-translate: error: {flag} 2.5: {rule}"
     )
     assert _api_error(translator, **{key: 2.5}) == f"{key}=2.5: {rule}"

@@ -14,6 +14,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from tests.helpers import run_main
 from transformer import Translator
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.cli import export as export_command
@@ -222,8 +223,7 @@ def test_export_cli_refuses_bad_requests(untrained_checkpoint, tmp_path):
 
 
 def _export(capsys, checkpoint, out, fmt):
-    code = export_command.main([str(checkpoint), str(out), "--format", fmt])
-    return code, *capsys.readouterr()
+    return run_main(export_command.main, capsys, checkpoint, out, "--format", fmt)
 
 
 def test_safetensors_and_its_old_name_hf_write_the_same_loadable_directory(untrained_checkpoint, tmp_path, capsys):

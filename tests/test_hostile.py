@@ -18,7 +18,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import FAST, INTERRUPTIBLE, ROOT, compose_config, wait_for_log
+from tests.helpers import (
+    FAST,
+    INTERRUPTIBLE,
+    ROOT,
+    assert_one_line_refusal,
+    compose_config,
+    one_line,
+    run_main,
+    wait_for_log,
+)
 from transformer.checkpoint import load_checkpoint
 from transformer.cli.average import main as average_main
 from transformer.cli.evaluate import main as evaluate_main
@@ -73,16 +82,12 @@ def _train_cli(*args, timeout=180):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def _in_process(main):
-    def run(capsys, *args):
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
-
-
-translate, average, evaluate = _in_process(translate_main), _in_process(average_main), _in_process(evaluate_main)
+# The commands run in this process: main(argv) and the name that starts their refusals.
+IN_PROCESS = {
+    "translate": (translate_main, "transformer-translate"),
+    "average": (average_main, "transformer-average"),
+    "evaluate": (evaluate_main, "transformer-evaluate"),
+}
 BEST = "{ws}/run/checkpoints/best.pt"
 
 # (id, runner, arguments with {ws} for the workspace, the one-line message expected on stderr)
@@ -352,13 +357,13 @@ def test_hostile_input_table(case, workspace, capsys, data_cache):
         code, out, err = _train_cli(
             *args, f"data.cache_dir={data_cache}" if "data.cache_dir" not in " ".join(args) else "trainer.seed=1"
         )
+        prog = None  # training's refusals start "error: "
     else:
-        code, out, err = {"translate": translate, "average": average, "evaluate": evaluate}[runner](capsys, *args)
+        main, prog = IN_PROCESS[runner]
+        code, out, err = run_main(main, capsys, *args)
     assert code == 2, (out, err)
-    assert "Traceback" not in out + err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert re.search(pattern, lines[0]), lines[0]
+    assert "Traceback" not in out
+    assert_one_line_refusal(err, prog, pattern)
     after = _snapshot(workspace)
     changed = {p for p in set(before) | set(after) if before.get(p) != after.get(p)}
     # A refused training run may leave only its own new directory behind (Hydra's log), never touch others.
@@ -378,9 +383,22 @@ def test_resume_true_passes_over_a_weights_only_checkpoint(trained_run, tmp_path
     assert "optimizer" in state and state["step"] == load_checkpoint(checkpoints / "last.pt")["step"]
 
 
-def test_the_table_covers_every_defect_class():
-    assert len(CASES) == 48
-    assert {c[1] for c in CASES} == {"translate", "average", "evaluate", "train"}
+def test_the_table_covers_every_command_and_each_case_can_fail():
+    """Every command the table runs has cases; no two cases share an id (pytest would suffix the second
+    silently) or the same command line; each expected message is a regular expression that an empty or
+    unrelated line does not match; and every training case runs in the workspace (hydra.run.dir), so a
+    refusal that still wrote something would be seen there and not in the repository's outputs/."""
+    assert {c[1] for c in CASES} == {*IN_PROCESS, "train"}
+    ids = [c[0] for c in CASES]
+    assert len(set(ids)) == len(ids), sorted(i for i in ids if ids.count(i) > 1)
+    command_lines = [(runner, tuple(args)) for _, runner, args, _ in CASES]
+    assert len(set(command_lines)) == len(command_lines)
+    for case_id, runner, args, pattern in CASES:
+        assert args and all(isinstance(a, str) for a in args), case_id
+        assert re.compile(pattern).search("") is None, case_id
+        assert re.search(pattern, "error: something else went wrong") is None, case_id
+        if runner == "train":
+            assert any(a.startswith("hydra.run.dir={ws}/") for a in args), case_id
 
 
 def test_translator_api_refuses_what_the_cli_refuses(untrained_checkpoint):
@@ -694,5 +712,4 @@ def test_ctrl_c_while_training_starts_is_one_line_and_exit_130(tmp_path):
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert proc.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in err, err
+    assert proc.returncode == 130 and "interrupted" in one_line(err), err

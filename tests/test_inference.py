@@ -5,6 +5,7 @@ model's own uncached greedy continuation) are in test_search.py."""
 import pytest
 import torch
 
+from tests.helpers import assert_one_line_refusal, one_line, run_main
 from transformer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from transformer.data.batching import pad_sequences
 from transformer.data.tokenizer import Tokenizer, train_sentencepiece
@@ -138,13 +139,6 @@ def test_int8_settings_that_do_not_fit_are_refused(untrained_checkpoint, options
 # --- the command lines --------------------------------------------------------------------------------
 
 
-def _cli(main, capsys, *argv):
-    """rc, stdout, stderr lines of a command line's main(argv)."""
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err.splitlines()
-
-
 @pytest.fixture
 def source_file(tmp_path):
     path = tmp_path / "in.de"
@@ -156,11 +150,11 @@ def test_translate_takes_an_ensemble_weights_and_workers(untrained_checkpoint, s
     from transformer.cli.translate import main
 
     common = ["--input", source_file, "--beam", 2, "--max-len-b", 6, "--precision", "fp32"]
-    rc, alone, _ = _cli(main, capsys, untrained_checkpoint, *common)
+    rc, alone, _ = run_main(main, capsys, untrained_checkpoint, *common)
     assert rc == 0 and len(alone.splitlines()) == 3
-    rc, pair, _ = _cli(main, capsys, untrained_checkpoint, untrained_checkpoint, "--weights", "1,3", *common)
+    rc, pair, _ = run_main(main, capsys, untrained_checkpoint, untrained_checkpoint, "--weights", "1,3", *common)
     assert rc == 0 and pair == alone
-    rc, parallel, _ = _cli(main, capsys, untrained_checkpoint, "--workers", 2, "--batch-tokens", 20, *common)
+    rc, parallel, _ = run_main(main, capsys, untrained_checkpoint, "--workers", 2, "--batch-tokens", 20, *common)
     assert rc == 0 and parallel == alone
 
 
@@ -176,8 +170,8 @@ def test_translate_takes_an_ensemble_weights_and_workers(untrained_checkpoint, s
 def test_translate_refuses_ensemble_settings_that_do_not_fit(untrained_checkpoint, source_file, capsys, extra, message):
     from transformer.cli.translate import main
 
-    rc, out, err = _cli(main, capsys, untrained_checkpoint, untrained_checkpoint, "--input", source_file, *extra)
-    assert rc == 2 and out == "" and len(err) == 1 and message in err[0], err
+    rc, out, err = run_main(main, capsys, untrained_checkpoint, untrained_checkpoint, "--input", source_file, *extra)
+    assert rc == 2 and out == "" and message in assert_one_line_refusal(err, "transformer-translate"), err
 
 
 def test_translate_refuses_an_ensemble_over_two_vocabularies(
@@ -185,8 +179,8 @@ def test_translate_refuses_an_ensemble_over_two_vocabularies(
 ):
     from transformer.cli.translate import main
 
-    rc, out, err = _cli(main, capsys, untrained_checkpoint, other_vocabulary_checkpoint, "--input", source_file)
-    assert rc == 2 and out == "" and len(err) == 1 and "vocabulary differs" in err[0], err
+    rc, out, err = run_main(main, capsys, untrained_checkpoint, other_vocabulary_checkpoint, "--input", source_file)
+    assert rc == 2 and out == "" and "vocabulary differs" in assert_one_line_refusal(err, "transformer-translate")
 
 
 def test_translate_keeps_the_prefixes_of_a_prefix_file(untrained_checkpoint, source_file, tmp_path, capsys):
@@ -195,24 +189,23 @@ def test_translate_keeps_the_prefixes_of_a_prefix_file(untrained_checkpoint, sou
     prefixes = tmp_path / "prefix.en"
     prefixes.write_text("the dog\n\na cat sees\n", encoding="utf-8")
     common = ["--input", source_file, "--beam", 1, "--max-len-b", 6, "--precision", "fp32"]
-    rc, plain, _ = _cli(main, capsys, untrained_checkpoint, *common)
-    rc, out, err = _cli(main, capsys, untrained_checkpoint, *common, "--prefix", prefixes)
+    rc, plain, _ = run_main(main, capsys, untrained_checkpoint, *common)
+    rc, out, err = run_main(main, capsys, untrained_checkpoint, *common, "--prefix", prefixes)
     lines = out.splitlines()
     assert rc == 0 and lines[0].startswith("the dog") and lines[2].startswith("a cat sees"), (out, err)
     assert lines[1] == plain.splitlines()[1]
     prefixes.write_text("the dog\n", encoding="utf-8")
-    rc, out, err = _cli(main, capsys, untrained_checkpoint, *common, "--prefix", prefixes)
+    rc, out, err = run_main(main, capsys, untrained_checkpoint, *common, "--prefix", prefixes)
     assert (
         rc == 2
         and out == ""
-        and err
-        == [
-            f"transformer-translate: error: --prefix {prefixes}: 1 lines for 3 "
-            "input lines; give one prefix per input line (an empty line for none)"
-        ]
+        and one_line(err)
+        == f"transformer-translate: error: --prefix {prefixes}: 1 lines for 3 "
+        "input lines; give one prefix per input line (an empty line for none)"
     )
-    rc, out, err = _cli(main, capsys, untrained_checkpoint, *common, "--prefix", prefixes, "--output", prefixes)
-    assert rc == 2 and "is the --prefix file" in err[0] and prefixes.read_text() == "the dog\n"  # never overwritten
+    rc, out, err = run_main(main, capsys, untrained_checkpoint, *common, "--prefix", prefixes, "--output", prefixes)
+    assert rc == 2 and "is the --prefix file" in assert_one_line_refusal(err, "transformer-translate")
+    assert prefixes.read_text() == "the dog\n"  # never overwritten
 
 
 def test_evaluate_takes_an_ensemble(untrained_checkpoint, source_file, tmp_path, capsys):
@@ -223,7 +216,7 @@ def test_evaluate_takes_an_ensemble(untrained_checkpoint, source_file, tmp_path,
 
     first = tmp_path / "a.pt"
     shutil.copy(untrained_checkpoint, first)
-    rc, out, err = _cli(
+    rc, out, err = run_main(
         main,
         capsys,
         first,
@@ -251,7 +244,7 @@ def test_evaluate_searches_the_length_penalty_over_several_alphas(untrained_chec
 
     checkpoint = tmp_path / "m.pt"
     shutil.copy(untrained_checkpoint, checkpoint)
-    rc, out, err = _cli(
+    rc, out, err = run_main(
         main,
         capsys,
         checkpoint,
@@ -274,11 +267,11 @@ def test_evaluate_searches_the_length_penalty_over_several_alphas(untrained_chec
     best = max(recorded, key=lambda r: (r["bleu"], r["chrf"]))
     assert lines[2] == f"best on in.de (beam 2): --alpha {best['alpha']:g} (BLEU {best['bleu']:.2f})"
     assert lines[3] == f"as the model's default: decode.alpha={best['alpha']:g} at training"
-    rc, out, err = _cli(main, capsys, checkpoint, "--alpha", "1,1.5", "--beam", 1)
-    assert rc == 2 and err == [
+    rc, out, err = run_main(main, capsys, checkpoint, "--alpha", "1,1.5", "--beam", 1)
+    assert rc == 2 and one_line(err) == (
         "transformer-evaluate: error: --alpha 1,1.5: a length penalty search needs a beam "
         "of 2 or more (--beam 5): greedy search has no length penalty"
-    ]
+    )
 
 
 def test_sampling_refuses_search_options_and_alpha_without_a_beam_is_warned(untrained_checkpoint):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import write_untrained_checkpoint
+from tests.helpers import assert_one_line_refusal, one_line, run_main, write_untrained_checkpoint
 from transformer.checkpoint import (
     CHECKPOINT_FORMAT_VERSION,
     CheckpointError,
@@ -37,6 +37,8 @@ try:
 except ImportError:  # the [export] extra is not installed: the safetensors format only
     FORMATS = ["safetensors"]
 
+EXPORT, AVERAGE = "transformer-export", "transformer-average"  # the programs' names, which start their refusals
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
@@ -45,24 +47,12 @@ def checkpoint(tmp_path_factory) -> Path:
     return write_untrained_checkpoint(tmp_path_factory.mktemp("run") / "checkpoints" / "best.pt")
 
 
-def _run(main, capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 def _tree(root: Path) -> dict:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _export(capsys, checkpoint, out, fmt, *extra):
-    return _run(export_command.main, capsys, checkpoint, out, "--format", fmt, *extra)
+    return run_main(export_command.main, capsys, checkpoint, out, "--format", fmt, *extra)
 
 
 # ----- 1. --force replaces a previous export and nothing else ------------------------------------------
@@ -77,7 +67,7 @@ def test_force_refuses_a_directory_that_merely_holds_a_config_json(fmt, checkpoi
     before = _tree(project)
     code, _, err = _export(capsys, checkpoint, project, fmt, "--force")
     assert code == 2
-    assert "is not an exported model (it holds config.json, src)" in _one_line(err)
+    assert "is not an exported model (it holds config.json, src)" in assert_one_line_refusal(err, EXPORT)
     assert _tree(project) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]  # no staging directory left behind
 
@@ -91,7 +81,7 @@ def test_force_from_inside_the_directory_loses_nothing(fmt, checkpoint, tmp_path
     before = _tree(project)
     monkeypatch.chdir(project)
     code, _, err = _export(capsys, checkpoint, ".", fmt, "--force")
-    assert code == 2 and "config.json, src" in _one_line(err)
+    assert code == 2 and "config.json, src" in assert_one_line_refusal(err, EXPORT)
     assert _tree(project) == before and Path.cwd() == project
 
     # Even a directory that holds only a previous export is not replaced from inside it; from below it,
@@ -103,11 +93,11 @@ def test_force_from_inside_the_directory_loses_nothing(fmt, checkpoint, tmp_path
     exported = _tree(project)
     monkeypatch.chdir(project)
     code, _, err = _export(capsys, checkpoint, ".", fmt, "--force")
-    assert code == 2 and "is the current directory or holds it" in _one_line(err)
+    assert code == 2 and "is the current directory or holds it" in assert_one_line_refusal(err, EXPORT)
     (project / "sub").mkdir()
     monkeypatch.chdir(project / "sub")
     code, _, err = _export(capsys, checkpoint, "..", fmt, "--force")
-    assert code == 2 and "did not write (sub)" in _one_line(err)
+    assert code == 2 and "did not write (sub)" in assert_one_line_refusal(err, EXPORT)
     assert _tree(project) == exported and (project / "sub").is_dir()
 
 
@@ -124,7 +114,9 @@ def test_reexport_into_an_export_holding_user_files_keeps_them(fmt, checkpoint, 
     before = _tree(out)
     code, _, err = _export(capsys, checkpoint, out, fmt, "--force")
     assert code == 2
-    assert "holds files the previous export did not write (best.pt, extra, notes.md)" in _one_line(err)
+    assert "holds files the previous export did not write (best.pt, extra, notes.md)" in assert_one_line_refusal(
+        err, EXPORT
+    )
     assert _tree(out) == before
 
     for name in ("notes.md", "best.pt"):
@@ -151,24 +143,32 @@ def test_force_replaces_an_hf_export_from_before_manifests(checkpoint, tmp_path,
         (out / name).unlink()
     (out / "notes.txt").write_text("mine\n")
     code, _, err = _export(capsys, checkpoint, out, "hf", "--force")
-    assert code == 2 and "(notes.txt)" in _one_line(err) and (out / "notes.txt").read_text() == "mine\n"
+    assert (
+        code == 2
+        and "(notes.txt)" in assert_one_line_refusal(err, EXPORT)
+        and (out / "notes.txt").read_text() == "mine\n"
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_force_refuses_a_file_and_a_checkpoint_directory(fmt, checkpoint, tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("mine\n")
     code, _, err = _export(capsys, checkpoint, tmp_path / "notes.txt", fmt, "--force")
-    assert code == 2 and "notes.txt: exists and is not a directory" in _one_line(err)
+    assert code == 2 and "notes.txt: exists and is not a directory" in assert_one_line_refusal(err, EXPORT)
     assert (tmp_path / "notes.txt").read_text() == "mine\n"
     before = _tree(checkpoint.parent)
     code, _, err = _export(capsys, checkpoint, checkpoint.parent, fmt, "--force")
-    assert code == 2 and "is not an exported model (it holds best.pt)" in _one_line(err)
+    assert code == 2 and "is not an exported model (it holds best.pt)" in assert_one_line_refusal(err, EXPORT)
     assert _tree(checkpoint.parent) == before
     code, _, err = _export(capsys, checkpoint, tmp_path / "notes.txt" / "model", fmt)
-    assert code == 2 and "a part of" in _one_line(err) and "is a file, not a directory" in err
+    assert code == 2 and "a part of" in assert_one_line_refusal(err, EXPORT) and "is a file, not a directory" in err
     for target in (tmp_path / "notes.txt", checkpoint.parent):  # without --force: no advice --force refuses
         code, _, err = _export(capsys, checkpoint, target, fmt)
-        assert code == 2 and "--force to replace" not in err and "choose a new directory" in _one_line(err)
+        assert (
+            code == 2
+            and "--force to replace" not in err
+            and "choose a new directory" in assert_one_line_refusal(err, EXPORT)
+        )
 
 
 # ----- 6. a full disk while exporting ------------------------------------------------------------------
@@ -208,12 +208,12 @@ def test_a_failed_write_says_what_failed_and_keeps_the_previous_export(
     code, _, err = _export(capsys, checkpoint, out, fmt, "--force")
     assert code == 2
     reason = "OSError" if failure == "bare-oserror" else "No space left on device"
-    assert _one_line(err) == f"transformer-export: error: {out}: cannot write the export: {reason}"
+    assert one_line(err) == f"transformer-export: error: {out}: cannot write the export: {reason}"
     assert _tree(out) == previous
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging directory left behind
 
     code, _, err = _export(capsys, checkpoint, tmp_path / "new", fmt)
-    assert code == 2 and "cannot write the export" in _one_line(err)
+    assert code == 2 and "cannot write the export" in assert_one_line_refusal(err, EXPORT)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
@@ -228,7 +228,9 @@ def test_a_full_disk_in_safetensors_own_words(checkpoint, tmp_path, capsys, monk
 
     monkeypatch.setattr(safetensors.torch, "save_model", full)
     code, _, err = _export(capsys, checkpoint, tmp_path / "model", "hf")
-    assert code == 2 and _one_line(err).endswith("model: cannot write the export: No space left on device")
+    assert code == 2 and assert_one_line_refusal(err, EXPORT).endswith(
+        "model: cannot write the export: No space left on device"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -237,7 +239,9 @@ def test_a_full_disk_while_writing_the_json_and_the_tokenizer(checkpoint, tmp_pa
     for method, real in (("write_text", real_write_text), ("write_bytes", real_write_bytes)):
         monkeypatch.setattr(Path, method, lambda self, *a, **k: _disk_full())
         code, _, err = _export(capsys, checkpoint, tmp_path / "model", "hf")
-        assert code == 2 and _one_line(err).endswith("cannot write the export: No space left on device"), method
+        assert code == 2 and assert_one_line_refusal(err, EXPORT).endswith(
+            "cannot write the export: No space left on device"
+        ), method
         assert list(tmp_path.iterdir()) == []
         monkeypatch.setattr(Path, method, real)
 
@@ -257,7 +261,7 @@ def test_interrupted_export_keeps_the_previous_one(checkpoint, tmp_path, capsys,
     monkeypatch.setattr(model_directory.os, "replace", interrupt_second_rename)
     code, _, err = _export(capsys, checkpoint, out, "hf", "--force")
     monkeypatch.setattr(model_directory.os, "replace", real_replace)
-    assert code == 130 and "interrupted" in _one_line(err)
+    assert code == 130 and one_line(err) == "transformer-export: interrupted; nothing was exported"
     assert _tree(out) == previous and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
@@ -266,19 +270,27 @@ def test_interrupted_export_keeps_the_previous_one(checkpoint, tmp_path, capsys,
 
 def test_average_replaces_an_earlier_average_and_with_force_anything(checkpoint, tmp_path, capsys):
     avg = tmp_path / "avg.pt"
-    assert _run(average_main, capsys, checkpoint, "-o", avg)[0] == 0
-    assert _run(average_main, capsys, checkpoint, "-o", avg)[0] == 0  # an earlier average: replaced
+    assert run_main(average_main, capsys, checkpoint, "-o", avg)[0] == 0
+    assert run_main(average_main, capsys, checkpoint, "-o", avg)[0] == 0  # an earlier average: replaced
     notes = tmp_path / "notes.txt"
     notes.write_text("mine\n")
-    code, _, err = _run(average_main, capsys, checkpoint, "-o", notes)
-    assert code == 2 and "exists and is not an averaged checkpoint written by transformer-average" in _one_line(err)
+    code, _, err = run_main(average_main, capsys, checkpoint, "-o", notes)
+    assert (
+        code == 2
+        and "exists and is not an averaged checkpoint written by transformer-average"
+        in assert_one_line_refusal(err, AVERAGE)
+    )
     assert notes.read_text() == "mine\n"
-    assert _run(average_main, capsys, checkpoint, "-o", notes, "--force")[0] == 0
+    assert run_main(average_main, capsys, checkpoint, "-o", notes, "--force")[0] == 0
     assert load_checkpoint(notes)["metrics"]["averaged_from"] == [str(checkpoint)]
-    code, _, err = _run(average_main, capsys, checkpoint, "-o", checkpoint, "--force")  # never an input
-    assert code == 2 and "is one of the checkpoints being averaged" in _one_line(err)
-    code, _, err = _run(average_main, capsys, checkpoint, "-o", tmp_path / "typo" / "avg.pt")
-    assert code == 2 and "the directory " in _one_line(err) and "typo does not exist; create it first" in err
+    code, _, err = run_main(average_main, capsys, checkpoint, "-o", checkpoint, "--force")  # never an input
+    assert code == 2 and "is one of the checkpoints being averaged" in assert_one_line_refusal(err, AVERAGE)
+    code, _, err = run_main(average_main, capsys, checkpoint, "-o", tmp_path / "typo" / "avg.pt")
+    assert (
+        code == 2
+        and "the directory " in assert_one_line_refusal(err, AVERAGE)
+        and "typo does not exist; create it first" in err
+    )
     assert not (tmp_path / "typo").exists()
 
 
@@ -288,15 +300,19 @@ def test_average_refuses_a_checkpoint_given_twice_and_a_resume_point_as_output(c
     link = tmp_path / "link.pt"
     link.symlink_to(checkpoint)
     for inputs in ((checkpoint, checkpoint), (checkpoint, link)):
-        code, _, err = _run(average_main, capsys, *inputs, "-o", tmp_path / "avg.pt")
-        assert code == 2 and "given twice (or through a link); each checkpoint is averaged once" in _one_line(err)
+        code, _, err = run_main(average_main, capsys, *inputs, "-o", tmp_path / "avg.pt")
+        assert (
+            code == 2
+            and "given twice (or through a link); each checkpoint is averaged once"
+            in assert_one_line_refusal(err, AVERAGE)
+        )
     assert not (tmp_path / "avg.pt").exists()
     state = load_checkpoint(checkpoint)
     last = tmp_path / "last.pt"
     save_checkpoint({**state, "optimizer": {"state": {}, "param_groups": []}}, last)
     before = last.read_bytes()
-    code, _, err = _run(average_main, capsys, checkpoint, "-o", last, "--force")
-    assert code == 2 and "holds a run's training state (it resumes the run)" in _one_line(err)
+    code, _, err = run_main(average_main, capsys, checkpoint, "-o", last, "--force")
+    assert code == 2 and "holds a run's training state (it resumes the run)" in assert_one_line_refusal(err, AVERAGE)
     assert last.read_bytes() == before
     for directory in (checkpoint.parent, checkpoint.parent.parent):  # was: .../checkpoints/checkpoints/best.pt
         with pytest.raises(
@@ -313,8 +329,8 @@ def test_average_refuses_to_write_a_non_finite_average(checkpoint, tmp_path, cap
     name = next(iter(state["model"]))
     state["model"][name][0] = float("nan")
     save_checkpoint(state, tmp_path / "diverged.pt")
-    code, _, err = _run(average_main, capsys, checkpoint, tmp_path / "diverged.pt", "-o", tmp_path / "avg.pt")
-    assert code == 2 and f"holds NaN or infinite values in {name}" in _one_line(err)
+    code, _, err = run_main(average_main, capsys, checkpoint, tmp_path / "diverged.pt", "-o", tmp_path / "avg.pt")
+    assert code == 2 and f"holds NaN or infinite values in {name}" in assert_one_line_refusal(err, AVERAGE)
     assert not (tmp_path / "avg.pt").exists()
 
 
@@ -322,18 +338,20 @@ def test_average_refuses_checkpoints_of_another_vocabulary_and_a_last_that_picks
     state = load_checkpoint(checkpoint)
     other = tmp_path / "other.pt"  # the same shapes, another SentencePiece model
     save_checkpoint({**state, "tokenizer": {**state["tokenizer"], "src": state["tokenizer"]["src"] + b"x"}}, other)
-    code, _, err = _run(average_main, capsys, other, checkpoint, "-o", tmp_path / "avg.pt")
-    assert code == 2 and "other.pt: its SentencePiece vocabulary differs from that of" in _one_line(err)
+    code, _, err = run_main(average_main, capsys, other, checkpoint, "-o", tmp_path / "avg.pt")
+    assert code == 2 and "other.pt: its SentencePiece vocabulary differs from that of" in assert_one_line_refusal(
+        err, AVERAGE
+    )
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     for step in (1, 2, 3):
         save_checkpoint({**state, "step": step}, run / "checkpoints" / f"step_{step}.pt")
     for last in ("0", "-2"):
-        code, _, err = _run(average_main, capsys, run, f"--last={last}", "-o", tmp_path / "avg.pt")
-        assert code == 2 and f"--last {last}: must be a whole number >= 1" in _one_line(err)
-    code, _, err = _run(average_main, capsys, checkpoint, checkpoint, "--last", "1", "-o", tmp_path / "avg.pt")
-    assert code == 2 and "--last picks step checkpoints from a run directory" in _one_line(err)
-    assert _run(average_main, capsys, run, "--last", "2", "-o", tmp_path / "avg.pt")[1].startswith(
+        code, _, err = run_main(average_main, capsys, run, f"--last={last}", "-o", tmp_path / "avg.pt")
+        assert code == 2 and f"--last {last}: must be a whole number >= 1" in assert_one_line_refusal(err, AVERAGE)
+    code, _, err = run_main(average_main, capsys, checkpoint, checkpoint, "--last", "1", "-o", tmp_path / "avg.pt")
+    assert code == 2 and "--last picks step checkpoints from a run directory" in assert_one_line_refusal(err, AVERAGE)
+    assert run_main(average_main, capsys, run, "--last", "2", "-o", tmp_path / "avg.pt")[1].startswith(
         "averaged 2 checkpoints (step_2.pt, step_3.pt)"
     )
 
@@ -348,17 +366,17 @@ def test_a_checkpoint_from_a_newer_release_is_refused_and_an_old_one_loads(check
     torch.save({**state, "format_version": CHECKPOINT_FORMAT_VERSION + 1}, newer)
     with pytest.raises(CheckpointError, match=r"newer.pt: written by a newer version of this package .*; upgrade"):
         load_checkpoint(newer)
-    for main, args in (
-        (translate_main, [newer, "--input", checkpoint]),
-        (export_command.main, [newer, tmp_path / "x", "--format", "hf"]),
-        (average_main, [newer, "-o", tmp_path / "avg.pt"]),
+    for main, prog, args in (
+        (translate_main, "transformer-translate", [newer, "--input", checkpoint]),
+        (export_command.main, EXPORT, [newer, tmp_path / "x", "--format", "hf"]),
+        (average_main, AVERAGE, [newer, "-o", tmp_path / "avg.pt"]),
     ):
-        code, _, err = _run(main, capsys, *args)
-        assert code == 2 and "written by a newer version of this package" in _one_line(err)
+        code, _, err = run_main(main, capsys, *args)
+        assert code == 2 and "written by a newer version of this package" in assert_one_line_refusal(err, prog)
     old = tmp_path / "old.pt"
     torch.save({k: v for k, v in state.items() if k != "format_version"}, old)
     model_from_checkpoint(load_checkpoint(old), old)
-    assert _run(average_main, capsys, old, "-o", tmp_path / "avg.pt")[0] == 0
+    assert run_main(average_main, capsys, old, "-o", tmp_path / "avg.pt")[0] == 0
     assert torch.load(tmp_path / "avg.pt", weights_only=True)["format_version"] == CHECKPOINT_FORMAT_VERSION
     torch.save({**state, "format_version": "2"}, tmp_path / "odd.pt")
     with pytest.raises(CheckpointError, match="format_version '2' is not a whole number"):
@@ -390,13 +408,13 @@ def test_a_damaged_embedded_tokenizer_is_one_line(tokenizer, problem, checkpoint
     with pytest.raises(CheckpointError, match=f"damaged.pt: its embedded tokenizer {problem}"):
         model_from_checkpoint(load_checkpoint(path), path)
     (tmp_path / "in.de").write_text("Der Hund.\n")
-    for main, args in (
-        (translate_main, [path, "--input", tmp_path / "in.de"]),
-        (export_command.main, [path, tmp_path / "x", "--format", "hf"]),
-        (evaluate_main, [path, "--src", tmp_path / "in.de", "--ref", tmp_path / "in.de"]),
+    for main, prog, args in (
+        (translate_main, "transformer-translate", [path, "--input", tmp_path / "in.de"]),
+        (export_command.main, EXPORT, [path, tmp_path / "x", "--format", "hf"]),
+        (evaluate_main, "transformer-evaluate", [path, "--src", tmp_path / "in.de", "--ref", tmp_path / "in.de"]),
     ):
-        code, out, err = _run(main, capsys, *args)
-        assert code == 2 and f"its embedded tokenizer {problem}" in _one_line(err), (main, err)
+        code, out, err = run_main(main, capsys, *args)
+        assert code == 2 and f"its embedded tokenizer {problem}" in assert_one_line_refusal(err, prog), (main, err)
     assert not (tmp_path / "x").exists()
 
 
@@ -420,13 +438,13 @@ def test_non_finite_weights_are_refused_naming_the_tensor(value, checkpoint, tmp
     with pytest.raises(CheckpointError, match=f"damaged.pt: weight {name} holds NaN or infinite values"):
         model_from_checkpoint(load_checkpoint(path), path)
     (tmp_path / "in.de").write_text("Der Hund.\n")
-    for main, args in (
-        (translate_main, [path, "--input", tmp_path / "in.de"]),
-        (export_command.main, [path, tmp_path / "x", "--format", FORMATS[-1]]),
-        (evaluate_main, [path, "--src", tmp_path / "in.de", "--ref", tmp_path / "in.de"]),
+    for main, prog, args in (
+        (translate_main, "transformer-translate", [path, "--input", tmp_path / "in.de"]),
+        (export_command.main, EXPORT, [path, tmp_path / "x", "--format", FORMATS[-1]]),
+        (evaluate_main, "transformer-evaluate", [path, "--src", tmp_path / "in.de", "--ref", tmp_path / "in.de"]),
     ):
-        code, _, err = _run(main, capsys, *args)
-        assert code == 2 and f"weight {name} holds NaN or infinite values" in _one_line(err)
+        code, _, err = run_main(main, capsys, *args)
+        assert code == 2 and f"weight {name} holds NaN or infinite values" in assert_one_line_refusal(err, prog)
     assert not (tmp_path / "x").exists()
 
 

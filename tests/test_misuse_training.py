@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FAST, ROOT, compose_config, flip_a_byte_of
+from tests.helpers import FAST, ROOT, assert_one_line_refusal, compose_config, flip_a_byte_of, one_line
 from transformer.checkpoint import CheckpointError, load_checkpoint, non_finite_tensors
 from transformer.config import ConfigError, TrainerConfig
 from transformer.distributed import DistInfo
@@ -139,14 +139,14 @@ def test_cli_resume_true_with_only_best_exits_2_with_one_line_and_best_byte_iden
         text=True,
         timeout=120,
     )
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    line = assert_one_line_refusal(proc.stderr, None)
     assert re.fullmatch(
         rf"error: {re.escape(str(tmp_path))}/checkpoints: trainer.resume=true finds no checkpoint to "
         r"resume from \(last.pt is missing; only best.pt is readable\); to fine-tune from its weights "
         r".* trainer.init_from=.*/best.pt, or pass trainer.overwrite=true .*",
-        lines[0],
-    ), lines[0]
+        line,
+    ), line
     assert best.read_bytes() == before
     assert sorted(p.name for p in best.parent.iterdir()) == ["best.pt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "checkpoints"]  # nor .hydra/ nor train.log
@@ -174,8 +174,8 @@ def test_a_quoted_run_directory_is_checked_before_hydra_writes_into_it(tmp_path)
         text=True,
         timeout=120,
     )
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and "finds no checkpoint to resume from" in lines[0], proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "finds no checkpoint to resume from" in assert_one_line_refusal(proc.stderr, None)
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "checkpoints"]  # nor .hydra/ nor train.log
     assert sorted(p.name for p in best.parent.iterdir()) == ["best.pt"]
     assert named_run_directory(["hydra.run.dir=runs/a\\ b", "x=1"]) == Path("runs/a b")  # Hydra's escape
@@ -198,11 +198,11 @@ def test_an_empty_run_directory_is_refused_before_anything_is_written(tmp_path, 
         timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and lines == [
+    assert proc.returncode == 2, proc.stderr
+    assert one_line(proc.stderr) == (
         "error: hydra.run.dir is empty (an unset shell variable?); name the run's directory, or leave hydra.run.dir "
         "out for runs/<data>/<model>/<time>"
-    ], proc.stderr
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -233,8 +233,8 @@ def test_training_refuses_a_config_hydra_cannot_compose_in_one_line_and_writes_n
         timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert assert_one_line_refusal(proc.stderr, None).startswith(message)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -745,8 +745,8 @@ def test_a_sweep_with_a_value_hydra_cannot_compose_is_refused_in_one_line_before
         text=True,
         timeout=120,
     )
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert assert_one_line_refusal(proc.stderr, None).startswith(message)
     assert not (tmp_path / "sweep").exists()
 
 

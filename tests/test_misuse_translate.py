@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import INTERRUPTIBLE, ROOT
+from tests.helpers import INTERRUPTIBLE, ROOT, assert_one_line_refusal, one_line, run_main
 from transformer.cli.evaluate import main as evaluate_main
 from transformer.cli.translate import main as translate_main
 from transformer.inference.evaluate import output_paths
@@ -25,19 +25,6 @@ from transformer.inference.search import Sampling
 from transformer.inference.translator import Translator
 
 SOURCE = "Der Hund sieht die Katze.\nDie Frau gibt dem Mann das Buch.\n"
-
-
-def _run(main, capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _one_line(err: str) -> str:
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def _cli(*args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE):
@@ -80,13 +67,13 @@ def test_an_output_that_is_the_input_however_spelled_is_refused(
     if spelling == "hard-link":
         os.link(source, output)
     before = source.stat().st_mtime_ns
-    code, out, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source, "--output", output)
+    code, out, err = run_main(translate_main, capsys, untrained_checkpoint, "--input", source, "--output", output)
     assert code == 2 and out == ""
     assert re.fullmatch(
         rf"transformer-translate: error: --output {re.escape(str(output))}: is the --input file "
         rf"{re.escape(str(source))}; writing the translations there would destroy it; choose another "
         r"file",
-        _one_line(err),
+        one_line(err),
     )
     assert source.read_text() == SOURCE and source.stat().st_mtime_ns == before
 
@@ -106,8 +93,8 @@ def test_an_output_over_the_reference_the_checkpoint_or_a_model_file_is_refused(
         ([], model_dir / "tokenizer" / "spm.model", f"the checkpoint {model_dir}"),
     ):
         checkpoint = model_dir if what.endswith(str(model_dir)) else untrained_checkpoint
-        code, _, err = _run(translate_main, capsys, checkpoint, "--input", source, *args, "--output", output)
-        assert code == 2 and f"--output {output}: is {what}" in _one_line(err)
+        code, _, err = run_main(translate_main, capsys, checkpoint, "--input", source, *args, "--output", output)
+        assert code == 2 and f"--output {output}: is {what}" in assert_one_line_refusal(err, "transformer-translate")
     assert untrained_checkpoint.read_bytes() == checkpoint_bytes
     assert (
         reference.read_text().startswith("The dog")
@@ -118,13 +105,16 @@ def test_an_output_over_the_reference_the_checkpoint_or_a_model_file_is_refused(
 def test_redirections_onto_the_input_are_refused(untrained_checkpoint, source):
     with open(source, "rb") as stdin:  # transformer-translate CK --output in.de < in.de
         code, err = _cli(untrained_checkpoint, "--output", source, stdin=stdin)
-    assert code == 2 and "--output" in _one_line(err) and "is the file on stdin" in err
+    assert code == 2
+    assert_one_line_refusal(
+        err, "transformer-translate", r"^transformer-translate: error: --output .*is the file on stdin"
+    )
     with open(source, "ab") as stdout:  # transformer-translate CK --input in.de >> in.de
         code, err = _cli(untrained_checkpoint, "--input", source, stdout=stdout)
     assert code == 2 and re.fullmatch(
         r"transformer-translate: error: stdout is the --input file .*in.de; redirect "
         r"the output to another file .*",
-        _one_line(err),
+        one_line(err),
     )
     assert source.read_text() == SOURCE
 
@@ -135,12 +125,12 @@ def test_evaluate_refuses_to_write_its_results_over_its_reference(untrained_chec
     hypotheses, scores = output_paths(checkpoint, source.name, 5)
     assert hypotheses == tmp_path / "best.in.de.beam5.hyp" and scores == tmp_path / "best.in.de.beam5.json"
     hypotheses.write_text("The dog sees the cat.\nThe woman gives the man the book.\n")  # an earlier run's, say
-    code, out, err = _run(evaluate_main, capsys, checkpoint, "--src", source, "--ref", hypotheses, "--beam", "5")
+    code, out, err = run_main(evaluate_main, capsys, checkpoint, "--src", source, "--ref", hypotheses, "--beam", "5")
     assert code == 2 and out == ""
     assert re.fullmatch(
         r"transformer-evaluate: error: .*best.in.de.beam5.hyp: is the --ref file .*best.in.de.beam5"
         r".hyp; evaluate writes its results there, which would destroy it; move or rename that file",
-        _one_line(err),
+        one_line(err),
     )
     assert hypotheses.read_text().startswith("The dog sees") and not scores.exists()
 
@@ -160,21 +150,21 @@ def test_a_full_disk_on_stdout_is_one_line_that_says_writing(untrained_checkpoin
     with open("/dev/full", "wb") as full:
         code, err = _cli(untrained_checkpoint, "--input", source, stdout=full)  # read whole
         assert code == 2
-        assert (
-            _one_line(err) == "transformer-translate: error: stdout: cannot write the output: No space left on device"
-        )
+        assert one_line(err) == "transformer-translate: error: stdout: cannot write the output: No space left on device"
         with open(source, "rb") as text:
             pipe = subprocess.Popen(["cat"], stdin=text, stdout=subprocess.PIPE)
             code, err = _cli(untrained_checkpoint, stdin=pipe.stdout, stdout=full)  # streamed
             pipe.wait()
-        assert code == 2 and "stdout: cannot write the output: No space left on device" in _one_line(err)
+        assert code == 2 and "stdout: cannot write the output: No space left on device" in assert_one_line_refusal(
+            err, "transformer-translate"
+        )
     with open(source, "rb") as text:
         pipe = subprocess.Popen(["cat"], stdin=text, stdout=subprocess.PIPE)
         code, err = _cli(untrained_checkpoint, "--output", "/dev/full", stdin=pipe.stdout)  # streamed to --output
         pipe.wait()
     assert (
         code == 2
-        and _one_line(err)
+        and one_line(err)
         == "transformer-translate: error: --output /dev/full: cannot write the output: No space left on device"
     )
 
@@ -194,12 +184,12 @@ def test_a_full_disk_on_the_output_file_is_one_line(untrained_checkpoint, source
     monkeypatch.setattr(translate_module, "open", open_on_a_full_disk, raising=False)
     output = tmp_path / "out.en"
     for extra in ([], ["--score-reference", source]):
-        code, out, err = _run(
+        code, out, err = run_main(
             translate_main, capsys, untrained_checkpoint, "--input", source, "--output", output, *extra
         )
         assert code == 2 and out == ""
         assert (
-            _one_line(err) == f"transformer-translate: error: --output {output}: cannot write the output: "
+            one_line(err) == f"transformer-translate: error: --output {output}: cannot write the output: "
             "No space left on device"
         )
 
@@ -222,7 +212,7 @@ def test_ctrl_c_while_streaming_keeps_what_was_translated_and_exits_130(untraine
     finally:
         proc.kill()
     assert first.strip() and out == b""
-    assert proc.returncode == 130 and _one_line(err.decode()) == "transformer-translate: interrupted"
+    assert proc.returncode == 130 and one_line(err.decode()) == "transformer-translate: interrupted"
 
 
 def test_ctrl_c_in_translate_and_evaluate_is_one_line_and_130(untrained_checkpoint, source, capsys, monkeypatch):
@@ -230,11 +220,11 @@ def test_ctrl_c_in_translate_and_evaluate_is_one_line_and_130(untrained_checkpoi
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Translator, "translate_hypotheses", interrupted)
-    code, out, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source)
-    assert code == 130 and out == "" and _one_line(err) == "transformer-translate: interrupted"
+    code, out, err = run_main(translate_main, capsys, untrained_checkpoint, "--input", source)
+    assert code == 130 and out == "" and one_line(err) == "transformer-translate: interrupted"
     monkeypatch.setattr(Translator, "translate", interrupted)
-    code, out, err = _run(evaluate_main, capsys, untrained_checkpoint, "--src", source, "--ref", source)
-    assert code == 130 and out == "" and _one_line(err) == "transformer-evaluate: interrupted"
+    code, out, err = run_main(evaluate_main, capsys, untrained_checkpoint, "--src", source, "--ref", source)
+    assert code == 130 and out == "" and one_line(err) == "transformer-evaluate: interrupted"
 
 
 # --- options the run would not use: one warning line, the run goes on
@@ -265,14 +255,14 @@ def test_ctrl_c_in_translate_and_evaluate_is_one_line_and_130(untrained_checkpoi
     ],
 )
 def test_an_option_the_run_does_not_use_is_said_once(untrained_checkpoint, source, capsys, args, same_as, warning):
-    code, out, err = _run(
+    code, out, err = run_main(
         translate_main, capsys, untrained_checkpoint, "--input", source, *[a.format(ref=source) for a in args]
     )
     assert code == 0 and out
-    line = _one_line(err)
+    line = one_line(err)
     assert line.startswith("transformer-translate: warning: ") and warning in line
     if same_as is not None:  # the ignored options changed nothing
-        code, expected, err = _run(
+        code, expected, err = run_main(
             translate_main, capsys, untrained_checkpoint, "--input", source, *[a.format(ref=source) for a in same_as]
         )
         assert code == 0 and err == "" and out == expected
@@ -287,7 +277,7 @@ def test_an_option_the_run_does_not_use_is_said_once(untrained_checkpoint, sourc
     ],
 )
 def test_options_in_use_give_no_warning(untrained_checkpoint, source, capsys, args):
-    code, out, err = _run(translate_main, capsys, untrained_checkpoint, "--input", source, *args)
+    code, out, err = run_main(translate_main, capsys, untrained_checkpoint, "--input", source, *args)
     assert code == 0 and out and err == ""
 
 
@@ -341,7 +331,7 @@ def test_evaluate_scores_references_in_nfd_as_in_nfc_and_says_so(untrained_check
     for form in ("NFC", "NFD"):
         reference = tmp_path / f"ref.{form}"
         reference.write_text("".join(unicodedata.normalize(form, h) + "\n" for h in hypotheses), encoding="utf-8")
-        code, out, err = _run(evaluate_main, capsys, checkpoint, "--src", tmp_path / "src", "--ref", reference)
+        code, out, err = run_main(evaluate_main, capsys, checkpoint, "--src", tmp_path / "src", "--ref", reference)
         assert code == 0, err
         reports.append(out.splitlines())
     assert (tmp_path / "ref.NFC").read_bytes() != (tmp_path / "ref.NFD").read_bytes()
@@ -386,21 +376,29 @@ def test_the_bench_takes_each_commands_own_start_up_out_once(tmp_path, monkeypat
     assert row["translating_seconds"] == 2.5 and again["translating_seconds"] == 1.5
 
 
+def _missing_cuda_device() -> tuple[str, str]:
+    """A CUDA device this machine lacks, and the one line that refuses it."""
+    if not torch.cuda.is_available():
+        return "cuda", "--device cuda: CUDA is not available"
+    count = torch.cuda.device_count()
+    return f"cuda:{count}", f"--device cuda:{count}: there are {count} CUDA device(s) (0 to {count - 1})"
+
+
 @pytest.mark.parametrize(
     "device, message",
     [
-        ("cuda:7" if torch.cuda.is_available() else "cuda", "--device cuda"),
-        ("meta", "--device meta: must be auto, cpu"),
+        _missing_cuda_device(),
+        ("meta", "--device meta: must be auto, cpu, cuda or cuda:N"),
         ("CPU", "--device CPU: must be auto, cpu, cuda or cuda:N"),
-        ("mps", "--device mps: must be"),
+        ("mps", "--device mps: must be auto, cpu, cuda or cuda:N"),
     ],
 )
 def test_evaluate_refuses_a_device_it_cannot_use_in_one_line(untrained_checkpoint, source, device, message, capsys):
     """It gave 30-40-line tracebacks (an AssertionError from torch, a meta tensor that cannot be copied)."""
-    code, out, err = _run(
+    code, out, err = run_main(
         evaluate_main, capsys, untrained_checkpoint, "--src", source, "--ref", source, "--device", device
     )
-    assert code == 2 and out == "" and _one_line(err).startswith(f"transformer-evaluate: error: {message}")
+    assert (code, out, err) == (2, "", f"transformer-evaluate: error: {message}\n")
 
 
 def test_evaluate_refuses_empty_files_and_keeps_the_results_of_another_file_of_the_same_name(
@@ -411,19 +409,19 @@ def test_evaluate_refuses_empty_files_and_keeps_the_results_of_another_file_of_t
     checkpoint = tmp_path / "best.pt"
     checkpoint.symlink_to(untrained_checkpoint)
     (tmp_path / "empty.de").write_text("")
-    code, out, err = _run(
+    code, out, err = run_main(
         evaluate_main, capsys, checkpoint, "--src", tmp_path / "empty.de", "--ref", tmp_path / "empty.de"
     )
     assert (
         code == 2
-        and _one_line(err)
+        and one_line(err)
         == f"transformer-evaluate: error: {tmp_path / 'empty.de'}: no sentences to translate and score"
     )
     files = {}
     for folder, text in (("a", "Der Hund.\n"), ("b", "Die Katze.\nDer Mann.\n")):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "test.de").write_text(text)
-        code, out, err = _run(
+        code, out, err = run_main(
             evaluate_main,
             capsys,
             checkpoint,
@@ -442,7 +440,7 @@ def test_evaluate_refuses_empty_files_and_keeps_the_results_of_another_file_of_t
     for folder, count in (("a", 1), ("b", 2)):
         scores = json.loads(files[folder].read_text())
         assert scores["src"] == str(tmp_path / folder / "test.de") and scores["sentences"] == count
-    code, out, err = _run(
+    code, out, err = run_main(
         evaluate_main,
         capsys,
         checkpoint,
@@ -480,7 +478,7 @@ def test_a_closed_stdin_or_stdout_is_said_in_one_line(untrained_checkpoint, sour
         preexec_fn=lambda: os.close(closed),
         timeout=300,
     )
-    assert proc.returncode == 2 and _one_line(proc.stderr.decode()) == f"transformer-translate: error: {message}"
+    assert proc.returncode == 2 and one_line(proc.stderr.decode()) == f"transformer-translate: error: {message}"
 
 
 def test_scoring_a_reference_longer_than_the_model_says_it_was_cut(untrained_checkpoint, tmp_path):
@@ -508,5 +506,5 @@ def test_scoring_a_reference_longer_than_the_model_says_it_was_cut(untrained_che
     assert re.fullmatch(
         r"transformer-translate: warning: 2 reference\(s\) longer than \d+ tokens were cut to the "
         r"model's maximum length: their scores cover only their beginning",
-        _one_line(proc.stderr),
+        one_line(proc.stderr),
     )

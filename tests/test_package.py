@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, write_untrained_checkpoint
+from tests.helpers import ROOT, one_line, write_untrained_checkpoint
 from transformer.config import DataConfig
 from transformer.data.sources import DataError, open_split
 
@@ -251,4 +251,4 @@ print(json.dumps([code or 0, "torch" in sys.modules]))
     assert (code, loaded_torch) == (exit_code, False), result.stderr
     assert answer in (result.stdout if exit_code == 0 else result.stderr)
     if exit_code:  # a refusal is one line, without argparse's usage block
-        assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
+        one_line(result.stderr)

@@ -72,7 +72,33 @@ def test_beam_nbest_and_length_penalty_by_hand():
     assert hyps[0].score == pytest.approx(math.log(0.36) / (7 / 6))
     assert hyps[1].score == pytest.approx(math.log(0.5 * 0.36) / (8 / 6))
     assert hyps[1].logprob == pytest.approx(math.log(0.18))
-    assert length_penalty(3, 0.0) == 1.0
+
+
+@pytest.mark.parametrize("alpha", [0.6, 1.0, 2.0])
+def test_length_penalty_is_the_gnmt_formula(alpha):
+    """((5 + length) / 6) ** alpha, worked out by hand: 1 at length 1, growing with the length."""
+    assert length_penalty(1, alpha) == pytest.approx(1.0)
+    assert length_penalty(7, alpha) == pytest.approx(2.0**alpha)  # (5 + 7) / 6 = 2
+    assert length_penalty(3, alpha) == pytest.approx((8 / 6) ** alpha)
+    assert length_penalty(13, alpha) == pytest.approx(3.0**alpha)
+    assert length_penalty(1, alpha) < length_penalty(2, alpha) < length_penalty(3, alpha) < length_penalty(30, alpha)
+    assert length_penalty(3, 2 * alpha) == pytest.approx(length_penalty(3, alpha) ** 2)
+
+
+def test_a_strong_length_penalty_prefers_the_longer_hypothesis():
+    """On log-probability "B EOS" (p 0.36, 2 tokens) beats "A A EOS" (p 0.18, 3 tokens); dividing by
+    ((5 + len) / 6) ** alpha favours the longer one once (8/7) ** alpha > log 0.18 / log 0.36 (alpha > 3.88).
+    Hypotheses of one length keep their order ("A A" 0.18 before "A B" 0.17) whatever alpha."""
+    (short_first,) = beam_search(TableDecoder(), torch.tensor([10]), beam_size=2, alpha=3.0, nbest=2)
+    assert [h.tokens for h in short_first] == [[B], [A, A]]
+    (long_first,) = beam_search(TableDecoder(), torch.tensor([10]), beam_size=2, alpha=4.0, nbest=2)
+    assert [h.tokens for h in long_first] == [[A, A], [B]]
+    assert long_first[0].score == pytest.approx(math.log(0.18) / (8 / 6) ** 4)
+    assert long_first[1].score == pytest.approx(math.log(0.36) / (7 / 6) ** 4)
+    (longer,) = beam_search(TableDecoder(), torch.tensor([10]), beam_size=2, alpha=5.0, nbest=2)
+    assert [h.tokens for h in longer] == [[A, A], [A, B]]
+    assert longer[1].score == pytest.approx(math.log(0.5 * 0.34) / (8 / 6) ** 5)
+    assert [h.logprob for h in longer] == pytest.approx([math.log(0.18), math.log(0.17)])
 
 
 def test_max_length_forces_eos():
