@@ -5,7 +5,7 @@ set -u
 N=${1:-30}
 cd "$(dirname "$0")/.."
 for i in $(seq "$N"); do
-  if .venv/bin/python -m pytest -q tests/test_ddp.py > /tmp/ddp_loop_last.log 2>&1; then
+  if .venv/bin/python -m pytest -q tests/training/test_ddp.py > /tmp/ddp_loop_last.log 2>&1; then
     echo "run $i/$N: $(tail -n 1 /tmp/ddp_loop_last.log)"
   else
     echo "run $i/$N FAILED:"; tail -n 40 /tmp/ddp_loop_last.log; exit 1

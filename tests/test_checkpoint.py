@@ -17,6 +17,7 @@ from transformer.cli.average import main as average_main
 from transformer.cli.translate import main as translate_main
 from transformer.config import ModelConfig
 from transformer.model import build_model
+from transformer.training.checkpoint_dir import CheckpointDirectory
 
 
 def _state(value: float) -> dict:
@@ -115,7 +116,7 @@ def test_averaging(tmp_path, capsys):
 
 
 def test_the_checkpoint_directory_keeps_the_newest_step_files(tmp_path):
-    from transformer.checkpoint import CheckpointDirectory
+    from transformer.training.checkpoint_dir import CheckpointDirectory
 
     checkpoints = CheckpointDirectory(tmp_path / "checkpoints", keep_last=2, is_main=True)
     for step in (2, 4, 6, 10):
@@ -130,7 +131,7 @@ def test_the_checkpoint_directory_keeps_the_newest_step_files(tmp_path):
 
 @pytest.mark.parametrize("background", [False, True])
 def test_last_pt_is_the_newest_step_file_and_outlives_its_pruning(tmp_path, background):
-    from transformer.checkpoint import CheckpointDirectory
+    from transformer.training.checkpoint_dir import CheckpointDirectory
 
     checkpoints = CheckpointDirectory(tmp_path / "checkpoints", keep_last=1, is_main=True, background=background)
     for step in (2, 4):
@@ -146,7 +147,7 @@ def test_last_pt_is_the_newest_step_file_and_outlives_its_pruning(tmp_path, back
 def test_last_pt_is_copied_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
     import errno
 
-    from transformer.checkpoint import CheckpointDirectory
+    from transformer.training.checkpoint_dir import CheckpointDirectory
 
     def refuse(*args, **kwargs):
         raise OSError(errno.EPERM, os.strerror(errno.EPERM))
@@ -173,7 +174,7 @@ def test_a_background_save_returns_before_the_write_and_keeps_the_state_as_it_wa
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(checkpoint.torch, "save", slow_save)
-    checkpoints = checkpoint.CheckpointDirectory(tmp_path, keep_last=0, is_main=True, background=True)
+    checkpoints = CheckpointDirectory(tmp_path, keep_last=0, is_main=True, background=True)
     state, written = _state(1.0), []
     checkpoints.save(state, "last.pt", done=written.append)
     assert writing.wait(30) and not (tmp_path / "last.pt").exists() and not written  # training goes on meanwhile
@@ -188,7 +189,7 @@ def test_a_background_save_returns_before_the_write_and_keeps_the_state_as_it_wa
 def test_a_failed_background_write_is_raised_at_the_next_save_and_close_only_logs(tmp_path, monkeypatch, caplog):
     import transformer.checkpoint as checkpoint
 
-    checkpoints = checkpoint.CheckpointDirectory(tmp_path, keep_last=0, is_main=True, background=True)
+    checkpoints = CheckpointDirectory(tmp_path, keep_last=0, is_main=True, background=True)
     checkpoints.save(_state(1.0), "last.pt")
     checkpoints.flush()
 

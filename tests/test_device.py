@@ -16,7 +16,9 @@ from tests.helpers import HostReads
 from transformer.attention import BACKENDS, padding_mask
 from transformer.config import ModelConfig
 from transformer.data.batching import Batch
-from transformer.inference.search import ModelDecoder, beam_search, greedy_search, max_lengths, row_topk, top_candidates
+from transformer.inference.candidates import row_topk, top_candidates
+from transformer.inference.decoders import ModelDecoder
+from transformer.inference.search import beam_search, greedy_search, max_lengths
 from transformer.loss import batch_loss
 from transformer.model import build_model
 from transformer.special import BOS_ID, PAD_ID

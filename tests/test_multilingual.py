@@ -132,7 +132,7 @@ def test_the_length_penalty_follows_the_target_language_unless_one_is_given(mult
     monkeypatch.setattr(
         translator_module,
         "translate_ids",
-        lambda *args, **kwargs: used.append(kwargs["alpha"]) or real(*args, **kwargs),
+        lambda models, sources, search, **kwargs: used.append(search.alpha) or real(models, sources, search, **kwargs),
     )
     for language, alpha in (("de", None), ("en", None), ("de", 3.0)):
         translator.translate(["Der Hund ."], tgt_lang=language, beam_size=2, alpha=alpha)
@@ -149,7 +149,7 @@ def test_an_empty_source_with_a_prefix_is_decoded_with_its_language_tag(multilin
     monkeypatch.setattr(
         translator_module,
         "translate_ids",
-        lambda models, sources, **kwargs: decoded.append(sources) or real(models, sources, **kwargs),
+        lambda models, sources, *search, **kwargs: decoded.append(sources) or real(models, sources, *search, **kwargs),
     )
     translator.translate(["", "", "Der Hund ."], tgt_lang="de", prefixes=["Der", "", ""], beam_size=1)
     tag = translator.tokenizer.tag_id("de")

@@ -19,7 +19,7 @@ from transformer.errors import (
 )
 
 if TYPE_CHECKING:  # imported where used: torch comes with them
-    from transformer.inference.search import Sampling
+    from transformer.inference.sampling import Sampling
 
 
 class CommandLineParser(argparse.ArgumentParser):
@@ -156,6 +156,6 @@ def parse_sampling(text: str, temperature: float, seed: int) -> Sampling:
     if not top:
         raise ValueError(f"--sampling {text}: write topk:K (a whole number >= 1) or topp:P (0 < P <= 1)")
     import_torch_holding_interrupts()
-    from transformer.inference.search import Sampling
+    from transformer.inference.sampling import Sampling
 
     return Sampling(**top, temperature=temperature, seed=seed)

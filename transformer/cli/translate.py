@@ -14,10 +14,7 @@ import argparse
 import contextlib
 import math
 import os
-import queue
-import stat
 import sys
-import threading
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,19 +29,29 @@ from transformer.cli.args import (
     parse_sampling,
 )
 from transformer.cli.run import run_command
+from transformer.cli.streams import (
+    arrives_as_a_stream,
+    close_output,
+    fileno,
+    format_results,
+    read_input,
+    send,
+    stream_chunks,
+    warn_invalid,
+    write_output,
+)
 from transformer.config import (
     check_decode_options,
 )
 from transformer.errors import (
     UsageError,
-    discard_stdout,
     import_torch_holding_interrupts,
     overwritten_input,
 )
 from transformer.inference.request import DecodeRequest
 
 if TYPE_CHECKING:  # imported where used: torch comes with them
-    from transformer.inference.search import Sampling
+    from transformer.inference.sampling import Sampling
     from transformer.inference.translator import Translator
 
 
@@ -103,79 +110,6 @@ def load_translator(args: argparse.Namespace) -> Translator:
         )
     except ValueError as error:  # the API's words for --quantize and --precision
         raise ValueError(str(error).replace("quantize=", "--quantize ").replace("precision=", "--precision ")) from None
-
-
-def _text_line(raw: bytes) -> tuple[str, bool]:
-    """One input line (without its line break) as text; whether it was invalid UTF-8 (bytes replaced)."""
-    raw = raw[:-1] if raw.endswith(b"\r") else raw
-    try:
-        line, bad = raw.decode("utf-8"), False
-    except UnicodeDecodeError:
-        line, bad = raw.decode("utf-8", errors="replace"), True
-    # Control characters other than tab carry no meaning for translation.
-    return "".join(ch if ch >= " " or ch == "\t" else " " for ch in line), bad
-
-
-def read_input(stream) -> tuple[list[str], int]:
-    """Lines of a binary stream decoded as UTF-8 (invalid bytes replaced); also the count of bad lines."""
-    data = stream.read()
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    parts = data.split(b"\n")
-    if parts and parts[-1] == b"":
-        parts.pop()
-    decoded = [_text_line(raw) for raw in parts]
-    return [line for line, _ in decoded], sum(bad for _, bad in decoded)
-
-
-# At most this many lines are translated together while streaming.
-STREAM_CHUNK_LINES = 256
-
-
-def stream_chunks(stream, max_lines: int = STREAM_CHUNK_LINES):
-    """Lines of a binary stream in chunks as they arrive: (lines, invalid UTF-8 count) per chunk.
-
-    A reader thread queues lines as they come in; each chunk waits for one line, then takes whatever
-    else has already arrived. At a terminal that is one line at a time; from a pipe fed faster than
-    the model translates, chunks grow to `max_lines`, so a long-running filter keeps batching.
-    """
-    # Bounded: a producer far faster than the model waits instead of queueing its whole input in memory.
-    arrived: queue.Queue = queue.Queue(maxsize=4 * max_lines)
-
-    def read() -> None:
-        try:
-            for raw in iter(stream.readline, b""):
-                arrived.put(raw)
-        except OSError as error:  # handed to the consumer: one error line, not a thread traceback
-            arrived.put(error)
-        finally:
-            arrived.put(None)  # end of input
-
-    threading.Thread(target=read, name="translate-input", daemon=True).start()
-    first, ended = True, False
-    while not ended:
-        raw = arrived.get()
-        if raw is None:
-            return
-        if isinstance(raw, OSError):
-            raise raw
-        chunk = [raw]
-        while len(chunk) < max_lines:
-            try:
-                raw = arrived.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(raw, OSError):
-                raise raw
-            if raw is None:
-                ended = True
-                break
-            chunk.append(raw)
-        if first and chunk[0].startswith(b"\xef\xbb\xbf"):
-            chunk[0] = chunk[0][3:]
-        first = False
-        decoded = [_text_line(raw[:-1] if raw.endswith(b"\n") else raw) for raw in chunk]
-        yield [line for line, _ in decoded], sum(bad for _, bad in decoded)
 
 
 # The decoding options: all of them unused with --score-reference (parser defaults None: given or not).
@@ -297,10 +231,10 @@ def _read(path: str | None, flag: str, stdin=None) -> tuple[list[str], int]:
 def _run(args, translator: Translator, sampling: Sampling | None) -> int:
     """Translate (or score) the input and write the result."""
     scoring = args.score_reference is not None
-    if not scoring and sampling is None and args.prefix is None and not args.input and _streams(sys.stdin):
+    if not scoring and sampling is None and args.prefix is None and not args.input and arrives_as_a_stream(sys.stdin):
         return _translate_stream(translator, args)
     lines, bad = _read(args.input, "", stdin=sys.stdin.buffer)
-    _warn_invalid(bad)
+    warn_invalid(bad)
     if scoring:
         references, _ = _read(args.score_reference, "--score-reference")
         if len(references) != len(lines):
@@ -310,7 +244,7 @@ def _run(args, translator: Translator, sampling: Sampling | None) -> int:
             )
         with _warnings_as_lines():
             scores = translator.score(lines, references, batch_tokens=args.batch_tokens)
-        return _write("".join(f"{value:.4f}\n" for value in scores), args.output)
+        return write_output("".join(f"{value:.4f}\n" for value in scores), args.output)
     prefixes = None
     if args.prefix is not None:
         prefixes, _ = _read(args.prefix, "--prefix")
@@ -321,7 +255,7 @@ def _run(args, translator: Translator, sampling: Sampling | None) -> int:
             )
     request = _request(args, sampling, prefixes)
     results = _translate_lines(translator, lines, request, progress=bool(args.output) and sys.stderr.isatty())
-    return _write(_format(results, args.nbest, first_index=0), args.output)
+    return write_output(format_results(results, args.nbest, first_index=0), args.output)
 
 
 def _overwritten_input(args) -> str | None:
@@ -332,7 +266,7 @@ def _overwritten_input(args) -> str | None:
         f"the --score-reference file {args.score_reference}": args.score_reference,
         f"the --prefix file {args.prefix}": args.prefix,
         **{f"the checkpoint {checkpoint}": checkpoint for checkpoint in args.checkpoints},
-        "the file on stdin": None if args.input else _fileno(sys.stdin),
+        "the file on stdin": None if args.input else fileno(sys.stdin),
     }
     if args.output:
         name = overwritten_input(args.output, inputs)
@@ -342,20 +276,13 @@ def _overwritten_input(args) -> str | None:
                 "choose another file"
             )
         return None
-    stdout = _fileno(sys.stdout)
+    stdout = fileno(sys.stdout)
     name = None if stdout is None else overwritten_input(stdout, inputs)
     if name:
         return (
             f"stdout is {name}; redirect the output to another file (`> FILE` empties FILE before the command starts)"
         )
     return None
-
-
-def _fileno(stream) -> int | None:
-    try:
-        return stream.fileno()
-    except (AttributeError, OSError, ValueError):  # closed, or replaced by one without a descriptor
-        return None
 
 
 def _ignored_options(given: set[str], scoring: bool, beam: int | None) -> str | None:
@@ -378,15 +305,6 @@ def _ignored_options(given: set[str], scoring: bool, beam: int | None) -> str | 
         ]
     said = [f"{names} {'are' if ',' in names else 'is'} ignored {why}" for names, why in unused if names]
     return "; ".join(said) or None
-
-
-def _streams(stdin) -> bool:
-    """Translate as input arrives when it comes from a pipe or a terminal; a redirected file is read whole
-    (one sorted pass batches best)."""
-    try:
-        return not stat.S_ISREG(os.fstat(stdin.fileno()).st_mode)
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _request(args, sampling: Sampling | None, prefixes: list[str] | None = None) -> DecodeRequest:
@@ -422,16 +340,6 @@ def _warnings_as_lines():
                 print(f"transformer-translate: warning: {warning.message}", file=sys.stderr)
 
 
-def _format(results, nbest: int, first_index: int) -> str:
-    if nbest == 1:
-        return "".join(_one_line(hyps[0][0]) + "\n" for hyps in results)
-    return "".join(
-        f"{index}\t{score:.4f}\t{_one_line(text)}\n"
-        for index, hyps in enumerate(results, start=first_index)
-        for text, score in hyps
-    )
-
-
 def _translate_stream(translator: Translator, args) -> int:
     """Input from a pipe or a terminal: translate chunk by chunk as lines arrive, each chunk's
     translations written and flushed before the next is read (one output line per input line, in
@@ -449,71 +357,17 @@ def _translate_stream(translator: Translator, args) -> int:
     done, request = 0, _request(args, None)
     try:
         for lines, bad in stream_chunks(source):
-            _warn_invalid(bad)
-            text = _format(_translate_lines(translator, lines, request), args.nbest, first_index=done)
+            warn_invalid(bad)
+            text = format_results(_translate_lines(translator, lines, request), args.nbest, first_index=done)
             done += len(lines)
-            stopped = _send(text, out, args.output)
+            stopped = send(text, out, args.output)
             if stopped is not None:
                 return stopped
-    except OSError as error:  # from stream_chunks: _send reports its own
+    except OSError as error:  # from stream_chunks: send reports its own
         raise UsageError(f"reading the input: {error.strerror or error}") from None
     finally:
-        _close(out)
+        close_output(out)
     return 0
-
-
-def _warn_invalid(bad: int) -> None:
-    if bad:
-        print(
-            f"transformer-translate: warning: {bad} input line(s) were not valid UTF-8; invalid bytes were replaced",
-            file=sys.stderr,
-        )
-
-
-def _write(text: str, output: str | None) -> int:
-    """All the output at once, to the --output file or stdout; the exit code."""
-    try:
-        out = open(output, "w", encoding="utf-8") if output else None
-    except OSError as error:
-        raise UsageError(f"--output {output}: {error.strerror}") from None
-    try:
-        return _send(text, out, output) or 0
-    finally:
-        _close(out)
-
-
-def _send(text: str, out, output: str | None) -> int | None:
-    """Write and flush `text` to the open --output file `out`, or to stdout (`out` None). None when it
-    was written; 0 when the reader went away (`| head`); a UsageError when it could not be written (a
-    full disk, ...)."""
-    try:
-        if out is not None:
-            out.write(text)
-            out.flush()
-        else:
-            sys.stdout.buffer.write(text.encode("utf-8"))
-            sys.stdout.flush()
-        return None
-    except OSError as error:
-        if out is None:  # what stdout still holds would fail again at exit, with a traceback
-            discard_stdout()
-        if isinstance(error, BrokenPipeError):
-            return 0
-        where = f"--output {output}" if out is not None else "stdout"
-        raise UsageError(f"{where}: cannot write the output: {error.strerror or error}") from None
-
-
-def _close(out) -> None:
-    if out is not None:
-        try:
-            out.close()
-        except OSError:  # a failed write, already reported: closing retries its flush
-            pass
-
-
-def _one_line(text: str) -> str:
-    # A translation must never add line breaks, or the output would no longer align with the input.
-    return text.replace("\r", " ").replace("\n", " ")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,18 +46,32 @@ from tqdm import tqdm
 
 from transformer.config import DataConfig
 from transformer.data.cache import CacheDamage, check_file, file_record, read_record, sealed, write_failure
-from transformer.data.langid import WRONG_SOURCE, WRONG_TARGET, language_flags
+from transformer.data.cleaning import (
+    FLAG_BLANK,
+    FLAG_DUPLICATE,
+    FLAG_NUL,
+    Cleaning,
+    identify_languages,
+    languages_identified,
+    pair_properties,
+)
 from transformer.data.sources import DataError, SplitSource
+from transformer.data.subword import SubwordSampling
 from transformer.data.tokenizer import Tokenizer, build_tokenizer
 
 if TYPE_CHECKING:  # torch comes with it: imported where batches are made, not to prepare
     from transformer.data.batching import Batch
 
+
 log = logging.getLogger(__name__)
 
+
 FORMAT_VERSION = 3  # 2: meta.json records every file's size and CRC-32; 3: copy, duplicate flags
-FLAG_BLANK, FLAG_NUL, FLAG_COPY, FLAG_DUPLICATE = 1, 2, 4, 8
+
+
 DATA_FILES = ("src.ids", "tgt.ids", "src.offsets.npy", "tgt.offsets.npy", "flags.npy")
+
+
 TEXT_FILES = ("src.text", "tgt.text", "src.text_offsets.npy", "tgt.text_offsets.npy")
 
 
@@ -222,118 +235,6 @@ def _mapped(data: Path, offsets: Path, dtype) -> tuple[np.ndarray, np.ndarray]:
     return flat, bounds
 
 
-@dataclass
-class SubwordSampling:
-    """data.subword_sampling: training pairs re-segmented from their text with SentencePiece's sampling
-    (BPE-dropout for a BPE model, n-best sampling for a unigram one), each pair seeded by (trainer.seed,
-    epoch, pair): a pair has the same pieces in any DataLoader worker and after a resume, other pieces
-    in the next epoch. The sampler packs each epoch by that epoch's sampled lengths (`lengths`), which
-    collating the batch (`batch`) reproduces exactly. Sides are cut to data.max_len tokens."""
-
-    tokenizer_state: dict
-    alpha: float
-    nbest: int
-    seed: int
-    max_len: int | None
-
-    def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_tokenizer"}
-
-    def _seeds(self, pairs: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """Two 32-bit seeds per pair (source, target): splitmix64 of (seed, epoch, pair)."""
-        x = (
-            pairs.astype(np.uint64)
-            + np.uint64(epoch) * np.uint64(0x9E3779B97F4A7C15)
-            + np.uint64(self.seed) * np.uint64(0xD1B54A32D192ED03)
-        )
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(31)
-        return (x >> np.uint64(32)).astype(np.uint32), (x & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-
-    def segment(self, corpus: EncodedCorpus, pairs: np.ndarray, epoch: int) -> tuple[list, list]:
-        """(source ids, target ids) of stored pairs `pairs` in `epoch`'s sampled segmentation."""
-        import sentencepiece as spm
-
-        if getattr(self, "_tokenizer", None) is None:
-            self._tokenizer = Tokenizer.from_state_dict(self.tokenizer_state)
-        sides = []
-        for seeds, side, processor in zip(
-            self._seeds(pairs, epoch), ("src", "tgt"), (self._tokenizer.src, self._tokenizer.tgt)
-        ):
-            ids = []
-            # The generator is process-wide: seeded right before each sentence, so that its pieces
-            # depend on (seed, epoch, pair) alone.
-            for line, seed in zip(corpus.text(side, pairs), seeds.tolist()):
-                spm.set_random_generator_seed(seed)
-                ids.append(processor.encode(line, enable_sampling=True, alpha=self.alpha, nbest_size=self.nbest))
-            sides.append([seq[: self.max_len] for seq in ids] if self.max_len is not None else ids)
-        return sides[0], sides[1]
-
-    def lengths(self, corpus: EncodedCorpus, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """Source and target lengths of every kept pair in `epoch`'s sampled segmentation."""
-        src, tgt = [], []
-        for start in range(0, len(corpus.pair_index), 100_000):
-            s, t = self.segment(corpus, corpus.pair_index[start : start + 100_000], epoch)
-            src.append(np.fromiter(map(len, s), dtype=np.int64, count=len(s)))
-            tgt.append(np.fromiter(map(len, t), dtype=np.int64, count=len(t)))
-        empty = np.zeros(0, dtype=np.int64)
-        return (np.concatenate(src) if src else empty), (np.concatenate(tgt) if tgt else empty)
-
-    def batch(self, corpus: EncodedCorpus, pairs: np.ndarray, epoch: int) -> Batch:
-        from transformer.data.batching import flat_ids, make_batch
-
-        src, tgt = self.segment(corpus, pairs, epoch)
-        return make_batch(*flat_ids(src), *flat_ids(tgt))
-
-
-@dataclass(frozen=True)
-class Cleaning:
-    """The cleaning rules of a training split (`data.drop_duplicates`, `data.drop_copies`,
-    `data.max_len_ratio`: 0 = no ratio rule; `data.langid`: the file of language flags beside the
-    prepared split, or None)."""
-
-    duplicates: bool
-    copies: bool
-    max_len_ratio: float
-    langid: str | None = None
-
-    @classmethod
-    def of(cls, cfg: DataConfig) -> Cleaning:
-        return cls(
-            cfg.drop_duplicates,
-            cfg.drop_copies,
-            cfg.max_len_ratio,
-            f"langid.{cfg.src_lang}-{cfg.tgt_lang}.npy" if cfg.langid else None,
-        )
-
-    def masks(
-        self, flags: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray, directory: Path
-    ) -> dict[str, np.ndarray]:
-        """The pairs each rule drops, by rule name, in the order the rules apply."""
-        masks = {}
-        if self.duplicates:
-            masks["duplicate"] = (flags & FLAG_DUPLICATE) != 0
-        if self.copies:
-            masks["copy"] = (flags & FLAG_COPY) != 0
-        if self.max_len_ratio:
-            longer, shorter = np.maximum(src_lens, tgt_lens), np.maximum(np.minimum(src_lens, tgt_lens), 1)
-            masks["length ratio"] = longer > self.max_len_ratio * shorter
-        if self.langid:
-            masks["language"] = np.load(directory / self.langid) != 0
-        return masks
-
-    def __str__(self) -> str:
-        # the corpus's own rules: data.KEY, or its data.corpora entry's KEY where it sets one
-        return f"drop_duplicates={self.duplicates}, drop_copies={self.copies}, max_len_ratio={self.max_len_ratio:g}" + (
-            ", langid=true" if self.langid else ""
-        )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Preparing
-
-
 def check_prepared(directory: Path, checksums: bool = True) -> dict:
     """The metadata of the prepared split in `directory` once its files match it (sizes and, with
     `checksums`, CRC-32); CacheDamage naming the first file that does not."""
@@ -429,7 +330,7 @@ def _write_split(
                     encoded = [line.encode("utf-8") for line in lines]
                     text_files[side].write(b"".join(encoded))
                     text_lengths[side].append(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
-            chunk_flags, chunk_keys = _pair_properties(src, tgt)
+            chunk_flags, chunk_keys = pair_properties(src, tgt)
             flags.append(chunk_flags)
             keys.append(chunk_keys)
             bar.update(len(src))
@@ -461,24 +362,6 @@ def _write_split(
     }
     (tmp / "meta.json").write_text(sealed(meta))
     return meta
-
-
-def _pair_properties(src: list[str], tgt: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Per pair of a chunk: its flags (blank, NUL, copy) and a 64-bit key of its stripped text, equal
-    for equal pairs within this process (Python's string hash; a collision between two different pairs
-    among millions is about as likely as winning a lottery, and would drop one pair)."""
-    flags = np.zeros(len(src), dtype=np.uint8)
-    keys = np.zeros(len(src), dtype=np.int64)
-    for i, (s, t) in enumerate(zip(src, tgt)):
-        s_stripped, t_stripped = s.strip(), t.strip()
-        if not s_stripped or not t_stripped:
-            flags[i] = FLAG_BLANK
-        elif s_stripped == t_stripped:
-            flags[i] = FLAG_COPY
-        if "\0" in s or "\0" in t:
-            flags[i] |= FLAG_NUL
-        keys[i] = hash((s_stripped, t_stripped))
-    return flags, keys
 
 
 def encoded_split(
@@ -518,53 +401,11 @@ def encoded_split(
             _move_aside(directory, damage)
         meta = _encode_to(directory, source, tokenizer, name, text, tag)
     cleaning = Cleaning.of(cfg) if split == "train" else None
-    if cleaning and cleaning.langid and not _identified(directory / cleaning.langid, meta["pairs"]):
+    if cleaning and cleaning.langid and not languages_identified(directory / cleaning.langid, meta["pairs"]):
         if not build:
             return None
-        _identify_languages(directory / cleaning.langid, source, cfg, name, meta["pairs"])
+        identify_languages(directory / cleaning.langid, source, cfg, name, meta["pairs"])
     return EncodedCorpus(directory, cfg.max_len, name, cleaning)
-
-
-def _identified(path: Path, pairs: int) -> bool:
-    """Whether `path` holds the language flags of `pairs` pairs (data.langid)."""
-    try:
-        return len(np.load(path, mmap_mode="r")) == pairs
-    except (OSError, ValueError):  # missing, or cut short by a killed run: identified again
-        return False
-
-
-def _identify_languages(path: Path, source: SplitSource, cfg: DataConfig, desc: str, pairs: int) -> None:
-    """The language flags of every pair of `source` (transformer/data/langid.py), saved as `path` beside the
-    prepared split, written under another name and renamed. Called under the preparation lock."""
-    started = time.perf_counter()
-    with tqdm(
-        total=pairs, desc=f"identifying languages {desc}", unit=" pairs", unit_scale=True, disable=None, leave=False
-    ) as bar:
-        flags = language_flags(source.chunks(), cfg.src_lang, cfg.tgt_lang, pairs, bar.update)
-    if len(flags) != pairs:
-        raise DataError(
-            f"{source.where}: {len(flags)} pairs now, {pairs} when it was prepared into "
-            f"{path.parent}; was it changed meanwhile? Run again"
-        )
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npy")
-    try:
-        np.save(tmp, flags)
-        os.replace(tmp, path)
-    except OSError as error:
-        raise write_failure(error, "the language flags (data.langid)", path) from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    log.info(
-        "%s: identified the languages of %d pairs in %.1f s (data.langid, py3langid): %d sources not %s, "
-        "%d targets not %s",
-        desc,
-        pairs,
-        time.perf_counter() - started,
-        int(((flags & WRONG_SOURCE) != 0).sum()),
-        cfg.src_lang,
-        int(((flags & WRONG_TARGET) != 0).sum()),
-        cfg.tgt_lang,
-    )
 
 
 @contextlib.contextmanager

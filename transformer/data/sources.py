@@ -10,22 +10,28 @@ stops with the file and line.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
-import os
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 from transformer.config import DataConfig
 from transformer.data import toy
+from transformer.data.lines import (
+    dangling_link,
+    file_stat,
+    hash_files,
+    iter_line_blocks,
+    not_regular,
+    rechunk,
+    refuse_irregular,
+)
 from transformer.errors import DataError  # noqa: F401 - its home is errors.py; imported from here too
 
 log = logging.getLogger(__name__)
 
+
 CHUNK_LINES = 100_000
-_BLOCK_BYTES = 8 << 20
 
 
 def pa_types():
@@ -48,140 +54,6 @@ def _datasets(source: str):
 Chunk = tuple[list[str], list[str]]  # (source lines, target lines) of equal length
 
 
-# ---------------------------------------------------------------------------------------------------
-# Reading UTF-8 lines
-
-
-def _decode(block: bytes, path: Path, first_line: int) -> list[str]:
-    """Lines of a block of whole lines; only '\\n' separates lines (str.splitlines would also split
-    on U+2028 and friends and mis-align a parallel corpus); a CR before the '\\n' is dropped."""
-    try:
-        text = block.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line_no = first_line + block.count(b"\n", 0, error.start)
-        column = error.start - (block.rfind(b"\n", 0, error.start) + 1) + 1
-        utf16 = first_line == 1 and block[:2] in (b"\xff\xfe", b"\xfe\xff")  # its byte-order mark
-        source = "utf-16" if utf16 else "latin1"
-        raise DataError(
-            f"{path}:{line_no}: invalid UTF-8 (byte 0x{block[error.start]:02x} at column {column}"
-            f"{'; the file is UTF-16' if utf16 else ''}); re-encode the file as UTF-8, e.g. "
-            f"`iconv -f {source} -t utf-8`"
-        ) from None
-    lines = text.split("\n")
-    if "\r" in text:
-        lines = [line[:-1] if line.endswith("\r") else line for line in lines]
-    return lines
-
-
-def _not_regular(path: Path) -> str | None:
-    """What `path` is when it exists but is not a regular file (a directory, a FIFO, a device)."""
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        return None
-    kinds = (
-        (stat.S_ISREG, None),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    )
-    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
-
-
-def _refuse_irregular(path: Path) -> None:
-    """Text that is read more than once (fingerprint, vocabulary, encoding) must be in a regular file:
-    /dev/null would read as an empty corpus, a FIFO once or never."""
-    kind = _not_regular(path)
-    if kind:
-        raise DataError(f"{path}: is not a regular file (it is {kind}); give the text in a regular file")
-
-
-def _open_for_reading(path: Path):
-    try:
-        return open(path, "rb")
-    except OSError as error:
-        raise DataError(f"{path}: cannot read it: {error.strerror}") from None
-
-
-def iter_line_blocks(path: Path) -> Iterator[list[str]]:
-    """The lines of a UTF-8 file in blocks of about 8 MB (a BOM is stripped)."""
-    line_no, rest, first = 1, b"", True
-    with _open_for_reading(path) as handle:
-        while True:
-            block = handle.read(_BLOCK_BYTES)
-            if first and block.startswith(b"\xef\xbb\xbf"):
-                block = block[3:]
-            first = False
-            if not block:
-                break
-            block = rest + block
-            cut = block.rfind(b"\n")
-            if cut < 0:
-                rest = block
-                continue
-            rest = block[cut + 1 :]
-            lines = _decode(block[:cut], path, line_no)
-            line_no += len(lines)
-            yield lines
-    if rest:
-        yield _decode(rest, path, line_no)
-
-
-def read_lines(path: Path) -> list[str]:
-    """All lines of a UTF-8 text file (for files that are decoded whole: test sets, CLI input)."""
-    return [line for block in iter_line_blocks(Path(path)) for line in block]
-
-
-def _rechunk(blocks: Iterator[list[str]], size: int) -> Iterator[list[str]]:
-    buffer: list[str] = []
-    for block in blocks:
-        buffer.extend(block)
-        while len(buffer) >= size:
-            yield buffer[:size]
-            del buffer[:size]
-    if buffer:
-        yield buffer
-
-
-def _dangling(path: Path) -> str | None:
-    """For a path that does not exist: what its symbolic link points to, if it is one (a loop, or a
-    target that is gone); None for a plain missing path."""
-    if not path.is_symlink():
-        return None
-    try:
-        path.resolve(strict=True)
-    except RuntimeError:  # Python before 3.13
-        return "a symbolic link in a loop"
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            return "a symbolic link in a loop"
-    return f"a symbolic link to {os.readlink(path)}, which does not exist"
-
-
-def _stat(path: Path) -> tuple[int, int] | None:
-    try:
-        info = path.stat()
-    except OSError:
-        return None
-    return info.st_size, info.st_mtime_ns
-
-
-def _hash_files(*paths: Path) -> str:
-    digest = hashlib.sha256()
-    for path in paths:
-        with _open_for_reading(path) as handle:
-            while block := handle.read(_BLOCK_BYTES):
-                digest.update(block)
-        digest.update(b"\0")
-    return digest.hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Sources
-
-
 class SplitSource:
     """One split of a parallel corpus. `chunks()` streams (source lines, target lines);
     `fingerprint()` identifies the content (cache keys; computed once); `where` names it in messages."""
@@ -193,7 +65,7 @@ class SplitSource:
 
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            self._stats = [_stat(path) for path in self.files]
+            self._stats = [file_stat(path) for path in self.files]
             self._fingerprint = self._compute_fingerprint()
         return self._fingerprint
 
@@ -202,7 +74,7 @@ class SplitSource:
         while this process read them (a cache entry under the old content's key would hold a mix)."""
         if self._stats is None:
             return []
-        return [path for path, before in zip(self.files, self._stats) if _stat(path) != before]
+        return [path for path, before in zip(self.files, self._stats) if file_stat(path) != before]
 
     def _compute_fingerprint(self) -> str:
         raise NotImplementedError
@@ -240,19 +112,19 @@ class ParallelFiles(SplitSource):
         for path in (src_path, tgt_path):
             if not path.exists():
                 raise DataError(
-                    f"{path}: {_dangling(path) or 'file not found'} (check data.path and the language codes)"
+                    f"{path}: {dangling_link(path) or 'file not found'} (check data.path and the language codes)"
                 )
-            _refuse_irregular(path)
+            refuse_irregular(path)
         self.src_path, self.tgt_path = src_path, tgt_path
         self.files = (src_path, tgt_path)
         self.where = f"{src_path} + {tgt_path.name}"
 
     def _compute_fingerprint(self) -> str:
-        return _hash_files(self.src_path, self.tgt_path)
+        return hash_files(self.src_path, self.tgt_path)
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
-        src_chunks = _rechunk(iter_line_blocks(self.src_path), size)
-        tgt_chunks = _rechunk(iter_line_blocks(self.tgt_path), size)
+        src_chunks = rechunk(iter_line_blocks(self.src_path), size)
+        tgt_chunks = rechunk(iter_line_blocks(self.tgt_path), size)
         src_count = tgt_count = 0
         while True:
             src, tgt = next(src_chunks, None), next(tgt_chunks, None)
@@ -280,11 +152,11 @@ class TsvFile(SplitSource):
         self.header = {(src_lang, tgt_lang), ("src", "tgt"), ("source", "target")}
 
     def _compute_fingerprint(self) -> str:
-        return "tsv-with-header-" + _hash_files(self.path)  # a header line was read as a pair before
+        return "tsv-with-header-" + hash_files(self.path)  # a header line was read as a pair before
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
         line_no, quoted = 0, None
-        for lines in _rechunk(iter_line_blocks(self.path), size):
+        for lines in rechunk(iter_line_blocks(self.path), size):
             src, tgt = [], []
             for line in lines:
                 line_no += 1
@@ -516,9 +388,9 @@ def load_split_text(cfg: DataConfig, split: str) -> Chunk:
 def _open_local(cfg: DataConfig, split: str, key: str) -> SplitSource:
     root = Path(cfg.path).expanduser()
     if not root.exists():
-        raise DataError(f"{key}.path={cfg.path}: {_dangling(root) or 'no such file or directory'}")
+        raise DataError(f"{key}.path={cfg.path}: {dangling_link(root) or 'no such file or directory'}")
     name = cfg.split_name(split)
-    kind = _not_regular(root)
+    kind = not_regular(root)
     if kind not in (None, "a directory"):
         raise DataError(
             f"{key}.path={cfg.path}: is not a regular file or a directory (it is {kind}); "
@@ -540,14 +412,14 @@ def _open_local(cfg: DataConfig, split: str, key: str) -> SplitSource:
     for file in candidates:
         if not file.exists():
             continue
-        _refuse_irregular(file)
+        refuse_irregular(file)
         if file.suffix == ".tsv":
             return TsvFile(file, cfg.src_lang, cfg.tgt_lang)
         builder = "parquet" if file.suffix == ".parquet" else "json"
         datasets = _datasets(str(file))
         # datasets keys its Arrow copy of a local file by path and modification time: a file rewritten
         # with its old time (cp -p, rsync -a, touch -r) came back as the old rows. Keyed by content here.
-        content = _hash_files(file)
+        content = hash_files(file)
         try:
             table = datasets.load_dataset(
                 builder,

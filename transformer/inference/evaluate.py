@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformer.data.sources import DataError, load_split_text, read_lines
+from transformer.data.lines import read_lines
+from transformer.data.sources import DataError, load_split_text
 from transformer.errors import overwritten_input
 from transformer.inference.request import DecodeRequest
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from transformer.inference.search import Sampling
+    from transformer.inference.sampling import Sampling
 
 # The keys of the config's decode section a request may set (DecodeConfig, DECODE_OPTIONS).
 SEARCH_KEYS = ("beam_size", "alpha", "nbest", "max_len_a", "max_len_b", "batch_tokens")

@@ -1,12 +1,12 @@
-"""Greedy decoding and batched beam search, both incremental over the decoder's key/value cache.
+"""Greedy decoding and batched beam search, both incremental over the decoder's key/value cache, and
+sampling instead of a search (sampling.py).
 
-The search functions talk to a `StepDecoder` (the protocol below): `step(tokens) -> log-probabilities
-of the next token` and `select(rows, sentences)` to follow the surviving hypotheses. `ModelDecoder`
-implements it for any `EncoderDecoder` (with the cache, or recomputing the prefix for comparison),
-`EnsembleDecoder` for several models at once (the weighted mean of their log-probabilities); tests
-implement it with hand-written probability tables. A target prefix (`prefixes`) forces the first
-tokens of a sentence; search continues from there. Text in, text out goes through
-`transformer.inference.translator.Translator`, which calls `translate_ids` here.
+The search functions talk to a `StepDecoder` (decoders.py): `step(tokens) -> log-probabilities of the
+next token` and `select(rows, sentences)` to follow the surviving hypotheses; `ModelDecoder` and
+`EnsembleDecoder` implement it for one model or several, tests with hand-written probability tables. A
+target prefix (`Search.prefixes`) forces the first tokens of a sentence; search continues from there.
+Text in, text out goes through `transformer.inference.translator.Translator`, which calls `translate_ids`
+here. The top candidates of a step are found by candidates.py.
 
 Shapes: the legend of transformer/attention.py (B, S, T, D, K, ...), and here n open sentences, t tokens so
 far (BOS included), V vocabulary.
@@ -19,63 +19,24 @@ import gc
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 
-from transformer.attention import padding_mask
 from transformer.config import DEFAULT_BATCH_TOKENS
 from transformer.data.batching import batches_in_order, pad_sequences
 from transformer.errors import Interrupted
+from transformer.inference.candidates import never_generated, prefix_logprob, step_candidates, top_candidates
+from transformer.inference.decoders import (
+    EncoderDecoder,
+    EnsembleDecoder,
+    Hypothesis,
+    ModelDecoder,
+    StepDecoder,
+)
 from transformer.inference.parallel import PARALLEL_MIN_BATCH_TOKENS, in_processes
+from transformer.inference.sampling import Sampling
 from transformer.model import eval_mode
 from transformer.special import BOS_ID, EOS_ID, PAD_ID
-
-
-@dataclass
-class Hypothesis:
-    tokens: list[int]  # without BOS and EOS
-    score: float  # log-probability / length penalty (what the beam ranks by)
-    logprob: float  # total log-probability, EOS included
-    hit_max_len: bool = False
-    text: str = ""  # detokenized (filled in by `Translator`)
-
-
-class EncoderDecoder(Protocol):
-    """What decoding needs of a model (`transformer.model.Transformer` is one)."""
-
-    cfg: object  # .max_positions
-    training: bool
-
-    def encode(self, src: torch.Tensor) -> torch.Tensor: ...  # (B, S) -> (B, S, D)
-
-    def decode(self, tgt_in: torch.Tensor, memory, src_pad_mask, cache=None) -> torch.Tensor: ...  # (B, T, V)
-
-    def decode_step(self, tokens: torch.Tensor, cache) -> torch.Tensor: ...  # (B, t) -> (B, V)
-
-    def new_cache(self, memory: torch.Tensor, src_pad_mask: torch.Tensor): ...
-
-    def train(self, mode: bool = True): ...
-
-
-@runtime_checkable
-class StepDecoder(Protocol):
-    """One decoding step at a time over a batch of hypothesis rows."""
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (rows, t) -> float32 log-probabilities (rows, V) of token t+1."""
-
-    def select(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> None:
-        """Continue with hypothesis rows `rows`; if given, keep only sentence rows `sentences`."""
-
-
-@runtime_checkable
-class LogitsDecoder(StepDecoder, Protocol):
-    """A StepDecoder that also hands out raw logits, so that search takes log-probabilities in blocks."""
-
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (rows, t) -> logits (rows, V) of token t+1."""
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -89,159 +50,6 @@ def max_lengths(src: torch.Tensor, max_len_a: float, max_len_b: int, limit: int)
     # Capped while still float: a limit beyond int64 (max_len_a=1e30: "no limit") wrapped to 1 token.
     lengths = torch.floor(src_lens.double() * float(max_len_a) + float(max_len_b))
     return lengths.clamp(min=1, max=limit).long()
-
-
-class ModelDecoder:
-    """Runs the Transformer decoder one step at a time for `search`."""
-
-    def __init__(self, model: EncoderDecoder, src: torch.Tensor, use_cache: bool = True):
-        self.model = model
-        memory = model.encode(src)  # (B, S, D)
-        src_pad_mask = padding_mask(src, PAD_ID)  # (B, S)
-        self.cache = model.new_cache(memory, src_pad_mask) if use_cache else None
-        self.memory, self.src_pad_mask = memory, src_pad_mask
-
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (rows, t) -> logits (rows, V) of token t+1, in the model's compute dtype."""
-        if self.cache is not None:
-            return self.model.decode_step(tokens, self.cache)
-        # Without the cache, recompute the whole prefix: the slow reference for tests and benchmarks.
-        return self.model.decode(tokens, self.memory, self.src_pad_mask)[:, -1]
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (rows, t) -> log-probabilities (rows, V) of token t+1, in float32."""
-        return torch.log_softmax(self.logits(tokens), dim=-1, dtype=torch.float32)
-
-    def select(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> None:
-        """Continue with hypothesis rows `rows`; if given, keep only sentence rows `sentences`."""
-        if self.cache is not None:
-            self.cache.reorder_hypotheses(rows)
-            if sentences is not None:
-                self.cache.keep_sentences(sentences)
-        elif sentences is not None:
-            self.memory = self.memory.index_select(0, sentences)
-            self.src_pad_mask = self.src_pad_mask.index_select(0, sentences)
-
-
-class EnsembleDecoder:
-    """Several decoders over the same vocabulary, stepping together: the next-token log-probabilities are
-    the weighted mean of theirs (`weights` normalised to sum to 1), each model with its own encoder
-    output and cache, all following the same hypotheses."""
-
-    def __init__(self, decoders: list[StepDecoder], weights: list[float] | None = None):
-        weights = [1.0] * len(decoders) if weights is None else list(weights)
-        if not decoders or len(weights) != len(decoders):
-            raise ValueError(f"an ensemble needs one weight per model ({len(decoders)} models, {len(weights)} weights)")
-        total = sum(weights)
-        self.decoders, self.weights = decoders, [w / total for w in weights]
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (rows, t) -> the weighted mean of the models' float32 log-probabilities (rows, V)."""
-        mean = None
-        for weight, decoder in zip(self.weights, self.decoders):
-            logprobs = decoder.step(tokens)  # (rows, V) float32
-            mean = logprobs.mul_(weight) if mean is None else mean.add_(logprobs, alpha=weight)
-        return mean
-
-    def select(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> None:
-        for decoder in self.decoders:
-            decoder.select(rows, sentences)
-
-
-def row_topk(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """`scores.topk(k, dim=1)`, found by first ranking blocks of `chunk` columns by their maxima.
-
-    The k best entries of a row lie in the k blocks with the highest maxima: those k maxima are k
-    entries at least as large as anything in the other blocks. On the CPU this reads a (rows, V)
-    log-probability matrix about twice as fast as `topk` over all of it. Ties may resolve differently.
-    """
-    rows, width = scores.shape
-    if width < 4 * k * chunk:
-        return scores.topk(k, dim=1)
-    if width % chunk:
-        scores = F.pad(scores, (0, chunk - width % chunk), value=float("-inf"))
-    block_max = scores.view(rows, -1, chunk).amax(dim=2)  # (rows, blocks)
-    top_blocks = block_max.topk(k, dim=1).indices  # (rows, k)
-    offsets = torch.arange(chunk, device=scores.device)
-    columns = (top_blocks[:, :, None] * chunk + offsets).view(rows, k * chunk)  # (rows, k * chunk)
-    values, picks = scores.gather(1, columns).topk(k, dim=1)  # (rows, k)
-    return values, columns.gather(1, picks).clamp_(max=width - 1)
-
-
-# Rows of logits turned into float32 log-probabilities at a time on the CPU. A whole batch's would be
-# up to ~40 MB of fresh memory every step, which glibc maps and the kernel page-faults in anew each
-# time (about a tenth of decoding's CPU time); blocks this size are reused from the heap instead.
-CPU_LOGPROB_BLOCK_ROWS = 128
-
-
-def top_candidates(
-    decoder: StepDecoder, tokens: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tokens (rows, t) -> the k most probable next tokens per row (log-probabilities (rows, k) and
-    ids (rows, k), best first; PAD and BOS excluded) and each row's EOS log-probability (rows,)."""
-    if not isinstance(decoder, LogitsDecoder):  # one that only offers log-probabilities
-        return _candidates(decoder.step(tokens), k)
-    logits = decoder.logits(tokens)  # (rows, V)
-    block = CPU_LOGPROB_BLOCK_ROWS if logits.device.type == "cpu" else max(1, logits.size(0))
-    parts = [_candidates(torch.log_softmax(rows, dim=-1, dtype=torch.float32), k) for rows in logits.split(block)]
-    return tuple(torch.cat(tensors) for tensors in zip(*parts))
-
-
-def _never_generated(logprobs: torch.Tensor) -> torch.Tensor:
-    """PAD and BOS masked out of (rows, V) log-probabilities, in place."""
-    logprobs[:, PAD_ID] = float("-inf")  # integer indices: a fill on the device, no index tensor
-    logprobs[:, BOS_ID] = float("-inf")  # copied from the host
-    return logprobs
-
-
-def _candidates(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _never_generated(logprobs)
-    values, ids = row_topk(logprobs, min(k, logprobs.size(1)))  # (rows, k)
-    return values, ids, logprobs[:, EOS_ID]
-
-
-def _prefix_logprob(logprobs: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which rows are still inside their target prefix (`wanted` (rows,): the prefix token of this step,
-    PAD once a row's prefix has ended) and the log-probability (rows,) of that token."""
-    return wanted != PAD_ID, logprobs.gather(1, wanted[:, None]).squeeze(1)
-
-
-@dataclass
-class Sampling:
-    """Random sampling instead of search (back-translation, Edunov et al. 2018): each token is drawn from
-    the `top_k` most probable ones (0: all), or from the smallest set whose probability reaches `top_p`
-    (nucleus sampling; 1.0: all), after dividing the log-probabilities by `temperature`. The object
-    keeps a generator seeded with `seed`: a new Sampling of the same seed gives the same input the same
-    samples, and one object used again continues its random stream (the chunks of a long input are not
-    sampled alike; for a repeatable call, pass a new Sampling). Hypothesis scores stay the model's own
-    log-probabilities of the drawn tokens (untempered)."""
-
-    top_k: int = 0
-    top_p: float = 1.0
-    temperature: float = 1.0
-    seed: int = 1
-
-    def __post_init__(self):
-        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0 or not 0.0 < self.temperature < math.inf:
-            raise ValueError(f"sampling needs top_k >= 0, 0 < top_p <= 1 and a finite temperature > 0 (got {self})")
-        self._generators: dict = {}
-
-    def __call__(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logprobs (n, V) float32 -> drawn tokens (n,) and their log-probabilities (n,)."""
-        scores = logprobs / self.temperature
-        if self.top_k and self.top_k < scores.size(1):
-            kth = scores.topk(self.top_k, dim=1).values[:, -1:]  # (n, 1)
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if self.top_p < 1.0:
-            ordered, order = scores.sort(dim=1, descending=True)  # (n, V)
-            probs = ordered.softmax(dim=1)
-            outside = probs.cumsum(dim=1) - probs >= self.top_p  # the first token always stays
-            scores = scores.scatter(1, order, ordered.masked_fill(outside, float("-inf")))
-        generator = self._generators.get(scores.device)
-        if generator is None:
-            generator = self._generators[scores.device] = torch.Generator(scores.device).manual_seed(self.seed)
-        tokens = torch.multinomial(scores.softmax(dim=1), 1, generator=generator).squeeze(1)
-        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
 @dataclass(frozen=True)
@@ -293,14 +101,14 @@ def greedy_search(
             best_logprob, best_token, eos_logprob = top_candidates(decoder, tokens, 1)  # (n, 1), (n, 1), (n,)
             best_logprob, best_token = best_logprob.squeeze(1), best_token.squeeze(1)
         else:
-            logprobs = _never_generated(decoder.step(tokens))  # (n, V) float32
+            logprobs = never_generated(decoder.step(tokens))  # (n, V) float32
             if sampling is None:
                 best_logprob, best_token = logprobs.max(dim=1)
             else:
                 best_token, best_logprob = sampling(logprobs)
             eos_logprob = logprobs[:, EOS_ID]
             if in_prefix:
-                active, wanted_logprob = _prefix_logprob(logprobs, prefix[:, step])
+                active, wanted_logprob = prefix_logprob(logprobs, prefix[:, step])
                 best_token = torch.where(active, prefix[:, step], best_token)
                 best_logprob = torch.where(active, wanted_logprob, best_logprob)
         forced = step + 1 >= max_lens  # (n,)
@@ -370,9 +178,9 @@ def beam_search(
         # (width = 2K, or the vocabulary size if that is smaller).
         if prefix is not None and step < prefix.size(1):
             logprobs = decoder.step(tokens)  # (n*beams, V) float32
-            row_scores, row_tokens, eos_logprob = _candidates(logprobs, 2 * K)  # (n*beams, width)
+            row_scores, row_tokens, eos_logprob = step_candidates(logprobs, 2 * K)  # (n*beams, width)
             wanted = prefix[:, step].repeat_interleave(beams)  # (n*beams,)
-            active, wanted_logprob = _prefix_logprob(logprobs, wanted)
+            active, wanted_logprob = prefix_logprob(logprobs, wanted)
             first_beam = torch.arange(n * beams, device=device) % beams == 0
             _only(row_scores, row_tokens, active, wanted, wanted_logprob.masked_fill(~first_beam, float("-inf")))
         else:

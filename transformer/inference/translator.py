@@ -15,8 +15,9 @@ from tqdm import tqdm
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import QUANTIZATIONS, check_decode_options, check_weights
 from transformer.data.batching import batches_in_order, pad_sequences
+from transformer.inference.decoders import Hypothesis
 from transformer.inference.request import DecodeRequest
-from transformer.inference.search import Hypothesis, Search, translate_ids
+from transformer.inference.search import Search, translate_ids
 from transformer.kernels import is_int8
 from transformer.model import eval_mode
 from transformer.runtime import DTYPES, Runtime, autocast_factory

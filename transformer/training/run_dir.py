@@ -210,7 +210,7 @@ class Launch:
             if arg.split("=", 1)[0] in CONFIG_SOURCE_FLAGS:
                 flags += [arg] if "=" in arg else [arg, next(args, "")]
         nproc = environ.get("LOCAL_WORLD_SIZE")
-        if "MAKELEVEL" in environ and Path(argv[0]).name in ("train_cli.py", "train.py") and Path("Makefile").is_file():
+        if "MAKELEVEL" in environ and Path(argv[0]).name == "train.py" and Path("Makefile").is_file():
             program = ["make", "train-ddp", f"NPROC={nproc}"] if nproc else ["make", "train"]
         elif nproc and environ.get(LAUNCH_ENV):  # transformer-train-ddp, with its torchrun options
             program = shlex.split(environ[LAUNCH_ENV])

@@ -11,14 +11,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from transformer import distributed as D
-from transformer.checkpoint import (
-    CheckpointDirectory,
-    CheckpointError,
-    load_checkpoint,
-    load_model_weights,
-    non_finite_tensors,
-)
+from transformer.checkpoint import CheckpointError, load_checkpoint, load_model_weights, non_finite_tensors
 from transformer.config import Config
+from transformer.training.checkpoint_dir import CheckpointDirectory
 from transformer.training.ema import ExponentialMovingAverage
 from transformer.training.progress import Progress, restore_rng_state, rng_state
 from transformer.training.run_dir import TrainingError

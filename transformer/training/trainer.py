@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from transformer.checkpoint import CheckpointDirectory, load_model_weights
+from transformer.checkpoint import load_model_weights
 from transformer.config import Config
 from transformer.data.batching import TokenBatchSampler, UpdateSampler, update_loader
 from transformer.data.corpus import PreparedData
@@ -27,6 +27,7 @@ from transformer.data.tokenizer import Tokenizer
 from transformer.model import build_model
 from transformer.runtime import Runtime
 from transformer.training.banner import log_banner, warn_about_settings_the_run_cannot_honour
+from transformer.training.checkpoint_dir import CheckpointDirectory
 from transformer.training.monitor import Monitor
 from transformer.training.optim import build_optimizer
 from transformer.training.progress import Progress

@@ -4,7 +4,6 @@ transformer-evaluate) and the Python API refuse the same values, each with one l
 in its own words (decode.alpha=, --alpha, alpha=). Trains nothing."""
 
 import dataclasses
-import inspect
 
 import pytest
 
@@ -14,6 +13,7 @@ from transformer.cli.evaluate import main as evaluate_main
 from transformer.cli.translate import build_parser as translate_parser
 from transformer.cli.translate import main as translate_main
 from transformer.config import DECODE_OPTIONS, Config, ConfigError, DecodeConfig
+from transformer.inference.request import SEARCH_KEYS, DecodeRequest
 from transformer.inference.translator import Translator
 
 OPTIONS = {option.key: option for option in DECODE_OPTIONS}
@@ -145,8 +145,9 @@ def test_the_command_lines_offer_the_options_the_config_defines():
         # No second, hand-written flag for an option outside the group.
         others = [action for action in parser._actions if action not in flagged.values()]
         assert not {action.dest for action in others} & {action.dest for action in flagged.values()}
-    keywords = inspect.signature(Translator.hypotheses).parameters
-    assert keys <= set(keywords) and all(keywords[key].default is None for key in keys)
+    # The Python API takes them as one DecodeRequest (or its fields as keywords): None = the checkpoint's.
+    fields = {spec.name: spec for spec in dataclasses.fields(DecodeRequest)}
+    assert keys == set(SEARCH_KEYS) and keys <= set(fields) and all(fields[key].default is None for key in keys)
 
 
 def test_options_left_out_come_from_the_checkpoint_or_the_schema():

@@ -10,9 +10,10 @@ import torch
 
 from tests.helpers import FAST, compose_config
 from transformer import distributed as D
-from transformer.checkpoint import CheckpointDirectory, load_checkpoint
+from transformer.checkpoint import load_checkpoint
 from transformer.data.tokenizer import Tokenizer
 from transformer.model import build_model
+from transformer.training.checkpoint_dir import CheckpointDirectory
 from transformer.training.optim import build_optimizer
 from transformer.training.run_dir import TrainingError
 from transformer.training.state import TrainingState

@@ -13,17 +13,10 @@ from tests.helpers import ROOT
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer.errors import DecodingProcessDied
-from transformer.inference.search import (
-    ModelDecoder,
-    Sampling,
-    Search,
-    beam_search,
-    greedy_search,
-    length_penalty,
-    row_topk,
-    top_candidates,
-    translate_ids,
-)
+from transformer.inference.candidates import row_topk, top_candidates
+from transformer.inference.decoders import ModelDecoder
+from transformer.inference.sampling import Sampling
+from transformer.inference.search import Search, beam_search, greedy_search, length_penalty, translate_ids
 
 A, B = 4, 5
 VOCAB = 6  # PAD UNK BOS EOS A B
@@ -361,7 +354,7 @@ def test_sampling_at_a_low_temperature_is_greedy():
 
 def test_decoders_meet_the_search_protocols():
     from transformer.config import ModelConfig
-    from transformer.inference.search import LogitsDecoder, ModelDecoder, StepDecoder
+    from transformer.inference.decoders import LogitsDecoder, ModelDecoder, StepDecoder
     from transformer.model import build_model
 
     model = build_model(ModelConfig(d_model=16, n_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1), 20, 20, True)
@@ -420,7 +413,8 @@ def _reference_greedy(models, weights, src, max_len, prefix=()):
 
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_an_ensemble_of_one_model_equals_that_model(model_and_sources, beam_size):
-    from transformer.inference.search import EnsembleDecoder, max_lengths
+    from transformer.inference.decoders import EnsembleDecoder
+    from transformer.inference.search import max_lengths
 
     model, sources = model_and_sources
     src = _padded(sources)
@@ -438,7 +432,7 @@ def test_an_ensemble_of_one_model_equals_that_model(model_and_sources, beam_size
 def test_an_ensemble_steps_with_the_weighted_mean_of_the_models_logprobs(two_models):
     """Forced decoding of a fixed target through the ensemble's cached steps, against the hand
     computation from each model's uncached distribution."""
-    from transformer.inference.search import EnsembleDecoder
+    from transformer.inference.decoders import EnsembleDecoder
 
     first, second, sources = two_models
     src = _padded(sources[:2])

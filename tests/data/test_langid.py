@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import compose_config
 from transformer.config import ConfigError, CorpusConfig, DataConfig
-from transformer.data import corpus as corpus_module
+from transformer.data import cleaning as cleaning_module
 from transformer.data import langid
 from transformer.data.corpus import encoded_split
 from transformer.data.mixture import corpus_config
@@ -101,7 +101,7 @@ def test_data_langid_drops_pairs_in_another_language_counts_them_and_identifies_
     def never(*args, **kwargs):
         raise AssertionError("identified again")
 
-    monkeypatch.setattr(corpus_module, "language_flags", never)
+    monkeypatch.setattr(cleaning_module, "language_flags", never)
     assert len(encoded_split(InMemory(src, tgt, "unit"), tokenizer, cleaned, "train")) == 4  # read, not found again
     assert len(encoded_split(InMemory(src, tgt, "unit"), tokenizer, cleaned, "validation")) == 6  # never cleaned
     # a file cut short by a killed run is found again

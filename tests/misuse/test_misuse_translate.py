@@ -21,7 +21,7 @@ from tests.helpers import INTERRUPTIBLE, ROOT, assert_one_line_refusal, one_line
 from transformer.cli.evaluate import main as evaluate_main
 from transformer.cli.translate import main as translate_main
 from transformer.inference.evaluate import output_paths
-from transformer.inference.search import Sampling
+from transformer.inference.sampling import Sampling
 from transformer.inference.translator import Translator
 
 SOURCE = "Der Hund sieht die Katze.\nDie Frau gibt dem Mann das Buch.\n"
@@ -170,7 +170,7 @@ def test_a_full_disk_on_stdout_is_one_line_that_says_writing(untrained_checkpoin
 
 
 def test_a_full_disk_on_the_output_file_is_one_line(untrained_checkpoint, source, tmp_path, capsys, monkeypatch):
-    import transformer.cli.translate as translate_module
+    import transformer.cli.streams as streams_module  # where the output file is opened
 
     class FullDisk(io.StringIO):
         def write(self, text):
@@ -181,7 +181,7 @@ def test_a_full_disk_on_the_output_file_is_one_line(untrained_checkpoint, source
     def open_on_a_full_disk(file, mode="r", *args, **kwargs):
         return FullDisk() if "w" in mode else real_open(file, mode, *args, **kwargs)
 
-    monkeypatch.setattr(translate_module, "open", open_on_a_full_disk, raising=False)
+    monkeypatch.setattr(streams_module, "open", open_on_a_full_disk, raising=False)
     output = tmp_path / "out.en"
     for extra in ([], ["--score-reference", source]):
         code, out, err = run_main(
@@ -325,7 +325,7 @@ def test_evaluate_scores_references_in_nfd_as_in_nfc_and_says_so(untrained_check
     checkpoint = tmp_path / "best.pt"  # its results are written beside it
     checkpoint.symlink_to(untrained_checkpoint)
     hypotheses = ["Ein Café in Köln öffnet früh.", "Der Mann fährt über die Brücke."]
-    monkeypatch.setattr(Translator, "translate", lambda self, sentences, **options: list(hypotheses))
+    monkeypatch.setattr(Translator, "translate", lambda self, sentences, *request, **options: list(hypotheses))
     (tmp_path / "src").write_text("a\nb\n")
     reports = []
     for form in ("NFC", "NFD"):

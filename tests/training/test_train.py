@@ -476,22 +476,14 @@ def test_the_train_log_sums_finite_steps_on_the_device_and_stops_on_a_run_of_bad
     from types import SimpleNamespace
 
     from transformer.errors import TrainingError
-    from transformer.training.step_log import TrainLog
+    from transformer.training.step_log import StepResult, TrainLog
 
     log = TrainLog(torch.device("cpu"), monitor=None, max_bad_steps=3)
     micro = [(SimpleNamespace(padding_share=0.1), 1)]
 
     def step(loss, tokens, correct=1.0):
         finite = torch.tensor(math.isfinite(loss))
-        log.add(
-            {
-                "sums": torch.tensor([loss, loss / 2, correct]),
-                "finite": finite,
-                "tokens": tokens,
-                "grad_norm": torch.tensor(1.0),
-            },
-            micro,
-        )
+        log.add(StepResult(torch.tensor([loss, loss / 2, correct]), torch.tensor(1.0), finite, tokens), micro)
 
     step(10.0, 5, correct=2.0)
     step(float("nan"), 7, correct=4.0)  # skipped: not in the loss or accuracy, counted in tokens/s
@@ -571,6 +563,6 @@ def test_rdrop_without_dropout_makes_the_plain_update_and_with_dropout_a_differe
     # With dropout and no label smoothing the summed loss minus the summed NLL is the KL term alone.
     _, dropped = one_step("dropped", "model.dropout=0.3", "trainer.label_smoothing=0")
     _, dropped_rdrop = one_step("dropped-rdrop", "model.dropout=0.3", "trainer.label_smoothing=0", "trainer.rdrop=5")
-    assert dropped["sums"][0] == pytest.approx(dropped["sums"][1].item(), rel=1e-6)
-    kl_per_token = (dropped_rdrop["sums"][0] - dropped_rdrop["sums"][1]) / dropped_rdrop["tokens"]
+    assert dropped.sums[0] == pytest.approx(dropped.sums[1].item(), rel=1e-6)
+    kl_per_token = (dropped_rdrop.sums[0] - dropped_rdrop.sums[1]) / dropped_rdrop.tokens
     assert kl_per_token > 0.05  # the two dropout passes disagree: the KL term counts

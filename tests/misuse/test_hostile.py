@@ -207,7 +207,7 @@ CASES = [
         ["data.path={ws}/blank", "hydra.run.dir={ws}/new"],
         r"data.path=.*/blank is set but data=toy is the embedded corpus.*make train data=custom data.path=",
     ),
-    # --- issue 27: export and average (--force, damaged checkpoints, full disks: tests/test_misuse_export.py)
+    # --- issue 27: export and average (--force, damaged checkpoints, full disks: tests/misuse/test_misuse_export.py)
     (
         "average-onto-a-run-checkpoint",
         "average",
@@ -422,7 +422,7 @@ def test_translator_api_refuses_what_the_cli_refuses(untrained_checkpoint):
 
 @pytest.mark.slow
 def test_beam_sizes_up_to_and_beyond_the_vocabulary(trained_checkpoint):
-    from tests.test_search import A, B, TableDecoder
+    from tests.inference.test_search import A, B, TableDecoder
 
     best = {}
     for beam in range(1, 12):  # the table has 6 entries (4 that can be generated)

@@ -1,4 +1,4 @@
-"""transformer-train-ddp's command line and how it reads a run's end (the runs themselves: tests/test_ddp.py)."""
+"""transformer-train-ddp's command line and how it reads a run's end (the runs: tests/training/test_ddp.py)."""
 
 import signal
 

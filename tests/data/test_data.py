@@ -20,9 +20,11 @@ from transformer.data.batching import (
     pack_sorted,
     pad_sequences,
 )
-from transformer.data.corpus import Cleaning, EncodedCorpus, encoded_split
+from transformer.data.cleaning import Cleaning
+from transformer.data.corpus import EncodedCorpus, encoded_split
+from transformer.data.lines import read_lines
 from transformer.data.prepare import prepare
-from transformer.data.sources import DataError, InMemory, ParallelFiles, load_split_text, open_split, read_lines
+from transformer.data.sources import DataError, InMemory, ParallelFiles, load_split_text, open_split
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 
 

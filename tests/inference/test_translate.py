@@ -306,7 +306,7 @@ def test_a_pipe_receives_the_first_translations_before_the_input_ends(untrained_
 def test_stream_chunks_take_what_has_arrived(tmp_path):
     import io
 
-    from transformer.cli.translate import stream_chunks
+    from transformer.cli.streams import stream_chunks
 
     data = "\ufeffeins\r\nzwei\n".encode() + b"\xff drei\n" + b"vier"
     chunks = list(stream_chunks(io.BytesIO(data), max_lines=3))

@@ -10,7 +10,8 @@ from transformer.checkpoint import CheckpointError, load_checkpoint, save_checkp
 from transformer.data.batching import pad_sequences
 from transformer.data.tokenizer import Tokenizer, train_sentencepiece
 from transformer.data.toy import generate
-from transformer.inference.search import ModelDecoder, Search, beam_search, max_lengths, translate_ids
+from transformer.inference.decoders import ModelDecoder
+from transformer.inference.search import Search, beam_search, max_lengths, translate_ids
 from transformer.inference.translator import Translator
 from transformer.special import EOS_ID
 
@@ -277,7 +278,7 @@ def test_evaluate_searches_the_length_penalty_over_several_alphas(untrained_chec
 def test_sampling_refuses_search_options_and_alpha_without_a_beam_is_warned(untrained_checkpoint):
     """Through the API, sampling silently dropped beam_size and alpha, and nbest gave one hypothesis per
     sentence but nbest placeholders per empty one."""
-    from transformer.inference.search import Sampling
+    from transformer.inference.sampling import Sampling
 
     translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
     for options, named in (

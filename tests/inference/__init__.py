@@ -1,0 +1,1 @@
+"""Tests of transformer/inference/."""
