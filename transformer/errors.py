@@ -1,8 +1,9 @@
-"""What the commands share when something goes wrong, in a leaf module: DataError (what only raises it,
-batching, the caches, the tokenizer, imports it from here, so that translating does not load the corpus
-readers of `transformer.data.sources`, which re-exports it), CheckpointError (so that a command line can name it
-before it loads torch with `transformer.checkpoint`, which re-exports it), stdout's reader going away,
-and Ctrl-C at a command's start and end."""
+"""Every error a user can see, in a leaf module that imports nothing of the package: ConfigError (a key's
+value), DataError (a corpus, a file and line), CheckpointError (a checkpoint or an export), TrainingError
+(a run), UsageError (a command line), CacheDamage (a cache entry, prepared again), Interrupted and
+DecodingProcessDied (decoding); what translating, the caches and the commands raise comes from here,
+without loading the corpus readers or torch. Also the helpers for stdout's reader going away, Ctrl-C at a
+command's start and end, and an output that would overwrite an input."""
 
 import os
 import signal
@@ -22,6 +23,15 @@ class TrainingError(RuntimeError):
 
 class UsageError(ValueError):
     """A command line that cannot run as given (a flag's value, a file it names); the message names the flag."""
+
+
+class CacheDamage(Exception):
+    """A cache file is missing, truncated, overwritten or unreadable; `str()` is "<file>: <what>". Caught
+    where a cache is read: the entry is prepared again, with one warning naming the file."""
+
+    def __init__(self, path: Path, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path, self.problem = Path(path), problem
 
 
 class DataError(ValueError):

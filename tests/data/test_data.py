@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transformer.config import ConfigError, DataConfig
-from transformer.data import sources as data_module
+from transformer.data import lines as lines_module
 from transformer.data import toy
 from transformer.data.batching import (
     TokenBatchSampler,
@@ -362,7 +362,7 @@ def test_a_failed_preparation_leaves_no_temporary_files_and_its_own_error(tmp_pa
 
 
 def test_streaming_across_blocks_keeps_line_numbers_and_alignment(tmp_path, monkeypatch):
-    monkeypatch.setattr(data_module, "_BLOCK_BYTES", 16)  # many tiny blocks
+    monkeypatch.setattr(lines_module, "_BLOCK_BYTES", 16)  # many tiny blocks
     de = [f"Zeile {i} " + "ä" * (i % 7) for i in range(200)]
     en = [f"line {i}" for i in range(200)]
     (tmp_path / "train.de").write_text("\ufeff" + "\r\n".join(de) + "\r\n")

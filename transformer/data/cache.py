@@ -18,17 +18,9 @@ import stat
 import zlib
 from pathlib import Path
 
-from transformer.errors import DataError
+from transformer.errors import CacheDamage, DataError
 
 _BLOCK_BYTES = 16 << 20
-
-
-class CacheDamage(Exception):
-    """A cache file is missing, truncated, overwritten or unreadable; `str()` is "<file>: <what>"."""
-
-    def __init__(self, path: Path, problem: str):
-        super().__init__(f"{path}: {problem}")
-        self.path, self.problem = Path(path), problem
 
 
 def _crc32_of_file(path: Path) -> str:

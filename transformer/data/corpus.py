@@ -45,7 +45,7 @@ import numpy as np
 from tqdm import tqdm
 
 from transformer.config import DataConfig
-from transformer.data.cache import CacheDamage, check_file, file_record, read_record, sealed, write_failure
+from transformer.data.cache import check_file, file_record, read_record, sealed, write_failure
 from transformer.data.cleaning import (
     FLAG_BLANK,
     FLAG_DUPLICATE,
@@ -58,6 +58,7 @@ from transformer.data.cleaning import (
 from transformer.data.sources import DataError, SplitSource
 from transformer.data.subword import SubwordSampling
 from transformer.data.tokenizer import Tokenizer, build_tokenizer
+from transformer.errors import CacheDamage
 
 if TYPE_CHECKING:  # torch comes with it: imported where batches are made, not to prepare
     from transformer.data.batching import Batch

@@ -21,16 +21,8 @@ from typing import TYPE_CHECKING
 import sentencepiece as spm
 from tqdm import tqdm
 
-from transformer.data.cache import (
-    CacheDamage,
-    bytes_record,
-    check_bytes,
-    read_cached_bytes,
-    read_record,
-    sealed,
-    write_failure,
-)
-from transformer.errors import DataError
+from transformer.data.cache import bytes_record, check_bytes, read_cached_bytes, read_record, sealed, write_failure
+from transformer.errors import CacheDamage, DataError
 from transformer.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (also imported from here)
 
 if TYPE_CHECKING:  # the corpus readers: only for the annotation, not loaded by translating

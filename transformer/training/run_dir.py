@@ -272,7 +272,11 @@ def install_signal_handlers(trainer) -> dict:
         if trainer.stop_signal:  # a second Ctrl-C means "now"
             raise KeyboardInterrupt
         trainer.stop_signal = signal.Signals(signum).name
-        log.warning("%s received: finishing this step and saving last.pt", trainer.stop_signal)
+        # Said from another thread, which waits for the log's lock: the handler runs between two bytecodes
+        # of the main thread, maybe in the middle of writing a log line, and a second write from here would
+        # be a reentrant call on the same file (a RuntimeError, printed with a traceback).
+        message = ("%s received: finishing this step and saving last.pt", trainer.stop_signal)
+        threading.Thread(target=log.warning, args=message, name="signal-message").start()
 
     return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 

@@ -71,16 +71,11 @@ class Trainer:
         if start.resume:
             self.state.load(start.resume)
         self.monitor = Monitor(self.run_dir, enabled=self.runtime.is_main)
-        self.step = TrainingStep(
-            cfg.trainer,
-            self.state,
-            self.runtime,
-            TrainLog(self.runtime.device, self.monitor, cfg.trainer.max_bad_steps),
-        )
+        self.step = self.build_step()
         if self.runtime.is_main:
             log_banner(self.run_dir, start.describe(), self.runtime, self.model, cfg.model.name)
             self.monitor.start(cfg, self.runtime.precision)
-        self.selection = Selection(cfg, self.data, self.state, self.runtime, self.monitor, lambda: self.stop_signal)
+        self.selection = self.build_selection()
 
     def build_data(self, start: StartingPoint) -> PreparedData:
         """The tokenizer (a resumed or fine-tuned run's own) and the encoded splits. Every rank calls
@@ -139,6 +134,15 @@ class Trainer:
         cuda = rt.device.type == "cuda"
         workers = tc.num_workers if tc.num_workers is not None else (2 if cuda else 0)
         return Batches(sampler, updates, update_loader(train, updates, workers, pin_memory=cuda))
+
+    def build_step(self) -> TrainingStep:
+        """The update (compiled, and wrapped in DDP under torchrun) and the log of its numbers."""
+        tc = self.cfg.trainer
+        return TrainingStep(tc, self.state, self.runtime, TrainLog(self.runtime.device, self.monitor, tc.max_bad_steps))
+
+    def build_selection(self) -> Selection:
+        """The validators and what their results mean (best.pt, patience); a stop signal abandons a validation."""
+        return Selection(self.cfg, self.data, self.state, self.runtime, self.monitor, lambda: self.stop_signal)
 
     @property
     def progress(self) -> Progress:
