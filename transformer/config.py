@@ -733,6 +733,8 @@ class Config:
         from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
         raw = {k: v for k, v in raw.items() if k != "hydra"}
+        if saved:
+            refuse_interpolations(raw)
         try:
             config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), raw))
         except ConfigKeyError as error:
@@ -852,3 +854,21 @@ def composition_error_line(error: BaseException) -> str:
             else f"; `transformer-train --help` lists the {section[0]} keys"
         )
     return line
+
+
+def refuse_interpolations(saved: dict, prefix: str = "") -> None:
+    """A saved config (a checkpoint's, an export's config.json) holds plain values: a run resolves every
+    interpolation before it saves one. One that holds `${...}` was written or edited by hand, and resolving
+    it would run OmegaConf's resolvers on the file's say (`${oc.env:TOKEN}` copies an environment
+    variable into what is exported): refused with a ConfigError naming the key."""
+    for key, value in saved.items() if isinstance(saved, dict) else ():
+        name = f"{prefix}{key}"
+        values = value if isinstance(value, list) else [value]
+        for item in values:
+            if isinstance(item, dict):
+                refuse_interpolations(item, f"{name}.")
+            elif isinstance(item, str) and "${" in item:
+                raise ConfigError(
+                    f"{name}={item!r}: a saved config holds plain values, not interpolations (a run resolves "
+                    "them before it saves); this one was written by hand and is not resolved: remove it"
+                )

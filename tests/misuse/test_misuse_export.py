@@ -497,3 +497,35 @@ def test_a_checkpoint_whose_config_a_new_run_would_refuse_still_loads(checkpoint
     assert config.data.subword_nbest == 4
     with pytest.raises(ConfigError, match="data.subword_nbest=4 applies to unigram sampling only"):
         config.data.validate_for_training()
+
+
+# ----- a stored config is never resolved (issue 71, class 4) ------------------------------------------
+
+
+def test_a_stored_config_with_an_interpolation_is_refused_and_resolves_nothing(
+    checkpoint, tmp_path, capsys, monkeypatch
+):
+    """A checkpoint or config.json edited to hold `${oc.env:...}`: loading it would copy the environment
+    variable into what is exported; every loader refuses it, naming the key, and writes nothing."""
+    monkeypatch.setenv("TRANSFORMER_TEST_SECRET", "s3cr3t-token")
+    state = load_checkpoint(checkpoint)
+    state["config"]["data"]["name"] = "${oc.env:TRANSFORMER_TEST_SECRET}"
+    edited = tmp_path / "edited.pt"
+    save_checkpoint(state, edited)
+    out = tmp_path / "export"
+    code, stdout, err = _export(capsys, edited, out, "safetensors")
+    line = assert_one_line_refusal(err, EXPORT)
+    assert code == 2 and stdout == "" and not out.exists()
+    assert "data.name='${oc.env:TRANSFORMER_TEST_SECRET}': a saved config holds plain values" in line
+    assert "s3cr3t-token" not in err
+    code, _, err = run_main(translate_main, capsys, edited, "--input", "/dev/null")
+    assert code == 2 and "data.name='${oc.env:TRANSFORMER_TEST_SECRET}'" in assert_one_line_refusal(
+        err, "transformer-translate"
+    )
+    # An export's config.json edited the same way (nested inside a list too) is refused by its reader.
+    assert _export(capsys, checkpoint, tmp_path / "clean", "safetensors")[0] == 0
+    meta = json.loads((tmp_path / "clean" / "config.json").read_text())
+    meta["config"]["data"]["corpora"] = [{"path": "${oc.env:TRANSFORMER_TEST_SECRET}"}]
+    (tmp_path / "clean" / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"data\.corpora\.path='\$\{oc\.env:TRANSFORMER_TEST_SECRET\}'"):
+        pretrained.load_pretrained(tmp_path / "clean")

@@ -809,3 +809,19 @@ def test_hydra_flags_it_answers_with_a_traceback_or_several_lines_are_one_line(t
         ["--config-path", "x", "-cn", "nope"],
     ):
         assert hydra_flag_error(argv) is None, argv
+
+
+def test_a_resumed_checkpoint_whose_config_holds_an_interpolation_is_refused(monkeypatch):
+    """Issue 71, class 4: a saved config is plain values; `${...}` in one was written by hand and is not
+    resolved when a run resumes from it either."""
+    monkeypatch.setenv("TRANSFORMER_TEST_SECRET", "s3cr3t-token")
+    saved = {"config": compose_config().to_dict()}
+    saved["config"]["trainer"]["warmup"] = "${oc.env:TRANSFORMER_TEST_SECRET}"
+    with pytest.raises(TrainingError) as refused:
+        adopt_resumed_config(compose_config(), saved, Path("run/checkpoints/last.pt"))
+    assert str(refused.value) == (
+        "run/checkpoints/last.pt: its stored config cannot be resumed: "
+        "trainer.warmup='${oc.env:TRANSFORMER_TEST_SECRET}': a saved config holds plain values, not "
+        "interpolations (a run resolves them before it saves); this one was written by hand and is not "
+        "resolved: remove it"
+    )

@@ -16,7 +16,8 @@ from transformer.checkpoint import (
     CheckpointError,
     load_checkpoint,
 )
-from transformer.config import DecodeConfig, TrainerConfig
+from transformer.config import DecodeConfig, TrainerConfig, refuse_interpolations
+from transformer.errors import ConfigError
 from transformer.training.run_dir import RESUME_REPLACES, RunDirectoryLock, TrainingError, hydra_value, override_key
 
 if TYPE_CHECKING:
@@ -120,6 +121,10 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
     an older checkpoint lacks counts as its default (new keys keep the old behaviour by default); other
     keys it lacks pass."""
     saved, ignored, changed = state["config"], [], []
+    try:
+        refuse_interpolations(saved)
+    except ConfigError as error:
+        raise TrainingError(f"{path}: its stored config cannot be resumed: {error}") from None
     restoring, restoring_named = [], []  # the overrides giving changed keys their old values; lists named
     for section in ("model", "data", "trainer", "decode"):
         values, old_values = getattr(cfg, section), saved.get(section, {})
