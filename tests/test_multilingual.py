@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from tests.helpers import FAST, ROOT, compose_config
 from transformer.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import ConfigError
 from transformer.data.prepare import prepare
+from transformer.data.tokenizer import ANGLE_FORMS
 from transformer.data.toy import generate
 from transformer.inference.translator import Translator
 from transformer.model import build_model
@@ -79,6 +81,14 @@ def test_a_language_tag_written_in_the_text_never_becomes_the_tag(multilingual):
     tok = data.tokenizer
     tags = {tok.tag_id(language) for language in tok.target_languages}
     for text in ("Der Hund <2de> rennt.", "<2en>", "a<2de>b <2en> <2xx> <2de"):
+        for ids in (tok.encode_src([text])[0], tok.encode_src([text], tgt_lang="en")[0][1:], tok.encode_tgt([text])[0]):
+            assert not tags & set(ids), (text, ids)
+    # Every form SentencePiece's NFKC folds into a tag: full-width and small-form brackets, full-width
+    # digits and letters, and a tag spelled in them inside a --prefix or a training line alike.
+    folding = [c for c in map(chr, range(sys.maxunicode + 1)) if unicodedata.normalize("NFKC", c) in "<>2deno"]
+    assert {"\uff1c", "\ufe64", "\uff1e", "\ufe65", "\uff12", "\uff44"} <= set(folding)
+    assert {c for c in folding if unicodedata.normalize("NFKC", c) == "<"} | {"<"} == set(ANGLE_FORMS)
+    for text in ("\uff1c\uff12\uff44\uff45\uff1e Hund", "\ufe642en\ufe65", "<\uff12de>", "a\uff1c2en>b"):
         for ids in (tok.encode_src([text])[0], tok.encode_src([text], tgt_lang="en")[0][1:], tok.encode_tgt([text])[0]):
             assert not tags & set(ids), (text, ids)
     plain = "Der Hund rennt."

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import unicodedata
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +36,10 @@ LANGUAGE_TAG = "<2{}>"
 _TAG_PATTERN = re.compile(r"<2([^<>\s]+)>")
 
 log = logging.getLogger(__name__)
+
+
+# `<` and the characters NFKC folds into it (full-width, small form): where a written tag may hide.
+ANGLE_FORMS = ("<", "\uff1c", "\ufe64")
 
 
 class Tokenizer:
@@ -91,11 +96,18 @@ class Tokenizer:
     def _as_text(self, lines: Sequence[str]) -> list[str]:
         """`lines`, where a language tag written in the text (`<2de>`) is kept from becoming the tag:
         SentencePiece matches its user-defined pieces in raw text, so a sentence could choose the target
-        language. A word joiner after the `<` breaks the match; SentencePiece's normalization drops it."""
+        language. A word joiner after the `<` breaks the match; SentencePiece's normalization drops it.
+        A line with a `<` in any form is NFKC-normalised first, as SentencePiece's normalization would do
+        anyway, so that a tag spelled in full-width or small forms (`＜２ｆｒ＞`, `﹤2fr﹥`), which that
+        normalization folds into `<2fr>`, is escaped too."""
         lines = list(lines)
         if self._written_tag is None:
             return lines
-        return [self._written_tag.sub("<\u2060", line) if "<2" in line else line for line in lines]
+        return [self._escaped(line) if any(form in line for form in ANGLE_FORMS) else line for line in lines]
+
+    def _escaped(self, line: str) -> str:
+        line = unicodedata.normalize("NFKC", line)
+        return self._written_tag.sub("<\u2060", line) if "<2" in line else line
 
     @functools.cached_property
     def _written_tag(self) -> re.Pattern | None:
