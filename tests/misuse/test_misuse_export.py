@@ -518,7 +518,7 @@ def test_a_stored_config_with_an_interpolation_is_refused_and_resolves_nothing(
     assert code == 2 and stdout == "" and not out.exists()
     assert "data.name='${oc.env:TRANSFORMER_TEST_SECRET}': a saved config holds plain values" in line
     assert "s3cr3t-token" not in err
-    code, _, err = run_main(translate_main, capsys, edited, "--input", "/dev/null")
+    code, _, err = run_main(translate_main, capsys, edited, "--input", checkpoint)
     assert code == 2 and "data.name='${oc.env:TRANSFORMER_TEST_SECRET}'" in assert_one_line_refusal(
         err, "transformer-translate"
     )

@@ -508,3 +508,59 @@ def test_scoring_a_reference_longer_than_the_model_says_it_was_cut(untrained_che
         r"model's maximum length: their scores cover only their beginning",
         one_line(proc.stderr),
     )
+
+
+# --- input without bound (issue 71, class 2): a device, an endless line, a reader that fails ------------
+
+
+def test_a_device_as_input_is_refused_in_one_line(untrained_checkpoint):
+    # /dev/zero was read without end; a character device is refused before the model loads.
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer.cli.translate", str(untrained_checkpoint), "--input", "/dev/zero"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert assert_one_line_refusal(proc.stderr, "transformer-translate") == (
+        "transformer-translate: error: --input /dev/zero: is a character device; give a file of one sentence per line"
+    )
+
+
+def test_a_line_longer_than_the_limit_is_one_line_exit_2_from_a_file_and_from_a_pipe(untrained_checkpoint, tmp_path):
+    from transformer.cli.streams import MAX_LINE_BYTES
+
+    endless = tmp_path / "endless.txt"
+    endless.write_bytes(b"Ein Hund.\n" + b"a" * (MAX_LINE_BYTES + 10))
+    limit = f"line 2 is longer than {MAX_LINE_BYTES:,} bytes; give one sentence per line (is it a text file?)"
+    command = [sys.executable, "-m", "transformer.cli.translate", str(untrained_checkpoint), "--beam", "1"]
+    from_file = subprocess.run([*command, "--input", str(endless)], cwd=ROOT, capture_output=True, timeout=300)
+    with open(endless, "rb") as data:  # a pipe: the streaming path, whose reader is a thread
+        piped = subprocess.Popen(
+            command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        out, err = piped.communicate(data.read(), timeout=300)
+    assert from_file.returncode == 2 and piped.returncode == 2
+    assert one_line(from_file.stderr.decode()) == f"transformer-translate: error: {endless}: {limit}"
+    assert one_line(err.decode()) == f"transformer-translate: error: stdin: {limit}"
+    assert out.decode().count("\n") == 1  # what came before the long line was translated and written
+
+
+def test_a_failure_of_the_reader_thread_is_an_error_not_the_end_of_the_input():
+    from transformer.cli.streams import stream_chunks
+    from transformer.errors import UsageError
+
+    class FailingStream:
+        def __init__(self):
+            self.lines = [b"eins\n", b"zwei\n"]
+
+        def readline(self, limit=-1):
+            if self.lines:
+                return self.lines.pop(0)
+            raise MemoryError  # e.g. an endless line without the limit
+
+    chunks = stream_chunks(FailingStream())
+    with pytest.raises(UsageError, match=r"^reading the input: MemoryError$"):
+        seen = [lines for lines, _ in chunks]
+    assert "seen" not in locals()  # nothing was taken for a complete input

@@ -9,15 +9,11 @@ import queue
 import stat
 import sys
 import threading
-from typing import TYPE_CHECKING
 
 from transformer.errors import (
     UsageError,
     discard_stdout,
 )
-
-if TYPE_CHECKING:  # imported where used: torch comes with them
-    pass
 
 
 def text_line(raw: bytes) -> tuple[str, bool]:
@@ -31,15 +27,27 @@ def text_line(raw: bytes) -> tuple[str, bool]:
     return "".join(ch if ch >= " " or ch == "\t" else " " for ch in line), bad
 
 
-def read_input(stream) -> tuple[list[str], int]:
-    """Lines of a binary stream decoded as UTF-8 (invalid bytes replaced); also the count of bad lines."""
-    data = stream.read()
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    parts = data.split(b"\n")
-    if parts and parts[-1] == b"":
-        parts.pop()
-    decoded = [text_line(raw) for raw in parts]
+# The longest input line taken, in bytes: a sentence is far shorter; a file without line breaks (a binary
+# file, a device) would otherwise be read whole into memory as one line.
+MAX_LINE_BYTES = 1 << 20
+
+
+def too_long(number: int, where: str, limit: int) -> UsageError:
+    return UsageError(
+        f"{where}: line {number} is longer than {limit:,} bytes; give one sentence per line (is it a text file?)"
+    )
+
+
+def read_input(stream, where: str = "stdin", max_line_bytes: int = MAX_LINE_BYTES) -> tuple[list[str], int]:
+    """Lines of a binary stream decoded as UTF-8 (invalid bytes replaced); also the count of bad lines.
+    A line longer than `max_line_bytes` is a UsageError naming `where` and the line."""
+    decoded = []
+    for number, raw in enumerate(iter(lambda: stream.readline(max_line_bytes + 1), b""), start=1):
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            raise too_long(number, where, max_line_bytes)
+        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        decoded.append(text_line(raw[:-1] if raw.endswith(b"\n") else raw))
     return [line for line, _ in decoded], sum(bad for _, bad in decoded)
 
 
@@ -47,10 +55,11 @@ def read_input(stream) -> tuple[list[str], int]:
 STREAM_CHUNK_LINES = 256
 
 
-def stream_chunks(stream, max_lines: int = STREAM_CHUNK_LINES):
+def stream_chunks(stream, max_lines: int = STREAM_CHUNK_LINES, max_line_bytes: int = MAX_LINE_BYTES):
     """Lines of a binary stream in chunks as they arrive: (lines, invalid UTF-8 count) per chunk.
 
-    A reader thread queues lines as they come in; each chunk waits for one line, then takes whatever
+    A reader thread queues lines as they come in (and what stopped it: an error there is raised here, as a
+    UsageError, never taken for the end of the input); each chunk waits for one line, then takes whatever
     else has already arrived. At a terminal that is one line at a time; from a pipe fed faster than
     the model translates, chunks grow to `max_lines`, so a long-running filter keeps batching.
     """
@@ -59,9 +68,11 @@ def stream_chunks(stream, max_lines: int = STREAM_CHUNK_LINES):
 
     def read() -> None:
         try:
-            for raw in iter(stream.readline, b""):
+            for number, raw in enumerate(iter(lambda: stream.readline(max_line_bytes + 1), b""), start=1):
+                if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                    raise too_long(number, "stdin", max_line_bytes)
                 arrived.put(raw)
-        except OSError as error:  # handed to the consumer: one error line, not a thread traceback
+        except Exception as error:  # handed to the consumer: one error line, never taken for the end
             arrived.put(error)
         finally:
             arrived.put(None)  # end of input
@@ -72,16 +83,16 @@ def stream_chunks(stream, max_lines: int = STREAM_CHUNK_LINES):
         raw = arrived.get()
         if raw is None:
             return
-        if isinstance(raw, OSError):
-            raise raw
+        if isinstance(raw, Exception):
+            raise _input_error(raw)
         chunk = [raw]
         while len(chunk) < max_lines:
             try:
                 raw = arrived.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(raw, OSError):
-                raise raw
+            if isinstance(raw, Exception):
+                raise _input_error(raw)
             if raw is None:
                 ended = True
                 break
@@ -91,6 +102,14 @@ def stream_chunks(stream, max_lines: int = STREAM_CHUNK_LINES):
         first = False
         decoded = [text_line(raw[:-1] if raw.endswith(b"\n") else raw) for raw in chunk]
         yield [line for line, _ in decoded], sum(bad for _, bad in decoded)
+
+
+def _input_error(error: Exception) -> Exception:
+    """What the reader thread met, as the command says it: an OSError and a refusal as they are (the
+    command names them), anything else (MemoryError, ...) as a UsageError that names it."""
+    if isinstance(error, (OSError, UsageError)):
+        return error
+    return UsageError(f"reading the input: {type(error).__name__}{': ' + str(error) if str(error) else ''}")
 
 
 def fileno(stream) -> int | None:

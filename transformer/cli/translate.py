@@ -43,6 +43,7 @@ from transformer.cli.streams import (
 from transformer.config import (
     check_decode_options,
 )
+from transformer.data.lines import not_regular
 from transformer.errors import (
     UsageError,
     import_torch_holding_interrupts,
@@ -175,6 +176,10 @@ def _check_files(args) -> None:
     ):
         if path is not None and not path.strip():
             raise UsageError(f"{flag} is empty (an unset shell variable?); give a file name")
+    for flag, path in (("--input", args.input), ("--score-reference", args.score_reference), ("--prefix", args.prefix)):
+        kind = path and not_regular(Path(path))
+        if kind and kind != "a FIFO":  # a pipe (`--input <(cmd)`) is read once, as stdin is
+            raise UsageError(f"{flag} {path}: is {kind}; give a file of one sentence per line")
     if args.output and Path(args.output).is_dir():
         raise UsageError(f"--output {args.output}: is a directory; give a file name")
     if args.output:  # found now, not after the whole file is translated
@@ -219,13 +224,14 @@ def _load(args, sampling: Sampling | None, given: set[str]) -> Translator:
 
 def _read(path: str | None, flag: str, stdin=None) -> tuple[list[str], int]:
     """The lines of `path` (`flag` names it in an error), or of `stdin`; and how many were not UTF-8."""
+    where = f"{flag + ' ' if flag else ''}{path or 'stdin'}"
     try:
         if path is None:
-            return read_input(stdin)
+            return read_input(stdin, where)
         with open(path, "rb") as handle:
-            return read_input(handle)
+            return read_input(handle, where)
     except OSError as error:
-        raise UsageError(f"{flag + ' ' if flag else ''}{path or 'stdin'}: {error.strerror}") from None
+        raise UsageError(f"{where}: {error.strerror}") from None
 
 
 def _run(args, translator: Translator, sampling: Sampling | None) -> int:
