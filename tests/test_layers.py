@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "transformer"
-ENTRY_MODULES = {"transformer", "transformer.train", "transformer.__main__"}
+ENTRY_MODULES = ("", ".train", ".__main__")  # after the package's name: __init__.py, train.py, __main__.py
 LAYERS = {"cli": 4, "training": 3, "inference": 2, "data": 1}  # the core: 1, the entry modules: 5
 
 
@@ -28,7 +28,7 @@ def module_name(path: Path, package: Path) -> str:
 
 
 def layer(module: str, root: str = "transformer") -> int:
-    if module in {root, f"{root}.train", f"{root}.__main__"}:
+    if module in {root + entry for entry in ENTRY_MODULES}:
         return 5
     parts = module.split(".")
     return LAYERS.get(parts[1], 1) if len(parts) > 2 else 1

@@ -32,19 +32,23 @@ def text_line(raw: bytes) -> tuple[str, bool]:
 MAX_LINE_BYTES = 1 << 20
 
 
-def too_long(number: int, where: str, limit: int) -> UsageError:
-    return UsageError(
-        f"{where}: line {number} is longer than {limit:,} bytes; give one sentence per line (is it a text file?)"
-    )
+def bounded_lines(stream, where: str, max_line_bytes: int):
+    """The raw lines of a binary stream, line breaks kept, read one at a time; a line longer than
+    `max_line_bytes` is a UsageError naming `where` and the line."""
+    for number, raw in enumerate(iter(lambda: stream.readline(max_line_bytes + 1), b""), start=1):
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            raise UsageError(
+                f"{where}: line {number} is longer than {max_line_bytes:,} bytes; give one sentence per line "
+                "(is it a text file?)"
+            )
+        yield raw
 
 
 def read_input(stream, where: str = "stdin", max_line_bytes: int = MAX_LINE_BYTES) -> tuple[list[str], int]:
     """Lines of a binary stream decoded as UTF-8 (invalid bytes replaced); also the count of bad lines.
     A line longer than `max_line_bytes` is a UsageError naming `where` and the line."""
     decoded = []
-    for number, raw in enumerate(iter(lambda: stream.readline(max_line_bytes + 1), b""), start=1):
-        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
-            raise too_long(number, where, max_line_bytes)
+    for number, raw in enumerate(bounded_lines(stream, where, max_line_bytes), start=1):
         if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]
         decoded.append(text_line(raw[:-1] if raw.endswith(b"\n") else raw))
@@ -68,9 +72,7 @@ def stream_chunks(stream, max_lines: int = STREAM_CHUNK_LINES, max_line_bytes: i
 
     def read() -> None:
         try:
-            for number, raw in enumerate(iter(lambda: stream.readline(max_line_bytes + 1), b""), start=1):
-                if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
-                    raise too_long(number, "stdin", max_line_bytes)
+            for raw in bounded_lines(stream, "stdin", max_line_bytes):
                 arrived.put(raw)
         except Exception as error:  # handed to the consumer: one error line, never taken for the end
             arrived.put(error)

@@ -5,7 +5,7 @@ build it before the model loads."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -39,8 +39,3 @@ class DecodeRequest:
     def search_options(self) -> dict[str, Any]:
         """The decode section's keys as given (None where left out)."""
         return {key: getattr(self, key) for key in SEARCH_KEYS}
-
-    def given(self) -> dict[str, Any]:
-        """What the caller set: every field that is not its default."""
-        defaults = asdict(DecodeRequest())
-        return {key: value for key, value in asdict(self).items() if value != defaults[key]}

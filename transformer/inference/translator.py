@@ -238,8 +238,9 @@ class Translator:
         flat = [h for hyps in results for h in hyps]
         for hyp, text in zip(flat, self.tokenizer.decode_tgt([h.tokens for h in flat])):
             hyp.text = text
-        empty = Hypothesis(tokens=[], score=0.0, logprob=0.0)
-        return [hyps or [dataclasses.replace(empty) for _ in range(search.nbest)] for hyps in results]
+        return [
+            hyps or [Hypothesis(tokens=[], score=0.0, logprob=0.0) for _ in range(search.nbest)] for hyps in results
+        ]
 
     def search(self, request: DecodeRequest, language: str | None, count: int) -> Search:
         """`request` resolved against this model's decode section, checked (a ValueError names the

@@ -35,7 +35,7 @@ from transformer.training.resume import StartingPoint, starting_point
 from transformer.training.run_dir import Launch, RunDirectoryLock, attach_log_file, install_signal_handlers, resume_hint
 from transformer.training.selection import Selection
 from transformer.training.state import TrainingState
-from transformer.training.step import OOM_SKIP_LIMIT, TrainingStep  # noqa: F401  (OOM_SKIP_LIMIT: tests)
+from transformer.training.step import TrainingStep
 from transformer.training.step_log import TrainingBar, TrainLog, log_lines_above_bars
 
 log = logging.getLogger("transformer.train")
