@@ -1,10 +1,13 @@
 """Device-specific fast paths behind plain module interfaces, so that model.py reads like the paper.
 
 `Dropout` is `nn.Dropout` everywhere; on the CPU, in training, it takes the faster mask of `_CpuDropout`
-and can add its output to the residual stream in the same pass (`add_to`).
+and can add its output to the residual stream in the same pass (`add_to`). `Int8Linear` is `nn.Linear`
+with int8 weights and activations for decoding on the CPU (`quantize_linear_layers`).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -71,6 +74,69 @@ class Dropout(nn.Dropout):
         return _CpuDropout.apply(x, self.p, residual) if self._cpu_mask(x) else residual + self.forward(x)
 
 
-def is_int8(model: torch.nn.Module) -> bool:
-    """Whether `model`'s linear layers are PyTorch's dynamic int8 ones (`inference_model`)."""
-    return any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in model.modules())
+# Int8Linear's activations are scaled into [-1, 1] row by row; a last row holding -PIN and +PIN fixes the
+# range that PyTorch's dynamic int8 product measures over its whole input to [-PIN, PIN] (PIN a little
+# over 1, so that a scaled value rounded a hair past 1 cannot move it): every row is then quantized with
+# its own scale alone, whatever else is in the batch.
+ACTIVATION_PIN = 1.0 + 2.0**-10
+
+
+class Int8Linear(nn.Module):
+    """`nn.Linear` for decoding on the CPU: weights int8 with one scale per output row, activations
+    quantized to 8 bits on the fly with one scale per input row (token). PyTorch's own dynamic int8 layers
+    take one scale for the whole input, so a sentence's translation depended on the other sentences of
+    its batch and on the padding; here each row's output is a function of that row alone (batch
+    independence is tested). Built from a float layer by `from_float`; not trainable, not saved."""
+
+    def __init__(self, packed: torch.ScriptObject, bias: torch.Tensor, in_features: int, out_features: int):
+        super().__init__()
+        self.packed, self.in_features, self.out_features = packed, in_features, out_features
+        self.register_buffer("bias", bias)  # (out_features,) float32, zeros for a layer without a bias
+        pin = torch.zeros(in_features)  # (in,): the last row of every input, -PIN and +PIN at its ends
+        pin[0], pin[-1] = -ACTIVATION_PIN, ACTIVATION_PIN
+        self.register_buffer("pin", pin)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> Int8Linear:
+        if linear.in_features < 2:  # the pin row needs two places
+            raise ValueError(f"an int8 linear layer needs at least 2 inputs, not {linear.in_features}")
+        weight = linear.weight.detach().float().cpu()  # (out, in)
+        scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # (out,)
+        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # torch's notices that quantized tensors move to torchao one day
+            warnings.simplefilter("ignore")
+            quantized = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
+            packed = torch.ops.quantized.linear_prepack(quantized, None)
+        bias = torch.zeros(weight.shape[0]) if linear.bias is None else linear.bias.detach().float().cpu()
+        return cls(packed, bias, linear.in_features, linear.out_features)
+
+    @torch.no_grad()  # not trainable: its weights are packed int8
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) float32 -> (..., out) float32."""
+        rows = x.reshape(-1, self.in_features)  # (R, in)
+        row_scale = rows.abs().amax(dim=1, keepdim=True)  # (R, 1)
+        row_scale.clamp_min_(torch.finfo(torch.float32).tiny)
+        unit = rows.new_empty(rows.shape[0] + 1, self.in_features)  # (R + 1, in): the rows in [-1, 1], the pin
+        torch.div(rows, row_scale, out=unit[:-1])
+        unit[-1] = self.pin
+        product = torch.ops.quantized.linear_dynamic(unit, self.packed, True)[:-1]  # (R, out)
+        torch.addcmul(self.bias, product, row_scale, out=product)  # in place: y = s x + b
+        return product.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def quantize_linear_layers(model: nn.Module) -> nn.Module:
+    """`model` (on the CPU) with every `nn.Linear` replaced by an `Int8Linear`, in place; returns it."""
+    for name, child in model.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(model, name, Int8Linear.from_float(child))
+        else:
+            quantize_linear_layers(child)
+    return model
+
+
+def is_int8(model: nn.Module) -> bool:
+    """Whether `model`'s linear layers are int8 ones (`quantize_linear_layers`)."""
+    return any(isinstance(module, Int8Linear) for module in model.modules())

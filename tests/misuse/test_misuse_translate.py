@@ -23,6 +23,7 @@ from transformer.cli.translate import main as translate_main
 from transformer.inference.evaluate import output_paths
 from transformer.inference.sampling import Sampling
 from transformer.inference.translator import Translator
+from transformer.kernels import Int8Linear
 
 SOURCE = "Der Hund sieht die Katze.\nDie Frau gibt dem Mann das Buch.\n"
 
@@ -564,3 +565,56 @@ def test_a_failure_of_the_reader_thread_is_an_error_not_the_end_of_the_input():
     with pytest.raises(UsageError, match=r"^reading the input: MemoryError$"):
         seen = [lines for lines, _ in chunks]
     assert "seen" not in locals()  # nothing was taken for a complete input
+
+
+# --- int8 output is a function of the sentence (issue 71, class 1)
+
+INT8_SENTENCES = [
+    "Der Hund sieht die Katze.",
+    "Die Kuh.",
+    "Oft ruft das Kind den Vogel, der auf dem hohen Baum neben dem alten Haus am Fluss sitzt.",
+    "Ein Mann.",
+    "Zwei Frauen gehen mit ihren Hunden durch den Park und reden über das Wetter.",
+    "Das Buch liegt auf dem Tisch.",
+    "Kinder spielen.",
+    "Eine Gruppe von Menschen steht vor einem Gebäude und wartet auf den Bus.",
+]
+
+
+def test_an_int8_layers_output_row_is_a_function_of_that_row_alone():
+    """Each row of an Int8Linear's output is bit-identical whatever the other rows are (PyTorch's dynamic
+    int8 layer, one scale for the whole input, fails this), and close to the float layer's."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    layer = Int8Linear.from_float(linear)
+    rows = torch.randn(9, 64) * torch.linspace(0.1, 20.0, 9)[:, None]  # (9, 64): rows of very different sizes
+    together = layer(rows)
+    for i in range(len(rows)):
+        assert torch.equal(layer(rows[i : i + 1]), together[i : i + 1])
+        assert torch.equal(
+            layer(torch.cat([rows[i : i + 1], rows * 3]))[:1], layer(torch.cat([rows[i : i + 1], -rows]))[:1]
+        )
+    batched = layer(rows.view(3, 3, 64))  # (3, 3, 96): any leading shape
+    assert torch.equal(batched.view(9, 96), together)
+    with torch.no_grad():
+        exact = linear(rows)
+    assert ((together - exact).abs().amax(dim=1) <= 0.03 * exact.abs().amax(dim=1)).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beam", [1, 3])
+def test_an_int8_translation_is_the_same_alone_in_a_batch_and_across_worker_counts(trained_checkpoint, beam):
+    """PyTorch's dynamic int8 layers scale a whole padded batch by one number, so a sentence's int8
+    translation changed with its neighbours, the padding and the worker count; per-token scales make it a
+    function of the sentence."""
+    translator = Translator.from_checkpoint(trained_checkpoint, device="cpu", quantize="int8")
+
+    def translate(sentences, **options):
+        with torch.no_grad():
+            return [h[0].tokens for h in translator.hypotheses(sentences, beam_size=beam, max_len_b=12, **options)]
+
+    batched = translate(INT8_SENTENCES, workers=1)
+    assert translate(INT8_SENTENCES, workers=2) == batched
+    assert translate(INT8_SENTENCES, workers=1, batch_tokens=64) == batched  # other batches, other padding
+    assert [translate([sentence], workers=1)[0] for sentence in INT8_SENTENCES] == batched
+    assert translator.quantized

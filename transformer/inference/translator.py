@@ -18,7 +18,7 @@ from transformer.data.batching import batches_in_order, pad_sequences
 from transformer.inference.decoders import Hypothesis
 from transformer.inference.request import DecodeRequest
 from transformer.inference.search import Search, translate_ids
-from transformer.kernels import is_int8
+from transformer.kernels import is_int8, quantize_linear_layers
 from transformer.model import eval_mode
 from transformer.runtime import DTYPES, Runtime, autocast_factory
 from transformer.special import BOS_ID, EOS_ID, PAD_ID
@@ -388,13 +388,9 @@ def inference_runtime(device: str, precision: str, quantize: str | None) -> Runt
 
 def inference_model(model: torch.nn.Module, runtime: Runtime, quantize: str | None = None) -> torch.nn.Module:
     """The model on the runtime's device in eval mode; with `quantize="int8"`, its linear layers replaced
-    by PyTorch's dynamic int8 ones (weights int8 per tensor, activations quantized on the fly)."""
+    by `Int8Linear` ones (weights int8 per output row, activations quantized on the fly per token)."""
     model = model.to(runtime.device).eval()
-    if quantize == "int8":
-        with warnings.catch_warnings():  # torch.ao's notices that this API moves to torchao one day
-            warnings.simplefilter("ignore")
-            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-    return model
+    return quantize_linear_layers(model) if quantize == "int8" else model
 
 
 def list_of_str(sentences, name: str, example: str) -> list[str]:
