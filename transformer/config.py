@@ -711,6 +711,15 @@ def check_weights(weights, count: int) -> list[float]:
     return [float(w) for w in weights]
 
 
+def normalised_weights(weights: list[float]) -> list[float]:
+    """Finite weights >= 0, not all 0, scaled to sum to 1 without overflow: divided by the largest first,
+    so that 1e308,1e308 is 0.5,0.5 (their sum is infinite) and 1e-320,1e-320 is too."""
+    top = max(weights)
+    scaled = [w / top for w in weights]
+    total = sum(scaled)  # in [1, len(weights)]
+    return [w / total for w in scaled]
+
+
 @dataclass
 class Config:
     """Top level: run_dir, and the sections model, data, trainer, decode."""

@@ -618,3 +618,66 @@ def test_an_int8_translation_is_the_same_alone_in_a_batch_and_across_worker_coun
     assert translate(INT8_SENTENCES, workers=1, batch_tokens=64) == batched  # other batches, other padding
     assert [translate([sentence], workers=1)[0] for sentence in INT8_SENTENCES] == batched
     assert translator.quantized
+
+
+# --- ensembles that cannot agree, weights that overflow (issue 71, class 1)
+
+
+@pytest.fixture(scope="module")
+def opposite_direction_checkpoint(untrained_checkpoint, tmp_path_factory) -> Path:
+    """The untrained checkpoint said to translate the other way (en -> de), with the same joint vocabulary."""
+    from transformer.checkpoint import load_checkpoint, save_checkpoint
+
+    state = load_checkpoint(untrained_checkpoint)
+    data = state["config"]["data"]
+    data["src_lang"], data["tgt_lang"] = data["tgt_lang"], data["src_lang"]
+    path = tmp_path_factory.mktemp("opposite") / "en-de.pt"
+    save_checkpoint(state, path)
+    return path
+
+
+def test_an_ensemble_of_opposite_directions_is_refused_by_the_api_translate_and_evaluate(
+    untrained_checkpoint, opposite_direction_checkpoint, source, tmp_path, capsys
+):
+    """A de-en and an en-de model over one joint SentencePiece model were accepted and mixed: garbage,
+    rc 0, and a BLEU score for it."""
+    from transformer.checkpoint import CheckpointError
+
+    message = rf"{re.escape(str(opposite_direction_checkpoint))} translates en -> de but .* translates de -> en"
+    with pytest.raises(CheckpointError, match=message):
+        Translator.from_checkpoints([untrained_checkpoint, opposite_direction_checkpoint], device="cpu")
+    code, out, err = run_main(
+        translate_main, capsys, untrained_checkpoint, opposite_direction_checkpoint, "--input", source
+    )
+    assert code == 2 and out == ""
+    assert_one_line_refusal(err, "transformer-translate", message)
+    (tmp_path / "ref.en").write_text("The dog sees the cat.\nThe woman gives the man the book.\n")
+    code, out, err = run_main(
+        evaluate_main,
+        capsys,
+        untrained_checkpoint,
+        opposite_direction_checkpoint,
+        "--src",
+        source,
+        "--ref",
+        tmp_path / "ref.en",
+    )
+    assert code == 2 and out == ""
+    assert_one_line_refusal(err, "transformer-evaluate", message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.de", "ref.en"]  # no results written
+
+
+@pytest.mark.parametrize("huge", [1e308, 1e-320])
+def test_ensemble_weights_whose_sum_overflows_or_underflows_are_the_same_as_equal_weights(untrained_checkpoint, huge):
+    """1e308,1e308 summed to infinity and normalised to 0,0: garbage with rc 0."""
+    pair = Translator.from_checkpoints([untrained_checkpoint] * 2, weights=[1, 1], device="cpu", precision="fp32")
+    extreme = Translator.from_checkpoints(
+        [untrained_checkpoint] * 2, weights=[huge, huge], device="cpu", precision="fp32"
+    )
+    sentences = SOURCE.splitlines()
+    with torch.no_grad():
+        expected = [h[0] for h in pair.hypotheses(sentences, beam_size=2, max_len_b=6)]
+        got = [h[0] for h in extreme.hypotheses(sentences, beam_size=2, max_len_b=6)]
+    assert [h.tokens for h in got] == [h.tokens for h in expected]
+    assert [h.score for h in got] == pytest.approx([h.score for h in expected], rel=1e-6)
+    assert all(math.isfinite(h.score) for h in got)

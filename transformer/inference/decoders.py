@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from transformer.attention import padding_mask
+from transformer.config import normalised_weights
 from transformer.special import PAD_ID
 
 
@@ -101,8 +102,7 @@ class EnsembleDecoder:
         weights = [1.0] * len(decoders) if weights is None else list(weights)
         if not decoders or len(weights) != len(decoders):
             raise ValueError(f"an ensemble needs one weight per model ({len(decoders)} models, {len(weights)} weights)")
-        total = sum(weights)
-        self.decoders, self.weights = decoders, [w / total for w in weights]
+        self.decoders, self.weights = decoders, normalised_weights(weights)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (rows, t) -> the weighted mean of the models' float32 log-probabilities (rows, V)."""

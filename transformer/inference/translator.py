@@ -123,9 +123,23 @@ class Translator:
                     f"{path}: its SentencePiece vocabulary differs from that of {paths[0]}; an "
                     "ensemble needs models trained with the same SentencePiece model(s)"
                 )
+            if member.translates() != first.translates():
+                raise CheckpointError(
+                    f"{path} translates {member.translates()} but {paths[0]} translates {first.translates()}: "
+                    "the models of an ensemble must translate the same languages into the same ones"
+                )
         first.models, first.weights = [member.model for member in members], weights
         first.max_length = min(member.max_length for member in members)
         return first
+
+    def translates(self) -> str:
+        """What the model translates, as an ensemble must agree on it: `de -> en`, `de, fr -> en` (one
+        target language) or `into en, fr` (a multilingual model: its target set, whatever the sources)."""
+        if self.target_languages:
+            return f"into {', '.join(self.target_languages)}"
+        directions = self.config.data.directions()
+        sources = ", ".join(sorted({str(src) for src, _ in directions}))
+        return f"{sources} -> {', '.join(sorted({str(tgt) for _, tgt in directions}))}"
 
     @property
     def target_languages(self) -> list[str]:
