@@ -681,3 +681,36 @@ def test_ensemble_weights_whose_sum_overflows_or_underflows_are_the_same_as_equa
     assert [h.tokens for h in got] == [h.tokens for h in expected]
     assert [h.score for h in got] == pytest.approx([h.score for h in expected], rel=1e-6)
     assert all(math.isfinite(h.score) for h in got)
+
+
+# --- a prefix the vocabulary cannot spell (issue 71, class 1); a prefix cut to the model's length
+
+
+@pytest.mark.parametrize("prefix", ["the dog X", "the 🐕 dog", "the 狗"])
+def test_a_prefix_with_characters_outside_the_vocabulary_is_refused(
+    untrained_checkpoint, source, tmp_path, capsys, prefix
+):
+    """Such a character became ' ⁇ ' in the output, which then no longer started with the prefix given."""
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
+    odd = next(c for c in prefix if c in "X🐕狗")
+    with pytest.raises(ValueError, match=rf"prefixes\[1\]=.*{re.escape(repr(odd))} \(U\+{ord(odd):04X}\) not in"):
+        translator.translate(SOURCE.splitlines(), prefixes=["the dog", prefix])
+    prefixes = tmp_path / "prefix.en"
+    prefixes.write_text(f"the dog\n{prefix}\n", encoding="utf-8")
+    code, out, err = run_main(translate_main, capsys, untrained_checkpoint, "--input", source, "--prefix", prefixes)
+    assert code == 2 and out == ""
+    assert_one_line_refusal(err, "transformer-translate", rf"--prefix {re.escape(str(prefixes))} line 2: .*not in")
+
+
+def test_a_prefix_cut_to_the_models_length_is_said(untrained_checkpoint, source, tmp_path, capsys):
+    translator = Translator.from_checkpoint(untrained_checkpoint, device="cpu", precision="fp32")
+    long_prefix = " ".join(["the dog"] * 600)
+    with pytest.warns(UserWarning, match=r"1 prefix\(es\) longer than \d+ tokens were cut"):
+        translator.encode_prefixes(["", long_prefix], 2)
+    prefixes = tmp_path / "prefix.en"
+    prefixes.write_text(f"\n{long_prefix}\n", encoding="utf-8")
+    code, out, err = run_main(
+        translate_main, capsys, untrained_checkpoint, "--input", source, "--prefix", prefixes, "--max-len-b", 2
+    )
+    assert code == 0 and len(out.splitlines()) == 2
+    assert "1 prefix(es) longer than" in one_line(err)

@@ -259,6 +259,9 @@ def _run(args, translator: Translator, sampling: Sampling | None) -> int:
                 f"--prefix {args.prefix}: {len(prefixes)} lines for {len(lines)} input lines; give one "
                 "prefix per input line (an empty line for none)"
             )
+        unknown = translator.unknown_prefix_characters(prefixes)
+        if unknown:
+            raise UsageError(f"--prefix {args.prefix} line {unknown[0] + 1}: {unknown[1]}")
     request = _request(args, sampling, prefixes)
     results = _translate_lines(translator, lines, request, progress=bool(args.output) and sys.stderr.isatty())
     return write_output(format_results(results, args.nbest, first_index=0), args.output)

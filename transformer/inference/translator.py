@@ -21,7 +21,7 @@ from transformer.inference.search import Search, translate_ids
 from transformer.kernels import is_int8, quantize_linear_layers
 from transformer.model import eval_mode
 from transformer.runtime import DTYPES, Runtime, autocast_factory
-from transformer.special import BOS_ID, EOS_ID, PAD_ID
+from transformer.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 # Target tokens per batch when scoring references (`Translator.score`).
 SCORE_BATCH_TOKENS = 2048
@@ -317,7 +317,36 @@ class Translator:
             )
         if not any(p.strip() for p in prefixes):
             return None
-        return [ids[: self.max_length - 1] for ids in self.tokenizer.encode_tgt([p.strip() for p in prefixes])]
+        encoded = self.tokenizer.encode_tgt([p.strip() for p in prefixes])
+        unknown = self.unknown_prefix_characters(prefixes, encoded)
+        if unknown:
+            index, characters = unknown
+            raise ValueError(f"prefixes[{index}]={prefixes[index]!r}: {characters}")
+        limit = self.max_length - 1  # room for EOS
+        cut = sum(len(ids) > limit for ids in encoded)
+        if cut:
+            warnings.warn(
+                f"{cut} prefix(es) longer than {limit} tokens were cut to the model's maximum length", stacklevel=3
+            )
+        return [ids[:limit] for ids in encoded]
+
+    def unknown_prefix_characters(self, prefixes: list[str], encoded: list[list[int]] | None = None):
+        """The first prefix with characters the target vocabulary cannot spell, as (index, what to say of
+        them); None when every prefix can be spelt. Such a character would become the unknown piece, which
+        comes out as ' ⁇ ', and the translation would no longer start with the prefix given."""
+        encoded = encoded or self.tokenizer.encode_tgt([p.strip() for p in prefixes])
+        for index, (prefix, ids) in enumerate(zip(prefixes, encoded)):
+            if UNK_ID not in ids:
+                continue
+            characters = [
+                c for c in dict.fromkeys(prefix) if not c.isspace() and UNK_ID in self.tokenizer.encode_tgt([c])[0]
+            ]
+            spelled = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in characters) or "some characters"
+            return index, (
+                f"{spelled} not in the model's target vocabulary: the translation could not start with this "
+                "prefix (they would come out as ⁇); write the prefix without them"
+            )
+        return None
 
     @torch.inference_mode()
     def score(
