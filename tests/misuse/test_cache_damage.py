@@ -24,7 +24,7 @@ from transformer.cli.prepare import main as prepare_command
 from transformer.config import DataConfig
 from transformer.data.corpus import DATA_FILES
 from transformer.data.prepare import prepare
-from transformer.data.sources import DataError
+from transformer.data.sources import DataError, InMemory
 
 SETTINGS = dict(name="unit", embedded=True, embedded_pairs=300, vocab_size=80)
 OVERRIDES = ["data=toy", "data.embedded_pairs=300", "data.vocab_size=80"]  # the same, for the CLI
@@ -127,6 +127,55 @@ def test_a_damaged_prepared_file_is_rebuilt_with_one_warning(cache, pristine, ca
     assert _contents(cache) == _contents(pristine)  # the same files, and nothing moved aside left over
     expected = prepare(DataConfig(**SETTINGS, cache_dir=str(pristine))).train
     assert [prepared.train.ids(i) for i in range(len(expected))] == [expected.ids(i) for i in range(len(expected))]
+
+
+GERMAN = ["Ein Mann in einem blauen Hemd steht auf einer Leiter.", "Zwei junge Mädchen spielen am Strand im Sand."]
+ENGLISH = ["A man in a blue shirt is standing on a ladder.", "Two young girls are playing in the sand at the beach."]
+FRENCH = ["Un homme en chemise bleue est debout sur une échelle.", "Deux jeunes filles jouent dans le sable."]
+
+
+def _prepare_with_langid(cache: Path):
+    """data.langid=true over pairs of which a third have a French target: 20 of 60 are dropped."""
+    src, tgt = (GERMAN * 3) * 10, (ENGLISH + ENGLISH + FRENCH) * 10
+    sources = {"train": InMemory(src, tgt, "unit"), "validation": InMemory(GERMAN, ENGLISH, "unit")}
+    config = DataConfig(**SETTINGS, cache_dir=str(cache), langid=True, drop_duplicates=False)
+    return prepare(config, sources=sources)
+
+
+@pytest.fixture(scope="module")
+def pristine_langid(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("pristine-langid")
+    assert len(_prepare_with_langid(cache).train) == 40
+    return cache
+
+
+def _zeroed(path: Path) -> None:
+    flags = np.load(path)
+    np.save(path, np.zeros_like(flags))  # same size, flags that keep every pair
+
+
+@pytest.mark.parametrize(
+    "name, damage, problem",
+    [
+        ("langid.de-en.npy", _zeroed, r"checksum mismatch"),
+        ("langid.de-en.npy", _truncate, r"truncated \(\d+ of \d+ bytes\)"),
+        ("langid.de-en.json", DAMAGES["garbage"], r"unreadable metadata \(not JSON\)"),
+        ("langid.de-en.json", Path.unlink, r"missing"),
+    ],
+)
+def test_damaged_language_flags_are_identified_again_with_one_warning(
+    tmp_path, pristine_langid, caplog, name, damage, problem
+):
+    """The language flags of data.langid were outside the checksums: zeroed, they dropped no pair, silently."""
+    cache = tmp_path / "cache"
+    shutil.copytree(pristine_langid, cache)
+    damage(_train_dir(cache) / name)
+    with caplog.at_level(logging.INFO):
+        prepared = _prepare_with_langid(cache)
+    warning = _one_warning(caplog, _train_dir(cache) / name, problem)
+    assert warning.endswith("; data.langid: identifying the languages again")
+    assert len(prepared.train) == 40
+    assert _contents(cache) == _contents(pristine_langid)
 
 
 def test_unreadable_metadata_is_rebuilt_with_one_warning(cache, pristine, caplog):

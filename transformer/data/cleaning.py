@@ -16,9 +16,10 @@ import numpy as np
 from tqdm import tqdm
 
 from transformer.config import DataConfig
-from transformer.data.cache import write_failure
+from transformer.data.cache import check_file, file_record, read_record, sealed, write_failure
 from transformer.data.langid import WRONG_SOURCE, WRONG_TARGET, language_flags
 from transformer.data.sources import DataError, SplitSource
+from transformer.errors import CacheDamage
 
 if TYPE_CHECKING:  # torch comes with it: imported where batches are made, not to prepare
     pass
@@ -90,12 +91,27 @@ def pair_properties(src: list[str], tgt: list[str]) -> tuple[np.ndarray, np.ndar
     return flags, keys
 
 
-def languages_identified(path: Path, pairs: int) -> bool:
-    """Whether `path` holds the language flags of `pairs` pairs (data.langid)."""
+def languages_identified(path: Path, pairs: int, say_damage: bool = True) -> bool:
+    """Whether `path` holds the language flags of `pairs` pairs (data.langid), as its record beside it
+    (`flags_record`) says: size and CRC-32. Flags that are missing, cut short by a killed run, or damaged
+    (a warning naming the file, with `say_damage`: by whoever identifies them again) are not."""
     try:
-        return len(np.load(path, mmap_mode="r")) == pairs
-    except (OSError, ValueError):  # missing, or cut short by a killed run: identified again
+        record = read_record(flags_record(path))
+        if record.get("pairs") != pairs or not isinstance(record.get("file"), dict):
+            raise CacheDamage(flags_record(path), f"records {record.get('pairs')} pairs, not {pairs}")
+        check_file(path, record["file"])
+        return True
+    except CacheDamage as damage:
+        if say_damage and path.exists():  # damaged, not simply never identified
+            log.warning("%s; data.langid: identifying the languages again", damage)
         return False
+    except (KeyError, TypeError):  # a sealed record of another shape
+        return False
+
+
+def flags_record(path: Path) -> Path:
+    """The sealed record (size, CRC-32, pairs) of the language flags `path`: langid.SRC-TGT.json."""
+    return path.with_suffix(".json")
 
 
 def identify_languages(path: Path, source: SplitSource, cfg: DataConfig, desc: str, pairs: int) -> None:
@@ -112,13 +128,17 @@ def identify_languages(path: Path, source: SplitSource, cfg: DataConfig, desc: s
             f"{path.parent}; was it changed meanwhile? Run again"
         )
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npy")
+    tmp_record = tmp.with_suffix(".json")
     try:
         np.save(tmp, flags)
-        os.replace(tmp, path)
+        tmp_record.write_text(sealed({"pairs": pairs, "file": file_record(tmp)}))
+        os.replace(tmp, path)  # the record last: flags without a (matching) record are identified again
+        os.replace(tmp_record, flags_record(path))
     except OSError as error:
         raise write_failure(error, "the language flags (data.langid)", path) from None
     finally:
         tmp.unlink(missing_ok=True)
+        tmp_record.unlink(missing_ok=True)
     log.info(
         "%s: identified the languages of %d pairs in %.1f s (data.langid, py3langid): %d sources not %s, "
         "%d targets not %s",

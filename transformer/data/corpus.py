@@ -10,6 +10,7 @@ builds whatever is missing. A split is stored under `data.cache_dir/corpus/<data
                                 target, 8 = the same pair came earlier in the split
     langid.SRC-TGT.npy          with data.langid (training split): uint8 per pair, 1 = the source, 2 = the
                                 target identified as another language (found once, on first use)
+    langid.SRC-TGT.json         its size, CRC-32 and pair count (a damaged file is identified again)
     src.text, tgt.text, ...     with data.subword_sampling (training split only): every line's UTF-8
     src.text_offsets.npy, ...   bytes and int64 offsets, re-segmented with sampling batch by batch
     meta.json                   counts, dtype, where the text came from, every file's size and CRC-32
@@ -402,10 +403,11 @@ def encoded_split(
             _move_aside(directory, damage)
         meta = _encode_to(directory, source, tokenizer, name, text, tag)
     cleaning = Cleaning.of(cfg) if split == "train" else None
-    if cleaning and cleaning.langid and not languages_identified(directory / cleaning.langid, meta["pairs"]):
+    flags = directory / cleaning.langid if cleaning and cleaning.langid else None
+    if flags and not languages_identified(flags, meta["pairs"], say_damage=build):
         if not build:
             return None
-        identify_languages(directory / cleaning.langid, source, cfg, name, meta["pairs"])
+        identify_languages(flags, source, cfg, name, meta["pairs"])
     return EncodedCorpus(directory, cfg.max_len, name, cleaning)
 
 
