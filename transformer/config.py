@@ -219,6 +219,11 @@ class DataConfig:
             raise ConfigError(f"data.max_len_ratio={self.max_len_ratio} must be 0 (off) or at least 1")
         _positive("data.vocab_size", self.vocab_size)
         _file_name("data.name", self.name)
+        if not str(self.cache_dir).strip():  # '' is the working directory: spm/ and corpus/ would land there
+            raise ConfigError(
+                f"data.cache_dir={self.cache_dir!r} is empty; give a directory (the default is data; "
+                "data.cache_dir=. for the working directory)"
+            )
         if self.tokenizer_type not in ("bpe", "unigram"):
             raise ConfigError(f"data.tokenizer_type={self.tokenizer_type!r} must be 'bpe' or 'unigram'")
         if self.embedded and (self.path or self.hub_id):

@@ -9,6 +9,7 @@ import os
 import signal
 import stat
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -141,3 +142,22 @@ class Interrupted(Exception):
 
 class DecodingProcessDied(RuntimeError):
     """A decoding process ended without a result (killed, out of memory)."""
+
+
+def write_problem(path: str | Path) -> str | None:
+    """Why `path` could not be written, found before the work whose result goes there ('Read-only file
+    system', 'Permission denied', ...: the system's words); None when it can be. An existing file is
+    opened for appending (nothing changes); for a new one a temporary file is made beside it and removed:
+    `os.access` says "permission denied" for a read-only file system and answers root yes on both."""
+    path = Path(path)
+    try:
+        if path.exists():
+            with open(path, "ab"):
+                pass
+        else:
+            descriptor, probe = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            os.close(descriptor)
+            os.unlink(probe)
+    except OSError as error:
+        return os.strerror(error.errno) if error.errno else str(error)
+    return None

@@ -825,3 +825,10 @@ def test_a_resumed_checkpoint_whose_config_holds_an_interpolation_is_refused(mon
         "interpolations (a run resolves them before it saves); this one was written by hand and is not "
         "resolved: remove it"
     )
+
+
+@pytest.mark.parametrize("cache_dir", ["", " "])
+def test_an_empty_cache_directory_is_refused_not_the_working_directory(cache_dir):
+    """data.cache_dir='' wrote spm/ and corpus/ into the working directory."""
+    with pytest.raises(ConfigError, match=r"^data.cache_dir='\s*' is empty; give a directory"):
+        compose_config(["data=toy", f"data.cache_dir='{cache_dir}'"])

@@ -714,3 +714,63 @@ def test_a_prefix_cut_to_the_models_length_is_said(untrained_checkpoint, source,
     )
     assert code == 0 and len(out.splitlines()) == 2
     assert "1 prefix(es) longer than" in one_line(err)
+
+
+# --- messages that said the wrong thing, results lost after the work (issue 71, minor)
+
+
+def _read_only_file_system(monkeypatch):
+    """Every new file fails as on a file system mounted read-only (root bypasses permissions, not that)."""
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+
+
+def test_an_output_on_a_read_only_file_system_is_said_so_before_translating(
+    untrained_checkpoint, source, tmp_path, capsys, monkeypatch
+):
+    _read_only_file_system(monkeypatch)
+    output = tmp_path / "out.en"
+    code, out, err = run_main(translate_main, capsys, untrained_checkpoint, "--input", source, "--output", output)
+    assert code == 2 and not output.exists()
+    assert_one_line_refusal(
+        err, "transformer-translate", r"--output .*out\.en: cannot be written \(read-only file system\)$"
+    )
+
+
+def test_evaluate_beside_a_checkpoint_on_a_read_only_file_system_refuses_before_translating(
+    untrained_checkpoint, source, tmp_path, capsys, monkeypatch
+):
+    """It translated everything, then failed to write and printed no score."""
+    (tmp_path / "ref.en").write_text("The dog sees the cat.\nThe woman gives the man the book.\n")
+    _read_only_file_system(monkeypatch)
+
+    def never(*args, **kwargs):
+        raise AssertionError("translated before finding that the results cannot be written")
+
+    monkeypatch.setattr(Translator, "translate", never)
+    code, out, err = run_main(
+        evaluate_main, capsys, untrained_checkpoint, "--src", source, "--ref", tmp_path / "ref.en"
+    )
+    assert code == 2 and out == ""
+    assert_one_line_refusal(err, "transformer-evaluate", r"\.hyp: cannot be written \(read-only file system\); ")
+
+
+@pytest.mark.parametrize(
+    "directions, message",
+    [
+        ("en-de", r"--directions en-de: this model translates de -> en only; give --directions de-en"),
+        ("de-en,de-en", r"--directions de-en,de-en: de-en is given twice; give each direction once"),
+    ],
+)
+def test_evaluate_directions_a_bilingual_model_cannot_score_or_given_twice_are_refused(
+    untrained_checkpoint, capsys, directions, message
+):
+    """--directions en-de was refused naming --src-lang, which was not given; a direction given twice was
+    scored twice and counted twice in the mean."""
+    code, out, err = run_main(evaluate_main, capsys, untrained_checkpoint, "--directions", directions)
+    assert code == 2 and out == ""
+    assert_one_line_refusal(err, "transformer-evaluate", message)

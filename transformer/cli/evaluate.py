@@ -286,7 +286,25 @@ def _directions(given: str, translator) -> list[tuple[str, str]]:
         raise ValueError(
             f"--directions {given}: {bad[0].strip()!r} is not SRC-TGT; give all, or pairs such as de-en,en-fr"
         )
-    return [(src, tgt) for src, tgt in pairs]
+    pairs = [(src, tgt) for src, tgt in pairs]
+    twice = next((pair for i, pair in enumerate(pairs) if pair in pairs[:i]), None)
+    if twice:  # it would count twice in the mean
+        raise ValueError(f"--directions {given}: {'-'.join(twice)} is given twice; give each direction once")
+    data = translator.config.data
+    trained = ", ".join(f"{src}-{tgt}" for src, tgt in data.directions())
+    multilingual = bool(data.target_languages())
+    for src, tgt in pairs:
+        if not multilingual and (src, tgt) != (data.src_lang, data.tgt_lang):
+            raise ValueError(
+                f"--directions {given}: this model translates {data.src_lang} -> {data.tgt_lang} only; "
+                f"give --directions {data.src_lang}-{data.tgt_lang} or leave it out"
+            )
+        if multilingual and (src not in data.languages() or tgt not in data.target_languages()):
+            raise ValueError(
+                f"--directions {given}: {src}-{tgt} is not among the languages the model was trained on "
+                f"(its directions: {trained}); give all, or directions between its languages"
+            )
+    return pairs
 
 
 def _search_line(result: dict, direction: bool = False, alpha: bool = True) -> str:

@@ -48,6 +48,7 @@ from transformer.errors import (
     UsageError,
     import_torch_holding_interrupts,
     overwritten_input,
+    write_problem,
 )
 from transformer.inference.request import DecodeRequest
 
@@ -186,8 +187,9 @@ def _check_files(args) -> None:
         parent = Path(args.output).parent  # as open() will take it: no ~ expansion
         if not parent.is_dir():
             raise UsageError(f"--output {args.output}: no directory {parent}; create it first")
-        if not os.access(args.output if Path(args.output).exists() else parent, os.W_OK):
-            raise UsageError(f"--output {args.output}: cannot be written (permission denied)")
+        problem = write_problem(args.output)
+        if problem:
+            raise UsageError(f"--output {args.output}: cannot be written ({problem.lower()})")
     elif sys.stdout is None:
         raise UsageError("stdout is closed; give --output FILE")
     if not args.input and sys.stdin is None:

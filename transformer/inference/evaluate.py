@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformer.data.lines import read_lines
 from transformer.data.sources import DataError, load_split_text
-from transformer.errors import overwritten_input
+from transformer.errors import overwritten_input, write_problem
 from transformer.inference.request import DecodeRequest
 
 
@@ -156,6 +156,12 @@ def evaluate(
             raise DataError(
                 f"{path}: is {overwritten}; evaluate writes its results there, which would destroy "
                 "it; move or rename that file"
+            )
+        problem = write_problem(path)
+        if problem:  # found now, not after translating everything
+            raise DataError(
+                f"{path}: cannot be written ({problem.lower()}); evaluate writes its results beside the "
+                "checkpoint: copy or link it into a directory you can write to"
             )
     started = time.perf_counter()
     asked = dataclasses.replace(request, beam_size=beam, tgt_lang=None)  # the language: translator.tgt_lang
