@@ -137,7 +137,7 @@ FRENCH = ["Un homme en chemise bleue est debout sur une échelle.", "Deux jeunes
 def _prepare_with_langid(cache: Path):
     """data.langid=true over pairs of which a third have a French target: 20 of 60 are dropped."""
     src, tgt = (GERMAN * 3) * 10, (ENGLISH + ENGLISH + FRENCH) * 10
-    sources = {"train": InMemory(src, tgt, "unit"), "validation": InMemory(GERMAN, ENGLISH, "unit")}
+    sources = {"train": InMemory(src, tgt, "unit"), "validation": InMemory(GERMAN, ENGLISH[::-1], "unit")}
     config = DataConfig(**SETTINGS, cache_dir=str(cache), langid=True, drop_duplicates=False)
     return prepare(config, sources=sources)
 

@@ -19,7 +19,7 @@ import torch
 
 from tests.helpers import FAST, ROOT, assert_one_line_refusal, compose_config, flip_a_byte_of, one_line
 from transformer.checkpoint import CheckpointError, load_checkpoint, non_finite_tensors
-from transformer.config import ConfigError, TrainerConfig
+from transformer.config import ConfigError, DataConfig, TrainerConfig
 from transformer.distributed import DistInfo
 from transformer.errors import TrainingError
 from transformer.training.resume import adopt_resumed_config, find_resume_state
@@ -832,3 +832,46 @@ def test_an_empty_cache_directory_is_refused_not_the_working_directory(cache_dir
     """data.cache_dir='' wrote spm/ and corpus/ into the working directory."""
     with pytest.raises(ConfigError, match=r"^data.cache_dir='\s*' is empty; give a directory"):
         compose_config(["data=toy", f"data.cache_dir='{cache_dir}'"])
+
+
+def test_validation_pairs_that_are_training_pairs_are_counted_once_and_said(tmp_path, caplog, monkeypatch):
+    """A validation split copied from the training split was accepted in silence."""
+    from transformer.data import overlap
+    from transformer.data.prepare import prepare
+    from transformer.data.sources import InMemory
+    from transformer.data.toy import generate
+
+    src, tgt = generate(200, 10, 10, seed=3)["train"]
+    config = DataConfig(name="unit", embedded=True, vocab_size=80, cache_dir=str(tmp_path), drop_duplicates=False)
+
+    def prepared(valid_src, valid_tgt):
+        sources = {"train": InMemory(src, tgt, "unit"), "validation": InMemory(valid_src, valid_tgt, "unit")}
+        with caplog.at_level(logging.WARNING):
+            caplog.clear()
+            data = prepare(config, sources=sources)
+        return data, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    data, said = prepared(src[:30], tgt[:30])
+    assert said == [
+        "unit.validation: all 30 validation pairs are also training pairs: validation loss and BLEU then measure "
+        "memorisation, not translation; hold them out of the training data"
+    ]
+    other = generate(40, 10, 10, seed=4)["train"]
+    _, said = prepared(src[:5] + other[0][:15], tgt[:5] + other[1][:15])
+    assert len(said) == 1 and "5 of 20 validation pairs are also training pairs" in said[0]
+    _, said = prepared(src[:5], tgt[5:10])  # training sources with other targets: other pairs
+    assert said == []
+    # the keys: equal exactly for equal pairs (against Python tuples of the ids)
+    train = data.train
+    keys = overlap.pair_keys(train)
+    (src_ids, src_offsets), (tgt_ids, tgt_offsets) = train.stored("src"), train.stored("tgt")
+    pairs = [
+        (tuple(src_ids[src_offsets[p] : src_offsets[p + 1]]), tuple(tgt_ids[tgt_offsets[p] : tgt_offsets[p + 1]]))
+        for p in train.pair_index
+    ]
+    for i in range(len(pairs)):
+        for j in range(i + 1, len(pairs)):
+            assert (keys[i] == keys[j]) == (pairs[i] == pairs[j])
+    monkeypatch.setattr(overlap, "pair_keys", lambda corpus: pytest.fail("counted again"))
+    _, said = prepared(src[:30], tgt[:30])  # counted once for this training data and split
+    assert len(said) == 1 and "all 30 validation pairs" in said[0]

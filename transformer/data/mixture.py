@@ -27,6 +27,7 @@ import numpy as np
 from transformer.config import CorpusConfig, DataConfig
 from transformer.data.batching import Batch, make_batch
 from transformer.data.corpus import EncodedCorpus, PreparedData, encoded_split, preparation_lock, train_tokenizer
+from transformer.data.overlap import warn_of_overlap
 from transformer.data.sources import ArrowTable, Concatenated, ParallelFiles, SplitSource, open_split
 from transformer.data.tokenizer import Tokenizer
 from transformer.errors import DataError
@@ -328,6 +329,7 @@ def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, source
     for valid in [corpus for corpus, _ in directions.values()] or [encoded.get("validation")]:
         if valid is not None:
             valid.report()
+            warn_of_overlap(parts, train.identity, valid, "validation")
     log.info(
         "data %s: %d training pairs in %d corpora%s",
         cfg.name,

@@ -8,6 +8,7 @@ import logging
 from transformer.config import DataConfig
 from transformer.data.corpus import EncodedCorpus, PreparedData, encoded_split, preparation_lock, train_tokenizer
 from transformer.data.mixture import prepare_mixture
+from transformer.data.overlap import warn_of_overlap
 from transformer.data.sources import SplitSource, open_split
 from transformer.data.tokenizer import Tokenizer
 
@@ -56,6 +57,8 @@ def prepare(
     for split in ("train", "validation"):  # the test split is scored from its text: no filter report
         if split in encoded:
             encoded[split].report()
+    if "validation" in encoded:
+        warn_of_overlap([encoded["train"]], encoded["train"].identity, encoded["validation"], "validation")
     log.info(
         "data %s: %d training pairs%s",
         cfg.name,
