@@ -11,7 +11,6 @@ from transformer.config import (
     DECODE_OPTIONS,
     QUANTIZATIONS,
     DecodeOption,
-    available_cpus,
     check_weights,
     device_name_error,
 )
@@ -128,8 +127,6 @@ def checked_model_arguments(args: argparse.Namespace) -> list[float] | None:
     weights = parse_weights(args.weights, len(args.checkpoints))
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers {args.workers}: must be a whole number >= 1")
-    if args.workers is not None and args.workers > 4 * available_cpus():  # each is a process
-        raise ValueError(f"--workers {args.workers}: at most {4 * available_cpus()} here (4 per CPU core)")
     return weights
 
 

@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from transformer.config import QUANTIZATIONS, available_cpus, check_decode_options, check_weights
+from transformer.config import QUANTIZATIONS, check_decode_options, check_weights
 from transformer.data.batching import batches_in_order, pad_sequences
 from transformer.inference.decoders import Hypothesis
 from transformer.inference.request import DecodeRequest
@@ -247,8 +247,6 @@ class Translator:
         option), its prefixes encoded (`count` sentences)."""
         if request.workers is not None and (type(request.workers) is not int or request.workers < 1):
             raise ValueError(f"workers={request.workers!r}: must be a whole number >= 1 (None: one per core)")
-        if request.workers is not None and request.workers > 4 * available_cpus():  # each is a process
-            raise ValueError(f"workers={request.workers}: at most {4 * available_cpus()} here (4 per CPU core)")
         sampling, given = request.sampling, request.search_options()
         if sampling is not None:
             searched = [f"{name}={given[name]}" for name in ("beam_size", "nbest") if given[name] not in (None, 1)]
