@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,7 @@ class ModelConfig:
         _require_finite("model", self)
         for key in ("d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers", "max_positions"):
             _positive(f"model.{key}", getattr(self, key))
+        _within_limits("model", self)
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
@@ -241,6 +243,7 @@ class DataConfig:
         if self.src_lang == self.tgt_lang:
             raise ConfigError(f"data.src_lang and data.tgt_lang are both {self.src_lang!r}")
         self._validate_corpora()
+        _within_limits("data", self)
 
     def _validate_corpora(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature > 0):
@@ -522,6 +525,7 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)} must be >= 0 (0 disables it)")
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"trainer.num_workers={self.num_workers} must be >= 0 (or null: 2 on CUDA, 0 on a CPU)")
+        _within_limits("trainer", self)
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"trainer.ema_decay={self.ema_decay} must be in [0, 1) (0 = no EMA; e.g. 0.999)")
         if not self.ema_warmup > 1.0:
@@ -545,6 +549,30 @@ class TrainerConfig:
             raise ConfigError("no stopping rule: set trainer.max_steps, trainer.max_epochs or trainer.max_minutes")
         if not isinstance(self.resume, (bool, str)):
             raise ConfigError(f"trainer.resume={self.resume!r} must be true, false or a checkpoint path")
+        if not self.adam_eps > 0:  # 0 divides by a zero second moment; a negative one flips the update
+            raise ConfigError(f"trainer.adam_eps={self.adam_eps} must be > 0 (the default is 1e-9)")
+
+    def validate_for_training(self) -> None:
+        """What this machine can run, checked when a run starts (not for a saved config, which may come
+        from a larger machine): processes and threads beyond a few per core only compete for the cores."""
+        cpus = available_cpus()
+        for key, what in (("num_workers", "DataLoader processes"), ("num_threads", "torch CPU threads")):
+            value = getattr(self, key)
+            if value is not None and value > 4 * cpus:
+                raise ConfigError(
+                    f"trainer.{key}={value} must be from 0 to {4 * cpus} on this machine: {what}, at most 4 per "
+                    f"CPU core ({cpus} here)"
+                )
+
+
+# The most tokens of one batch, training (trainer.max_tokens) or decoding (decode.batch_tokens): 2**24
+# tokens' activations outgrow a GPU's memory even for model=tiny (128 floats a token, a dozen tensors of them).
+MAX_BATCH_TOKENS = 2**24
+# The longest sequence (model.max_positions): attention over 2**20 positions costs 2**40 scores a head.
+MAX_POSITIONS = 2**20
+# The widest beam (decode.beam_size, decode.nbest, trainer.val_beam_size): beyond a few hundred a wider one
+# finds no better translation, and every hypothesis is one more row of the decoder's batch.
+MAX_BEAM = 1000
 
 
 # Source tokens x beam per decoding batch. How much to decode at once depends on the machine, not the
@@ -569,7 +597,7 @@ class DecodeConfig:
     evaluate, and transformer-translate's defaults (taken from the checkpoint's config)."""
 
     name: str = setting("beam", "the preset's name")
-    beam_size: int = decode_setting(5, "hypotheses kept per sentence (1 = greedy)", low=1, flag="--beam")
+    beam_size: int = decode_setting(5, "hypotheses kept per sentence (1 = greedy)", low=1, high=MAX_BEAM, flag="--beam")
     alpha: float = decode_setting(
         0.6, "GNMT length penalty ((5 + len) / 6) ** alpha; 0 = raw log-probability", low=0, high=100
     )  # beyond, the penalty of a long hypothesis overflows
@@ -580,11 +608,18 @@ class DecodeConfig:
         "given to a translation (--alpha) wins over both",
     )
     max_len_a: float = decode_setting(1.2, "output length limit: max_len_a * source_len + max_len_b tokens", low=0)
-    max_len_b: int = decode_setting(10, "the constant term of the output length limit (see max_len_a)", low=0)
-    batch_tokens: int = decode_setting(
-        DEFAULT_BATCH_TOKENS, "source tokens x beam per decoding batch; smaller needs less memory", low=1, saved=False
+    # (an output is cut at model.max_positions - 1 tokens: a larger constant is no limit)
+    max_len_b: int = decode_setting(
+        10, "the constant term of the output length limit (see max_len_a)", low=0, high=MAX_POSITIONS
     )
-    nbest: int = decode_setting(1, "hypotheses returned per sentence (<= beam_size)", low=1, saved=False)
+    batch_tokens: int = decode_setting(
+        DEFAULT_BATCH_TOKENS,
+        "source tokens x beam per decoding batch; smaller needs less memory",
+        low=1,
+        high=MAX_BATCH_TOKENS,
+        saved=False,
+    )
+    nbest: int = decode_setting(1, "hypotheses returned per sentence (<= beam_size)", low=1, high=MAX_BEAM, saved=False)
 
     def validate(self) -> None:
         # Non-finite values first get the message every section's float keys give (with the default).
@@ -629,7 +664,10 @@ class DecodeOption(NamedTuple):
 
     @property
     def rule(self) -> str:
-        upper = f" and <= {self.high:g}" if math.isfinite(self.high) else ""
+        if not math.isfinite(self.high):
+            upper = ""
+        else:  # a whole number in full (16777216, not 1.67772e+07)
+            upper = f" and <= {int(self.high)}" if self.whole else f" and <= {self.high:g}"
         return f"must be a {'whole' if self.whole else 'finite'} number >= {self.low}{upper}"
 
     def accepts(self, value: Any) -> bool:
@@ -742,7 +780,7 @@ class Config:
         """Build and validate from a plain dict (`OmegaConf.to_container(cfg, resolve=True)`, a checkpoint's
         saved config): the schema checks keys and types (keys missing from an older checkpoint take their
         defaults), `validate` the values; a config to train with (not `saved`) also
-        `DataConfig.validate_for_training`."""
+        `validate_for_training`."""
         from omegaconf import OmegaConf
         from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -771,7 +809,7 @@ class Config:
             raise ConfigError(composition_error_line(error)) from None
         config.validate()
         if not saved:
-            config.data.validate_for_training()
+            config.validate_for_training()
         return config
 
     def validate(self) -> None:
@@ -801,6 +839,12 @@ class Config:
                 f"data.max_len={self.model.max_positions - 1} or less"
             )
 
+    def validate_for_training(self) -> None:
+        """What a run checks more than a saved config (`DataConfig.validate_for_training`,
+        `TrainerConfig.validate_for_training`)."""
+        self.data.validate_for_training()
+        self.trainer.validate_for_training()
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -825,6 +869,58 @@ def _require_finite(section: str, values) -> None:
                 raise ConfigError(
                     f"{section}.{name}={value} is not finite; give a finite number (the default is {default})"
                 )
+
+
+INT64_MAX = 2**63 - 1  # torch and numpy take no larger integer (an OverflowError, far from the setting)
+
+# The range of each count and size key (issue 71): a value beyond these cannot be what was meant, and would
+# exhaust the machine before the first step (memory, or a loop of hours) or overflow an int64 later.
+# (low, high, why); every other int key of the schema is held to an int64 (`_within_limits`).
+LIMITS = {
+    "model.d_model": (1, 2**16, "one attention projection of 2**16 x 2**16 weights is 16 GiB"),
+    "model.n_heads": (1, 2**16, "it divides model.d_model"),
+    "model.d_ff": (1, 2**18, "big models use 4 x d_model, 4,096 to 16,384"),
+    "model.encoder_layers": (1, 1000, "deep Transformers have 6 to 48 layers, each built before the first step"),
+    "model.decoder_layers": (1, 1000, "deep Transformers have 6 to 48 layers, each built before the first step"),
+    "model.max_positions": (1, MAX_POSITIONS, "attention over a sequence costs its length squared; 1,024 is common"),
+    "data.max_len": (1, MAX_POSITIONS - 1, "a sentence and its EOS fit model.max_positions, at most 2**20"),
+    "data.vocab_size": (1, 2**20, "the largest multilingual vocabularies hold 250,000 pieces"),
+    "data.embedded_pairs": (1, 10**7, "the generated toy corpus: 10 million pairs take minutes and gigabytes"),
+    "data.subword_nbest": (-1, 1000, "SentencePiece searches that many segmentations for every sentence"),
+    "trainer.max_tokens": (1, MAX_BATCH_TOKENS, "2**24 tokens' activations outgrow a GPU's memory"),
+    "trainer.update_freq": (1, 10**4, "an update collates its batches at once; big-batch recipes use 16 to 128"),
+    "trainer.val_beam_size": (1, MAX_BEAM, "a wider beam finds no better translation"),
+    "trainer.seed": (0, INT64_MAX, "torch's and numpy's generators take no negative seed"),
+    # and at most 4 per CPU core of the machine that trains (`TrainerConfig.validate_for_training`)
+    "trainer.num_workers": (0, 4096, "DataLoader processes"),
+    "trainer.num_threads": (0, 4096, "torch CPU threads"),
+}
+
+
+def available_cpus() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def _spelled(number: int) -> str:
+    return "2**63 - 1" if number == INT64_MAX else str(number)
+
+
+def _within_limits(section: str, values) -> None:
+    """Every int key of a config section within its range: `LIMITS`', else an int64's (None passes)."""
+    for spec in dataclasses.fields(values):
+        value = getattr(values, spec.name)
+        if "int" not in str(spec.type) or not isinstance(value, int) or isinstance(value, bool):
+            continue
+        key = f"{section}.{spec.name}"
+        low, high, why = LIMITS.get(key, (-INT64_MAX - 1, INT64_MAX, "a 64-bit integer"))
+        if not low <= value <= high:
+            if key not in LIMITS:
+                raise ConfigError(f"{key}={value} is beyond a 64-bit integer: give at most 2**63 - 1")
+            raise ConfigError(f"{key}={value} must be from {low} to {_spelled(high)} ({why})")
 
 
 def _positive(key: str, value: int | float) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -86,3 +87,23 @@ def shutdown(info: DistInfo, barrier: bool = True) -> None:
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
+
+
+# What gloo and NCCL say in a collective when another rank of the run has gone (killed, crashed, stopped):
+# its connection closed or reset, the collective aborted.
+PEER_GONE = re.compile(
+    r"connection (?:closed|reset) by peer(?: \[[^\]]*\]:\d+)?|broken pipe|remote process exited"
+    r"|communicator was aborted|failed to recv, got 0 bytes",
+    re.IGNORECASE,
+)
+
+
+def peer_gone(error: BaseException | None) -> str | None:
+    """The backend's words (`Connection closed by peer [127.0.0.1]:4242`) when `error`, or an error that
+    led to it, says another rank of the run has gone; None when it says something else."""
+    while error is not None:
+        found = PEER_GONE.search(str(error)) if isinstance(error, RuntimeError) else None
+        if found:
+            return found[0]
+        error = error.__cause__ or error.__context__
+    return None

@@ -1,8 +1,9 @@
 """Every error a user can see, in a leaf module that imports nothing of the package: ConfigError (a key's
 value), DataError (a corpus, a file and line), CheckpointError (a checkpoint or an export), TrainingError
 (a run), UsageError (a command line), CacheDamage (a cache entry, prepared again), Interrupted and
-DecodingProcessDied (decoding); what translating, the caches and the commands raise comes from here,
-without loading the corpus readers or torch. Also the helpers for stdout's reader going away, Ctrl-C at a
+DecodingProcessDied (decoding), Stopped (a run's signal before its first step), PeerGone (another rank
+of a run); what translating, the caches and the commands raise comes from here, without loading the
+corpus readers or torch. Also the helpers for stdout's reader going away, Ctrl-C at a
 command's start and end, and an output that would overwrite an input."""
 
 import os
@@ -134,6 +135,20 @@ def overwritten_input(output: str | Path | int, inputs: dict[str, str | Path | i
         if any(same_file(file, output) for file in files):
             return name
     return None
+
+
+class Stopped(KeyboardInterrupt):
+    """A training run's SIGINT or SIGTERM (`signal_name`) before its first step: nothing to save, so it
+    ends at once (a KeyboardInterrupt, which no `except Exception` holds up)."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+class PeerGone(RuntimeError):
+    """A rank of a distributed run lost another one (killed, crashed, stopped) in a collective: the run
+    cannot go on, and the rank that went said why (or the launcher did); the message says so in one line."""
 
 
 class Interrupted(Exception):

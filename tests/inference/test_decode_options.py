@@ -164,7 +164,7 @@ def test_a_fraction_for_a_whole_option_is_refused_alike_by_the_command_line_and_
     key, translator, untrained_checkpoint, capsys
 ):
     flag = OPTIONS[key].flag
-    rule = f"must be a whole number >= {OPTIONS[key].low}"
+    rule = OPTIONS[key].rule  # "must be a whole number >= LOW" (and "<= HIGH" where it has one)
     assert (
         _cli_error("transformer-translate", capsys, untrained_checkpoint, flag, "2.5")
         == f"transformer-translate: error: {flag} 2.5: {rule}"

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from transformer.cli.train import refuse_bare_words, refuse_uncomposable
+from transformer.config import available_cpus
 from transformer.errors import import_torch_holding_interrupts, signal_exit_status
 from transformer.training.run_dir import LAUNCH_ENV, python_command
 
@@ -60,6 +61,32 @@ def split_command_line(argv: list[str], options: dict[str, bool]) -> tuple[list[
     return torchrun, trainer
 
 
+def torchrun_count_error(nproc_per_node: str, nnodes: str) -> str | None:
+    """Why `--nproc_per_node` or `--nnodes` cannot start a run (torchrun answers them with a traceback),
+    in one line naming the option; None when both can. More processes on a machine than 4 per CPU core
+    only compete for the cores, and each loads torch and its own copy of the model."""
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
+    limit = 4 * available_cpus()
+    try:
+        count = determine_local_world_size(nproc_per_node)
+    except ValueError as error:
+        count, why = None, str(error)
+    if count is None or not 1 <= count <= limit:
+        unavailable = f" ({why})" if count is None and "not available" in why else ""
+        return (
+            f"--nproc_per_node={nproc_per_node}: give a number of processes from 1 to {limit} (4 per CPU "
+            f"core of this machine), or auto, cpu or gpu{unavailable}"
+        )
+    try:
+        low, high = parse_min_max_nnodes(nnodes)
+    except ValueError:
+        low = high = 0
+    if not 0 < low <= high:
+        return f"--nnodes={nnodes}: give a number of machines (e.g. 2), or MIN:MAX (e.g. 1:4), each at least 1"
+    return None
+
+
 def failure_line(rank: int, exitcode: int) -> tuple[str | None, int]:
     """(what to say, the exit status) for the rank whose exit stopped the run: a refusal (status 2) was
     said by the ranks themselves; a status of its own is named; a rank a signal killed is named with its
@@ -94,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     refuse_bare_words(trainer)  # what every rank would refuse: one line, before any rank starts
     refuse_uncomposable(trainer, validate=True)
     args = parse_args([*torchrun, *PROGRAM, *trainer])  # argparse: usage and exit 2 when wrong
+    problem = torchrun_count_error(args.nproc_per_node, args.nnodes)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     os.environ[LAUNCH_ENV] = shlex.join([*launcher_name(), *torchrun])
     try:
         run(args)

@@ -12,10 +12,12 @@ from pathlib import Path
 
 from transformer.cli.hydra_args import bare_word, command_line_config
 from transformer.cli.run import run_command
-from transformer.compose import CONFIG_SOURCE_FLAGS, HYDRA_CONFIG_FLAGS, compose, compose_tree
-from transformer.config import CONF_DIR, ConfigError
+from transformer.compose import CONFIG_SOURCE_FLAGS, HYDRA_CONFIG_FLAGS, compose_tree
+from transformer.config import CONF_DIR, Config, ConfigError
 from transformer.errors import (
     DataError,
+    PeerGone,
+    Stopped,
     TrainingError,
     discard_stdout,
     import_torch_holding_interrupts,
@@ -101,8 +103,12 @@ def refuse_uncomposable(argv: list[str], validate: bool = False) -> None:
     one, a value of the wrong type) where Hydra's own answer is several lines and exit 1. Composes the
     config once more before hydra.main (a fraction of a second), a sweep's once per value of its choices
     (`sweep_jobs_to_check`); --help, --cfg, --info and the flags it does not follow are left to Hydra.
-    `validate`: a run that is no sweep is also checked value by value (`config.compose`), as
-    transformer-train-ddp does before it starts the ranks that would each refuse it."""
+    `validate`: a run that is no sweep is also checked value by value (`Config.from_dict`), before Hydra
+    makes its run directory (transformer-train) or starts the ranks that would each refuse it
+    (transformer-train-ddp)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     given, words = config_flags(argv)
     if "--config-name" in given or "--config-path" in given:
         return  # compose() finds a primary config in conf/ only
@@ -117,10 +123,15 @@ def refuse_uncomposable(argv: list[str], validate: bool = False) -> None:
             overrides.append(word)
     config_dir = given["--config-dir"][-1] if "--config-dir" in given else None
     sweep = bool({"-m", "--multirun"} & set(words))
-    check = compose if validate and not sweep else compose_tree  # a sweep's job may fail alone, as a row
     try:
         for job in sweep_jobs_to_check(overrides):
-            check(job, config_dir=config_dir)
+            tree = compose_tree(job, config_dir=config_dir)
+            if validate and not sweep:  # a sweep's job may fail alone, as a row of its summary
+                try:
+                    raw = OmegaConf.to_container(tree, resolve=True)
+                except OmegaConfBaseException:  # an interpolation only hydra.main resolves (${hydra:...})
+                    return
+                Config.from_dict(raw)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -198,7 +209,7 @@ def run_training() -> None:
 
     started = time.time() - 0.1  # what this start writes is newer (the file clock is a tick behind)
     refuse_bare_words(sys.argv[1:])
-    refuse_uncomposable(sys.argv[1:])
+    refuse_uncomposable(sys.argv[1:], validate=True)  # a refused value: one line, and nothing written
 
     # Before Hydra writes .hydra/ and train.log into an explicitly named run directory, make sure no
     # other run is using it (a timestamped default directory is taken again inside `train`); a named
@@ -249,6 +260,12 @@ def run_training() -> None:
                 # have seen the signal.
                 sys.exit(signal_exit_status(result["stopped_by"]))
             return result["best_bleu"]
+        except PeerGone as error:  # under torchrun: the rank that went (or the launcher) says why
+            if in_sweep:
+                job_failed(str(error))
+                return None
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(1)
         except (ConfigError, DataError, CheckpointError, TrainingError) as error:
             logging.getLogger("transformer").error("%s", error)
             if not in_sweep:
@@ -257,13 +274,19 @@ def run_training() -> None:
                 print(f"error: {error}", file=sys.stderr)
                 sys.exit(2)
             reason = str(error)
-        except KeyboardInterrupt:  # while preparing data (before the loop's own handler), or a second Ctrl-C
+        except KeyboardInterrupt as stop:  # before the loop's first step (`Stopped`), or a second Ctrl-C
             next_interrupt_ends_at_once()
+            name = stop.signal_name if isinstance(stop, Stopped) else "SIGINT"
+            if in_sweep and isinstance(stop, Stopped):  # the sweep ends after its table, as in the loop
+                interrupt_sweep(name)
+                job_failed(f"stopped by {name} before its first step", status="interrupted")
+                return None
             print(
-                f"interrupted: stopped at once; checkpoints written before now stay in {run_dir}/checkpoints",
+                f"interrupted{'' if name == 'SIGINT' else f' by {name}'}: stopped at once; checkpoints "
+                f"written before now stay in {run_dir}/checkpoints",
                 file=sys.stderr,
             )
-            sys.exit(130)
+            sys.exit(signal_exit_status(name))
         except Exception as error:
             if not in_sweep:
                 raise

@@ -246,7 +246,8 @@ class UpdateSampler(torch.utils.data.Sampler):
         position = self.position
         while position < len(batches):
             plan = []
-            for u in range(self.update_freq):
+            # u beyond the epoch's end adds nothing: a large update_freq costs no loop of its size
+            for u in range(min(self.update_freq, -(-(len(batches) - position) // self.world))):
                 index = position + u * self.world + self.rank
                 if index < len(batches):
                     plan.append((batches[index], 1.0, (self.epoch, index)))

@@ -18,7 +18,10 @@ import time
 from pathlib import Path
 
 from transformer.compose import CONFIG_SOURCE_FLAGS, override_text
-from transformer.errors import TrainingError  # noqa: F401  (its home is errors.py; imported from here too)
+from transformer.errors import (
+    Stopped,
+    TrainingError,  # noqa: F401  (its home is errors.py; imported from here too)
+)
 
 log = logging.getLogger("transformer.train")
 
@@ -261,24 +264,48 @@ def resume_hint(run_dir: Path, launch: Launch | None, reason: str | None = None)
     return f"continue from {last}{raise_limit} with: {launch.resume_command(run_dir)}"
 
 
-def install_signal_handlers(trainer) -> dict:
-    """SIGINT/SIGTERM finish the current step, write last.pt and return cleanly."""
-    import threading
+class StopSignals:
+    """SIGINT and SIGTERM during a run, from `install` (before its data is prepared) to `restore`.
 
-    if threading.current_thread() is not threading.main_thread():
-        return {}
+    Before the training loop starts (`defer`) waiting saves nothing, so a signal ends the run at once:
+    `Stopped` is raised wherever the main thread is (preparing the data, building the model, reading the
+    test split). From `defer` on it sets `name`: the loop finishes its step, saves last.pt and returns.
+    A second signal raises KeyboardInterrupt ("now"). Outside the main thread (a library caller's), nothing
+    is installed and `name` stays None."""
 
-    def handler(signum, frame):
-        if trainer.stop_signal:  # a second Ctrl-C means "now"
+    def __init__(self):
+        self.name: str | None = None  # the signal received
+        self.at_once = True
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def defer(self) -> None:
+        """From now on a signal waits for the step in progress (the training loop has started)."""
+        self.at_once = False
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        import threading
+
+        if self.name:  # a second Ctrl-C means "now"
             raise KeyboardInterrupt
-        trainer.stop_signal = signal.Signals(signum).name
+        self.name = signal.Signals(signum).name
+        if self.at_once:
+            raise Stopped(self.name)
         # Said from another thread, which waits for the log's lock: the handler runs between two bytecodes
         # of the main thread, maybe in the middle of writing a log line, and a second write from here would
         # be a reentrant call on the same file (a RuntimeError, printed with a traceback).
-        message = ("%s received: finishing this step and saving last.pt", trainer.stop_signal)
+        message = ("%s received: finishing this step and saving last.pt", self.name)
         threading.Thread(target=log.warning, args=message, name="signal-message").start()
-
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 _log_handler: logging.Handler | None = None

@@ -8,7 +8,6 @@ import gc
 import logging
 import os
 import random
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ from transformer.data.mixture import MixedCorpus
 from transformer.data.prepare import prepare
 from transformer.data.sources import DataError, load_split_text
 from transformer.data.tokenizer import Tokenizer
+from transformer.distributed import peer_gone
+from transformer.errors import PeerGone
 from transformer.model import build_model
 from transformer.runtime import Runtime
 from transformer.training.banner import log_banner, warn_about_settings_the_run_cannot_honour
@@ -32,7 +33,7 @@ from transformer.training.monitor import Monitor
 from transformer.training.optim import build_optimizer
 from transformer.training.progress import Progress
 from transformer.training.resume import StartingPoint, starting_point
-from transformer.training.run_dir import Launch, RunDirectoryLock, attach_log_file, install_signal_handlers, resume_hint
+from transformer.training.run_dir import Launch, RunDirectoryLock, StopSignals, attach_log_file, resume_hint
 from transformer.training.selection import Selection
 from transformer.training.state import TrainingState
 from transformer.training.step import TrainingStep
@@ -57,8 +58,8 @@ class Trainer:
     process group), the prepared data, the model, the training state (optimizer, schedule, loss scaler,
     EMA, progress, checkpoints), the batches, the update step, the monitor and model selection."""
 
-    def __init__(self, cfg: Config, run_dir: Path, launch: Launch | None = None):
-        self.cfg, self.launch, self.stop_signal = cfg, launch, None  # stop_signal: set by the signal handlers
+    def __init__(self, cfg: Config, run_dir: Path, launch: Launch | None = None, stop: StopSignals | None = None):
+        self.cfg, self.launch, self.stop = cfg, launch, stop or StopSignals()  # `stop`: installed by the caller
         self.runtime = Runtime.for_training(cfg.trainer)  # device, process group, precision: resolved once
         self.run_dir = Path(self.runtime.broadcast(str(run_dir)))
         start = starting_point(cfg, self.run_dir / "checkpoints", self.runtime.dist)
@@ -145,6 +146,11 @@ class Trainer:
         return Selection(self.cfg, self.data, self.state, self.runtime, self.monitor, lambda: self.stop_signal)
 
     @property
+    def stop_signal(self) -> str | None:
+        """The signal (SIGINT, SIGTERM) that asked the run to stop, or None."""
+        return self.stop.name
+
+    @property
     def progress(self) -> Progress:
         """Where the run stands (step, epoch, best score): part of the state a checkpoint holds."""
         return self.state.progress
@@ -190,6 +196,7 @@ class Trainer:
     def fit(self) -> dict:
         """The loop: updates until a stop reason, then a last validation and last.pt; returns the metrics."""
         tc, progress, rt = self.cfg.trainer, self.progress, self.runtime
+        self.stop.defer()  # a signal from here on lets the step in progress finish, then saves last.pt
         started = time.monotonic()
         bar = TrainingBar(progress.step, tc.max_steps, tc.max_minutes, started, show=rt.is_main)
         reason = self._stop_reason(started)
@@ -260,15 +267,20 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
         raw = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
         cfg = Config.from_dict(raw)
     else:
-        cfg.data.validate_for_training()
+        cfg.validate_for_training()
     run_dir = Path(run_dir or cfg.run_dir or "runs/default")
     cfg.run_dir = str(run_dir)
-    is_main = int(os.environ.get("RANK", "0")) == 0
-    lock = RunDirectoryLock.acquire(run_dir) if is_main else None  # one run per directory
+    rank = int(os.environ.get("RANK", "0"))
+    lock = RunDirectoryLock.acquire(run_dir) if rank == 0 else None  # one run per directory
     try:
-        attach_log_file(run_dir, is_main=is_main)
+        attach_log_file(run_dir, is_main=rank == 0)
         with log_lines_above_bars():
             return _train_in(cfg, run_dir, _launch_of_this_process())
+    except RuntimeError as error:  # a collective of gloo or NCCL, when another rank has gone
+        gone = peer_gone(error) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+        if gone is None:
+            raise
+        raise PeerGone(f"rank {rank}: another rank of the run stopped ({gone}); see its error above") from None
     finally:
         if lock:
             lock.release()
@@ -285,11 +297,22 @@ def _launch_of_this_process() -> Launch | None:
 
 
 def _train_in(cfg: Config, run_dir: Path, launch: Launch | None) -> dict:
-    """`train` once the run directory is locked and logged to."""
-    trainer = Trainer(cfg, run_dir, launch)
-    if cfg.trainer.test_at_end and cfg.data.path and trainer.runtime.is_main:
-        _check_test_split(cfg)
-    handlers = install_signal_handlers(trainer)
+    """`train` once the run directory is locked and logged to. SIGINT and SIGTERM stop it from here on:
+    before the loop's first step at once, wherever it is (`StopSignals`)."""
+    stop = StopSignals()
+    stop.install()
+    try:
+        trainer = Trainer(cfg, run_dir, launch, stop)
+        if cfg.trainer.test_at_end and cfg.data.path and trainer.runtime.is_main:
+            _check_test_split(cfg)
+        return _fit_and_test(trainer, launch)
+    finally:
+        stop.restore()
+
+
+def _fit_and_test(trainer: Trainer, launch: Launch | None) -> dict:
+    """The loop, then the test of the best checkpoint; the run's components closed however it ends."""
+    cfg = trainer.cfg
     try:
         metrics = trainer.fit()
         trainer.leave_process_group(clean=True)  # the test below runs on rank 0 alone
@@ -307,8 +330,6 @@ def _train_in(cfg: Config, run_dir: Path, launch: Launch | None) -> dict:
             log.info("%s", resume_hint(trainer.run_dir, launch))  # stopped by an error or a second Ctrl-C
         raise
     finally:
-        for sig, previous in handlers.items():
-            signal.signal(sig, previous)
         trainer.state.checkpoints.close()  # lets a write in flight finish
         trainer.monitor.close()
         trainer.leave_process_group(clean=False)  # after an error: no barrier
