@@ -177,7 +177,37 @@ def test_the_check_refuses_no_model_that_a_config_builds(preset, tied, joint):
     check_config_matches_weights(cfg.model, tensor_shapes(model.state_dict()), vocab, "x.pt")
 
 
-# ----- 2. symbolic link loops, an empty spm.model, a config.json nested too deeply
+# ----- 2. an export holds no absolute path of the machine it was trained on
+
+
+def test_an_export_holds_no_absolute_path_of_the_training_machine(workspace, tmp_path, capsys, monkeypatch):
+    state = load_checkpoint(workspace / "run" / "checkpoints" / "best.pt")
+    home = tmp_path / "home" / "alice"
+    state["config"]["data"].update(
+        name="custom", embedded=False, path=str(home / "corpus"), cache_dir=str(home / "cache")
+    )
+    state["config"]["trainer"].update(init_from=str(home / "base.pt"), resume=str(home / "run" / "last.pt"))
+    state["config"]["run_dir"] = str(home / "runs" / "today")
+    save_checkpoint(state, tmp_path / "best.pt")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main(
+        export_command.main, capsys, tmp_path / "best.pt", tmp_path / "out", "--format", "safetensors"
+    )
+    assert code == 0, err
+    files = _tree(tmp_path / "out")
+    assert set(files) == {"README.md", "config.json", "export-manifest.json", "model.safetensors", "spm.model"}
+    for name, data in files.items():
+        for path in {str(tmp_path), str(Path.home()), os.getcwd(), "/alice/"}:
+            assert path.encode() not in data, (name, path)
+    config = json.loads(files["config.json"])["config"]
+    assert (config["data"]["path"], config["data"]["cache_dir"], config["run_dir"]) == ("corpus", "cache", "today")
+    assert (config["trainer"]["init_from"], config["trainer"]["resume"]) == ("base.pt", "last.pt")
+    assert "Local files in `corpus`" in files["README.md"].decode()
+    code, out, err = run_main(translate_main, capsys, tmp_path / "out", "--input", workspace / "in.de")
+    assert code == 0 and out, err  # the export still loads
+
+
+# ----- 3. symbolic link loops, an empty spm.model, a config.json nested too deeply
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from transformer.config import Config, ConfigError
@@ -66,6 +66,7 @@ def save_pretrained(
             '(Translator.from_pretrained(directory, quantize="int8"))'
         )
     refuse_non_finite(model, "the model")
+    config = without_local_paths(config)
     card = model_card(model, tokenizer, config, output_directory(out).name, trained or {})
 
     def build(directory: Path) -> None:
@@ -85,6 +86,24 @@ def save_pretrained(
         (directory / CARD_FILE).write_text(card, encoding="utf-8")
 
     return write_model_directory(out, overwrite, tokenizer, build, "safetensors")
+
+
+def without_local_paths(config: Config) -> Config:
+    """`config` with every absolute path in it (data.path, a corpus's path, data.cache_dir, trainer.init_from,
+    trainer.resume, run_dir) cut to its last part: an export is shared, and the directories of the
+    machine it was trained on (a home directory, a user name) are nobody else's business. A relative path
+    stays as it was given."""
+
+    def local(value):
+        if isinstance(value, dict):
+            return {key: local(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [local(item) for item in value]
+        if isinstance(value, str) and (value.startswith("~") or PurePosixPath(value).is_absolute()):
+            return PurePosixPath(value).name or "."
+        return value
+
+    return Config.from_dict(local(config.to_dict()), saved=True)
 
 
 def canonical_safetensors_header(path: Path) -> None:
