@@ -255,6 +255,13 @@ def check_config_matches_weights(
             f"{path}: its config says model.max_positions={cfg.max_positions}, over the {MAX_STORED_POSITIONS} a "
             f"stored model may have (its position table is built when loading, not stored); {damaged}"
         )
+    # A safetensors file stores a tied matrix once, under one of its names (which the others' aliases in
+    # its metadata say, when it was written by save_model): the model ties the output layer to the target
+    # embedding (model.tie_embeddings), and to the source embedding with a joint vocabulary too.
+    tied = ["tgt_embed.weight", "output.weight"] + (["src_embed.weight"] if tokenizer.joint else [])
+    stored = [shapes[name] for name in tied if name in shapes] if cfg.tie_embeddings else []
+    if stored:
+        shapes = {**dict.fromkeys(tied, stored[0]), **shapes}
     # (name, dimension, config key or vocabulary, size expected): the sizes a built model's weights take
     embed, up = "embed.weight", "layers.0.feed_forward.up.weight"
     sizes = (

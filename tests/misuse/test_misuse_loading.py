@@ -124,7 +124,11 @@ def test_exporting_such_a_checkpoint_writes_nothing(case, workspace, tmp_path, c
 
 # (id, how the stored weights are damaged, the message expected)
 WEIGHT_DAMAGE = [
-    ("no-embedding", lambda w: w.pop("tgt_embed.weight"), r"its weights hold no tgt_embed.weight matrix"),
+    (
+        "no-feed-forward",
+        lambda w: w.pop("encoder_layers.0.feed_forward.up.weight"),
+        r"its weights hold no encoder_layers.0.feed_forward.up.weight matrix; the file is damaged",
+    ),
     (
         "vocabulary",  # the tokenizer's 120 pieces, an embedding of 50 rows
         lambda w: w.update({f"{side}_embed.weight": torch.zeros(50, 64) for side in ("src", "tgt")}),
@@ -162,19 +166,25 @@ def _tokenizer_of(state):
     return Tokenizer.from_state_dict(state["tokenizer"])
 
 
-# Every preset, tied or not, one vocabulary or two, pre- or post-norm: the check passes the weights of the
-# model the config builds (built on the meta device: shapes without memory).
+# Every preset, tied or not, one vocabulary (pre-norm) or two (post-norm): the check passes the weights of
+# the model the config builds (on the meta device: shapes without memory), stored as a checkpoint or as
+# safetensors stores them.
 @pytest.mark.parametrize("preset", ["tiny", "small", "base", "big"])
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("joint", [True, False])
 def test_the_check_refuses_no_model_that_a_config_builds(preset, tied, joint):
-    cfg = compose_config([f"model={preset}", f"model.tie_embeddings={str(tied).lower()}", "model.pre_norm=false"])
-    vocab = SimpleNamespace(src_vocab_size=8000, tgt_vocab_size=8000 if joint else 9000)
+    flags = [f"model.tie_embeddings={str(tied).lower()}", f"model.pre_norm={str(joint).lower()}"]
+    cfg = compose_config([f"model={preset}", *flags])
+    vocab = SimpleNamespace(src_vocab_size=8000, tgt_vocab_size=8000 if joint else 9000, joint=joint)
     with torch.device("meta"):
         model = build_model(cfg.model, vocab.src_vocab_size, vocab.tgt_vocab_size, joint)
-    check_config_matches_weights(cfg.model, tensor_shapes(model.state_dict()), vocab, "x.pt")
+    shapes = tensor_shapes(model.state_dict())
+    check_config_matches_weights(cfg.model, shapes, vocab, "x.pt")
     cfg.model.max_positions = MAX_STORED_POSITIONS
-    check_config_matches_weights(cfg.model, tensor_shapes(model.state_dict()), vocab, "x.pt")
+    check_config_matches_weights(cfg.model, shapes, vocab, "x.pt")
+    if tied:  # a safetensors file stores a tied matrix once, under any one of its names
+        once = {"tgt_embed.weight", *(["src_embed.weight"] if joint else [])}
+        check_config_matches_weights(cfg.model, {k: v for k, v in shapes.items() if k not in once}, vocab, "x")
 
 
 # ----- 2. an export holds no absolute path of the machine it was trained on
