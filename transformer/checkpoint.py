@@ -17,9 +17,15 @@ from pathlib import Path
 
 import torch
 
-from transformer.config import Config, ConfigError
+from transformer.config import MAX_POSITIONS, Config, ConfigError, ModelConfig
 from transformer.data.tokenizer import Tokenizer
-from transformer.errors import CheckpointError, os_error_in  # their home; imported from here too
+from transformer.errors import (  # their home; imported from here too
+    NESTED_TOO_DEEPLY,
+    SYMLINK_LOOP,
+    CheckpointError,
+    os_error_in,
+    symlink_loop,
+)
 from transformer.model import Transformer, build_model
 
 log = logging.getLogger(__name__)
@@ -31,6 +37,11 @@ REQUIRED_KEYS = ("model", "config", "tokenizer", "step")
 # Raised when a change to the keys or their meaning would mislead an older release reading the file: that
 # release then refuses the file (load_checkpoint) instead of misreading it.
 CHECKPOINT_FORMAT_VERSION = 1
+
+# The sinusoidal position table (max_positions x d_model floats) is the one part of a model that no stored
+# weight records: it is computed when the model is built. A stored config (a checkpoint's, an export's) may
+# ask for at most as many positions as training may (config.MAX_POSITIONS).
+MAX_STORED_POSITIONS = MAX_POSITIONS
 
 
 def save_checkpoint(state: dict, path: str | Path) -> None:
@@ -106,6 +117,8 @@ def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False, ve
             + (f"did you mean {found}?" if found else "a checkpoint is a run's checkpoints/*.pt file")
         )
     if not path.is_file():
+        if symlink_loop(path):
+            raise CheckpointError(f"{path}: is {SYMLINK_LOOP}, not a checkpoint file")
         raise CheckpointError(f"{path}: no such checkpoint file")
     is_zip = zipfile.is_zipfile(path)
     if mmap and not is_zip:
@@ -200,6 +213,8 @@ def model_from_checkpoint(state: dict, path: str | Path = "checkpoint") -> tuple
         raise CheckpointError(f"{path}: its stored config is invalid: {error}") from None
     except (AttributeError, TypeError):
         raise CheckpointError(f"{path}: its stored config is not a mapping of settings; the file is damaged") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: its stored config is {NESTED_TOO_DEEPLY}; use another checkpoint") from None
     tokenizer = _embedded_tokenizer(state["tokenizer"], path)
     weights = state["model"]
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
@@ -210,11 +225,75 @@ def model_from_checkpoint(state: dict, path: str | Path = "checkpoint") -> tuple
             f"{path}: weight {bad[0]} holds NaN or infinite values (the run diverged before it "
             "was saved); use an earlier checkpoint of the run"
         )
+    check_config_matches_weights(config.model, tensor_shapes(weights), tokenizer, path)
     model = build_model(
         config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint, initialize=False
     )
     load_model_weights(model, weights, path)
     return model, tokenizer, config
+
+
+def tensor_shapes(weights) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the tensors of a state dict (anything else in it left out)."""
+    if not isinstance(weights, dict):
+        return {}
+    return {name: tuple(t.shape) for name, t in weights.items() if isinstance(t, torch.Tensor)}
+
+
+def check_config_matches_weights(
+    cfg: ModelConfig, shapes: dict, tokenizer: Tokenizer, path: str | Path, stored_positions: bool = True
+) -> None:
+    """Before a model is built from a stored config: the sizes it gives (model.d_model, d_ff, the layer
+    counts) are those of the stored weights (`shapes`: name -> shape) and the tokenizer's vocabularies
+    those of the embeddings, so that building the model allocates what the weights hold and no more.
+    `stored_positions`: model.max_positions is the stored one too (not a resumed run's command line's),
+    at most MAX_STORED_POSITIONS. CheckpointError names the file and the key."""
+    damaged = "the file is damaged or was edited"
+    if stored_positions and cfg.max_positions > MAX_STORED_POSITIONS:
+        raise CheckpointError(
+            f"{path}: its config says model.max_positions={cfg.max_positions}, over the {MAX_STORED_POSITIONS} a "
+            f"stored model may have (its position table is built when loading, not stored); {damaged}"
+        )
+    # A safetensors file stores a tied matrix once, under one of its names (which the others' aliases in
+    # its metadata say, when it was written by save_model): the model ties the output layer to the target
+    # embedding (model.tie_embeddings), and to the source embedding with a joint vocabulary too.
+    tied = ["tgt_embed.weight", "output.weight"] + (["src_embed.weight"] if tokenizer.joint else [])
+    stored = [shapes[name] for name in tied if name in shapes] if cfg.tie_embeddings else []
+    if stored:
+        shapes = {**dict.fromkeys(tied, stored[0]), **shapes}
+    # (name, dimension, config key or vocabulary, size expected): the sizes a built model's weights take
+    embed, up = "embed.weight", "layers.0.feed_forward.up.weight"
+    sizes = (
+        ("tgt_" + embed, 1, "model.d_model", cfg.d_model),  # (V_tgt, D)
+        ("src_" + embed, 1, "model.d_model", cfg.d_model),  # (V_src, D)
+        ("encoder_" + up, 0, "model.d_ff", cfg.d_ff),  # (d_ff, D)
+        ("decoder_" + up, 0, "model.d_ff", cfg.d_ff),
+        ("tgt_" + embed, 0, "target", tokenizer.tgt_vocab_size),
+        ("src_" + embed, 0, "source", tokenizer.src_vocab_size),
+    )
+    for name, dim, key, expected in sizes:
+        shape = shapes.get(name)
+        if shape is None or len(shape) != 2:
+            raise CheckpointError(f"{path}: its weights hold no {name} matrix; the file is damaged")
+        if shape[dim] == expected:
+            continue
+        if key.startswith("model."):
+            raise CheckpointError(
+                f"{path}: its config says {key}={expected} but its weights are {shape[dim]} wide "
+                f"({name} is {tuple(shape)}); {damaged}"
+            )
+        raise CheckpointError(
+            f"{path}: its tokenizer has {expected} {key} pieces but its weights embed {shape[0]} "
+            f"({name} is {tuple(shape)}); {damaged}"
+        )
+    for stack in ("encoder", "decoder"):
+        prefix = f"{stack}_layers."
+        stored = {name[len(prefix) :].partition(".")[0] for name in shapes if name.startswith(prefix)}
+        if len(stored) != getattr(cfg, f"{stack}_layers"):
+            raise CheckpointError(
+                f"{path}: its config says model.{stack}_layers={getattr(cfg, f'{stack}_layers')} but its weights "
+                f"hold {len(stored)} {stack} layers; {damaged}"
+            )
 
 
 def _embedded_tokenizer(entry, path: str | Path) -> Tokenizer:

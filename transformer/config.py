@@ -568,8 +568,11 @@ class TrainerConfig:
 # The most tokens of one batch, training (trainer.max_tokens) or decoding (decode.batch_tokens): 2**24
 # tokens' activations outgrow a GPU's memory even for model=tiny (128 floats a token, a dozen tensors of them).
 MAX_BATCH_TOKENS = 2**24
-# The longest sequence (model.max_positions): attention over 2**20 positions costs 2**40 scores a head.
-MAX_POSITIONS = 2**20
+# The longest sequence (model.max_positions), for training and for every stored config a model is built from:
+# 64 times the default, far over any sentence translated. The sinusoidal table is the one part of a model no
+# stored weight records (65536 x d_model 1024 floats: 256 MiB), and attention over 65536 positions costs
+# 2**32 scores a head.
+MAX_POSITIONS = 65536
 # The widest beam (decode.beam_size, decode.nbest, trainer.val_beam_size): beyond a few hundred a wider one
 # finds no better translation, and every hypothesis is one more row of the decoder's batch.
 MAX_BEAM = 1000
@@ -883,7 +886,7 @@ LIMITS = {
     "model.encoder_layers": (1, 1000, "deep Transformers have 6 to 48 layers, each built before the first step"),
     "model.decoder_layers": (1, 1000, "deep Transformers have 6 to 48 layers, each built before the first step"),
     "model.max_positions": (1, MAX_POSITIONS, "attention over a sequence costs its length squared; 1,024 is common"),
-    "data.max_len": (1, MAX_POSITIONS - 1, "a sentence and its EOS fit model.max_positions, at most 2**20"),
+    "data.max_len": (1, MAX_POSITIONS - 1, "a sentence and its EOS fit model.max_positions, at most 65,536"),
     "data.vocab_size": (1, 2**20, "the largest multilingual vocabularies hold 250,000 pieces"),
     "data.embedded_pairs": (1, 10**7, "the generated toy corpus: 10 million pairs take minutes and gigabytes"),
     "data.subword_nbest": (-1, 1000, "SentencePiece searches that many segmentations for every sentence"),

@@ -3,9 +3,10 @@ value), DataError (a corpus, a file and line), CheckpointError (a checkpoint or 
 (a run), UsageError (a command line), CacheDamage (a cache entry, prepared again), Interrupted and
 DecodingProcessDied (decoding), Stopped (a run's signal before its first step), PeerGone (another rank
 of a run); what translating, the caches and the commands raise comes from here, without loading the
-corpus readers or torch. Also the helpers for stdout's reader going away, Ctrl-C at a
-command's start and end, and an output that would overwrite an input."""
+corpus readers or torch. Also the helpers for stdout's reader going away, Ctrl-C at a command's start and
+end, an output that would overwrite an input, and a path in a loop of symbolic links."""
 
+import errno
 import os
 import signal
 import stat
@@ -120,6 +121,30 @@ def same_file(a: str | Path | int, b: str | Path | int) -> bool:
     except (OSError, ValueError, TypeError):
         return False
     return stat.S_ISREG(first.st_mode) and os.path.samestat(first, second)
+
+
+# What a stored config (a checkpoint's, an export's config.json) is called in refusals when its lists or
+# mappings nest deeper than Python's recursion limit (json and OmegaConf read them recursively).
+NESTED_TOO_DEEPLY = (
+    "nested too deeply to be read (lists or mappings inside each other, hundreds of levels deep or more); the "
+    "file is damaged or was edited"
+)
+
+# What a path in a loop of symbolic links is called in refusals (`symlink_loop`).
+SYMLINK_LOOP = "a symbolic link loop (a link that leads back to itself, directly or through other links)"
+
+
+def symlink_loop(path: str | Path) -> bool:
+    """Whether `path` leads into a loop of symbolic links, in its last part or one above it: the system
+    opens nothing there (ELOOP), Path.exists() and is_file() say False as for a missing file, and
+    Path.resolve() raises RuntimeError (Python 3.12 and older)."""
+    try:
+        os.stat(path)
+    except OSError as error:
+        return error.errno == errno.ELOOP
+    except ValueError:  # a NUL in the name
+        return False
+    return False
 
 
 def overwritten_input(output: str | Path | int, inputs: dict[str, str | Path | int | None]) -> str | None:

@@ -39,7 +39,7 @@ REFUSED = [
     ("model.decoder_layers=1001", r"^model.decoder_layers=1001 must be from 1 to 1000 \("),
     ("model.d_model=131072", r"^model.d_model=131072 must be from 1 to 65536 \("),
     ("model.d_ff=" + HUGE, r"^model.d_ff=\d+ must be from 1 to 262144 \("),
-    ("model.max_positions=" + HUGE, r"^model.max_positions=\d+ must be from 1 to 1048576 \("),
+    ("model.max_positions=" + HUGE, r"^model.max_positions=\d+ must be from 1 to 65536 \("),
     ("data.vocab_size=" + HUGE, r"^data.vocab_size=\d+ must be from 1 to 1048576 \("),
     ("data.embedded_pairs=" + HUGE, r"^data.embedded_pairs=\d+ must be from 1 to 10000000 \("),
     ("trainer.max_tokens=" + HUGE, r"^trainer.max_tokens=\d+ must be from 1 to 16777216 \("),

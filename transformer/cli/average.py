@@ -9,7 +9,7 @@ from pathlib import Path
 
 from transformer.cli.args import CommandLineParser
 from transformer.cli.run import run_command
-from transformer.errors import CheckpointError, UsageError, import_torch_holding_interrupts
+from transformer.errors import SYMLINK_LOOP, CheckpointError, UsageError, import_torch_holding_interrupts, symlink_loop
 
 DEFAULT_LAST = 5  # step checkpoints averaged from a run directory without --last
 
@@ -68,6 +68,9 @@ def _inputs(args) -> list[Path]:
                 "every file given is averaged: leave --last out"
             )
         paths = [Path(p) for p in args.inputs]
+    looped = next((p for p in paths if symlink_loop(p)), None)
+    if looped is not None:
+        raise CheckpointError(f"{looped}: is {SYMLINK_LOOP}, not a checkpoint file")
     twice = next((p for i, p in enumerate(paths) if p.resolve() in {q.resolve() for q in paths[:i]}), None)
     if twice is not None:  # a second mention (or a link to the same file) doubled its weight silently
         raise CheckpointError(
@@ -80,6 +83,8 @@ def _check_output(output: Path, paths: list[Path], force: bool) -> None:
     """-o is a new file, or an earlier average (--force: any file but a run's resume point)."""
     from transformer.checkpoint import holds_training_state, written_by_average
 
+    if symlink_loop(output):
+        raise CheckpointError(f"-o {output}: is {SYMLINK_LOOP}; remove the link or write the average elsewhere")
     if any(output.resolve() == p.resolve() for p in paths):
         raise CheckpointError(f"-o {output}: is one of the checkpoints being averaged; write the average to a new file")
     if output.is_dir():

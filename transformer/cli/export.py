@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from transformer.cli.args import CommandLineParser
@@ -13,7 +12,7 @@ from transformer.errors import (
     import_torch_holding_interrupts,
 )
 from transformer.inference.ctranslate2 import CT2_QUANTIZATIONS, export_ctranslate2
-from transformer.inference.model_directory import check_output_directory, failure_reason
+from transformer.inference.model_directory import check_output_directory, failure_reason, output_directory
 from transformer.inference.pretrained import save_pretrained
 
 if TYPE_CHECKING:
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 def _export(args) -> int:
     requested, export_format = args.format, DEPRECATED_FORMATS.get(args.format, args.format)
     try:
-        check_output_directory(Path(args.output).resolve(), args.force)  # before reading the checkpoint
+        check_output_directory(output_directory(args.output), args.force)  # before reading the checkpoint
         import_torch_holding_interrupts()
         from transformer.checkpoint import load_checkpoint, model_from_checkpoint
 

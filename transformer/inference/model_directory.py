@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING
 
 from transformer.data.tokenizer import Tokenizer
 from transformer.errors import (
+    SYMLINK_LOOP,
     CheckpointError,
     os_error_in,
+    symlink_loop,
 )
 
 if TYPE_CHECKING:
@@ -36,6 +38,14 @@ def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
     if tokenizer.joint:
         return {"spm.model": tokenizer.src_model_bytes}
     return {"src.spm.model": tokenizer.src_model_bytes, "tgt.spm.model": tokenizer.tgt_model_bytes}
+
+
+def output_directory(out: str | Path) -> Path:
+    """The export's directory `out`, resolved; FileExistsError where it lies in a loop of symbolic links
+    (which Path.resolve cannot follow)."""
+    if symlink_loop(out):
+        raise FileExistsError(f"{out}: is {SYMLINK_LOOP}; remove the link or choose another directory for the export")
+    return Path(out).resolve()
 
 
 def check_output_directory(out: Path, overwrite: bool) -> None:
@@ -81,11 +91,11 @@ def _exported_files(directory: Path) -> set[str] | None:
         return set(files) if isinstance(files, list) and all(isinstance(f, str) for f in files) else None
     except FileNotFoundError:
         pass
-    except (OSError, ValueError, KeyError, TypeError):  # unreadable, not JSON, not a manifest
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # unreadable, not JSON, not a manifest
         return None
     try:
         meta = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     layouts = (["spm.model"], ["src.spm.model", "tgt.spm.model"])
     if isinstance(meta, dict) and meta.get("format") == FORMAT_NAME and meta.get("tokenizer") in layouts:
@@ -108,7 +118,7 @@ def recorded_digests(folder: Path) -> dict:
     record, not a file loading needs."""
     try:
         digests = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8")).get("sha256", {})
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return {}
     return digests if isinstance(digests, dict) else {}
 
@@ -136,7 +146,7 @@ def write_model_directory(out: str | Path, overwrite: bool, tokenizer: Tokenizer
     beside `out`); the SentencePiece model(s) and the manifest are added and the whole is moved into place.
     A failed export leaves no half-written model behind and a previous export as it was; `--force`
     replaces only a previous export (check_output_directory)."""
-    out = Path(out).resolve()
+    out = output_directory(out)
     check_output_directory(out, overwrite)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from transformer.config import Config, ConfigError
 from transformer.data.tokenizer import Tokenizer
-from transformer.errors import (
-    CheckpointError,
-)
+from transformer.errors import NESTED_TOO_DEEPLY, CheckpointError, symlink_loop
 from transformer.inference.model_card import model_card
 from transformer.inference.model_directory import (
     CARD_FILE,
@@ -34,6 +32,7 @@ from transformer.inference.model_directory import (
     FORMAT_VERSION,
     WEIGHTS_FILE,
     check_recorded_digest,
+    output_directory,
     recorded_digests,
     tokenizer_files,
     write_model_directory,
@@ -41,6 +40,8 @@ from transformer.inference.model_directory import (
 
 if TYPE_CHECKING:
     from transformer.model import Transformer
+
+TOO_DEEP = f"{NESTED_TOO_DEEPLY}: export the model again from its checkpoint"
 
 
 def save_pretrained(
@@ -65,7 +66,8 @@ def save_pretrained(
             '(Translator.from_pretrained(directory, quantize="int8"))'
         )
     refuse_non_finite(model, "the model")
-    card = model_card(model, tokenizer, config, Path(out).resolve().name, trained or {})
+    config = without_local_paths(config)
+    card = model_card(model, tokenizer, config, output_directory(out).name, trained or {})
 
     def build(directory: Path) -> None:
         directory.mkdir()
@@ -84,6 +86,24 @@ def save_pretrained(
         (directory / CARD_FILE).write_text(card, encoding="utf-8")
 
     return write_model_directory(out, overwrite, tokenizer, build, "safetensors")
+
+
+def without_local_paths(config: Config) -> Config:
+    """`config` with every absolute path in it (data.path, a corpus's path, data.cache_dir, trainer.init_from,
+    trainer.resume, run_dir) cut to its last part: an export is shared, and the directories of the
+    machine it was trained on (a home directory, a user name) are nobody else's business. A relative path
+    stays as it was given."""
+
+    def local(value):
+        if isinstance(value, dict):
+            return {key: local(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [local(item) for item in value]
+        if isinstance(value, str) and (value.startswith("~") or PurePosixPath(value).is_absolute()):
+            return PurePosixPath(value).name or "."
+        return value
+
+    return Config.from_dict(local(config.to_dict()), saved=True)
 
 
 def canonical_safetensors_header(path: Path) -> None:
@@ -133,6 +153,8 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{config_path}: not valid JSON ({error})") from None
+    except RecursionError:
+        raise CheckpointError(f"{config_path}: {TOO_DEEP}") from None
     except OSError as error:  # a directory of that name, no permission to read it
         raise CheckpointError(f"{config_path}: {error.strerror}") from None
     if (folder / "model.bin").is_file() and not (folder / WEIGHTS_FILE).exists():
@@ -165,6 +187,8 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
         raise CheckpointError(
             f'{config_path}: its "config" is not a mapping of settings; the file is damaged'
         ) from None
+    except RecursionError:
+        raise CheckpointError(f"{config_path}: {TOO_DEEP}") from None
     names = meta.get("tokenizer") or []
     if names not in (["spm.model"], ["src.spm.model", "tgt.spm.model"]):
         raise CheckpointError(
@@ -174,27 +198,39 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
     digests = recorded_digests(folder)
     for name in names:
         check_recorded_digest(folder, name, digests)
+    models = []
+    for name in names:
+        try:
+            models.append((folder / name).read_bytes())
+        except OSError as error:
+            raise CheckpointError(f"{folder}: {error.strerror}: {error.filename}") from None
+        if not models[-1]:  # SentencePiece would load it as a model of no pieces, and say so only later
+            raise CheckpointError(
+                f"{folder / name}: an empty file (0 bytes), not a SentencePiece model; copy or download the "
+                "exported directory again, or export it again from its checkpoint"
+            )
     try:
-        if names == ["spm.model"]:
-            tokenizer = Tokenizer((folder / "spm.model").read_bytes())
-        else:
-            tokenizer = Tokenizer((folder / "src.spm.model").read_bytes(), (folder / "tgt.spm.model").read_bytes())
-    except OSError as error:
-        raise CheckpointError(f"{folder}: {error.strerror}: {error.filename}") from None
+        tokenizer = Tokenizer(*models)
     except RuntimeError as error:  # sentencepiece: not a model (e.g. a git-lfs pointer cloned without lfs)
         raise CheckpointError(
             f"{folder}: {', '.join(names)}: not a SentencePiece model ({str(error).splitlines()[0]}); "
             "if the directory was cloned with git, fetch its LFS files (git lfs pull)"
         ) from None
-    from transformer.model import build_model
-
-    model = build_model(
-        config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint, initialize=False
-    )  # every weight is loaded next (missing ones are refused)
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{folder}: no {WEIGHTS_FILE}")
     check_recorded_digest(folder, WEIGHTS_FILE, digests)
+    try:
+        shapes = safetensors_shapes(weights)
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({str(error).splitlines()[0]})") from None
+    from transformer.checkpoint import check_config_matches_weights
+    from transformer.model import build_model
+
+    check_config_matches_weights(config.model, shapes, tokenizer, config_path)  # before a model is built
+    model = build_model(
+        config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint, initialize=False
+    )  # every weight is loaded next (missing ones are refused)
     try:
         missing, unexpected = load_model(model, str(weights), strict=False)
     except (SafetensorError, RuntimeError) as error:
@@ -209,6 +245,21 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
         )
     refuse_non_finite(model, weights)
     return model, tokenizer, config
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the tensors of a safetensors file, from its header (no tensor is read); a tied
+    matrix, stored once, under each of its names (save_model records the names it left out in the
+    header's metadata, each mapped to the name kept)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as file:
+        shapes = {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}
+        aliases = file.metadata() or {}
+    for name, kept in aliases.items():
+        if kept in shapes:
+            shapes.setdefault(name, shapes[kept])
+    return shapes
 
 
 def refuse_non_finite(model: Transformer, where: str | Path) -> None:
@@ -229,6 +280,7 @@ def looks_like_hub_id(path: str | Path) -> bool:
         text.count("/") == 1
         and not text.startswith((".", "/"))
         and not Path(text).exists()
+        and not symlink_loop(text)  # exists() says False there too
         and Path(text).suffix != ".pt"
     )
 

@@ -17,7 +17,7 @@ from transformer.checkpoint import (
     load_checkpoint,
 )
 from transformer.config import DecodeConfig, TrainerConfig, refuse_interpolations
-from transformer.errors import ConfigError
+from transformer.errors import NESTED_TOO_DEEPLY, ConfigError
 from transformer.training.run_dir import RESUME_REPLACES, RunDirectoryLock, TrainingError, hydra_value, override_key
 
 if TYPE_CHECKING:
@@ -125,6 +125,10 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
         refuse_interpolations(saved)
     except ConfigError as error:
         raise TrainingError(f"{path}: its stored config cannot be resumed: {error}") from None
+    except RecursionError:
+        raise TrainingError(
+            f"{path}: its stored config is {NESTED_TOO_DEEPLY}; resume from another checkpoint"
+        ) from None
     restoring, restoring_named = [], []  # the overrides giving changed keys their old values; lists named
     for section in ("model", "data", "trainer", "decode"):
         values, old_values = getattr(cfg, section), saved.get(section, {})

@@ -19,8 +19,10 @@ from pathlib import Path
 
 from transformer.compose import CONFIG_SOURCE_FLAGS, override_text
 from transformer.errors import (
+    SYMLINK_LOOP,
     Stopped,
     TrainingError,  # noqa: F401  (its home is errors.py; imported from here too)
+    symlink_loop,
 )
 
 log = logging.getLogger("transformer.train")
@@ -44,6 +46,10 @@ class RunDirectoryLock:
     @classmethod
     def acquire(cls, run_dir: Path) -> RunDirectoryLock:
         run_dir = Path(run_dir)
+        if symlink_loop(run_dir):
+            raise TrainingError(
+                f"hydra.run.dir={run_dir}: is {SYMLINK_LOOP}; remove the link or choose another run directory"
+            )
         if run_dir.exists() and not run_dir.is_dir():
             raise TrainingError(f"hydra.run.dir={run_dir}: is a file, not a directory; choose another run directory")
         lock = cls(run_dir)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from transformer.checkpoint import load_model_weights
+from transformer.checkpoint import check_config_matches_weights, load_model_weights, tensor_shapes
 from transformer.config import Config
 from transformer.data.batching import TokenBatchSampler, UpdateSampler, update_loader
 from transformer.data.corpus import PreparedData
@@ -93,6 +93,9 @@ class Trainer:
 
     def build_model(self, start: StartingPoint) -> torch.nn.Module:
         tok = self.data.tokenizer
+        if start.resume is not None:  # the model settings are the checkpoint's (`adopt_resumed_config`)
+            shapes = tensor_shapes(start.resume["model"])
+            check_config_matches_weights(self.cfg.model, shapes, tok, start.path, stored_positions=False)
         model = build_model(
             self.cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint, protected_ids=tok.protected_ids
         ).to(self.runtime.device)
