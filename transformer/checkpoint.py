@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from transformer.config import MAX_POSITIONS, Config, ConfigError, ModelConfig
+from transformer.config import Config, ConfigError, ModelConfig
 from transformer.data.tokenizer import Tokenizer
 from transformer.errors import (  # their home; imported from here too
     NESTED_TOO_DEEPLY,
@@ -37,11 +37,6 @@ REQUIRED_KEYS = ("model", "config", "tokenizer", "step")
 # Raised when a change to the keys or their meaning would mislead an older release reading the file: that
 # release then refuses the file (load_checkpoint) instead of misreading it.
 CHECKPOINT_FORMAT_VERSION = 1
-
-# The sinusoidal position table (max_positions x d_model floats) is the one part of a model that no stored
-# weight records: it is computed when the model is built. A stored config (a checkpoint's, an export's) may
-# ask for at most as many positions as training may (config.MAX_POSITIONS).
-MAX_STORED_POSITIONS = MAX_POSITIONS
 
 
 def save_checkpoint(state: dict, path: str | Path) -> None:
@@ -240,20 +235,13 @@ def tensor_shapes(weights) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in weights.items() if isinstance(t, torch.Tensor)}
 
 
-def check_config_matches_weights(
-    cfg: ModelConfig, shapes: dict, tokenizer: Tokenizer, path: str | Path, stored_positions: bool = True
-) -> None:
+def check_config_matches_weights(cfg: ModelConfig, shapes: dict, tokenizer: Tokenizer, path: str | Path) -> None:
     """Before a model is built from a stored config: the sizes it gives (model.d_model, d_ff, the layer
     counts) are those of the stored weights (`shapes`: name -> shape) and the tokenizer's vocabularies
     those of the embeddings, so that building the model allocates what the weights hold and no more.
-    `stored_positions`: model.max_positions is the stored one too (not a resumed run's command line's),
-    at most MAX_STORED_POSITIONS. CheckpointError names the file and the key."""
+    The one size no weight records, the position table's (model.max_positions), is bounded by the schema
+    (config.MAX_POSITIONS), which every stored config passes first. CheckpointError names the file and the key."""
     damaged = "the file is damaged or was edited"
-    if stored_positions and cfg.max_positions > MAX_STORED_POSITIONS:
-        raise CheckpointError(
-            f"{path}: its config says model.max_positions={cfg.max_positions}, over the {MAX_STORED_POSITIONS} a "
-            f"stored model may have (its position table is built when loading, not stored); {damaged}"
-        )
     # A safetensors file stores a tied matrix once, under one of its names (which the others' aliases in
     # its metadata say, when it was written by save_model): the model ties the output layer to the target
     # embedding (model.tie_embeddings), and to the source embedding with a joint vocabulary too.

@@ -57,7 +57,7 @@ REFUSED = [
     ("trainer.adam_eps=0", r"^trainer.adam_eps=0.0 must be > 0"),
     ("decode.beam_size=100000", r"^decode.beam_size=100000: must be a whole number >= 1 and <= 1000$"),
     ("decode.batch_tokens=" + HUGE, r"^decode.batch_tokens=\d+: must be a whole number >= 1 and <= 16777216$"),
-    ("decode.max_len_b=" + HUGE, r"^decode.max_len_b=\d+: must be a whole number >= 0 and <= 1048576$"),
+    ("decode.max_len_b=" + HUGE, r"^decode.max_len_b=\d+: must be a whole number >= 0 and <= 65536$"),
 ]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,6 @@ import torch
 
 from tests.helpers import FAST, ROOT, assert_one_line_refusal, compose_config, run_main, write_untrained_checkpoint
 from transformer.checkpoint import (
-    MAX_STORED_POSITIONS,
     CheckpointError,
     check_config_matches_weights,
     load_checkpoint,
@@ -30,6 +30,7 @@ from transformer.checkpoint import (
 from transformer.cli import export as export_command
 from transformer.cli.average import main as average_main
 from transformer.cli.translate import main as translate_main
+from transformer.config import MAX_POSITIONS
 from transformer.model import build_model
 from transformer.training.resume import StartingPoint
 from transformer.training.trainer import Trainer
@@ -81,7 +82,7 @@ CONFIG_DAMAGE = [
     (
         "max_positions",
         {"max_positions": 200_000},  # before: loaded, a table of 200000 x 64 floats (5000000: 5 GB) with exit 0
-        rf"model.max_positions=200000, over the {MAX_STORED_POSITIONS} a stored model may have",
+        rf"config is invalid: model.max_positions=200000 must be from 1 to {MAX_POSITIONS} \(",
     ),
     (
         "d_model",
@@ -106,8 +107,10 @@ def test_a_stored_config_that_is_not_its_weights_is_refused_before_a_model_is_bu
     code, out, err = run_main(translate_main, capsys, edited, "--input", workspace / "in.de")
     assert code == 2, (out, err)
     named = edited.name if kind == "checkpoint" else "edited/config.json"
-    line = assert_one_line_refusal(err, TRANSLATE, pattern + r".*; the file is damaged or was edited$")
-    assert f"{named}: its config says" in line
+    line = assert_one_line_refusal(err, TRANSLATE, pattern)
+    said = "config is invalid" if "max_positions" in keys else "config says"  # the schema's bound, or the weights
+    assert re.search(rf"{re.escape(named)}: its (stored )?{said}", line), line
+    assert "max_positions" in keys or line.endswith("; the file is damaged or was edited")
     assert out == "" and built == []
 
 
@@ -152,7 +155,7 @@ def test_a_resumed_run_whose_checkpoint_config_is_not_its_weights_builds_nothing
     """trainer.resume: the run takes the checkpoint's model settings (adopt_resumed_config), then builds the
     model; one whose config was edited is refused before it is built (model.max_positions is the run's own)."""
     state = load_checkpoint(workspace / "run" / "checkpoints" / "best.pt")
-    cfg = compose_config(FAST + ["model.d_model=1024", "model.max_positions=200000"])  # as adopted from the file
+    cfg = compose_config(FAST + ["model.d_model=1024", f"model.max_positions={MAX_POSITIONS}"])  # as adopted
     trainer = SimpleNamespace(
         cfg=cfg, data=SimpleNamespace(tokenizer=_tokenizer_of(state)), runtime=SimpleNamespace(device="cpu")
     )
@@ -180,7 +183,7 @@ def test_the_check_refuses_no_model_that_a_config_builds(preset, tied, joint):
         model = build_model(cfg.model, vocab.src_vocab_size, vocab.tgt_vocab_size, joint)
     shapes = tensor_shapes(model.state_dict())
     check_config_matches_weights(cfg.model, shapes, vocab, "x.pt")
-    cfg.model.max_positions = MAX_STORED_POSITIONS
+    cfg.model.max_positions = MAX_POSITIONS
     check_config_matches_weights(cfg.model, shapes, vocab, "x.pt")
     if tied:  # a safetensors file stores a tied matrix once, under any one of its names
         once = {"tgt_embed.weight", *(["src_embed.weight"] if joint else [])}

@@ -95,7 +95,7 @@ class Trainer:
         tok = self.data.tokenizer
         if start.resume is not None:  # the model settings are the checkpoint's (`adopt_resumed_config`)
             shapes = tensor_shapes(start.resume["model"])
-            check_config_matches_weights(self.cfg.model, shapes, tok, start.path, stored_positions=False)
+            check_config_matches_weights(self.cfg.model, shapes, tok, start.path)
         model = build_model(
             self.cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint, protected_ids=tok.protected_ids
         ).to(self.runtime.device)
