@@ -29,25 +29,25 @@ def _side_keys(ids: np.ndarray, offsets: np.ndarray, pairs: np.ndarray) -> np.nd
     """(len(pairs),) uint64: a key of each pair's ids on one side, sum of (id + 1) x weight(position)
     modulo 2**64 (equal ids at equal positions, equal keys); 0 for an empty side."""
     keys = np.zeros(len(pairs), dtype=np.uint64)
-    for start in range(0, len(pairs), CHUNK_PAIRS):
-        chunk = pairs[start : start + CHUNK_PAIRS]
-        begins, lengths = offsets[chunk], offsets[chunk + 1] - offsets[chunk]  # (C,) each
-        filled = lengths > 0
-        if not filled.any():
-            continue
-        begins, lengths = begins[filled], lengths[filled]
-        firsts = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # (F,): where each pair starts in `tokens`
-        position = np.arange(int(lengths.sum())) - np.repeat(firsts, lengths)  # (T,)
-        tokens = ids[np.repeat(begins, lengths) + position].astype(np.uint64) + np.uint64(1)  # (T,)
-        with np.errstate(over="ignore"):  # arithmetic modulo 2**64
-            weighted = tokens * _WEIGHTS[position % POSITIONS]
-        keys[start : start + CHUNK_PAIRS][filled] = np.add.reduceat(weighted, firsts)
+    begins, lengths = offsets[pairs], offsets[pairs + 1] - offsets[pairs]  # (P,) each
+    filled = lengths > 0
+    if not filled.any():
+        return keys
+    begins, lengths = begins[filled], lengths[filled]
+    firsts = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # (F,): where each pair starts in `tokens`
+    position = np.arange(int(lengths.sum())) - np.repeat(firsts, lengths)  # (T,)
+    tokens = ids[np.repeat(begins, lengths) + position].astype(np.uint64) + np.uint64(1)  # (T,)
+    with np.errstate(over="ignore"):  # arithmetic modulo 2**64
+        weighted = tokens * _WEIGHTS[position % POSITIONS]
+    keys[filled] = np.add.reduceat(weighted, firsts)
     return keys
 
 
-def pair_keys(corpus) -> np.ndarray:
-    """(len(corpus),) uint64: a key of each kept pair of an `EncodedCorpus` (source and target ids)."""
-    pairs = corpus.pair_index
+def pair_keys(corpus, pairs: np.ndarray | None = None) -> np.ndarray:
+    """(P,) uint64: a key of each of the stored pairs `pairs` (default: every kept pair) of an
+    `EncodedCorpus`, from its source and target ids; at most CHUNK_PAIRS at a time is the caller's to keep
+    (`training_overlap` goes through a corpus chunk by chunk)."""
+    pairs = corpus.pair_index if pairs is None else pairs
     source, target = (_side_keys(*corpus.stored(side), pairs) for side in ("src", "tgt"))
     with np.errstate(over="ignore"):
         return source * _SIDE_MIX + target
@@ -66,10 +66,11 @@ def training_overlap(parts: list, training_identity: str, held_out) -> int:
         return int(json.loads(cache.read_text())["pairs"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    held_keys = pair_keys(held_out)
+    held_keys = pair_keys(held_out)  # a validation split: small
     found = np.zeros(len(held_keys), dtype=bool)
-    for part in parts:
-        found |= np.isin(held_keys, pair_keys(part))
+    for part in parts:  # chunk by chunk: the keys of 45M training pairs would take 360 MB at once
+        for start in range(0, len(part.pair_index), CHUNK_PAIRS):
+            found |= np.isin(held_keys, pair_keys(part, part.pair_index[start : start + CHUNK_PAIRS]))
     count = int(found.sum())
     tmp = cache.with_name(f".{cache.name}.tmp{os.getpid()}")
     try:  # a cache: a directory that cannot take it counts again next time
