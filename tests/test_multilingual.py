@@ -281,8 +281,8 @@ def test_a_multilingual_run_validates_each_direction_and_keeps_the_best_by_their
     events.Reload()
     scalars = set(events.Tags()["scalars"])
     assert {"val/de-en/bleu", "val/en-de/bleu", "val/de-en/chrf", "val/bleu", "loss/valid"} <= scalars
-    assert "val/de-en/cross_attention" in events.Tags()["images"]  # drawn for the first direction
-    assert "val/en-de/cross_attention" not in events.Tags()["images"]
+    assert "val/de-en/cross_attention_1" in events.Tags()["images"]  # drawn for the first direction
+    assert "val/en-de/cross_attention_1" not in events.Tags()["images"]
 
 
 def test_evaluate_scores_a_chosen_direction_and_refuses_an_unknown_one(multilingual, capsys):

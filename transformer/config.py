@@ -389,6 +389,7 @@ class DataConfig:
 
 
 ATTENTION_HEATMAPS = ("mean", "heads", "layers", "off")  # trainer.attention_heatmaps
+LOGGERS = ("tensorboard", "jsonl", "mlflow", "wandb")  # trainer.loggers
 
 
 SCHEDULES = ("inverse_sqrt", "cosine", "linear", "constant")
@@ -480,6 +481,12 @@ class TrainerConfig:
     )
     overwrite: bool = setting(False, "allow starting over in a run dir that already holds checkpoints")
     log_every: int = setting(50, "steps between train.log lines / TensorBoard points")
+    loggers: list[str] = setting(
+        factory=lambda: ["tensorboard"],
+        meaning="where the run's numbers go (rank 0), any of: tensorboard (RUN/tb) | jsonl (RUN/metrics.jsonl, "
+        "one JSON object a line) | mlflow (MLFLOW_TRACKING_URI, else sqlite:///RUN/mlflow.db; pip install "
+        "mlflow-skinny sqlalchemy alembic) | wandb (RUN/wandb; offline without an API key; pip install wandb)",
+    )
     num_threads: int = setting(0, "torch CPU threads (0 = PyTorch's default)")
     num_workers: int | None = setting(
         None, "DataLoader processes collating the next batches (null = 2 on CUDA, 0 on CPU)"
@@ -500,6 +507,12 @@ class TrainerConfig:
         if self.attention_heatmaps not in ATTENTION_HEATMAPS:
             raise ConfigError(
                 f"trainer.attention_heatmaps={self.attention_heatmaps!r} must be one of {', '.join(ATTENTION_HEATMAPS)}"
+            )
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        if unknown or len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError(
+                f"trainer.loggers={list(self.loggers)}: each of {', '.join(LOGGERS)} at most once "
+                f"(e.g. trainer.loggers=[tensorboard,jsonl])"
             )
         if not 0.0 <= self.min_lr <= self.lr:
             raise ConfigError(f"trainer.min_lr={self.min_lr} must be in [0, trainer.lr={self.lr}]")

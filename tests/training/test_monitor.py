@@ -12,7 +12,7 @@ def test_the_attention_heatmap_labels_both_axes_with_the_sentence_tokens_on_a_0_
     predicted = ["▁A", "▁dog", "▁runs", "</s>"]
     weights = np.full((4, 4), 0.05)
     np.fill_diagonal(weights, 0.85)
-    figure = attention_figure([(weights, source, predicted)], title="step 10")
+    figure = attention_figure(weights, source, predicted, title="step 10")
     heatmap = figure.axes[0]
     assert [t.get_text() for t in heatmap.get_xticklabels()] == source
     assert [t.get_text() for t in heatmap.get_yticklabels()] == predicted
@@ -24,14 +24,27 @@ def test_the_attention_heatmap_labels_both_axes_with_the_sentence_tokens_on_a_0_
     assert pixels.dtype == np.uint8 and pixels.shape[2] == 3 and min(pixels.shape[:2]) >= 250
 
 
-def test_the_figure_grows_with_the_tokens_up_to_a_cap():
+def test_the_figure_grows_with_the_target_tokens_up_to_a_cap():
     def size(n):
         return attention_figure(
-            [(np.zeros((n, n)), [f"s{i}" for i in range(n)], [f"t{i}" for i in range(n)])]
+            np.zeros((n, n)), [f"s{i}" for i in range(n)], [f"t{i}" for i in range(n)]
         ).get_size_inches()
 
-    assert (size(20) > size(5)).all()
-    assert (size(500) <= np.array([16.0, 24.0])).all()
+    assert size(20)[1] > size(5)[1]
+    assert (size(500) <= np.array([6.4, 9.6])).all()
+
+
+@pytest.mark.parametrize("tokens", [12, 20])
+def test_a_heatmap_is_one_sentence_whose_labels_are_legible_in_tensorboards_default_card(tokens):
+    """TensorBoard fits an image to its card, 335 px wide at the least: a tick label is 8 px or more
+    there, and the image is not so tall that the card shrinks it by its height."""
+    source, predicted = [f"▁s{i}" for i in range(tokens)], [f"▁t{i}" for i in range(tokens)]
+    figure = attention_figure(np.full((tokens, tokens), 0.1), source, predicted, title="sentence 1")
+    height, width = figure_pixels(figure).shape[:2]
+    scale = 335 / width
+    assert len(figure.axes) == 2 and height <= 1.6 * width  # one heatmap and its colour bar
+    for label in figure.axes[0].get_xticklabels() + figure.axes[0].get_yticklabels():
+        assert label.get_fontsize() * figure.dpi / 72 * scale >= 8.0, label.get_text()
 
 
 def test_per_head_and_per_layer_panels_are_the_weights_the_mean_picture_averages(untrained_checkpoint):
@@ -51,8 +64,9 @@ def test_per_head_and_per_layer_panels_are_the_weights_the_mean_picture_averages
     assert np.allclose(layers[-1][1], mean, atol=1e-6)
     assert not np.allclose(heads[0][1], heads[1][1])  # heads really differ
     assert all(np.allclose(w.sum(axis=1), 1.0, atol=1e-5) for _, w in heads + layers)  # rows are distributions
-    figure = attention_figure([(w, list("abcde"), list("wxyz"), label) for label, w in heads], scale_label="w")
-    assert [ax.get_title() for ax in figure.axes[: len(heads)]] == [label for label, _ in heads]
+    label, weights = heads[0]
+    figure = attention_figure(weights, list("abcde"), list("wxyz"), label, scale_label="w")
+    assert figure.axes[0].get_title() == "last layer, head 1"
 
 
 @pytest.mark.slow
@@ -105,9 +119,9 @@ def test_a_run_writes_test_scores_config_hparams_one_loss_chart_and_the_attentio
     }
     assert "custom_scalars__config__" in tags["tensors"]
     images = set(tags["images"])
-    assert {"val/cross_attention", "val_ema/cross_attention", "val/cross_attention_heads"} <= images
+    assert {"val/cross_attention_1", "val_ema/cross_attention_1", "val/cross_attention_heads_1"} <= images
     assert "val_ema/samples/text_summary" in tags["tensors"]
-    picture = events.Images("val/cross_attention")[-1]
+    picture = events.Images("val/cross_attention_1")[-1]
     assert picture.width >= 250 and picture.height >= 250
 
 

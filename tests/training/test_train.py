@@ -67,7 +67,7 @@ def test_training_learns_and_writes_the_run_directory(trained_run):
         "val/cut_at_max_len",
     ):
         assert tag in tags, tag
-    assert "val/cross_attention" in events.Tags()["images"]
+    assert "val/cross_attention_1" in events.Tags()["images"]
     samples = events.Tensors("val/samples/text_summary")
     text = samples[-1].tensor_proto.string_val[0].decode()
     assert text.count("**src**") == 4 and text.count("**hyp**") == 4

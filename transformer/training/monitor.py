@@ -1,13 +1,20 @@
-"""Everything a run writes to TensorBoard (`runs/.../tb`), in one place.
+"""Everything a run logs, in one place: scalars go to every tracker of `trainer.loggers` alike
+(`transformer.training.sinks`: TensorBoard, metrics.jsonl, MLflow, W&B); text, pictures and HParams to
+TensorBoard (`runs/.../tb`).
 
 - Scalars: `train/*` (every log line), `val/*`, `val_ema/*`, `val_average/*` (each validation, by the
-  weights validated), `test/bleu`, `test/chrf` (the end of the run), `memory/*`; `loss/train` and
-  `loss/valid` (and `accuracy/*`) are drawn on one chart each by the Custom Scalars tab's layout.
+  weights validated), `test/bleu`, `test/chrf` (the end of the run), `memory/*`; and, train and
+  validation side by side in one section each: `loss/train`, `loss/valid` (`loss/valid_ema`, ...),
+  `accuracy/*`, and `bleu/valid_greedy` (`bleu/valid_beam4` with trainer.val_beam_size=4; `_ema`,
+  `_average` likewise) with `bleu/test_beam5` (the test's search, decode.beam_size); drawn on one chart
+  each by the Custom Scalars tab's layout. `final/*`: the run's final numbers, at its last step.
 - Text: `config` (the resolved config as YAML), `val*/samples` (a few sources, references, hypotheses).
-- Images: `val*/cross_attention`, heatmaps of the last decoder layer's cross-attention for a few fixed
-  validation sentences, with their tokens on the axes and a 0-1 colour scale (`attention_figure`).
+- Images: `val*/cross_attention_N`, one heatmap per image: the last decoder layer's cross-attention for
+  validation sentence N (N = 1..3, the same sentences at every validation), with its tokens on the axes and a
+  0-1 colour scale (`attention_figure`); `val*/cross_attention_heads_N` / `_layers_N` per head or layer.
 - HParams: the run's key settings, with its best validation BLEU and test scores as metrics; written
-  into the run's own event file, so that the HParams tab links them to the run's other charts.
+  into the run's own event file, so that the HParams tab links them to the run's other charts. The tab
+  shows five columns until more are ticked: lr, warmup, seed, parameters and d_model (`SHOWN_HPARAMS`).
 
 matplotlib is imported when a picture is drawn, and draws with its Agg backend (no display needed).
 """
@@ -22,25 +29,37 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from transformer.training.sinks import TensorBoardSink, flatten, numbers, open_sinks
+
 log = logging.getLogger(__name__)
 
 # Validation sentences drawn as attention heatmaps: the first ones whose source has at most
 # ATTENTION_MAX_TOKENS pieces (readable labels), else the shortest.
 ATTENTION_SENTENCES = 3
 ATTENTION_MAX_TOKENS = 30
-# Inches per token of a heatmap, and the largest figure drawn (inches).
-INCHES_PER_TOKEN = 0.32
-MAX_FIGURE_INCHES = (16.0, 24.0)
+# A heatmap's figure: FIGURE_WIDTH inches wide at FIGURE_DPI, so that TensorBoard's default image card
+# (335 px wide at the least) shows its TICK_POINTS labels at 8 px or more; fewer points where the tokens
+# are too many for that; the height follows the target tokens, up to MAX_FIGURE_HEIGHT.
+FIGURE_WIDTH, FIGURE_DPI, TICK_POINTS, MAX_FIGURE_HEIGHT = 6.4, 100, 11.5, 9.6
 SAMPLES = 4  # validation sentences shown as text
 
 # The HParams tab's metrics: scalar tags written at the end of the run (`Monitor.finish`).
 HPARAM_METRICS = ("val/best_bleu", "test/bleu", "test/chrf")
+# The HParams columns shown before any is ticked (TensorBoard shows five: those marked as differing
+# first, then by name; the others are listed to tick).
+SHOWN_HPARAMS = ("lr", "warmup", "seed", "parameters", "d_model")
 
 
-def hyperparameters(cfg, precision: str) -> dict:
-    """The settings that tell runs apart, as the HParams tab's columns (`precision`: the one in use)."""
+def search_label(beam_size: int) -> str:
+    """How BLEU was decoded, for tag names: greedy, or beam4."""
+    return "greedy" if beam_size <= 1 else f"beam{beam_size}"
+
+
+def hyperparameters(cfg, precision: str, parameters: int | None = None) -> dict:
+    """The settings that tell runs apart, as the HParams tab's columns (`precision`: the one in use;
+    `parameters`: the model's parameter count)."""
     m, t, d = cfg.model, cfg.trainer, cfg.data
-    return {
+    values = {
         "data": d.name,
         "model": m.name,
         "d_model": m.d_model,
@@ -60,7 +79,26 @@ def hyperparameters(cfg, precision: str) -> dict:
         "ema_decay": t.ema_decay,
         "ema_warmup": t.ema_warmup,
         "seed": t.seed,
+        "val_search": search_label(t.val_beam_size),
     }
+    if parameters is not None:
+        values["parameters"] = parameters
+    return values
+
+
+def hparams_summaries(values: dict, metrics: tuple) -> tuple:
+    """TensorBoard's HParams summaries (experiment, session start, session end), the SHOWN_HPARAMS
+    marked as differing, so that the tab's five default columns are those."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+    from torch.utils.tensorboard.summary import hparams
+
+    experiment, start, end = hparams(values, dict.fromkeys(metrics, 0))
+    content = experiment.value[0].metadata.plugin_data
+    data = plugin_data_pb2.HParamsPluginData.FromString(content.content)
+    for info in data.experiment.hparam_infos:
+        info.differs = info.name in SHOWN_HPARAMS
+    content.content = data.SerializeToString()
+    return experiment, start, end
 
 
 def config_markdown(cfg) -> str:
@@ -90,37 +128,35 @@ def attention_sentences(sources: list[list[int]], count: int = ATTENTION_SENTENC
     return short[:count]
 
 
-def attention_figure(panels: list[tuple], title: str = "", scale_label: str = "attention weight (mean over heads)"):
-    """A matplotlib Figure: one heatmap per (weights (T, S), source tokens (S), predicted tokens (T)[,
-    the panel's own title]), stacked, source tokens along x, the token each row predicts along y, colours
-    on a fixed 0-1 scale with one colour bar. Its size follows the token counts, up to MAX_FIGURE_INCHES."""
+def attention_figure(
+    weights, source: list[str], predicted: list[str], title: str = "", scale_label: str = "attention weight"
+):
+    """A matplotlib Figure of one heatmap: weights (T, S), source tokens (S) along x, the token each row
+    predicts (T) along y, colours on a fixed 0-1 scale with a colour bar. FIGURE_WIDTH wide (labels
+    legible in TensorBoard's default card), as tall as the target tokens need, up to MAX_FIGURE_HEIGHT."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
-    widest = max(len(panel[1]) for panel in panels)
-    rows = [len(panel[2]) for panel in panels]
-    width = min(MAX_FIGURE_INCHES[0], 2.5 + INCHES_PER_TOKEN * widest)
-    height = min(MAX_FIGURE_INCHES[1], 1.2 + sum(1.3 + INCHES_PER_TOKEN * r for r in rows))
-    figure = Figure(figsize=(width, height), dpi=100, layout="constrained")
-    axes = figure.subplots(len(panels), 1, squeeze=False, height_ratios=[r + 4 for r in rows])[:, 0]
-    image = None
-    for ax, (weights, source, predicted, *label) in zip(axes, panels):
-        image = ax.imshow(
-            np.nan_to_num(np.asarray(weights, dtype=np.float32)),
-            cmap="viridis",
-            vmin=0.0,
-            vmax=1.0,
-            aspect="auto",
-            interpolation="nearest",
-        )
-        ax.set_xticks(range(len(source)), source, rotation=90, fontsize=8)
-        ax.set_yticks(range(len(predicted)), predicted, fontsize=8)
-        ax.set_xlabel("source token (SentencePiece pieces)", fontsize=8)
-        ax.set_ylabel("target token this row predicts\n(decoder input: the token before)", fontsize=8)
-        if label:
-            ax.set_title(label[0], fontsize=8)
-    figure.colorbar(image, ax=list(axes), label=scale_label, shrink=0.8)
+    plot_inches = FIGURE_WIDTH - 2.6  # less the y labels and the colour bar
+    points = min(TICK_POINTS, 0.9 * 72 * plot_inches / max(len(source), 1))  # a label per token's width
+    row_inches = min(0.3, max(points, 7.0) * 1.4 / 72)
+    height = min(MAX_FIGURE_HEIGHT, max(3.5, 2.4 + row_inches * len(predicted)))
+    figure = Figure(figsize=(FIGURE_WIDTH, height), dpi=FIGURE_DPI, layout="constrained")
+    ax = figure.subplots()
+    image = ax.imshow(
+        np.nan_to_num(np.asarray(weights, dtype=np.float32)),
+        cmap="viridis",
+        vmin=0.0,
+        vmax=1.0,
+        aspect="auto",
+        interpolation="nearest",
+    )
+    ax.set_xticks(range(len(source)), source, rotation=90, fontsize=points)
+    ax.set_yticks(range(len(predicted)), predicted, fontsize=min(TICK_POINTS, 72 * row_inches / 1.3))
+    ax.set_xlabel("source token (SentencePiece pieces)", fontsize=9)
+    ax.set_ylabel("target token this row predicts\n(decoder input: the token before)", fontsize=9)
+    figure.colorbar(image, ax=ax, label=scale_label, shrink=0.8)
     if title:
-        figure.suptitle(title, fontsize=9)
+        ax.set_title(title, fontsize=10)
     return figure
 
 
@@ -139,55 +175,77 @@ def pieces(processor, ids: list[int]) -> list[str]:
 
 
 class Monitor:
-    """The run's TensorBoard writer (rank 0; on other ranks every method does nothing)."""
+    """The run's trackers (`trainer.loggers`, rank 0; on other ranks, or with none, every method does
+    nothing): each scalar goes to every sink; text, pictures and HParams to TensorBoard's writer.
+    `resumed_step`: the step of the checkpoint a resumed run starts from (its later points are dropped)."""
 
-    def __init__(self, run_dir: Path, enabled: bool = True):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(Path(run_dir) / "tb")) if enabled else None
+    def __init__(self, run_dir: Path, enabled: bool = True, loggers=("tensorboard",), resumed_step: int | None = None):
+        self.sinks = open_sinks(list(loggers), Path(run_dir), resumed_step) if enabled else []
+        boards = [sink for sink in self.sinks if isinstance(sink, TensorBoardSink)]
+        self.writer = boards[0].writer if boards else None
+        self.valid_search = self.test_search = "greedy"
+        self._session_end = None  # HParams' end of session, made by `start`
 
     def __bool__(self) -> bool:
-        return self.writer is not None
+        return bool(self.sinks)
 
-    def start(self, cfg, precision: str) -> None:
-        """The config as text, the HParams entry (its metrics come in `finish`), the one-chart layouts."""
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        for sink in self.sinks:
+            sink.scalar(tag, value, step)
+
+    def flush(self) -> None:
+        for sink in self.sinks:
+            sink.flush()
+
+    def start(self, cfg, precision: str, parameters: int | None = None) -> None:
+        """The config (as text in TensorBoard, flattened as every tracker's parameters), the HParams
+        entry (its metrics come in `finish`), the one-chart layouts."""
+        self.valid_search = search_label(cfg.trainer.val_beam_size)
+        self.test_search = search_label(cfg.decode.beam_size)
         if not self:
             return
-        from torch.utils.tensorboard.summary import hparams
-
+        params = flatten(cfg.to_dict())
+        if parameters is not None:
+            params["parameters"] = parameters
+        for sink in self.sinks:
+            sink.params(params)
+        if self.writer is None:
+            return
         self.writer.add_text("config", config_markdown(cfg))
-        experiment, session_start, self._session_end = hparams(
-            hyperparameters(cfg, precision), dict.fromkeys(HPARAM_METRICS, 0)
+        experiment, session_start, self._session_end = hparams_summaries(
+            hyperparameters(cfg, precision, parameters), HPARAM_METRICS
         )
         for summary in (experiment, session_start):
             self.writer.file_writer.add_summary(summary)
         weights = ("valid", "valid_ema", "valid_average")
+        bleu = [f"bleu/{w}_{self.valid_search}" for w in weights] + [f"bleu/test_{self.test_search}"]
         self.writer.add_custom_scalars(
             {
                 "train and validation": {
                     "loss": ["Multiline", ["loss/train"] + [f"loss/{w}" for w in weights]],
                     "token accuracy": ["Multiline", ["accuracy/train"] + [f"accuracy/{w}" for w in weights]],
-                    "BLEU": ["Multiline", ["val/bleu", "val_ema/bleu", "val_average/bleu", "test/bleu"]],
+                    "BLEU": ["Multiline", bleu],
                 }
             }
         )
 
     def training(self, step: int, epoch: int, values: dict, device: torch.device) -> None:
-        """A log line's numbers (`TrainLog.write`): train/*, loss/train and accuracy/train (on the charts
-        with validation's), the epoch and the memory."""
+        """A log line's numbers (`TrainLog.write`): train/*, loss/train and accuracy/train (in the
+        sections with validation's), the epoch and the memory."""
         if not self:
             return
         for key, value in values.items():
-            self.writer.add_scalar(f"train/{key}", value, step)
-        self.writer.add_scalar("loss/train", values["loss"], step)
-        self.writer.add_scalar("accuracy/train", values["accuracy"], step)
-        self.writer.add_scalar("train/epoch", epoch, step)
+            self.scalar(f"train/{key}", value, step)
+        self.scalar("loss/train", values["loss"], step)
+        self.scalar("accuracy/train", values["accuracy"], step)
+        self.scalar("train/epoch", epoch, step)
         for key, value in memory_in_use(device).items():
-            self.writer.add_scalar(key, value, step)
+            self.scalar(key, value, step)
+        self.flush()
 
     def skipped_out_of_memory(self, step: int, count: int) -> None:
         if self:
-            self.writer.add_scalar("train/oom_skipped_batches", count, step)
+            self.scalar("train/oom_skipped_batches", count, step)
 
     def validation(
         self,
@@ -200,51 +258,68 @@ class Monitor:
         direction: str | None = None,
     ) -> None:
         """One validation of `weights` (raw, ema, average): its numbers, samples (source, reference,
-        hypothesis) and the attention heatmaps (`attention_figure`'s panels), under val*/; with
-        `attention_detail` (heads or layers, and labelled panels of one sentence), also
-        val*/cross_attention_heads or _layers (`trainer.attention_heatmaps`). A multilingual run's
+        hypothesis) and the attention heatmaps (one image per (weights, source, predicted) panel),
+        under val*/; with `attention_detail` (heads or layers, and labelled panels of one sentence), also
+        val*/cross_attention_heads_N or _layers_N (`trainer.attention_heatmaps`). A multilingual run's
         `direction` (de-en) goes under val*/de-en/; its mean over directions under val*/ itself."""
         if not self:
             return
         tag = weights_tag(weights) + (f"/{direction}" if direction else "")
         for key, value in result.items():
-            self.writer.add_scalar(f"{tag}/{key}", value, step)
+            self.scalar(f"{tag}/{key}", value, step)
         if direction is None:
-            self.writer.add_scalar(f"loss/{tag.replace('val', 'valid')}", result["loss"], step)
+            family = tag.replace("val", "valid")
+            self.scalar(f"loss/{family}", result["loss"], step)
             if "accuracy" in result:
-                self.writer.add_scalar(f"accuracy/{tag.replace('val', 'valid')}", result["accuracy"], step)
+                self.scalar(f"accuracy/{family}", result["accuracy"], step)
+            if "bleu" in result:
+                self.scalar(f"bleu/{family}_{self.valid_search}", result["bleu"], step)
+        if self.writer is not None:
+            self._pictures(step, weights, tag, samples, attention, attention_detail)
+        self.flush()
+
+    def _pictures(self, step, weights, tag, samples, attention, attention_detail) -> None:
         if samples:
             self.writer.add_text(
                 f"{tag}/samples",
                 "\n\n".join(f"**src** {s}  \n**ref** {r}  \n**hyp** {h}" for s, r, h in samples[:SAMPLES]),
                 step,
             )
-        if attention:
-            title = f"cross-attention, last decoder layer, step {step} ({weights} weights)"
-            self.writer.add_image(
-                f"{tag}/cross_attention", figure_pixels(attention_figure(attention, title)), step, dataformats="HWC"
-            )
+        for n, (weights_tn, source, predicted) in enumerate(attention or [], 1):
+            title = f"sentence {n}: last decoder layer, mean over heads, step {step} ({weights} weights)"
+            figure = attention_figure(weights_tn, source, predicted, title, "attention weight (mean over heads)")
+            self.writer.add_image(f"{tag}/cross_attention_{n}", figure_pixels(figure), step, dataformats="HWC")
         if attention_detail:
             kind, panels = attention_detail
-            title = f"cross-attention by {kind[:-1]}, step {step} ({weights} weights)"
-            figure = attention_figure(panels, title, scale_label="attention weight")
-            self.writer.add_image(f"{tag}/cross_attention_{kind}", figure_pixels(figure), step, dataformats="HWC")
-        self.writer.flush()
+            for n, (weights_tn, source, predicted, label) in enumerate(panels, 1):
+                figure = attention_figure(weights_tn, source, predicted, f"sentence 1: {label}, step {step}")
+                self.writer.add_image(
+                    f"{tag}/cross_attention_{kind}_{n}", figure_pixels(figure), step, dataformats="HWC"
+                )
 
     def test(self, step: int, scores: dict) -> None:
         if self:
-            self.writer.add_scalar("test/bleu", scores["bleu"], step)
-            self.writer.add_scalar("test/chrf", scores["chrf"], step)
+            self.scalar("test/bleu", scores["bleu"], step)
+            self.scalar("test/chrf", scores["chrf"], step)
+            self.scalar(f"bleu/test_{self.test_search}", scores["bleu"], step)
 
     def finish(self, step: int, metrics: dict) -> None:
-        """The run ended: the HParams tab's metrics and the end of its session."""
+        """The run ended: its final numbers (final/* in every tracker, and each tracker's own record),
+        the HParams tab's metrics and the end of its session."""
         if not self:
             return
         if metrics.get("best_bleu") is not None and metrics["best_bleu"] >= 0:
-            self.writer.add_scalar("val/best_bleu", metrics["best_bleu"], step)
-        self.writer.file_writer.add_summary(self._session_end)
-        self.writer.flush()
+            self.scalar("val/best_bleu", metrics["best_bleu"], step)
+        final = {k: v for k, v in metrics.items() if k != "val_history"}
+        for key, value in numbers(final).items():
+            self.scalar(f"final/{key}", value, step)
+        for sink in self.sinks:
+            sink.final(final, step)
+        if self.writer is not None and self._session_end is not None:
+            self.writer.file_writer.add_summary(self._session_end)
+        self.flush()
 
     def close(self) -> None:
-        if self:
-            self.writer.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks, self.writer = [], None

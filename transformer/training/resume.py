@@ -60,6 +60,7 @@ HONOURED_ON_RESUME = {
         "resume",
         "overwrite",
         "log_every",
+        "loggers",
         "num_threads",
         "num_workers",
     ),

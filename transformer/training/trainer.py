@@ -71,11 +71,16 @@ class Trainer:
         self.batches = self.build_batches()
         if start.resume:
             self.state.load(start.resume)
-        self.monitor = Monitor(self.run_dir, enabled=self.runtime.is_main)
+        self.monitor = Monitor(
+            self.run_dir,
+            enabled=self.runtime.is_main,
+            loggers=cfg.trainer.loggers,
+            resumed_step=start.resume["step"] if start.resume else None,
+        )
         self.step = self.build_step()
         if self.runtime.is_main:
             log_banner(self.run_dir, start.describe(), self.runtime, self.model, cfg.model.name)
-            self.monitor.start(cfg, self.runtime.precision)
+            self.monitor.start(cfg, self.runtime.precision, sum(p.numel() for p in self.model.parameters()))
         self.selection = self.build_selection()
 
     def build_data(self, start: StartingPoint) -> PreparedData:
