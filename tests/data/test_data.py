@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from transformer.config import ConfigError, DataConfig
 from transformer.data import lines as lines_module
 from transformer.data import toy
+from transformer.data.arrays import compact
 from transformer.data.batching import (
     TokenBatchSampler,
     UpdateSampler,
@@ -769,3 +770,34 @@ def test_a_dangling_or_looping_symbolic_link_is_named_as_such(tmp_path):
         load_split_text(DataConfig(path=str(tmp_path)), "train")
     with pytest.raises(DataError, match=r"data.path=.*loop1: a symbolic link in a loop$"):
         load_split_text(DataConfig(path=str(tmp_path / "loop1")), "train")
+
+
+@pytest.mark.parametrize("chunk", [7, 1000, 1 << 20])
+def test_the_epochs_sort_equals_lexsort_over_many_groups_and_chunks(monkeypatch, chunk):
+    """length_sorted_order is np.lexsort((tie, tgt, src, max(src, tgt))) without its int64 arrays: over
+    groups that span chunks, groups larger than a chunk, equal tie-breaks (kept in index order), and the
+    lexsort fallback for lengths beyond the group table."""
+    from transformer.data import batching
+
+    monkeypatch.setattr(batching, "CHUNK_PAIRS", chunk)
+    rng = np.random.default_rng(11)
+    for count, top in [(0, 3), (1, 3), (5000, 3), (20000, 130)]:
+        src, tgt = (compact(rng.integers(0, top, count)) for _ in range(2))
+        tie = rng.random(count)
+        tie[::3] = 0.25  # a third of them equal
+        expected = np.lexsort((tie, tgt, src, np.maximum(src, tgt)))
+        order = batching.length_sorted_order(src, tgt, tie)
+        assert order.dtype == np.uint32 and np.array_equal(order, expected)
+    monkeypatch.setattr(batching, "GROUP_TABLE_ENTRIES", 4)
+    assert np.array_equal(batching.length_sorted_order(src, tgt, tie), expected)
+
+
+def test_a_corpus_keeps_a_few_bytes_a_pair_for_the_run(tmp_path):
+    """The per-pair state a warm start keeps: positions uint32 and lengths uint16 (8 bytes a kept pair,
+    int64 arrays held 24), shared by the sampler, which makes no copy of them."""
+    corpus, _ = _corpus(tmp_path, ["ein Hund läuft"] * 50, ["a dog runs"] * 50, max_len=40, vocab=60)
+    assert corpus.pair_index.dtype == np.uint32
+    assert corpus.src_lens.dtype == corpus.tgt_lens.dtype == np.uint16
+    sampler = TokenBatchSampler(corpus.src_lens, corpus.tgt_lens, max_tokens=300, seed=7)
+    assert sampler.src_lens is corpus.src_lens and sampler.tgt_lens is corpus.tgt_lens
+    assert compact(np.array([65534])).dtype == np.uint16 and compact(np.array([65535])).dtype == np.uint32

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from transformer.data.arrays import CHUNK_PAIRS, compact, index_dtype
 from transformer.errors import DataError
 from transformer.special import BOS_ID, EOS_ID, PAD_ID
 
@@ -126,9 +127,10 @@ def pack_sorted(widths: np.ndarray, max_tokens: int) -> np.ndarray:
     the loop runs over distinct widths: within a run of width w every batch holds max_tokens // w.
     """
     starts: list[np.ndarray] = []
-    values, firsts, counts = np.unique(widths, return_index=True, return_counts=True)
+    firsts = np.flatnonzero(np.r_[True, widths[1:] != widths[:-1]]) if len(widths) else widths  # each run's start
+    counts = np.diff(np.append(firsts, len(widths)))
     count = 0  # sentences in the open batch
-    for width, first, n in zip(values.tolist(), firsts.tolist(), counts.tolist()):
+    for width, first, n in zip(widths[firsts].tolist(), firsts.tolist(), counts.tolist()):
         capacity = max(1, max_tokens // width)
         if count and count + 1 > capacity:
             count = 0
@@ -137,6 +139,59 @@ def pack_sorted(widths: np.ndarray, max_tokens: int) -> np.ndarray:
         starts.append(new)
         count = count + n if len(new) == 0 else first + n - int(new[-1])
     return np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
+
+
+# An epoch's sort goes through a table of every (source, target) length pair's rank while it holds at most
+# this many entries (data.max_len 2,047 and below; uint32, 16 MiB); longer corpora sort with np.lexsort.
+GROUP_TABLE_ENTRIES = 2**22
+
+
+def length_sorted_order(src: np.ndarray, tgt: np.ndarray, tie_break: np.ndarray) -> np.ndarray:
+    """The positions of the pairs sorted by (padded width = max(source, target) length, source length,
+    target length, tie_break), equal to `np.lexsort((tie_break, tgt, src, np.maximum(src, tgt)))`
+    (positions with equal keys in their order), without its int64 arrays of every pair: a stable counting
+    sort of the (source, target) length groups, then the groups sorted by their tie-breaks, both a chunk
+    at a time. Beyond the output (uint32) and the tie-breaks it holds what one chunk needs."""
+    count = len(src)
+    top = int(max(src.max(initial=0), tgt.max(initial=0))) + 1  # lengths 0..top-1
+    cells = top * top
+    if cells > GROUP_TABLE_ENTRIES:
+        return np.lexsort((tie_break, tgt, src, np.maximum(src, tgt))).astype(index_dtype(count))
+    grid_src, grid_tgt = np.divmod(np.arange(cells), top)  # every (source, target) length pair
+    rank = np.empty(cells, dtype=np.uint16 if cells <= 2**16 else np.uint32)  # uint16: numpy's radix sort
+    rank[np.lexsort((grid_tgt, grid_src, np.maximum(grid_src, grid_tgt)))] = np.arange(cells)
+
+    def groups(start: int) -> np.ndarray:  # (C,) the group of each pair of a chunk
+        return rank[src[start : start + CHUNK_PAIRS].astype(np.int64) * top + tgt[start : start + CHUNK_PAIRS]]
+
+    sizes = np.zeros(cells, dtype=np.int64)
+    for start in range(0, count, CHUNK_PAIRS):
+        sizes += np.bincount(groups(start), minlength=cells)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])  # group g: order[bounds[g] : bounds[g + 1]]
+    cursor = bounds[:-1].copy()  # the next free place of each group
+    order = np.empty(count, dtype=index_dtype(count))
+    for start in range(0, count, CHUNK_PAIRS):  # each chunk's pairs behind the earlier chunks' of their group
+        group = groups(start)
+        by_group = np.argsort(group, kind="stable")  # (C,)
+        sorted_groups = group[by_group]
+        firsts = np.flatnonzero(np.r_[True, sorted_groups[1:] != sorted_groups[:-1]])  # each group's run
+        runs = np.diff(np.append(firsts, len(group)))
+        within = np.arange(len(group)) - np.repeat(firsts, runs)  # place within its group's run
+        order[cursor[sorted_groups] + within] = start + by_group
+        cursor[sorted_groups[firsts]] += runs
+    # Then each group by its tie-breaks (stable: equal ones stay in index order), whole groups a chunk at a
+    # time: a chunk's lexsort by (group, tie-break) sorts each of its groups.
+    filled = np.flatnonzero(sizes)
+    ends = bounds[filled + 1]
+    first = 0
+    while first < len(filled):
+        begin = bounds[filled[first]]
+        last = max(first, int(np.searchsorted(ends, begin + CHUNK_PAIRS, side="right")) - 1)  # whole groups
+        members = order[begin : ends[last]]
+        local = np.repeat(np.arange(last - first + 1), sizes[filled[first : last + 1]])
+        members[:] = members[np.lexsort((tie_break[members], local))]
+        first = last + 1
+    return order
 
 
 class EpochBatches:
@@ -176,37 +231,41 @@ class TokenBatchSampler:
     """
 
     def __init__(self, src_lens, tgt_lens, max_tokens: int, seed: int, epoch_lengths=None, epoch_pairs=None):
-        self.src_lens = np.asarray(src_lens, dtype=np.int64) + 1  # + EOS
-        self.tgt_lens = np.asarray(tgt_lens, dtype=np.int64) + 1  # + BOS/EOS
-        self.widths = np.maximum(self.src_lens, self.tgt_lens)
+        # lengths without the specials (+ EOS, + BOS/EOS when packed), held as given when compact already
+        self.src_lens, self.tgt_lens = compact(src_lens), compact(tgt_lens)
         self.max_tokens, self.seed, self.epoch_lengths, self.epoch_pairs = max_tokens, seed, epoch_lengths, epoch_pairs
-        self._epoch_widths: tuple | None = None  # (epoch, its lengths): the last asked
-        longest = int(self.widths.max(initial=0))
+        self._epoch_lengths: tuple | None = None  # (epoch, its lengths): the last asked
+        longest = int(max(self.src_lens.max(initial=0), self.tgt_lens.max(initial=0))) + 1 if len(self.src_lens) else 0
         if longest > max_tokens:
             raise DataError(
                 f"trainer.max_tokens={max_tokens} is smaller than the longest sentence ({longest} tokens); "
                 f"raise trainer.max_tokens or lower data.max_len"
             )
 
-    def _lengths(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(source, target, padded width) per pair, specials included, in `epoch`'s segmentation."""
+    @property
+    def widths(self) -> np.ndarray:
+        """(N,) each pair's padded width: max(source + EOS, BOS + target + EOS - 1)."""
+        return np.maximum(self.src_lens, self.tgt_lens) + 1
+
+    def _lengths(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, target) lengths per pair, specials excluded, in `epoch`'s segmentation."""
         if self.epoch_lengths is None:
-            return self.src_lens, self.tgt_lens, self.widths
-        if self._epoch_widths is None or self._epoch_widths[0] != epoch:
-            src, tgt = (np.asarray(x, dtype=np.int64) + 1 for x in self.epoch_lengths(epoch))
-            self._epoch_widths = (epoch, (src, tgt, np.maximum(src, tgt)))
-        return self._epoch_widths[1]
+            return self.src_lens, self.tgt_lens
+        if self._epoch_lengths is None or self._epoch_lengths[0] != epoch:
+            self._epoch_lengths = (epoch, tuple(compact(x) for x in self.epoch_lengths(epoch)))
+        return self._epoch_lengths[1]
 
     def batches(self, epoch: int) -> EpochBatches:
-        src_lens, tgt_lens, widths = self._lengths(epoch)
+        src_lens, tgt_lens = self._lengths(epoch)
         chosen = None
         if self.epoch_pairs is not None:
             chosen = self.epoch_pairs(epoch)  # (M,) positions, repeats included
-            src_lens, tgt_lens, widths = src_lens[chosen], tgt_lens[chosen], widths[chosen]
+            src_lens, tgt_lens = src_lens[chosen], tgt_lens[chosen]
         rng = np.random.default_rng([self.seed, epoch])
-        tie_break = rng.random(len(widths))
-        order = np.lexsort((tie_break, tgt_lens, src_lens, widths))
-        starts = pack_sorted(widths[order], self.max_tokens)
+        tie_break = rng.random(len(src_lens))
+        order = length_sorted_order(src_lens, tgt_lens, tie_break)  # (lengths + 1 sort as the lengths)
+        del tie_break
+        starts = pack_sorted(np.maximum(src_lens[order], tgt_lens[order]) + 1, self.max_tokens)
         if chosen is not None:
             order = chosen[order]
         return EpochBatches(order, starts, rng.permutation(len(starts)))

@@ -46,6 +46,7 @@ import numpy as np
 from tqdm import tqdm
 
 from transformer.config import DataConfig
+from transformer.data.arrays import CHUNK_PAIRS, compact, index_dtype
 from transformer.data.cache import check_file, file_record, read_record, sealed, write_failure
 from transformer.data.cleaning import (
     FLAG_BLANK,
@@ -77,6 +78,19 @@ DATA_FILES = ("src.ids", "tgt.ids", "src.offsets.npy", "tgt.offsets.npy", "flags
 TEXT_FILES = ("src.text", "tgt.text", "src.text_offsets.npy", "tgt.text_offsets.npy")
 
 
+def _lengths(offsets: np.ndarray) -> np.ndarray:
+    """(pairs,) each pair's length from its (pairs + 1,) offsets, in the smallest type that holds the
+    longest (`compact`), made a chunk at a time (np.diff of 45M offsets is 360 MB of int64)."""
+    count = len(offsets) - 1
+    longest = 0
+    for start in range(0, count, CHUNK_PAIRS):
+        longest = max(longest, int(np.diff(offsets[start : start + CHUNK_PAIRS + 1]).max(initial=0)))
+    lengths = np.empty(count, dtype=compact(np.array([longest])).dtype)
+    for start in range(0, count, CHUNK_PAIRS):
+        lengths[start : start + CHUNK_PAIRS] = np.diff(offsets[start : start + CHUNK_PAIRS + 1])
+    return lengths
+
+
 class EncodedCorpus:
     """A prepared split, memory-mapped, with the pairs that pass the filters.
 
@@ -103,7 +117,7 @@ class EncodedCorpus:
             )
             setattr(self, f"_{side}_ids", ids)
             setattr(self, f"_{side}_offsets", offsets)
-        src_all, tgt_all = np.diff(self._src_offsets), np.diff(self._tgt_offsets)
+        src_all, tgt_all = _lengths(self._src_offsets), _lengths(self._tgt_offsets)  # (pairs,) each, compact
         flags = np.load(self.directory / "flags.npy")
         blank = ((flags & FLAG_BLANK) != 0) | (src_all == 0) | (tgt_all == 0)
         nul = ~blank & ((flags & FLAG_NUL) != 0)
@@ -119,8 +133,11 @@ class EncodedCorpus:
             mask &= ~dropped  # each pair counted under the first rule that drops it
             self.dropped[rule] = int(mask.sum())
             dropped |= mask
-        self.pair_index = np.flatnonzero(~dropped)  # kept position -> stored pair
-        self.src_lens, self.tgt_lens = src_all[self.pair_index], tgt_all[self.pair_index]
+        # What stays for the run, 8 bytes a kept pair: kept position -> stored pair (uint32), and the
+        # kept pairs' lengths (uint16 up to data.max_len 65,534): the per-pair state of a warm start.
+        self.pair_index = np.flatnonzero(~dropped).astype(index_dtype(len(flags)))
+        del dropped, blank, nul, too_long
+        self.src_lens, self.tgt_lens = compact(src_all[self.pair_index]), compact(tgt_all[self.pair_index])
         self.total_pairs = len(flags)
 
     def __getstate__(self):

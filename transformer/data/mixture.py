@@ -213,6 +213,7 @@ class MixedCorpus:
 def _gather(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The sequences flat[starts[b] : starts[b] + lengths[b]] side by side in one int64 array, and where
     each begins in it."""
+    lengths = lengths.astype(np.int64)  # compact (uint16) lengths: their cumsum is uint64, and uint64 - int64 float
     new_starts = np.cumsum(lengths) - lengths
     index = np.repeat(starts - new_starts, lengths) + np.arange(int(lengths.sum()))
     return flat[index].astype(np.int64), new_starts
