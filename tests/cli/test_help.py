@@ -30,6 +30,8 @@ def schema_fields(schema: type = Config, prefix: str = ""):
 
 
 def as_override(value) -> str:
+    if isinstance(value, list):  # as an override writes it: [tensorboard], [0.9, 0.98]
+        return "[" + ", ".join(map(as_override, value)) + "]"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -22,7 +22,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 DATA_STACK = ("datasets", "pyarrow", "pandas")
 # import name -> distribution name, where they differ
-DISTRIBUTIONS = {"yaml": "pyyaml", "hydra": "hydra-core"}
+DISTRIBUTIONS = {"yaml": "pyyaml", "hydra": "hydra-core", "mlflow": "mlflow-skinny"}
 # imported through another package: tensorboard by torch.utils.tensorboard
 IMPORTED_INDIRECTLY = {"tensorboard"}
 
@@ -56,7 +56,9 @@ def _declared() -> tuple[set[str], dict[str, set[str]]]:
     return {_distribution(r) for r in project["dependencies"]} | IMPORTED_INDIRECTLY, extras
 
 
-@pytest.mark.parametrize("folder,allowed_extras", [("transformer", ("data", "export")), ("scripts", ("export", "dev"))])
+@pytest.mark.parametrize(
+    "folder,allowed_extras", [("transformer", ("data", "export", "mlflow", "wandb")), ("scripts", ("export", "dev"))]
+)
 def test_every_third_party_import_is_declared(folder, allowed_extras):
     dependencies, extras = _declared()
     declared = dependencies.union(*(extras[e] for e in allowed_extras))
