@@ -127,7 +127,7 @@ def pack_sorted(widths: np.ndarray, max_tokens: int) -> np.ndarray:
     the loop runs over distinct widths: within a run of width w every batch holds max_tokens // w.
     """
     starts: list[np.ndarray] = []
-    firsts = np.flatnonzero(np.r_[True, widths[1:] != widths[:-1]]) if len(widths) else widths  # each run's start
+    firsts = np.flatnonzero(np.r_[len(widths) > 0, widths[1:] != widths[:-1]])  # where each run of a width starts
     counts = np.diff(np.append(firsts, len(widths)))
     count = 0  # sentences in the open batch
     for width, first, n in zip(widths[firsts].tolist(), firsts.tolist(), counts.tolist()):

@@ -81,14 +81,10 @@ TEXT_FILES = ("src.text", "tgt.text", "src.text_offsets.npy", "tgt.text_offsets.
 def _lengths(offsets: np.ndarray) -> np.ndarray:
     """(pairs,) each pair's length from its (pairs + 1,) offsets, in the smallest type that holds the
     longest (`compact`), made a chunk at a time (np.diff of 45M offsets is 360 MB of int64)."""
-    count = len(offsets) - 1
-    longest = 0
-    for start in range(0, count, CHUNK_PAIRS):
-        longest = max(longest, int(np.diff(offsets[start : start + CHUNK_PAIRS + 1]).max(initial=0)))
-    lengths = np.empty(count, dtype=compact(np.array([longest])).dtype)
-    for start in range(0, count, CHUNK_PAIRS):
+    lengths = np.empty(len(offsets) - 1, dtype=np.uint32)  # a pair's ids: far under 2**32
+    for start in range(0, len(lengths), CHUNK_PAIRS):
         lengths[start : start + CHUNK_PAIRS] = np.diff(offsets[start : start + CHUNK_PAIRS + 1])
-    return lengths
+    return compact(lengths)
 
 
 class EncodedCorpus:

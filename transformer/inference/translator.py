@@ -117,15 +117,16 @@ class Translator:
             weights = check_weights(weights, len(paths))
         members = [cls.load(path, device, precision, quantize) for path in paths]
         first = members[0]
+        wanted = first.translates()
         for path, member in zip(paths[1:], members[1:]):
             if member.tokenizer.fingerprint() != first.tokenizer.fingerprint():
                 raise CheckpointError(
                     f"{path}: its SentencePiece vocabulary differs from that of {paths[0]}; an "
                     "ensemble needs models trained with the same SentencePiece model(s)"
                 )
-            if member.translates() != first.translates():
+            if (translated := member.translates()) != wanted:
                 raise CheckpointError(
-                    f"{path} translates {member.translates()} but {paths[0]} translates {first.translates()}: "
+                    f"{path} translates {translated} but {paths[0]} translates {wanted}: "
                     "the models of an ensemble must translate the same languages into the same ones"
                 )
         first.models, first.weights = [member.model for member in members], weights
