@@ -5,6 +5,7 @@ one line. No training: the Monitor is fed as a run would feed it."""
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,9 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
         first.scalar("loss/train", 100.0 + step, step)
     first.flush()
     first.close()
+    # A resume comes later than the crash: TensorBoard reads event files in name order, whose first part is
+    # the second they were opened in; two files of one second could be read the other way round.
+    time.sleep(1.1)
     resumed = Monitor(tmp_path, loggers=["tensorboard", "jsonl"], resumed_step=6)
     for step in range(7, 13):
         resumed.scalar("loss/train", 200.0 + step, step)
