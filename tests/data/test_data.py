@@ -519,9 +519,17 @@ def _reference_batches(src_lens, tgt_lens, flags, max_len, max_tokens, seed, epo
     return [[kept[k] for k in batches[b]] for b in rng.permutation(len(batches))]
 
 
-def test_vectorised_filtering_and_batching_equal_the_slow_reference(tmp_path):
+@pytest.mark.parametrize("chunk", [1 << 20, 61])
+def test_vectorised_filtering_and_batching_equal_the_slow_reference(tmp_path, monkeypatch, chunk):
+    """Filtering, sorting and packing a chunk of pairs at a time (61: the loading, the epoch's sort and the
+    width counts cross many chunk boundaries) give the batches of the obvious loop, epoch by epoch."""
     import random
 
+    from transformer.data import batching
+    from transformer.data import corpus as corpus_module
+
+    for module in (batching, corpus_module):
+        monkeypatch.setattr(module, "CHUNK_PAIRS", chunk)
     rng = random.Random(5)
     words = ["Hund", "Katze", "Haus", "rot", "läuft", "schnell", "ein", "der", "über", "Brücke"]
     src = [" ".join(rng.choices(words, k=rng.randint(0, 25))) for _ in range(700)]

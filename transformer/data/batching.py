@@ -124,13 +124,18 @@ def pack_sorted(widths: np.ndarray, max_tokens: int) -> np.ndarray:
     n_sentences * widest <= max_tokens; a sentence wider than the budget gets a batch of its own.
 
     Equal to adding sentences one at a time and closing the batch when the next one does not fit, but
-    the loop runs over distinct widths: within a run of width w every batch holds max_tokens // w.
+    the loop runs over distinct widths (`pack_runs`).
     """
-    starts: list[np.ndarray] = []
     firsts = np.flatnonzero(np.r_[len(widths) > 0, widths[1:] != widths[:-1]])  # where each run of a width starts
-    counts = np.diff(np.append(firsts, len(widths)))
-    count = 0  # sentences in the open batch
-    for width, first, n in zip(widths[firsts].tolist(), firsts.tolist(), counts.tolist()):
+    return pack_runs(widths[firsts], np.diff(np.append(firsts, len(widths))), max_tokens)
+
+
+def pack_runs(widths: np.ndarray, counts: np.ndarray, max_tokens: int) -> np.ndarray:
+    """`pack_sorted` of the sequence that holds counts[r] sentences of width widths[r] for each run r
+    (widths increasing): within a run of width w every batch holds max_tokens // w."""
+    starts: list[np.ndarray] = []
+    count = first = 0  # sentences in the open batch; where the run starts
+    for width, n in zip(np.asarray(widths).tolist(), np.asarray(counts).tolist()):
         capacity = max(1, max_tokens // width)
         if count and count + 1 > capacity:
             count = 0
@@ -138,7 +143,19 @@ def pack_sorted(widths: np.ndarray, max_tokens: int) -> np.ndarray:
         new = np.arange(first + fill, first + n, capacity)
         starts.append(new)
         count = count + n if len(new) == 0 else first + n - int(new[-1])
+        first += n
     return np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
+
+
+def width_counts(src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+    """(W,) int64: how many pairs have each padded width max(source, target) + 1 (the specials), counted a
+    chunk at a time; the runs of an epoch's width-sorted order, without its widths."""
+    top = int(max(src.max(initial=0), tgt.max(initial=0))) + 2 if len(src) else 0
+    counts = np.zeros(top, dtype=np.int64)
+    for start in range(0, len(src), CHUNK_PAIRS):
+        widths = np.maximum(src[start : start + CHUNK_PAIRS], tgt[start : start + CHUNK_PAIRS]).astype(np.int64) + 1
+        counts += np.bincount(widths, minlength=top)
+    return counts
 
 
 # An epoch's sort goes through a table of every (source, target) length pair's rank while it holds at most
@@ -242,10 +259,10 @@ class TokenBatchSampler:
                 f"raise trainer.max_tokens or lower data.max_len"
             )
 
-    @property
-    def widths(self) -> np.ndarray:
-        """(N,) each pair's padded width: max(source + EOS, BOS + target + EOS - 1)."""
-        return np.maximum(self.src_lens, self.tgt_lens) + 1
+    def padded_tokens(self) -> int:
+        """The sum of every pair's padded width, max(source + EOS, BOS + target + EOS - 1)."""
+        counts = width_counts(self.src_lens, self.tgt_lens)
+        return int(counts @ np.arange(len(counts)))
 
     def _lengths(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, target) lengths per pair, specials excluded, in `epoch`'s segmentation."""
@@ -265,7 +282,9 @@ class TokenBatchSampler:
         tie_break = rng.random(len(src_lens))
         order = length_sorted_order(src_lens, tgt_lens, tie_break)  # (lengths + 1 sort as the lengths)
         del tie_break
-        starts = pack_sorted(np.maximum(src_lens[order], tgt_lens[order]) + 1, self.max_tokens)
+        counts = width_counts(src_lens, tgt_lens)  # the order's runs of equal width, narrowest first
+        widths = np.flatnonzero(counts)
+        starts = pack_runs(widths, counts[widths], self.max_tokens)
         if chosen is not None:
             order = chosen[order]
         return EpochBatches(order, starts, rng.permutation(len(starts)))

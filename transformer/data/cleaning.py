@@ -51,9 +51,10 @@ class Cleaning:
         )
 
     def masks(
-        self, flags: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray, directory: Path
+        self, flags: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray, language: np.ndarray | None
     ) -> dict[str, np.ndarray]:
-        """The pairs each rule drops, by rule name, in the order the rules apply."""
+        """The pairs each rule drops, by rule name, in the order the rules apply, for pairs with these flags,
+        lengths and (with data.langid) language flags (each (P,), a chunk of a split's pairs)."""
         masks = {}
         if self.duplicates:
             masks["duplicate"] = (flags & FLAG_DUPLICATE) != 0
@@ -63,7 +64,7 @@ class Cleaning:
             longer, shorter = np.maximum(src_lens, tgt_lens), np.maximum(np.minimum(src_lens, tgt_lens), 1)
             masks["length ratio"] = longer > self.max_len_ratio * shorter
         if self.langid:
-            masks["language"] = np.load(directory / self.langid) != 0
+            masks["language"] = language != 0
         return masks
 
     def __str__(self) -> str:

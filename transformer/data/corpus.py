@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -46,7 +47,7 @@ import numpy as np
 from tqdm import tqdm
 
 from transformer.config import DataConfig
-from transformer.data.arrays import CHUNK_PAIRS, compact, index_dtype
+from transformer.data.arrays import CHUNK_PAIRS, ColumnWriter, compact, index_dtype, repeated_keys
 from transformer.data.cache import check_file, file_record, read_record, sealed, write_failure
 from transformer.data.cleaning import (
     FLAG_BLANK,
@@ -78,15 +79,6 @@ DATA_FILES = ("src.ids", "tgt.ids", "src.offsets.npy", "tgt.offsets.npy", "flags
 TEXT_FILES = ("src.text", "tgt.text", "src.text_offsets.npy", "tgt.text_offsets.npy")
 
 
-def _lengths(offsets: np.ndarray) -> np.ndarray:
-    """(pairs,) each pair's length from its (pairs + 1,) offsets, in the smallest type that holds the
-    longest (`compact`), made a chunk at a time (np.diff of 45M offsets is 360 MB of int64)."""
-    lengths = np.empty(len(offsets) - 1, dtype=np.uint32)  # a pair's ids: far under 2**32
-    for start in range(0, len(lengths), CHUNK_PAIRS):
-        lengths[start : start + CHUNK_PAIRS] = np.diff(offsets[start : start + CHUNK_PAIRS + 1])
-    return compact(lengths)
-
-
 class EncodedCorpus:
     """A prepared split, memory-mapped, with the pairs that pass the filters.
 
@@ -113,28 +105,63 @@ class EncodedCorpus:
             )
             setattr(self, f"_{side}_ids", ids)
             setattr(self, f"_{side}_offsets", offsets)
-        src_all, tgt_all = _lengths(self._src_offsets), _lengths(self._tgt_offsets)  # (pairs,) each, compact
-        flags = np.load(self.directory / "flags.npy")
-        blank = ((flags & FLAG_BLANK) != 0) | (src_all == 0) | (tgt_all == 0)
-        nul = ~blank & ((flags & FLAG_NUL) != 0)
-        dropped = blank | nul
-        too_long = np.zeros_like(blank)
-        if self.max_len is not None:
-            too_long = ~dropped & ((src_all > self.max_len) | (tgt_all > self.max_len))
-        dropped |= too_long
-        self.dropped = {"empty": int(blank.sum()), "NUL byte": int(nul.sum()), "too long": int(too_long.sum())}
-        for rule, mask in (
-            self.cleaning.masks(flags, src_all, tgt_all, self.directory) if self.cleaning else {}
-        ).items():
-            mask &= ~dropped  # each pair counted under the first rule that drops it
-            self.dropped[rule] = int(mask.sum())
-            dropped |= mask
-        # What stays for the run, 8 bytes a kept pair: kept position -> stored pair (uint32), and the
-        # kept pairs' lengths (uint16 up to data.max_len 65,534): the per-pair state of a warm start.
-        self.pair_index = np.flatnonzero(~dropped).astype(index_dtype(len(flags)))
-        del dropped, blank, nul, too_long
-        self.src_lens, self.tgt_lens = compact(src_all[self.pair_index]), compact(tgt_all[self.pair_index])
-        self.total_pairs = len(flags)
+        self._keep_pairs()
+
+    def _keep_pairs(self) -> None:
+        """The kept pairs and their lengths, a chunk of stored pairs at a time: what stays for the run is
+        8 bytes a kept pair (kept position -> stored pair in uint32, and the kept pairs' lengths in uint16
+        up to data.max_len 65,534), and nothing of the size of the corpus is made on the way."""
+        flags = np.load(self.directory / "flags.npy", mmap_mode="r")  # (pairs,) uint8
+        language = None  # data.langid's flags, (pairs,) uint8
+        if self.cleaning and self.cleaning.langid:
+            language = np.load(self.directory / self.cleaning.langid, mmap_mode="r")
+        total = len(flags)
+        lengths = {side: self._stored_lengths(side) for side in ("src", "tgt")}
+        longest = 0 if self.max_len is None else self.max_len
+        if self.max_len is None:
+            for side in ("src", "tgt"):
+                longest = max([longest] + [int(chunk.max(initial=0)) for chunk in lengths[side]()])
+        length_type = compact(np.array([longest])).dtype
+        self.pair_index = np.empty(total, dtype=index_dtype(total))  # filled up to `kept`: pages untouched after
+        self.src_lens, self.tgt_lens = np.empty(total, dtype=length_type), np.empty(total, dtype=length_type)
+        self.dropped = {"empty": 0, "NUL byte": 0, "too long": 0}
+        kept = 0
+        for start, src_all, tgt_all in zip(range(0, total, CHUNK_PAIRS), lengths["src"](), lengths["tgt"]()):
+            stop = start + len(src_all)
+            chunk_flags = np.asarray(flags[start:stop])
+            rules = {  # each pair counted under the first rule that drops it
+                "empty": ((chunk_flags & FLAG_BLANK) != 0) | (src_all == 0) | (tgt_all == 0),
+                "NUL byte": (chunk_flags & FLAG_NUL) != 0,
+            }
+            if self.max_len is not None:
+                rules["too long"] = (src_all > self.max_len) | (tgt_all > self.max_len)
+            if self.cleaning:
+                chunk_language = None if language is None else np.asarray(language[start:stop])
+                rules.update(self.cleaning.masks(chunk_flags, src_all, tgt_all, chunk_language))
+            dropped = np.zeros(len(chunk_flags), dtype=bool)
+            for rule, mask in rules.items():
+                mask &= ~dropped
+                self.dropped[rule] = self.dropped.get(rule, 0) + int(mask.sum())
+                dropped |= mask
+            keep = np.flatnonzero(~dropped)  # (K,) within the chunk
+            self.pair_index[kept : kept + len(keep)] = start + keep
+            self.src_lens[kept : kept + len(keep)] = src_all[keep]
+            self.tgt_lens[kept : kept + len(keep)] = tgt_all[keep]
+            kept += len(keep)
+        self.pair_index, self.src_lens, self.tgt_lens = (
+            a[:kept] for a in (self.pair_index, self.src_lens, self.tgt_lens)
+        )
+        self.total_pairs = total
+
+    def _stored_lengths(self, side: str):
+        """A function that yields the lengths of every stored pair of `side`, CHUNK_PAIRS at a time (uint32)."""
+        offsets = getattr(self, f"_{side}_offsets")
+
+        def chunks():
+            for start in range(0, len(offsets) - 1, CHUNK_PAIRS):
+                yield np.diff(offsets[start : start + CHUNK_PAIRS + 1]).astype(np.uint32)
+
+        return chunks
 
     def __getstate__(self):
         return {
@@ -244,8 +271,8 @@ class EncodedCorpus:
 
 
 def _mapped(data: Path, offsets: Path, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """A prepared flat array (memory-mapped; empty when it holds nothing) and its int64 offsets."""
-    bounds = np.load(offsets)
+    """A prepared flat array and its int64 offsets, both memory-mapped (the ids empty when there are none)."""
+    bounds = np.load(offsets, mmap_mode="r")
     flat = np.memmap(data, dtype=dtype, mode="r", shape=(int(bounds[-1]),)) if bounds[-1] else np.zeros(0, dtype=dtype)
     return flat, bounds
 
@@ -317,13 +344,17 @@ def _write_split(
     tag starts every source sentence (a multilingual model)."""
     vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
-    lengths = {"src": [], "tgt": []}
-    text_lengths = {"src": [], "tgt": []}
+    # Every per-pair column streams to its file a chunk at a time: preparing holds one chunk, not the corpus.
     closing = contextlib.ExitStack()
+    offsets = {side: ColumnWriter(tmp / f"{side}.offsets.npy", offsets=True) for side in ("src", "tgt")}
+    text_offsets = (
+        {side: ColumnWriter(tmp / f"{side}.text_offsets.npy", offsets=True) for side in ("src", "tgt")} if text else {}
+    )
     text_files = (
         {side: closing.enter_context(open(tmp / f"{side}.text", "wb")) for side in ("src", "tgt")} if text else {}
     )
-    flags, keys = [], []
+    flags = ColumnWriter(tmp / "flags.npy", np.uint8)
+    keys = ColumnWriter(tmp / "keys.npy", np.int64)  # each pair's text hash, for the duplicate flags; removed
     threads = os.cpu_count() or 1
     with (
         closing,
@@ -339,30 +370,22 @@ def _write_split(
                     else tokenizer.encode_tgt(lines, num_threads=threads)
                 )
                 lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-                out.write(np.fromiter((i for seq in ids for i in seq), dtype=dtype, count=int(lens.sum())).tobytes())
-                lengths[side].append(lens)
+                out.write(np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lens.sum())).tobytes())
+                offsets[side].append(lens)
                 if text:
                     encoded = [line.encode("utf-8") for line in lines]
                     text_files[side].write(b"".join(encoded))
-                    text_lengths[side].append(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
+                    text_offsets[side].append(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
             chunk_flags, chunk_keys = pair_properties(src, tgt)
             flags.append(chunk_flags)
             keys.append(chunk_keys)
             bar.update(len(src))
-    counts = {}
-    for side in ("src", "tgt"):
-        lens = np.concatenate(lengths[side]) if lengths[side] else np.zeros(0, dtype=np.int64)
-        np.save(tmp / f"{side}.offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
-        counts[f"{side}_tokens"] = int(lens.sum())
-        if text:
-            lens = np.concatenate(text_lengths[side]) if text_lengths[side] else np.zeros(0, dtype=np.int64)
-            np.save(tmp / f"{side}.text_offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
-    flag_array = np.concatenate(flags) if flags else np.zeros(0, dtype=np.uint8)
-    if keys:  # a pair seen before: every occurrence after the first
-        _, first = np.unique(np.concatenate(keys), return_index=True)
-        repeated = np.ones(len(flag_array), dtype=bool)
-        repeated[first] = False
-        flag_array[repeated] |= FLAG_DUPLICATE
+    for writer in (*offsets.values(), *text_offsets.values(), flags, keys):
+        writer.close()
+    counts = {f"{side}_tokens": offsets[side].total for side in ("src", "tgt")}
+    flag_array = np.load(tmp / "flags.npy")  # (pairs,) uint8
+    flag_array[repeated_keys(np.load(tmp / "keys.npy", mmap_mode="r"))] |= FLAG_DUPLICATE  # all but the first
+    (tmp / "keys.npy").unlink()
     np.save(tmp / "flags.npy", flag_array)
     meta = {
         "format": FORMAT_VERSION,

@@ -44,7 +44,7 @@ def warn_about_settings_the_run_cannot_honour(cfg: Config, sampler: TokenBatchSa
     tc = cfg.trainer
     per_update = tc.update_freq * world
     # Each batch holds at most max_tokens of padded width: a lower bound, before counting exactly.
-    if per_update > -(-int(sampler.widths.sum()) // tc.max_tokens):
+    if per_update > -(-sampler.padded_tokens() // tc.max_tokens):
         in_epoch = len(sampler.batches(0))
         if per_update > in_epoch:
             log.warning(
