@@ -4,8 +4,10 @@ and column, devices and other irregular files are refused, and a file's identity
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import json
 import os
 import stat
 from collections.abc import Iterator
@@ -132,11 +134,47 @@ def file_stat(path: Path) -> tuple[int, int] | None:
     return info.st_size, info.st_mtime_ns
 
 
-def hash_files(*paths: Path) -> str:
+def hash_files(*paths: Path, memo: Path | None = None) -> str:
+    """A hash of the files' bytes (each followed by a NUL byte). With `memo` (a directory), read from there
+    when every file still has the identity it had when it was last hashed there: device, inode, size, and
+    modification and change times in nanoseconds. The change time is the kernel's (no cp -p, rsync -a or
+    touch -r sets it), so a file rewritten in any way is hashed again; a warm start skips reading 6 GB."""
+    remembered = _memo_file(paths, memo)
+    if remembered is not None:
+        try:
+            return json.loads(remembered.read_text())["hash"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     digest = hashlib.sha256()
     for path in paths:
         with open_for_reading(path) as handle:
             while block := handle.read(_BLOCK_BYTES):
                 digest.update(block)
         digest.update(b"\0")
-    return digest.hexdigest()[:16]
+    found = digest.hexdigest()[:16]
+    if remembered is not None and _memo_file(paths, memo) == remembered:  # unchanged while it was read
+        tmp = remembered.with_name(f".{remembered.name}.tmp{os.getpid()}")
+        try:  # a memo: a directory that cannot take it hashes again next time
+            remembered.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"files": [str(path) for path in paths], "hash": found}) + "\n")
+            os.replace(tmp, remembered)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+    return found
+
+
+def _memo_file(paths: tuple[Path, ...], memo: Path | None) -> Path | None:
+    """Where `hash_files` keeps the hash of `paths` as they are now (their identities name the file)."""
+    if memo is None:
+        return None
+    identities = []
+    for path in paths:
+        try:
+            info = os.stat(path)
+        except OSError:
+            return None
+        identities.append(
+            [str(Path(path).resolve()), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+        )
+    return Path(memo) / (hashlib.sha256(json.dumps(identities).encode()).hexdigest()[:24] + ".json")

@@ -60,6 +60,7 @@ class SplitSource:
 
     where: str
     files: tuple[Path, ...] = ()  # the files read (their content is what the fingerprint hashes)
+    memo: Path | None = None  # where the hashes of unchanged files are remembered (`hash_files`)
     _fingerprint: str | None = None
     _stats: list | None = None
 
@@ -120,7 +121,7 @@ class ParallelFiles(SplitSource):
         self.where = f"{src_path} + {tgt_path.name}"
 
     def _compute_fingerprint(self) -> str:
-        return hash_files(self.src_path, self.tgt_path)
+        return hash_files(self.src_path, self.tgt_path, memo=self.memo)
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
         src_chunks = rechunk(iter_line_blocks(self.src_path), size)
@@ -152,7 +153,7 @@ class TsvFile(SplitSource):
         self.header = {(src_lang, tgt_lang), ("src", "tgt"), ("source", "target")}
 
     def _compute_fingerprint(self) -> str:
-        return "tsv-with-header-" + hash_files(self.path)  # a header line was read as a pair before
+        return "tsv-with-header-" + hash_files(self.path, memo=self.memo)  # a header line was read as a pair before
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
         line_no, quoted = 0, None
@@ -359,6 +360,11 @@ class Concatenated(SplitSource):
             yield from source.chunks(size)
 
 
+def _memo_dir(cfg: DataConfig) -> Path:
+    """data.cache_dir/fingerprints/: the content hashes of local files, by their identity (`hash_files`)."""
+    return Path(cfg.cache_dir) / "fingerprints"
+
+
 def open_split(cfg: DataConfig, split: str, key: str = "data") -> SplitSource:
     """The source of one split ("train", "validation" or "test" in config terms). `key`: what errors call
     the config's section (`data.path=...`; a corpus of a mixture: `data.corpora[1].path=...`)."""
@@ -370,7 +376,9 @@ def open_split(cfg: DataConfig, split: str, key: str = "data") -> SplitSource:
                 f"the training data itself, and best.pt chosen on it); point {key}.path at a directory "
                 f"holding train.* and {split_key}.* files (data.local_splits names other stems)"
             )
-        return _open_local(cfg, split_key, key)
+        source = _open_local(cfg, split_key, key)
+        source.memo = _memo_dir(cfg)
+        return source
     if cfg.hub_id:
         return _open_hub(cfg, split_key, key)
     pairs = toy.generate(cfg.embedded_pairs)
@@ -419,7 +427,7 @@ def _open_local(cfg: DataConfig, split: str, key: str) -> SplitSource:
         datasets = _datasets(str(file))
         # datasets keys its Arrow copy of a local file by path and modification time: a file rewritten
         # with its old time (cp -p, rsync -a, touch -r) came back as the old rows. Keyed by content here.
-        content = hash_files(file)
+        content = hash_files(file, memo=_memo_dir(cfg))
         try:
             table = datasets.load_dataset(
                 builder,
