@@ -10,8 +10,9 @@ trainer: the trainer's own step (`Trainer.train_step`) on fresh batches from its
          memory and MFU. This is the figure to compare with other toolkits' training logs.
 data   : preparing Multi30k with the SentencePiece model cached, and with everything cached; padding
          share; collate time of 8k-token batches (scripts/bench_data.py).
-data_scale : Multi30k repeated to 1M and 4.5M pairs: cold and warm start to the first step, peak RSS,
-         two torchrun ranks (scripts/bench_data.py; --data-scale 0 skips it).
+data_scale : Multi30k repeated to 1M and 4.5M pairs: cold and warm start to the first step, peak RSS and
+         anonymous memory, the anonymous bytes a pair adds, two torchrun ranks (scripts/bench_data.py;
+         --data-scale 0 skips it; --data-scale 4495000,44950000 is issue 75's probe).
 decode : sentences/s for greedy and beam 5, with the key/value cache and recomputing the prefix.
 translate_cli : with --checkpoint and MULTI30K_DIR, seconds for `transformer-translate` to translate
          test_2016_flickr as a whole process (startup and model load included), beam 5 and greedy.

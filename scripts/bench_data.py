@@ -6,10 +6,12 @@ data       : seconds to prepare Multi30k train + validation with the SentencePie
 data_scale : Multi30k train repeated to 1M and 4.5M pairs (WMT14 en-de's size); per size, whole processes
              of `transformer.train model=tiny trainer.max_steps=1`: cold (nothing cached: SentencePiece,
              encoding, batching, one step) and warm (everything cached and checked), wall time, time to
-             the end of the first step (from the log) and peak RSS; the seconds that checking the
-             prepared training split takes (sizes and CRC-32 of every file, part of every warm start);
-             for the largest, also a cold `torchrun --nproc_per_node=2` run: peak RSS of the largest
-             process and the number of prepared corpus directories (one per split: prepared once).
+             the end of the first step (from the log), peak RSS and peak anonymous memory (RssAnon, sampled
+             from /proc: what memory-mapped files do not explain, paid again by every rank) and the anonymous
+             bytes each pair adds between two sizes; the seconds that checking the prepared training
+             split takes (sizes and CRC-32 of every file, part of every warm start); for the largest, also
+             a cold `torchrun --nproc_per_node=2` run: peak RSS of the largest rank (and its anonymous
+             memory) and the number of prepared corpus directories (one per split: prepared once).
 """
 
 from __future__ import annotations
@@ -107,24 +109,47 @@ def _repeat_corpus(multi30k: Path, pairs: int, folder: Path) -> None:
             shutil.copy(multi30k / f"{split}.{lang}", folder / f"{split}.{lang}")
 
 
-_MEASURE = (
-    "import resource, subprocess, sys, time; t = time.perf_counter(); rc = subprocess.call(sys.argv[2:]); "
-    "open(sys.argv[1], 'w').write('%d %.2f %d' % (rc, time.perf_counter() - t, "
-    "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))"
-)
+def _descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (from /proc/PID/task/*/children)."""
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                queue += [int(child) for child in children.read_text().split()]
+            except OSError:  # ended meanwhile
+                pass
+    return found
 
 
-def _timed(command: list[str], log: Path) -> tuple[float, float]:
-    """(wall seconds, peak RSS in MB of the largest descendant) of a command run to completion."""
-    result = log.with_suffix(".measure")
+def _memory_kb(pid: int) -> tuple[int, int]:
+    """(RssAnon, VmRSS) of a process in KB; (0, 0) once it has ended."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0, 0
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return tuple(int(fields.get(key, "0 kB").split()[0]) for key in ("RssAnon", "VmRSS"))
+
+
+def _timed(command: list[str], log: Path) -> tuple[float, float, float]:
+    """(wall seconds, peak RSS in MB, peak anonymous memory in MB) of a command run to completion, the
+    peaks those of its largest process (the training process, or a torchrun rank), sampled from /proc
+    every 0.2 s. Anonymous memory (RssAnon) is what memory-mapped files do not explain: what every rank
+    pays again."""
+    started = time.perf_counter()
+    rss = anon = 0
     with open(log, "w") as out:
-        subprocess.run(
-            [sys.executable, "-c", _MEASURE, str(result), *command], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
-        )
-    rc, seconds, rss_kb = result.read_text().split()
-    if rc != "0":
-        raise RuntimeError(f"{' '.join(command)} failed (exit {rc}); see {log}")
-    return float(seconds), int(rss_kb) / 1024
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        while process.poll() is None:
+            for pid in _descendants(process.pid):
+                pid_anon, pid_rss = _memory_kb(pid)
+                anon, rss = max(anon, pid_anon), max(rss, pid_rss)
+            time.sleep(0.2)
+    if process.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed (exit {process.returncode}); see {log}")
+    return time.perf_counter() - started, rss / 1024, anon / 1024
 
 
 def _to_first_step(log: Path, started: float) -> float:
@@ -161,7 +186,9 @@ def bench_data_scale(multi30k: Path, sizes: list[int], folder: Path) -> list[dic
         row = {"section": "data_scale", "pairs": pairs}
         for run in ("cold", "warm"):
             started = time.time()
-            row[f"{run}_s"], row[f"{run}_rss_mb"] = _timed([sys.executable, *args], corpus / f"{run}.log")
+            row[f"{run}_s"], row[f"{run}_rss_mb"], row[f"{run}_anon_mb"] = _timed(
+                [sys.executable, *args], corpus / f"{run}.log"
+            )
             row[f"{run}_first_step_s"] = _to_first_step(corpus / f"{run}.log", started)
         (train_dir,) = (cache / "corpus").glob("*.train.*")
         started = time.perf_counter()
@@ -171,8 +198,13 @@ def bench_data_scale(multi30k: Path, sizes: list[int], folder: Path) -> list[dic
         if pairs == max(sizes):
             shutil.rmtree(cache, ignore_errors=True)
             ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-            row["ddp2_cold_s"], row["ddp2_max_rss_mb"] = _timed(ddp, corpus / "ddp.log")
+            row["ddp2_cold_s"], row["ddp2_max_rss_mb"], row["ddp2_max_anon_mb"] = _timed(ddp, corpus / "ddp.log")
             row["ddp2_corpus_dirs"] = len(list((cache / "corpus").iterdir()))
+        if rows:  # what each pair more costs, between the previous size and this one
+            previous = rows[-1]
+            for run in ("cold", "warm"):
+                extra_mb = row[f"{run}_anon_mb"] - previous[f"{run}_anon_mb"]
+                row[f"{run}_anon_bytes_per_pair"] = extra_mb * 2**20 / (pairs - previous["pairs"])
         rows.append(row)
         print_row(row)
     return rows
@@ -188,16 +220,23 @@ def print_row(row: dict) -> None:
         )
     else:
         ddp = (
-            f" | torchrun x2 cold {row['ddp2_cold_s']:.0f} s, largest process {row['ddp2_max_rss_mb']:.0f} MB, "
-            f"{row['ddp2_corpus_dirs']} corpus dirs"
+            f" | torchrun x2 cold {row['ddp2_cold_s']:.0f} s, largest rank {row['ddp2_max_rss_mb']:.0f} MB "
+            f"({row['ddp2_max_anon_mb']:.0f} MB anonymous), {row['ddp2_corpus_dirs']} corpus dirs"
             if "ddp2_cold_s" in row
+            else ""
+        )
+        per_pair = (
+            f" | {row['cold_anon_bytes_per_pair']:.1f} / {row['warm_anon_bytes_per_pair']:.1f} anonymous bytes a "
+            "pair more than the size before (cold / warm)"
+            if "warm_anon_bytes_per_pair" in row
             else ""
         )
         print(
             f"scale  {row['pairs']:>9,} pairs | cold {row['cold_s']:6.1f} s (first step after "
-            f"{row['cold_first_step_s']:.1f} s), {row['cold_rss_mb']:5.0f} MB | warm {row['warm_s']:5.1f} s "
-            f"(first step after {row['warm_first_step_s']:.1f} s), {row['warm_rss_mb']:5.0f} MB, checking the "
-            f"{row['train_split_mb']:.0f} MB training split {row['check_s']:.2f} s{ddp}"
+            f"{row['cold_first_step_s']:.1f} s), {row['cold_rss_mb']:5.0f} MB, {row['cold_anon_mb']:5.0f} MB "
+            f"anonymous | warm {row['warm_s']:5.1f} s (first step after {row['warm_first_step_s']:.1f} s), "
+            f"{row['warm_rss_mb']:5.0f} MB, {row['warm_anon_mb']:5.0f} MB anonymous, checking the "
+            f"{row['train_split_mb']:.0f} MB training split {row['check_s']:.2f} s{per_pair}{ddp}"
         )
 
 

@@ -525,10 +525,10 @@ def test_vectorised_filtering_and_batching_equal_the_slow_reference(tmp_path, mo
     width counts cross many chunk boundaries) give the batches of the obvious loop, epoch by epoch."""
     import random
 
-    from transformer.data import batching
+    from transformer.data import batching, ordering
     from transformer.data import corpus as corpus_module
 
-    for module in (batching, corpus_module):
+    for module in (batching, corpus_module, ordering):
         monkeypatch.setattr(module, "CHUNK_PAIRS", chunk)
     rng = random.Random(5)
     words = ["Hund", "Katze", "Haus", "rot", "läuft", "schnell", "ein", "der", "über", "Brücke"]
@@ -780,24 +780,48 @@ def test_a_dangling_or_looping_symbolic_link_is_named_as_such(tmp_path):
         load_split_text(DataConfig(path=str(tmp_path / "loop1")), "train")
 
 
+@pytest.mark.parametrize("tie_bits", [32, 3])
 @pytest.mark.parametrize("chunk", [7, 1000, 1 << 20])
-def test_the_epochs_sort_equals_lexsort_over_many_groups_and_chunks(monkeypatch, chunk):
+def test_the_epochs_sort_equals_lexsort_over_many_groups_and_chunks(monkeypatch, chunk, tie_bits):
     """length_sorted_order is np.lexsort((tie, tgt, src, max(src, tgt))) without its int64 arrays: over
-    groups that span chunks, groups larger than a chunk, equal tie-breaks (kept in index order), and the
-    lexsort fallback for lengths beyond the group table."""
-    from transformer.data import batching
+    groups that span chunks, groups larger than a chunk, equal tie-breaks (kept in index order), tie-break
+    prefixes of 3 bits (nearly every pair shares its prefix with others of its group: the exact values
+    decide), and the lexsort fallback for lengths beyond the group table."""
+    from transformer.data import ordering
+    from transformer.data.ordering import TieBreaks
 
-    monkeypatch.setattr(batching, "CHUNK_PAIRS", chunk)
+    monkeypatch.setattr(ordering, "CHUNK_PAIRS", chunk)
+    monkeypatch.setattr(ordering, "TIE_BITS", tie_bits)
     rng = np.random.default_rng(11)
     for count, top in [(0, 3), (1, 3), (5000, 3), (20000, 130)]:
         src, tgt = (compact(rng.integers(0, top, count)) for _ in range(2))
         tie = rng.random(count)
         tie[::3] = 0.25  # a third of them equal
         expected = np.lexsort((tie, tgt, src, np.maximum(src, tgt)))
-        order = batching.length_sorted_order(src, tgt, tie)
+        order = ordering.length_sorted_order(src, tgt, TieBreaks.of(tie))
         assert order.dtype == np.uint32 and np.array_equal(order, expected)
-    monkeypatch.setattr(batching, "GROUP_TABLE_ENTRIES", 4)
-    assert np.array_equal(batching.length_sorted_order(src, tgt, tie), expected)
+    monkeypatch.setattr(ordering, "GROUP_TABLE_ENTRIES", 4)
+    assert np.array_equal(ordering.length_sorted_order(src, tgt, TieBreaks.of(tie)), expected)
+
+
+@pytest.mark.parametrize("tie_bits", [32, 4])
+def test_tie_breaks_drawn_in_chunks_sort_as_rng_random_and_leave_the_generator_as_it_does(monkeypatch, tie_bits):
+    """An epoch draws its tie-breaks a chunk at a time and keeps their prefixes; the order equals the lexsort
+    by `rng.random(count)`'s values, and the generator goes on (to the batch permutation) as after that call."""
+    from transformer.data import ordering
+    from transformer.data.ordering import TieBreaks
+
+    monkeypatch.setattr(ordering, "CHUNK_PAIRS", 1000)
+    monkeypatch.setattr(ordering, "TIE_BITS", tie_bits)
+    lengths = np.random.default_rng(5)
+    src, tgt = compact(lengths.integers(0, 9, 7777)), compact(lengths.integers(0, 9, 7777))
+    ours, reference = np.random.default_rng([3, 1]), np.random.default_rng([3, 1])
+    order = ordering.length_sorted_order(src, tgt, TieBreaks(ours, len(src)))
+    tie = reference.random(len(src))
+    assert np.array_equal(order, np.lexsort((tie, tgt, src, np.maximum(src, tgt))))
+    assert np.array_equal(ours.permutation(500), reference.permutation(500))
+    some = np.array([7000, 3, 3, 999, 1000, 0])
+    assert np.array_equal(TieBreaks(np.random.default_rng([3, 1]), len(src)).exact(some), tie[some])
 
 
 def test_a_corpus_keeps_a_few_bytes_a_pair_for_the_run(tmp_path):

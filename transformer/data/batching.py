@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from transformer.data.arrays import CHUNK_PAIRS, compact, index_dtype
+from transformer.data.arrays import CHUNK_PAIRS, compact
+from transformer.data.ordering import TieBreaks, length_sorted_order
 from transformer.errors import DataError
 from transformer.special import BOS_ID, EOS_ID, PAD_ID
 
@@ -158,59 +159,6 @@ def width_counts(src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
     return counts
 
 
-# An epoch's sort goes through a table of every (source, target) length pair's rank while it holds at most
-# this many entries (data.max_len 2,047 and below; uint32, 16 MiB); longer corpora sort with np.lexsort.
-GROUP_TABLE_ENTRIES = 2**22
-
-
-def length_sorted_order(src: np.ndarray, tgt: np.ndarray, tie_break: np.ndarray) -> np.ndarray:
-    """The positions of the pairs sorted by (padded width = max(source, target) length, source length,
-    target length, tie_break), equal to `np.lexsort((tie_break, tgt, src, np.maximum(src, tgt)))`
-    (positions with equal keys in their order), without its int64 arrays of every pair: a stable counting
-    sort of the (source, target) length groups, then the groups sorted by their tie-breaks, both a chunk
-    at a time. Beyond the output (uint32) and the tie-breaks it holds what one chunk needs."""
-    count = len(src)
-    top = int(max(src.max(initial=0), tgt.max(initial=0))) + 1  # lengths 0..top-1
-    cells = top * top
-    if cells > GROUP_TABLE_ENTRIES:
-        return np.lexsort((tie_break, tgt, src, np.maximum(src, tgt))).astype(index_dtype(count))
-    grid_src, grid_tgt = np.divmod(np.arange(cells), top)  # every (source, target) length pair
-    rank = np.empty(cells, dtype=np.uint16 if cells <= 2**16 else np.uint32)  # uint16: numpy's radix sort
-    rank[np.lexsort((grid_tgt, grid_src, np.maximum(grid_src, grid_tgt)))] = np.arange(cells)
-
-    def groups(start: int) -> np.ndarray:  # (C,) the group of each pair of a chunk
-        return rank[src[start : start + CHUNK_PAIRS].astype(np.int64) * top + tgt[start : start + CHUNK_PAIRS]]
-
-    sizes = np.zeros(cells, dtype=np.int64)
-    for start in range(0, count, CHUNK_PAIRS):
-        sizes += np.bincount(groups(start), minlength=cells)
-    bounds = np.concatenate([[0], np.cumsum(sizes)])  # group g: order[bounds[g] : bounds[g + 1]]
-    cursor = bounds[:-1].copy()  # the next free place of each group
-    order = np.empty(count, dtype=index_dtype(count))
-    for start in range(0, count, CHUNK_PAIRS):  # each chunk's pairs behind the earlier chunks' of their group
-        group = groups(start)
-        by_group = np.argsort(group, kind="stable")  # (C,)
-        sorted_groups = group[by_group]
-        firsts = np.flatnonzero(np.r_[True, sorted_groups[1:] != sorted_groups[:-1]])  # each group's run
-        runs = np.diff(np.append(firsts, len(group)))
-        within = np.arange(len(group)) - np.repeat(firsts, runs)  # place within its group's run
-        order[cursor[sorted_groups] + within] = start + by_group
-        cursor[sorted_groups[firsts]] += runs
-    # Then each group by its tie-breaks (stable: equal ones stay in index order), whole groups a chunk at a
-    # time: a chunk's lexsort by (group, tie-break) sorts each of its groups.
-    filled = np.flatnonzero(sizes)
-    ends = bounds[filled + 1]
-    first = 0
-    while first < len(filled):
-        begin = bounds[filled[first]]
-        last = max(first, int(np.searchsorted(ends, begin + CHUNK_PAIRS, side="right")) - 1)  # whole groups
-        members = order[begin : ends[last]]
-        local = np.repeat(np.arange(last - first + 1), sizes[filled[first : last + 1]])
-        members[:] = members[np.lexsort((tie_break[members], local))]
-        first = last + 1
-    return order
-
-
 class EpochBatches:
     """One epoch's batches: views into a sorted order, in a shuffled batch order."""
 
@@ -279,9 +227,7 @@ class TokenBatchSampler:
             chosen = self.epoch_pairs(epoch)  # (M,) positions, repeats included
             src_lens, tgt_lens = src_lens[chosen], tgt_lens[chosen]
         rng = np.random.default_rng([self.seed, epoch])
-        tie_break = rng.random(len(src_lens))
-        order = length_sorted_order(src_lens, tgt_lens, tie_break)  # (lengths + 1 sort as the lengths)
-        del tie_break
+        order = length_sorted_order(src_lens, tgt_lens, TieBreaks(rng, len(src_lens)))  # lengths + 1 sort alike
         counts = width_counts(src_lens, tgt_lens)  # the order's runs of equal width, narrowest first
         widths = np.flatnonzero(counts)
         starts = pack_runs(widths, counts[widths], self.max_tokens)
