@@ -13,6 +13,8 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from transformer.errors import DataError
 
 _BLOCK_BYTES = 8 << 20
@@ -93,6 +95,47 @@ def iter_line_blocks(path: Path) -> Iterator[list[str]]:
             yield lines
     if rest:
         yield decode_lines(rest, path, line_no)
+
+
+def count_lines(path: Path) -> int:
+    """The number of lines `iter_line_blocks` yields for the file, counted in its bytes (no decoding)."""
+    count, last = 0, b"\n"
+    with open_for_reading(path) as handle:
+        while block := handle.read(_BLOCK_BYTES):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")  # a last line without its newline
+
+
+def lines_at(path: Path, wanted: np.ndarray) -> list[str]:
+    """The lines numbered `wanted` (0-based, ascending, unique) of a UTF-8 file, read in blocks and found by
+    their newlines, decoding only those lines: a sample of 1M lines from a corpus of 90M in seconds."""
+    found: list[str] = []
+    base, rest, first = 0, b"", True  # the number of the block's first line
+    with open_for_reading(path) as handle:
+        while True:
+            block = handle.read(_BLOCK_BYTES)
+            if first and block.startswith(b"\xef\xbb\xbf"):
+                block = block[3:]
+            first = False
+            if not block:
+                break
+            block = rest + block
+            cut = block.rfind(b"\n")
+            if cut < 0:
+                rest = block
+                continue
+            rest = block[cut + 1 :]
+            ends = np.flatnonzero(np.frombuffer(block, dtype=np.uint8, count=cut + 1) == 10)  # (L,) its newlines
+            low, high = np.searchsorted(wanted, [base, base + len(ends)])
+            for line in wanted[low:high].tolist():
+                index = line - base
+                start = int(ends[index - 1]) + 1 if index else 0
+                found += decode_lines(block[start : int(ends[index])], path, line + 1)
+            base += len(ends)
+    if rest and len(wanted) and wanted[-1] == base:
+        found += decode_lines(rest, path, base + 1)
+    return found
 
 
 def read_lines(path: Path) -> list[str]:

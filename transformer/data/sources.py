@@ -15,13 +15,17 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from transformer.config import DataConfig
 from transformer.data import toy
 from transformer.data.lines import (
+    count_lines,
     dangling_link,
     file_stat,
     hash_files,
     iter_line_blocks,
+    lines_at,
     not_regular,
     rechunk,
     refuse_irregular,
@@ -32,6 +36,7 @@ log = logging.getLogger(__name__)
 
 
 CHUNK_LINES = 100_000
+SAMPLE_SEED = 20261202  # the tokenizer's sample of a large corpus (`sample_lines`): the same for the same content
 
 
 def pa_types():
@@ -90,6 +95,12 @@ class SplitSource:
             tgt.extend(t)
         return src, tgt
 
+    def sample_lines(self, sides: tuple[str, ...], count: int) -> list[str] | None:
+        """A uniform random sample of `count` of the lines of `sides`, the same every time for the same
+        content, or None where the source cannot draw one cheaply or has no more than `count` lines (the
+        tokenizer then streams every line, `lines`)."""
+        return None
+
     def lines(self, *sides: str) -> _Lines:
         """A re-iterable over the lines of `sides` ("src", "tgt" or both, chunk by chunk), streamed
         anew on every pass: one pass over the split feeds a joint vocabulary both of its sides."""
@@ -122,6 +133,21 @@ class ParallelFiles(SplitSource):
 
     def _compute_fingerprint(self) -> str:
         return hash_files(self.src_path, self.tgt_path, memo=self.memo)
+
+    def sample_lines(self, sides: tuple[str, ...], count: int) -> list[str] | None:
+        """Line numbers drawn without replacement (a fixed seed) among the lines of the sides' files, counted
+        in their bytes, then those lines read; in file order."""
+        paths = [{"src": self.src_path, "tgt": self.tgt_path}[side] for side in sides]
+        counts = [count_lines(path) for path in paths]
+        if sum(counts) <= count:
+            return None
+        chosen = np.sort(np.random.default_rng(SAMPLE_SEED).choice(sum(counts), size=count, replace=False))
+        bounds = np.cumsum([0, *counts])
+        return [
+            line
+            for path, low, high in zip(paths, bounds[:-1], bounds[1:])
+            for line in lines_at(path, chosen[(chosen >= low) & (chosen < high)] - low)
+        ]
 
     def chunks(self, size: int = CHUNK_LINES) -> Iterator[Chunk]:
         src_chunks = rechunk(iter_line_blocks(self.src_path), size)

@@ -259,17 +259,13 @@ def build_tokenizer(
             vocab_size=vocab_size,
             model_type=model_type,
             character_coverage=character_coverage,
-            sample=sample,
             where=source.where,
             symbols=[LANGUAGE_TAG.format(language) for language in sorted(languages)],
         )
-        if joint:
-            models = [train_sentencepiece(source.lines("src", "tgt"), **train)]
-        else:
-            models = [
-                train_sentencepiece(source.lines("src"), **train),
-                train_sentencepiece(source.lines("tgt"), **train),
-            ]
+        models = []
+        for sides in [("src", "tgt")] if joint else [("src",), ("tgt",)]:
+            lines, reservoir = _training_lines(source, sides, sample)
+            models.append(train_sentencepiece(lines, sample=reservoir, **train))
         _write_cached(record_path, paths, models, {**settings, "corpus": source.where})
     tokenizer = Tokenizer(models[0], None if joint else models[1])
     sizes = f"{tokenizer.src_vocab_size}" if joint else f"{tokenizer.src_vocab_size} + {tokenizer.tgt_vocab_size}"
@@ -282,6 +278,17 @@ def build_tokenizer(
     else:
         log.info("SentencePiece: the vocabulary has %s pieces", sizes)
     return tokenizer
+
+
+def _training_lines(source: SplitSource, sides: tuple[str, ...], sample: int):
+    """(lines, sample) for `train_sentencepiece`: the source's own sample of `sample` lines when it draws one
+    (a large plain-text corpus: the same lines every time, so the same vocabulary, and only those lines read
+    and decoded), else every line, streamed, for SentencePiece's reservoir of `sample` (random per process)."""
+    sampled = source.sample_lines(sides, sample) if sample > 0 else None
+    if sampled is not None:
+        log.info("SentencePiece: a sample of %d lines of %s (data.tokenizer_sample)", len(sampled), source.where)
+        return sampled, 0
+    return source.lines(*sides), sample
 
 
 def _read_cached(record_path: Path, paths: list[Path]) -> list[bytes]:
