@@ -447,6 +447,12 @@ class TrainerConfig:
         "(none: drawing takes about a second per validation on a CPU)",
     )
     keep_last: int = setting(3, "step_N.pt files kept (0 = keep all)")
+    full_checkpoints: bool = setting(
+        False,
+        "best.pt and step_N.pt hold the training state too (optimizer, schedule, "
+        "scaler, random streams, data position, EMA), so that each can resume the "
+        "run; false: the weights only (a third of last.pt, a quarter with an EMA), last.pt holds everything",
+    )
     ema_decay: float = setting(
         0.0,
         "exponential moving average of the weights after every update (e.g. "
