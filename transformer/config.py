@@ -390,6 +390,7 @@ class DataConfig:
 
 ATTENTION_HEATMAPS = ("mean", "heads", "layers", "off")  # trainer.attention_heatmaps
 LOGGERS = ("tensorboard", "jsonl", "mlflow", "wandb")  # trainer.loggers
+LOG_LEVELS = ("debug", "info", "warning", "error")  # trainer.log_level
 
 
 SCHEDULES = ("inverse_sqrt", "cosine", "linear", "constant")
@@ -487,6 +488,12 @@ class TrainerConfig:
     )
     overwrite: bool = setting(False, "allow starting over in a run dir that already holds checkpoints")
     log_every: int = setting(50, "steps between train.log lines / TensorBoard points")
+    log_level: str | None = setting(
+        None,
+        "debug | info | warning | error: the package's log on the console and in train.log; warning and error "
+        "also hide the progress bars (transformer-train --quiet = warning); null = the level Hydra's "
+        "job_logging gives (info; hydra.job_logging.root.level=WARNING changes it)",
+    )
     loggers: list[str] = setting(
         factory=lambda: ["tensorboard"],
         meaning="where the run's numbers go (rank 0), any of: tensorboard (RUN/tb) | jsonl (RUN/metrics.jsonl, "
@@ -513,6 +520,10 @@ class TrainerConfig:
         if self.attention_heatmaps not in ATTENTION_HEATMAPS:
             raise ConfigError(
                 f"trainer.attention_heatmaps={self.attention_heatmaps!r} must be one of {', '.join(ATTENTION_HEATMAPS)}"
+            )
+        if self.log_level is not None and self.log_level not in LOG_LEVELS:
+            raise ConfigError(
+                f"trainer.log_level={self.log_level!r} must be one of {', '.join(LOG_LEVELS)} (or null: Hydra's level)"
             )
         unknown = [name for name in self.loggers if name not in LOGGERS]
         if unknown or len(set(self.loggers)) != len(self.loggers):

@@ -61,6 +61,7 @@ HONOURED_ON_RESUME = {
         "resume",
         "overwrite",
         "log_every",
+        "log_level",
         "loggers",
         "num_threads",
         "num_workers",

@@ -17,6 +17,7 @@ import torch
 
 from transformer.checkpoint import check_config_matches_weights, load_model_weights, tensor_shapes
 from transformer.config import Config
+from transformer.console import set_quiet
 from transformer.data.batching import TokenBatchSampler, UpdateSampler, update_loader
 from transformer.data.corpus import PreparedData
 from transformer.data.mixture import MixedCorpus
@@ -33,7 +34,8 @@ from transformer.training.monitor import Monitor
 from transformer.training.optim import build_optimizer
 from transformer.training.progress import Progress
 from transformer.training.resume import StartingPoint, starting_point
-from transformer.training.run_dir import Launch, RunDirectoryLock, StopSignals, attach_log_file, resume_hint
+from transformer.training.run_dir import Launch, RunDirectoryLock, StopSignals, resume_hint
+from transformer.training.run_log import attach_log_file
 from transformer.training.selection import Selection
 from transformer.training.state import TrainingState
 from transformer.training.step import TrainingStep
@@ -281,7 +283,8 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     lock = RunDirectoryLock.acquire(run_dir) if rank == 0 else None  # one run per directory
     try:
-        attach_log_file(run_dir, is_main=rank == 0)
+        attach_log_file(run_dir, is_main=rank == 0, level=cfg.trainer.log_level)
+        set_quiet(cfg.trainer.log_level in ("warning", "error"))  # no progress bars either
         with log_lines_above_bars():
             return _train_in(cfg, run_dir, _launch_of_this_process())
     except RuntimeError as error:  # a collective of gloo or NCCL, when another rank has gone
