@@ -28,6 +28,7 @@ from transformer.errors import (  # their home; imported from here too
     os_error_in,
     symlink_loop,
 )
+from transformer.install import upgrade_hint
 from transformer.model import Transformer, build_model
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False, ve
     if version > CHECKPOINT_FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: written by a newer version of this package (checkpoint format {version}; "
-            f"this one reads up to {CHECKPOINT_FORMAT_VERSION}); upgrade: pip install -U transformer"
+            f"this one reads up to {CHECKPOINT_FORMAT_VERSION}); upgrade this package: {upgrade_hint()}"
         )
     if is_zip and verify != "none":
         damaged = _damaged_record(path) if verify == "all" else _damaged_weight(path, state["model"])

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from transformer.errors import ConfigError  # noqa: F401  (its home is errors.py; imported from here too)
+from transformer.install import upgrade_hint
 
 # Hydra's config tree, inside the package (absolute, so that any launcher finds it: -m, torchrun,
 # console scripts, an installed wheel).
@@ -835,7 +836,7 @@ class Config:
             if saved:  # a checkpoint's or an export's: a key a later version of the package added
                 raise ConfigError(
                     f"unknown config key {error.full_key}: the model was saved by a newer version of "
-                    "this package; upgrade it (pip install -U) to load it"
+                    f"this package; to load it, upgrade this package: {upgrade_hint()}"
                 ) from None
             raise ConfigError(f"unknown config key {error.full_key}; known keys: {', '.join(sorted(known))}") from None
         except OmegaConfBaseException as error:
