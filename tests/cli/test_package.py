@@ -303,3 +303,28 @@ print(json.dumps([code or 0, "torch" in sys.modules]))
     assert answer in (result.stdout if exit_code == 0 else result.stderr)
     if exit_code:  # a refusal is one line, without argparse's usage block
         one_line(result.stderr)
+
+
+def test_the_upload_command_the_docs_give_is_the_installed_huggingface_hubs():
+    """huggingface_hub replaced `huggingface-cli` with `hf` (the tested release has no other): the docs'
+    commands must be ones it has."""
+    import shutil
+    from pathlib import Path
+
+    commands = [
+        line.split("#")[0].split()
+        for line in (ROOT / "docs" / "translating.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith(("hf ", "huggingface-cli "))
+    ]
+    assert ["hf", "upload", "you/de-en-multi30k", "my-model/", "."] in commands, commands
+    assert all(words[0] == "hf" for words in commands), commands
+    hf = Path(sys.executable).with_name("hf")
+    hf = str(hf) if hf.exists() else shutil.which("hf")
+    if hf is None:
+        pytest.skip("huggingface_hub's hf command is not installed here")
+    for words in commands:
+        done = subprocess.run(
+            [hf, *words[1 : 3 if words[1] == "auth" else 2], "--help"], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+    assert "REPO_ID" in subprocess.run([hf, "upload", "--help"], capture_output=True, text=True).stdout
