@@ -1,13 +1,18 @@
 """Plain helpers for the tests (conftest.py keeps the fixtures and hooks): the repository root, the
 tiny training configuration, composing the real config, a command's main(argv) run in the test's process and its
 one-line refusals, an untrained checkpoint, a bit flipped in a checkpoint, and the counter of tensor
-values read back to the host."""
+values read back to the host, a command run on a pseudo-terminal and the lines a terminal shows of it."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import pty
 import re
 import signal
 import struct
+import subprocess
+import termios
 import time
 import zipfile
 import zlib
@@ -215,3 +220,45 @@ def flip_a_byte_of(path: Path, tensor: torch.Tensor) -> None:
     name_length, extra_length = struct.unpack("<HH", data[header + 26 : header + 30])
     data[header + 30 + name_length + extra_length + record.file_size // 2] ^= 0x04
     path.write_bytes(data)
+
+
+def screen_lines(raw: str) -> list[str]:
+    """The lines a terminal shows for `raw`: a carriage return goes back to the start of the line, whose
+    characters the next ones overwrite; escape sequences are dropped."""
+    raw = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw)
+    lines, line, column = [], [], 0
+    for char in raw:
+        if char == "\n":
+            lines.append("".join(line).rstrip())
+            line, column = [], 0
+        elif char == "\r":
+            column = 0
+        else:
+            line[column : column + 1] = [char]
+            column += 1
+    return lines + ["".join(line).rstrip()]
+
+
+def run_on_a_terminal(args: list[str], cwd, timeout: float = 240) -> str:
+    """Run `args` with stdout and stderr on a pseudo-terminal 160 columns wide; everything it wrote."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    # Not under make (`make test` exports MAKELEVEL): the resume command then takes the python -m form.
+    env = {**{k: v for k, v in os.environ.items() if k != "MAKELEVEL"}, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
+    proc = subprocess.Popen(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks, deadline = [], time.time() + timeout
+    try:
+        while time.time() < deadline:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(master)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, b"".join(chunks).decode(errors="replace")[-3000:]
+    return b"".join(chunks).decode(errors="replace")

@@ -137,7 +137,8 @@ def test_a_saved_config_with_a_key_this_version_lacks_asks_for_an_upgrade():
     with pytest.raises(
         ConfigError,
         match=r"^unknown config key decode.length_bonus: the model was saved by a newer "
-        r"version of this package; upgrade it \(pip install -U\) to load it$",
+        r"version of this package; to load it, upgrade this package: update the checkout .* \(git pull\) "
+        r"and reinstall it \(pip install -e \. or make install\)$",
     ):
         Config.from_dict(saved, saved=True)
 

@@ -1,8 +1,10 @@
 """Checkpoints: one self-contained file, written atomically, loaded without executing code.
 
 Keys (DESIGN §5): model, config, tokenizer, step, optimizer, scheduler, scaler, rng, data_state,
-metrics, and format_version (written by `save_checkpoint`; a file without it predates it). Everything is
-tensors, numbers, strings, bytes, lists and dicts, so
+metrics, and format_version (written by `save_checkpoint`; a file without it predates it). A weights-only
+checkpoint (a run's best.pt and step_N.pt unless trainer.full_checkpoints=true, an average) leaves out the
+training state (`TRAINING_STATE_KEYS`): it translates, evaluates, exports, averages and starts a new run
+(trainer.init_from), but does not resume one. Everything is tensors, numbers, strings, bytes, lists and dicts, so
 `torch.load(path, weights_only=True)` reads it and a crafted pickle cannot run code.
 """
 
@@ -26,12 +28,17 @@ from transformer.errors import (  # their home; imported from here too
     os_error_in,
     symlink_loop,
 )
+from transformer.install import upgrade_hint
 from transformer.model import Transformer, build_model
 
 log = logging.getLogger(__name__)
 
 
 REQUIRED_KEYS = ("model", "config", "tokenizer", "step")
+# What only resuming reads: the optimizer's moments (twice the weights), the schedule, the fp16 loss scaler,
+# every rank's random streams, the position in the data and the moving average of the weights (as large as
+# they). A weights-only checkpoint holds none of them.
+TRAINING_STATE_KEYS = ("optimizer", "scheduler", "scaler", "rng", "data_state", "ema")
 
 
 # Raised when a change to the keys or their meaning would mislead an older release reading the file: that
@@ -73,6 +80,12 @@ def save_checkpoint(state: dict, path: str | Path) -> None:
         if tmp.exists():
             tmp.unlink()
     fsync_directory(path.parent)
+
+
+def without_training_state(state: dict) -> dict:
+    """`state` without its training state (`TRAINING_STATE_KEYS`): the weights with what rebuilds and
+    describes them (config, tokenizer, step, metrics, which weights they are)."""
+    return {key: value for key, value in state.items() if key not in TRAINING_STATE_KEYS}
 
 
 def fsync_directory(path: Path) -> None:
@@ -149,7 +162,7 @@ def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False, ve
     if version > CHECKPOINT_FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: written by a newer version of this package (checkpoint format {version}; "
-            f"this one reads up to {CHECKPOINT_FORMAT_VERSION}); upgrade: pip install -U transformer"
+            f"this one reads up to {CHECKPOINT_FORMAT_VERSION}); upgrade this package: {upgrade_hint()}"
         )
     if is_zip and verify != "none":
         damaged = _damaged_record(path) if verify == "all" else _damaged_weight(path, state["model"])
@@ -343,7 +356,9 @@ def load_model_weights(model: torch.nn.Module, weights: dict, path: str | Path =
 
 
 def average_checkpoints(paths: list[str | Path]) -> dict:
-    """Average the model weights of several checkpoints of one run; the rest is taken from the last."""
+    """Average the model weights of several checkpoints of one run (weights-only or full ones); the config,
+    tokenizer, step and metrics are taken from the last. The result is weights-only: the training state of
+    the last would not fit the averaged weights."""
     if not paths:
         raise CheckpointError("no checkpoints to average")
     states = [load_checkpoint(p, mmap=True) for p in paths]  # memory-mapped: weights read as summed
@@ -365,7 +380,7 @@ def average_checkpoints(paths: list[str | Path]) -> dict:
             averaged[key] = (total / len(states)).to(value.dtype)
         else:
             averaged[key] = value
-    result = {k: v for k, v in states[-1].items() if k not in ("optimizer", "scheduler", "scaler")}
+    result = without_training_state(states[-1])
     result["model"] = averaged
     result["metrics"] = {**states[-1].get("metrics", {}), "averaged_from": [str(p) for p in paths]}
     return result

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from transformer.errors import ConfigError  # noqa: F401  (its home is errors.py; imported from here too)
+from transformer.install import upgrade_hint
 
 # Hydra's config tree, inside the package (absolute, so that any launcher finds it: -m, torchrun,
 # console scripts, an installed wheel).
@@ -390,6 +391,7 @@ class DataConfig:
 
 ATTENTION_HEATMAPS = ("mean", "heads", "layers", "off")  # trainer.attention_heatmaps
 LOGGERS = ("tensorboard", "jsonl", "mlflow", "wandb")  # trainer.loggers
+LOG_LEVELS = ("debug", "info", "warning", "error")  # trainer.log_level
 
 
 SCHEDULES = ("inverse_sqrt", "cosine", "linear", "constant")
@@ -447,6 +449,12 @@ class TrainerConfig:
         "(none: drawing takes about a second per validation on a CPU)",
     )
     keep_last: int = setting(3, "step_N.pt files kept (0 = keep all)")
+    full_checkpoints: bool = setting(
+        False,
+        "best.pt and step_N.pt hold the training state too (optimizer, schedule, "
+        "scaler, random streams, data position, EMA), so that each can resume the "
+        "run; false: the weights only (a third of last.pt, a quarter with an EMA), last.pt holds everything",
+    )
     ema_decay: float = setting(
         0.0,
         "exponential moving average of the weights after every update (e.g. "
@@ -481,6 +489,12 @@ class TrainerConfig:
     )
     overwrite: bool = setting(False, "allow starting over in a run dir that already holds checkpoints")
     log_every: int = setting(50, "steps between train.log lines / TensorBoard points")
+    log_level: str | None = setting(
+        None,
+        "debug | info | warning | error: the package's log on the console and in train.log; warning and error "
+        "also hide the progress bars (transformer-train --quiet = warning); null = the level Hydra's "
+        "job_logging gives (info; hydra.job_logging.root.level=WARNING changes it)",
+    )
     loggers: list[str] = setting(
         factory=lambda: ["tensorboard"],
         meaning="where the run's numbers go (rank 0), any of: tensorboard (RUN/tb) | jsonl (RUN/metrics.jsonl, "
@@ -507,6 +521,10 @@ class TrainerConfig:
         if self.attention_heatmaps not in ATTENTION_HEATMAPS:
             raise ConfigError(
                 f"trainer.attention_heatmaps={self.attention_heatmaps!r} must be one of {', '.join(ATTENTION_HEATMAPS)}"
+            )
+        if self.log_level is not None and self.log_level not in LOG_LEVELS:
+            raise ConfigError(
+                f"trainer.log_level={self.log_level!r} must be one of {', '.join(LOG_LEVELS)} (or null: Hydra's level)"
             )
         unknown = [name for name in self.loggers if name not in LOGGERS]
         if unknown or len(set(self.loggers)) != len(self.loggers):
@@ -818,7 +836,7 @@ class Config:
             if saved:  # a checkpoint's or an export's: a key a later version of the package added
                 raise ConfigError(
                     f"unknown config key {error.full_key}: the model was saved by a newer version of "
-                    "this package; upgrade it (pip install -U) to load it"
+                    f"this package; to load it, upgrade this package: {upgrade_hint()}"
                 ) from None
             raise ConfigError(f"unknown config key {error.full_key}; known keys: {', '.join(sorted(known))}") from None
         except OmegaConfBaseException as error:

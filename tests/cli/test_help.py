@@ -156,7 +156,7 @@ def test_cfg_job_resolve_resolves_interpolations(capsys):
         (
             ["--multirun"],
             "error: transformer-prepare: unrecognized arguments: --multirun; it takes key=value "
-            "overrides, --config-dir DIR, --cfg job [--resolve] and --help",
+            "overrides, --config-dir DIR, --cfg job [--resolve], --quiet, --version and --help",
         ),
         (["--cfg", "hydra"], "error: transformer-prepare: argument --cfg/-c: invalid choice: 'hydra'"),
         (["--config-dir"], "error: transformer-prepare: argument --config-dir/-cd: expected one argument"),

@@ -150,9 +150,58 @@ def test_a_source_that_needs_the_data_extra_says_so_in_one_line(source, tmp_path
     else:
         (tmp_path / f"train.{source}").write_text("")
         cfg, where = DataConfig(name="mine", path=str(tmp_path)), str(tmp_path / f"train.{source}")
+    monkeypatch.chdir(ROOT)  # in the checkout: its extra
     with pytest.raises(DataError) as caught:
         open_split(cfg, "train")
-    assert str(caught.value) == f"{where}: needs pip install 'transformer[data]' (HuggingFace datasets reads it)"
+    assert str(caught.value) == (
+        f"{where}: needs HuggingFace datasets, which reads it: pip install -e '.[data]' (or make install: every extra)"
+    )
+
+
+def test_install_hints_name_a_command_that_works_from_where_the_user_is(tmp_path, monkeypatch):
+    """`pip install 'transformer[data]'` asks the index for a project named transformer: from a checkout
+    the hint names the checkout's extra, from an installed wheel the packages themselves."""
+    from importlib.metadata import PackageNotFoundError
+
+    import transformer.install as install
+
+    monkeypatch.chdir(ROOT)
+    assert install.install_hint("data") == "pip install -e '.[data]' (or make install: every extra)"
+    monkeypatch.chdir(tmp_path)
+    assert install.install_hint("export") == f"pip install -e '{ROOT}[export]' (or make install in {ROOT}: every extra)"
+    assert (
+        install.upgrade_hint()
+        == f"update the checkout {ROOT} (git pull) and reinstall it (pip install -e . or make install)"
+    )
+    # An installed wheel: no pyproject.toml above the package; the packages its metadata lists for the extra
+    wheel = tmp_path / "site-packages" / "transformer"
+    wheel.mkdir(parents=True)
+    monkeypatch.setattr(install, "PACKAGE_DIR", wheel)
+    listed = [
+        "torch>=2.11",
+        'datasets>=3.0; extra == "data"',
+        "pyarrow>=15 ; extra == 'data'",
+        'wandb; extra == "wandb"',
+    ]
+    monkeypatch.setattr(install, "requires", lambda name: listed)
+    assert install.install_hint("data") == "pip install datasets pyarrow"
+    assert install.install_hint("wandb") == "pip install wandb"
+
+    def not_installed(name):
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(install, "requires", not_installed)  # metadata gone: the names kept in install.EXTRAS
+    assert install.install_hint("mlflow") == "pip install mlflow-skinny sqlalchemy alembic"
+    assert install.upgrade_hint() == "install a newer release"
+
+
+def test_the_install_hints_know_every_extra_of_pyproject():
+    from transformer.install import EXTRAS
+
+    _, extras = _declared()
+    assert {extra: set(names) for extra, names in EXTRAS.items()} == {
+        extra: names for extra, names in extras.items() if extra != "dev"
+    }
 
 
 def test_importing_the_model_loads_neither_the_tokenizer_nor_the_corpus_readers():
@@ -254,3 +303,28 @@ print(json.dumps([code or 0, "torch" in sys.modules]))
     assert answer in (result.stdout if exit_code == 0 else result.stderr)
     if exit_code:  # a refusal is one line, without argparse's usage block
         one_line(result.stderr)
+
+
+def test_the_upload_command_the_docs_give_is_the_installed_huggingface_hubs():
+    """huggingface_hub replaced `huggingface-cli` with `hf` (the tested release has no other): the docs'
+    commands must be ones it has."""
+    import shutil
+    from pathlib import Path
+
+    commands = [
+        line.split("#")[0].split()
+        for line in (ROOT / "docs" / "translating.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith(("hf ", "huggingface-cli "))
+    ]
+    assert ["hf", "upload", "you/de-en-multi30k", "my-model/", "."] in commands, commands
+    assert all(words[0] == "hf" for words in commands), commands
+    hf = Path(sys.executable).with_name("hf")
+    hf = str(hf) if hf.exists() else shutil.which("hf")
+    if hf is None:
+        pytest.skip("huggingface_hub's hf command is not installed here")
+    for words in commands:
+        done = subprocess.run(
+            [hf, *words[1 : 3 if words[1] == "auth" else 2], "--help"], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+    assert "REPO_ID" in subprocess.run([hf, "upload", "--help"], capture_output=True, text=True).stdout

@@ -227,7 +227,7 @@ def test_a_collective_failing_because_another_rank_went_is_one_line_naming_this_
         raise RuntimeError(GLOO_PEER_GONE)  # what gloo raises in all_reduce, broadcast or DDP's backward
 
     monkeypatch.setattr(trainer, "_train_in", collective_fails)
-    monkeypatch.setattr(trainer, "attach_log_file", lambda run_dir, is_main: None)
+    monkeypatch.setattr(trainer, "attach_log_file", lambda run_dir, is_main, level=None: None)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     cfg = compose_config(["trainer.max_steps=1"])

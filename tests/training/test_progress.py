@@ -4,24 +4,19 @@ continues a run, and the SentencePiece reading bar."""
 
 from __future__ import annotations
 
-import fcntl
 import io
 import logging
 import os
-import pty
 import re
 import shlex
-import struct
 import subprocess
 import sys
-import termios
-import time
 from pathlib import Path
 
 import pytest
 from tqdm import tqdm
 
-from tests.helpers import FAST, ROOT, compose_config
+from tests.helpers import FAST, ROOT, compose_config, run_on_a_terminal, screen_lines
 from transformer.checkpoint import load_checkpoint
 from transformer.data import tokenizer as tokenizer_module
 from transformer.training.run_dir import LAUNCH_ENV, Launch
@@ -210,48 +205,6 @@ def test_train_log_has_the_banner_every_checkpoint_and_every_new_best(tmp_path, 
 
 
 # -- on a terminal --------------------------------------------------------------------------------------
-
-
-def screen_lines(raw: str) -> list[str]:
-    """The lines a terminal shows for `raw`: a carriage return goes back to the start of the line, whose
-    characters the next ones overwrite; escape sequences are dropped."""
-    raw = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw)
-    lines, line, column = [], [], 0
-    for char in raw:
-        if char == "\n":
-            lines.append("".join(line).rstrip())
-            line, column = [], 0
-        elif char == "\r":
-            column = 0
-        else:
-            line[column : column + 1] = [char]
-            column += 1
-    return lines + ["".join(line).rstrip()]
-
-
-def run_on_a_terminal(args: list[str], cwd, timeout: float = 240) -> str:
-    """Run `args` with stdout and stderr on a pseudo-terminal 160 columns wide; everything it wrote."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
-    # Not under make (`make test` exports MAKELEVEL): the resume command then takes the python -m form.
-    env = {**{k: v for k, v in os.environ.items() if k != "MAKELEVEL"}, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
-    proc = subprocess.Popen(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
-    os.close(slave)
-    chunks, deadline = [], time.time() + timeout
-    try:
-        while time.time() < deadline:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: every writer closed the terminal
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(master)
-        proc.wait(timeout=60)
-    assert proc.returncode == 0, b"".join(chunks).decode(errors="replace")[-3000:]
-    return b"".join(chunks).decode(errors="replace")
 
 
 BAR = re.compile(r"train \(0\.1 min\):\s+\d+%\|.*?\| (\d+)/(\d+) \[")

@@ -156,6 +156,52 @@ def test_max_tokens_smaller_than_a_sentence_fails_before_training(tmp_path, data
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow
+def test_a_run_the_time_limit_cut_short_says_so_in_its_last_line(tmp_path, data_cache, capsys):
+    cfg = compose_config(
+        FAST
+        + [
+            "trainer.max_steps=600",
+            "trainer.max_minutes=0.0001",  # 6 ms: the first step outlasts it
+            "trainer.validate_every=1000",
+            "trainer.val_max_sentences=4",
+            "decode.beam_size=1",
+        ],
+        data_cache,
+    )
+    metrics = train(cfg, tmp_path)
+    assert metrics["stop_reason"] == "reached trainer.max_minutes=0.0001"
+    step = load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"]
+    assert 1 <= step < 600
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("test BLEU ")  # the score, then why it falls short
+    assert lines[-1] == (
+        f"stopped by trainer.max_minutes=0.0001 at step {step} of trainer.max_steps=600: the result is short of "
+        "the planned run; add trainer.resume=true to continue it from last.pt, or set trainer.max_minutes=0 for "
+        "no time limit"
+    )
+    assert lines[-1] in (tmp_path / "train.log").read_text()
+
+
+def test_the_time_limit_line_says_whether_the_minutes_were_the_plan():
+    from transformer.config import TrainerConfig
+    from transformer.training.trainer import time_limit_note
+
+    assert time_limit_note(TrainerConfig(max_minutes=20), 3247) == (
+        "stopped by trainer.max_minutes=20 at step 3247: the run's time limit"  # the schema's max_steps: a backstop
+    )
+    assert time_limit_note(TrainerConfig(max_minutes=4, max_steps=600), 126).startswith(
+        "stopped by trainer.max_minutes=4 at step 126 of trainer.max_steps=600: the result is short of the planned run"
+    )
+    both = time_limit_note(TrainerConfig(max_minutes=1.5, max_steps=0, max_epochs=3), 10)
+    assert both.startswith("stopped by trainer.max_minutes=1.5 at step 10 of trainer.max_epochs=3: the result is short")
+
+
+def test_the_embedded_default_is_bounded_by_steps_alone():
+    tc = compose_config().trainer  # make train with no arguments
+    assert (tc.max_steps, tc.max_minutes, tc.max_epochs) == (600, 0, 0)
+
+
 def _train_cli(args, cwd, **kwargs):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(

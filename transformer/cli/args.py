@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from transformer.config import (
@@ -22,8 +23,45 @@ if TYPE_CHECKING:  # imported where used: torch comes with them
     from transformer.inference.sampling import Sampling
 
 
+def version_line() -> str:
+    """What every command's --version prints: this package's installed version (that of the checkout's
+    pyproject.toml, when it runs from a checkout that was never installed), with torch's and Python's;
+    torch is not imported."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("transformer")
+    except PackageNotFoundError:  # a checkout never installed: its pyproject.toml
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        found = (
+            re.search(r'^version = "([^"]+)"', pyproject.read_text(encoding="utf-8"), re.M)
+            if pyproject.is_file()
+            else None
+        )
+        ours = found[1] if found else "unknown"
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = "not installed"
+    return f"transformer {ours} (torch {torch}, Python {platform.python_version()})"
+
+
+class _PrintVersion(argparse.Action):
+    """--version: the line looked up when asked for (reading the installed packages' metadata takes a moment)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit(0)
+
+
 class CommandLineParser(argparse.ArgumentParser):
-    """argparse, its errors one line (`PROG: error: ...; see PROG --help`, exit code 2) without the usage."""
+    """argparse, its errors one line (`PROG: error: ...; see PROG --help`, exit code 2) without the usage;
+    --version prints `version_line`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action=_PrintVersion, nargs=0, help="print the version and exit")
 
     def error(self, message: str):
         flag = re.fullmatch(r"argument ([^/:]+)(?:/\S+)?: expected one argument", message)

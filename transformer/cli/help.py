@@ -63,6 +63,8 @@ Usage: {program} [GROUP=OPTION | KEY=VALUE ...] [--config-dir DIR] [--cfg job [-
   --config-dir DIR   add your own presets: DIR/data/mine.yaml is data=mine, DIR/model/x.yaml model=x
   --cfg job          print the composed config (presets and overrides applied) and exit
   --resolve          with --cfg job: resolve interpolations such as ${{now:...}}
+  --quiet            warnings, errors and scores only, no progress bars (trainer.log_level=warning)
+  --version          print this package's version (and torch's) and exit
   --help             this help; with overrides, each key they change shows its new value after ->
 transformer-train and transformer-prepare take the same arguments; transformer-train also takes
 Hydra's own flags (--hydra-help lists them): make sweep trainer.lr=1e-3,5e-4 trains one job a value."""

@@ -4,6 +4,7 @@ is one line (`bare_word`)."""
 
 from __future__ import annotations
 
+from transformer.cli.args import version_line
 from transformer.cli.help import help_text
 from transformer.compose import CONFIG_SOURCE_FLAGS, compose, compose_tree
 from transformer.config import Config, ConfigError
@@ -11,8 +12,9 @@ from transformer.config import Config, ConfigError
 
 def command_line_config(argv: list[str], program: str) -> Config | None:
     """What `transformer-train` takes, for a tool that composes without hydra.main (so without a run
-    directory): key=value overrides, --config-dir DIR, --cfg job [--resolve] and --help. Prints the help
-    or the composed config and returns None for those; else the validated Config."""
+    directory): key=value overrides, --config-dir DIR, --cfg job [--resolve], --version and --help (--quiet
+    is the caller's: `quiet_as_override`). Prints the version, the help or the composed config and returns
+    None for those; else the validated Config."""
     import argparse
 
     from omegaconf import OmegaConf
@@ -21,11 +23,12 @@ def command_line_config(argv: list[str], program: str) -> Config | None:
         def error(self, message):
             raise ConfigError(
                 f"{program}: {message}; it takes key=value overrides, --config-dir DIR, "
-                "--cfg job [--resolve] and --help"
+                "--cfg job [--resolve], --quiet, --version and --help"
             )
 
     parser = Parser(prog=program, add_help=False, allow_abbrev=False)
     parser.add_argument("--help", "-h", action="store_true")
+    parser.add_argument("--version", action="store_true")
     parser.add_argument("--cfg", "-c", choices=["job"])
     parser.add_argument("--resolve", action="store_true")
     parser.add_argument("--config-dir", "-cd")
@@ -42,6 +45,9 @@ def command_line_config(argv: list[str], program: str) -> Config | None:
     bare = bare_word(args.overrides, program)
     if bare:
         raise ConfigError(bare)
+    if args.version:
+        print(version_line())
+        return None
     if args.help:
         print(help_text(program, args.overrides, args.config_dir))
         return None
@@ -84,3 +90,19 @@ def bare_word(argv: list[str], program: str) -> str | None:
             f"{program} --help lists them"
         )
     return None
+
+
+QUIET = "--quiet"
+QUIET_OVERRIDE = "trainer.log_level=warning"
+
+
+def quiet_as_override(argv: list[str]) -> list[str]:
+    """`argv` with --quiet written as the override it stands for, trainer.log_level=warning (warnings,
+    errors and the final scores only; no progress bars), before Hydra, which knows no such flag. A
+    trainer.log_level given as well wins."""
+    if QUIET not in argv:
+        return argv
+    rest = [word for word in argv if word != QUIET]
+    if any(word.lstrip("+").split("=", 1)[0] == "trainer.log_level" for word in rest):
+        return rest
+    return [*rest, QUIET_OVERRIDE]

@@ -15,6 +15,8 @@ import signal
 import sys
 from pathlib import Path
 
+from transformer.cli.args import version_line
+from transformer.cli.hydra_args import quiet_as_override
 from transformer.cli.train import refuse_bare_words, refuse_uncomposable
 from transformer.config import available_cpus
 from transformer.errors import import_torch_holding_interrupts, signal_exit_status
@@ -29,7 +31,7 @@ USAGE = """usage: transformer-train-ddp [torchrun options] [overrides] [Hydra fl
 torchrun with the trainer as its program, e.g.
   transformer-train-ddp --standalone --nproc_per_node=8 model=big data=wmt14_en_de
 torchrun's options: torchrun --help (not -m, --no-python, --run-path: the program is the trainer);
-overrides and flags: transformer-train --help."""
+overrides and flags (--quiet among them): transformer-train --help; --version prints the version."""
 
 
 def torchrun_options() -> dict[str, bool]:
@@ -112,12 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     if {"-h", "--help"} & set(argv):
         print(USAGE)
         return 0
+    if "--version" in argv:
+        print(version_line())
+        return 0
     import_torch_holding_interrupts()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     torchrun, trainer = split_command_line(argv, torchrun_options())
+    trainer = quiet_as_override(trainer)  # every rank's, and checked below as an override
     refuse_bare_words(trainer)  # what every rank would refuse: one line, before any rank starts
     refuse_uncomposable(trainer, validate=True)
     args = parse_args([*torchrun, *PROGRAM, *trainer])  # argparse: usage and exit 2 when wrong

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from transformer.cli.run import run_command
+from transformer.console import set_quiet
 from transformer.data.sources import DataError, open_split
 
 log = logging.getLogger(__name__)
@@ -31,11 +32,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _prepare(argv: list[str]) -> None:
-    from transformer.cli.hydra_args import command_line_config
+    from transformer.cli.hydra_args import command_line_config, quiet_as_override
 
-    cfg = command_line_config(argv, "transformer-prepare")
-    if cfg is None:  # it printed the help or the composed config
+    cfg = command_line_config(quiet_as_override(list(argv)), "transformer-prepare")
+    if cfg is None:  # it printed the help, the version or the composed config
         return
+    if cfg.trainer.log_level:  # as training honours it (run_log.py), here over basicConfig's INFO
+        logging.getLogger("transformer").setLevel(cfg.trainer.log_level.upper())
+        set_quiet(cfg.trainer.log_level in ("warning", "error"))
     from transformer.data.prepare import prepare  # torch comes with the mixture's batches
 
     splits = ("validation",) if cfg.data.corpora else ("train", "validation")  # a mixture: its corpora

@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from transformer.cli.hydra_args import bare_word, command_line_config
+from transformer.cli.args import version_line
+from transformer.cli.hydra_args import bare_word, command_line_config, quiet_as_override
 from transformer.cli.run import run_command
 from transformer.compose import CONFIG_SOURCE_FLAGS, HYDRA_CONFIG_FLAGS, compose_tree
 from transformer.config import CONF_DIR, Config, ConfigError
@@ -166,6 +167,10 @@ def sweep_jobs_to_check(overrides: list[str]) -> list[list[str]]:
 
 
 def main() -> None:
+    if "--version" in sys.argv[1:]:  # before Hydra, whose --version is its own
+        print(version_line())
+        return
+    sys.argv[1:] = quiet_as_override(sys.argv[1:])  # Hydra reads sys.argv itself
     argv = sys.argv[1:]
     refuse_bare_words(argv)
     code = run_command("transformer-train", lambda: _train(argv), interrupted="interrupted before training started")
@@ -205,6 +210,7 @@ def run_training() -> None:
         discard_unused_run_directory,
         named_run_directory,
     )
+    from transformer.training.run_log import log_to_file_only
     from transformer.training.sweep import interrupt_sweep, job_failed, sweep_interrupted
 
     started = time.time() - 0.1  # what this start writes is newer (the file clock is a tick behind)
@@ -267,12 +273,13 @@ def run_training() -> None:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(1)
         except (ConfigError, DataError, CheckpointError, TrainingError) as error:
-            logging.getLogger("transformer").error("%s", error)
             if not in_sweep:
+                log_to_file_only(f"{error}")  # the console has it once, on stderr below
                 if not chooses_run_directory(sys.argv[1:]) and not cfg.get("run_dir") and single_process:
                     discard_unused_run_directory(Path(run_dir), started)  # the default, timestamped one
                 print(f"error: {error}", file=sys.stderr)
                 sys.exit(2)
+            logging.getLogger("transformer").error("%s", error)  # the job's train.log; the sweep's table
             reason = str(error)
         except KeyboardInterrupt as stop:  # before the loop's first step (`Stopped`), or a second Ctrl-C
             next_interrupt_ends_at_once()

@@ -16,6 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from transformer.config import DataConfig
+from transformer.console import bars_disabled
 from transformer.data.cache import check_file, file_record, read_record, sealed, write_failure
 from transformer.data.langid import WRONG_SOURCE, WRONG_TARGET, language_flags
 from transformer.data.sources import DataError, SplitSource
@@ -120,7 +121,12 @@ def identify_languages(path: Path, source: SplitSource, cfg: DataConfig, desc: s
     prepared split, written under another name and renamed. Called under the preparation lock."""
     started = time.perf_counter()
     with tqdm(
-        total=pairs, desc=f"identifying languages {desc}", unit=" pairs", unit_scale=True, disable=None, leave=False
+        total=pairs,
+        desc=f"identifying languages {desc}",
+        unit=" pairs",
+        unit_scale=True,
+        disable=bars_disabled(),
+        leave=False,
     ) as bar:
         flags = language_flags(source.chunks(), cfg.src_lang, cfg.tgt_lang, pairs, bar.update)
     if len(flags) != pairs:

@@ -47,6 +47,7 @@ import numpy as np
 from tqdm import tqdm
 
 from transformer.config import DataConfig
+from transformer.console import bars_disabled
 from transformer.data.arrays import CHUNK_PAIRS, ColumnWriter, compact, index_dtype, repeated_keys
 from transformer.data.cache import check_file, file_record, read_record, sealed, write_failure
 from transformer.data.cleaning import (
@@ -360,7 +361,7 @@ def _write_split(
         closing,
         open(tmp / "src.ids", "wb") as src_file,
         open(tmp / "tgt.ids", "wb") as tgt_file,
-        tqdm(desc=f"encoding {desc}", unit=" pairs", unit_scale=True, disable=None, leave=False) as bar,
+        tqdm(desc=f"encoding {desc}", unit=" pairs", unit_scale=True, disable=bars_disabled(), leave=False) as bar,
     ):
         for src, tgt in source.chunks():
             for side, lines, out in (("src", src, src_file), ("tgt", tgt, tgt_file)):

@@ -31,6 +31,7 @@ from transformer.data.lines import (
     refuse_irregular,
 )
 from transformer.errors import DataError  # noqa: F401 - its home is errors.py; imported from here too
+from transformer.install import install_hint
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ def _datasets(source: str):
     try:
         import datasets
     except ImportError:
-        raise DataError(f"{source}: needs pip install 'transformer[data]' (HuggingFace datasets reads it)") from None
+        hint = install_hint("data")
+        raise DataError(f"{source}: needs HuggingFace datasets, which reads it: {hint}") from None
     datasets.logging.set_verbosity_error()
     return datasets
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import sentencepiece as spm
 from tqdm import tqdm
 
+from transformer.console import bars_disabled
 from transformer.data.cache import bytes_record, check_bytes, read_cached_bytes, read_record, sealed, write_failure
 from transformer.errors import CacheDamage, DataError
 from transformer.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (also imported from here)
@@ -156,7 +157,12 @@ def train_sentencepiece(
     def counted():
         try:
             with tqdm(
-                lines, desc="SentencePiece: reading", unit=" lines", unit_scale=True, disable=None, leave=False
+                lines,
+                desc="SentencePiece: reading",
+                unit=" lines",
+                unit_scale=True,
+                disable=bars_disabled(),
+                leave=False,
             ) as bar:
                 for line in bar:  # tqdm's iterator updates the bar far more cheaply than update(1)
                     read[0] += 1

@@ -1,5 +1,5 @@
 """`--format ctranslate2`: a CTranslate2 model directory (through `ctranslate2.specs`) with the
-SentencePiece model(s) beside it. CTranslate2 (`pip install 'transformer[export]'`) is imported only
+SentencePiece model(s) beside it. CTranslate2 (the `export` extra) is imported only
 here. CTranslate2 takes SentencePiece pieces as input: the exported model adds the source EOS itself, as
 our encoder expects."""
 
@@ -14,6 +14,7 @@ from transformer.errors import (
 )
 from transformer.inference.model_directory import write_model_directory
 from transformer.inference.pretrained import refuse_non_finite
+from transformer.install import install_hint
 
 if TYPE_CHECKING:
     from transformer.model import Transformer
@@ -87,9 +88,7 @@ def export_ctranslate2(
     try:
         from ctranslate2.converters.converter import Converter
     except ImportError:
-        raise CheckpointError(
-            "--format ctranslate2 needs CTranslate2: pip install 'transformer[export]' (or pip install ctranslate2)"
-        ) from None
+        raise CheckpointError(f"--format ctranslate2 needs CTranslate2: {install_hint('export')}") from None
     if quantization is not None and quantization not in CT2_QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization}: one of {', '.join(CT2_QUANTIZATIONS)}")
     refuse_non_finite(model, "the model")

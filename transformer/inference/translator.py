@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import QUANTIZATIONS, check_decode_options, check_weights
+from transformer.console import bars_disabled
 from transformer.data.batching import batches_in_order, pad_sequences
 from transformer.inference.decoders import Hypothesis
 from transformer.inference.request import DecodeRequest
@@ -236,7 +237,7 @@ class Translator:
             search = dataclasses.replace(search, prefixes=[prefix_ids[i] for i in wanted])
         results: list[list[Hypothesis]] = [[] for _ in sources]
         with tqdm(
-            total=len(wanted), desc=desc, unit="sent", leave=False, disable=None if progress is None else not progress
+            total=len(wanted), desc=desc, unit="sent", leave=False, disable=bars_disabled(progress is not False)
         ) as bar:
             decoded = translate_ids(
                 self.models,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from transformer.checkpoint import fsync_directory, save_checkpoint, step_checkpoints
+from transformer.checkpoint import fsync_directory, save_checkpoint, step_checkpoints, without_training_state
 from transformer.errors import CheckpointError  # their home; imported from here too
 
 log = logging.getLogger("transformer.checkpoint")
@@ -40,13 +40,21 @@ class CheckpointDirectory:
         once the file is written."""
         self._submit(lambda snapshot: self._write(snapshot, name), state, done)
 
-    def save_periodic(self, state: dict, step: int, done: Callable[[float], None] | None = None) -> None:
-        """step_N.pt, and last.pt as a second name of the same file (a copy where the file system has no
-        hard links), then the step files beyond `keep_last` removed."""
+    def save_periodic(
+        self, state: dict, step: int, done: Callable[[float], None] | None = None, weights_only: bool = False
+    ) -> None:
+        """step_N.pt and last.pt, then the step files beyond `keep_last` removed. With `weights_only`,
+        step_N.pt holds `state` without its training state (`checkpoint.without_training_state`) and last.pt
+        all of it: two files. Without, last.pt is a second name of step_N.pt (a copy where the file system
+        has no hard links): one file written."""
 
         def write(snapshot: dict) -> None:
-            self._write(snapshot, f"step_{step}.pt")
-            _link_or_copy(self.directory / f"step_{step}.pt", self.directory / "last.pt")
+            if weights_only:
+                self._write(without_training_state(snapshot), f"step_{step}.pt")
+                self._write(snapshot, "last.pt")
+            else:
+                self._write(snapshot, f"step_{step}.pt")
+                _link_or_copy(self.directory / f"step_{step}.pt", self.directory / "last.pt")
             if self.keep_last:
                 for old in step_checkpoints(self.directory.parent)[: -self.keep_last]:
                     old.unlink()

@@ -53,6 +53,7 @@ HONOURED_ON_RESUME = {
         "val_max_sentences",
         "test_at_end",
         "keep_last",
+        "full_checkpoints",
         "average_last",
         "patience",
         "max_bad_steps",
@@ -60,6 +61,7 @@ HONOURED_ON_RESUME = {
         "resume",
         "overwrite",
         "log_every",
+        "log_level",
         "loggers",
         "num_threads",
         "num_workers",
@@ -207,7 +209,8 @@ def _resume_checkpoint(tc: TrainerConfig, ckpt_dir: Path, dist: D.DistInfo) -> t
         # best.pt may hold averaged weights (trainer.ema_decay, average_last), never newer than last.pt.
         newest_first, unusable = _resumable_newest_first([p for p in existing if p.name != "best.pt"])
         for error in unusable.values():
-            log.warning("skipping %s", error)
+            if not isinstance(error, WeightsOnly):  # step_N.pt beside last.pt: weights only, by design
+                log.warning("skipping %s", error)
         for newest in newest_first:
             try:
                 state = load_checkpoint(newest, verify="all")
@@ -245,7 +248,7 @@ def nothing_to_resume_error(ckpt_dir: Path, existing: list[Path], unusable: dict
 
     def readable(path: Path) -> bool:
         if path in unusable:
-            return isinstance(unusable[path], TrainingError)  # weights only: readable, not resumable
+            return isinstance(unusable[path], WeightsOnly)  # weights only: readable, not resumable
         try:
             load_checkpoint(path, mmap=True)
             return True
@@ -255,7 +258,7 @@ def nothing_to_resume_error(ckpt_dir: Path, existing: list[Path], unusable: dict
     weights = sorted((p for p in existing if readable(p)), key=lambda p: p.name != "best.pt")
     found = [] if ckpt_dir / "last.pt" in existing else ["last.pt is missing"]
     found += [f"{p.name} is damaged" for p in existing if p not in weights]
-    found += [f"{p.name} holds no training state" for p, error in unusable.items() if isinstance(error, TrainingError)]
+    found += [f"{p.name} holds no training state" for p, error in unusable.items() if isinstance(error, WeightsOnly)]
     where = f"{ckpt_dir}: trainer.resume=true finds no checkpoint to resume from ({', '.join(found)}"
     if not weights:
         return TrainingError(
@@ -306,6 +309,11 @@ def check_run_directory(run_dir: Path, overrides: list[str]) -> None:
             raise nothing_to_resume_error(ckpt_dir, existing, unusable)
     elif not _switched_on(resume) or ("${" not in resume and Path(resume).resolve().parent != ckpt_dir.resolve()):
         raise foreign_run_error(ckpt_dir)
+    elif "${" not in resume:  # this run's best.pt or step_N.pt: refused before Hydra rewrites .hydra/
+        try:
+            _resumable(load_checkpoint(resume, mmap=True, verify="none"), resume)
+        except CheckpointError:
+            pass  # damaged or missing: the run says so, reading it in full
     # resuming this run, from whichever checkpoint
     left_out = _config_flags_left_out(run_dir, overrides) + _left_out_of_resume(run_dir, overrides)
     if left_out:
@@ -373,18 +381,33 @@ def _switched_on(value: str) -> bool:
     return value.lower() not in ("false", "", "null")
 
 
+class WeightsOnly(TrainingError):
+    """A readable checkpoint that holds no training state to resume from (a run's best.pt or step_N.pt, an
+    average): expected beside last.pt, so a resume passes over it without a warning."""
+
+
 def _resumable(state: dict, path) -> dict:
+    """`state` (read from `path`) if it can resume a run; else WeightsOnly saying what it is and what to
+    resume from or start with instead."""
+    path = Path(path)
+    last = path.with_name("last.pt")
+    instead = f"resume from {last}" if last.is_file() and path.name != "last.pt" else "resume from last.pt of its run"
+    fine_tune = f"start a new run from these weights with trainer.init_from={path}"
     if state.get("weights", "raw") != "raw":
-        raise TrainingError(
+        raise WeightsOnly(
             f"{path}: holds the {state['weights']} weights (best.pt of a run with trainer.ema_decay or "
-            f"average_last), not the training state; resume from last.pt, or start a new run from these weights "
-            f"with trainer.init_from={path}"
+            f"average_last), not the training state; {instead}, or {fine_tune}"
         )
-    missing = [key for key in ("optimizer", "scheduler", "scaler", "rng", "data_state") if key not in state]
-    if missing:
-        raise TrainingError(
-            f"{path}: holds weights only (an averaged or exported checkpoint, without {', '.join(missing)}), so "
-            f"it cannot resume a run; translate or evaluate with it, or start a new run from its weights with "
-            f"trainer.init_from={path}"
-        )
-    return state
+    if all(key in state for key in ("optimizer", "scheduler", "scaler", "rng", "data_state")):
+        return state
+    metrics = state.get("metrics")
+    if isinstance(metrics, dict) and "averaged_from" in metrics:
+        what = "an average of checkpoints"
+    elif "weights" in state:  # written by a run
+        what = "best.pt and step_N.pt of a run are, unless trainer.full_checkpoints=true"
+    else:
+        what = "an exported checkpoint"
+    raise WeightsOnly(
+        f"{path}: holds weights only ({what}), not the training state, so it cannot resume a run; {instead}, "
+        f"or {fine_tune}"
+    )

@@ -1,5 +1,6 @@
-"""The run directory: its lock (one run at a time, released however the process ends), its log file,
-the signals that stop a run cleanly, and the command that continues a run in the form it was started with."""
+"""The run directory: its lock (one run at a time, released however the process ends), the signals that
+stop a run cleanly, and the command that continues a run in the form it was started with (its log file:
+run_log.py)."""
 
 from __future__ import annotations
 
@@ -312,30 +313,3 @@ class StopSignals:
         # be a reentrant call on the same file (a RuntimeError, printed with a traceback).
         message = ("%s received: finishing this step and saving last.pt", self.name)
         threading.Thread(target=log.warning, args=message, name="signal-message").start()
-
-
-_log_handler: logging.Handler | None = None
-
-
-def attach_log_file(run_dir: Path, is_main: bool) -> None:
-    """train.log in the run directory on rank 0 (Hydra's own handler when run through Hydra); other
-    ranks log warnings only, so that one file is written by one process."""
-    global _log_handler
-    root = logging.getLogger()
-    if _log_handler is not None:  # a previous train() call in this process
-        root.removeHandler(_log_handler)
-        _log_handler.close()
-        _log_handler = None
-    if not is_main:
-        for handler in list(root.handlers):
-            if isinstance(handler, logging.FileHandler):
-                root.removeHandler(handler)
-        root.setLevel(logging.WARNING)
-        return
-    log_file = (run_dir / "train.log").resolve()
-    if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == log_file for h in root.handlers):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _log_handler = logging.FileHandler(log_file)
-        _log_handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-        root.addHandler(_log_handler)
-    root.setLevel(logging.INFO)

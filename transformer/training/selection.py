@@ -23,6 +23,7 @@ from transformer.inference.translator import Translator
 from transformer.runtime import Runtime
 from transformer.training.ema import weights_swapped
 from transformer.training.monitor import Monitor
+from transformer.training.run_log import announce
 from transformer.training.state import TrainingState
 from transformer.training.validate import Validator, mean_metrics
 
@@ -188,8 +189,7 @@ class Selection:
             f"test BLEU {scores['bleu']:.2f} | chrF {scores['chrf']:.2f} ({direction}{len(sources)} sentences, "
             f"beam {dc.beam_size}, {best if best.exists() else 'final weights'}) {scores['bleu_signature']}"
         )
-        log.info(message)
-        print(message, flush=True)
+        announce(message)
         self.monitor.test(self.state.progress.step, scores)
         return scores
 

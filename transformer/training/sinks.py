@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from transformer.errors import TrainingError
+from transformer.install import install_hint
 
 log = logging.getLogger(__name__)
 
@@ -134,15 +135,15 @@ def _kept(line: str, resumed_step: int) -> bool:
     return isinstance(record, dict) and record.get("step", 0) <= resumed_step
 
 
-def _optional(module: str, logger: str, install: str):
+def _optional(module: str, logger: str):
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError:
         raise TrainingError(
-            f"trainer.loggers={logger} needs the {module} package: pip install {install} "
-            f"(or pip install 'transformer[{logger}]'), or drop {logger} from trainer.loggers"
+            f"trainer.loggers={logger} needs the {module} package: {install_hint(logger)}, "
+            f"or drop {logger} from trainer.loggers"
         ) from None
 
 
@@ -150,10 +151,10 @@ class MlflowSink:
     """One MLflow run per run directory (its id in RUN/mlflow_run_id); metrics logged in batches."""
 
     def __init__(self, run_dir: Path, resumed: bool):
-        _optional("mlflow", "mlflow", "mlflow-skinny sqlalchemy alembic")
+        _optional("mlflow", "mlflow")
         if not os.environ.get("MLFLOW_TRACKING_URI"):  # the SQLite store in the run directory needs these
             for module in ("sqlalchemy", "alembic"):
-                _optional(module, "mlflow", "mlflow-skinny sqlalchemy alembic")
+                _optional(module, "mlflow")
         from mlflow.tracking import MlflowClient
 
         run_dir = Path(run_dir)
@@ -219,7 +220,7 @@ class WandbSink:
     """One W&B run per run directory (its id in RUN/wandb_run_id), files under RUN/wandb."""
 
     def __init__(self, run_dir: Path, resumed: bool):
-        wandb = _optional("wandb", "wandb", "wandb")
+        wandb = _optional("wandb", "wandb")
         run_dir = Path(run_dir)
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if resumed and id_file.exists() else uuid.uuid4().hex[:12]

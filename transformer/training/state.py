@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from transformer import distributed as D
-from transformer.checkpoint import CheckpointError, load_checkpoint, load_model_weights, non_finite_tensors
+from transformer.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    load_model_weights,
+    non_finite_tensors,
+    without_training_state,
+)
 from transformer.config import Config
 from transformer.training.checkpoint_dir import CheckpointDirectory
 from transformer.training.ema import ExponentialMovingAverage
@@ -127,12 +133,16 @@ class TrainingState:
     def save(self, name: str, periodic: bool = False, weights: str = "raw") -> None:
         """Write checkpoint `name` (with `periodic`, also step_N.pt, pruned to trainer.keep_last). With
         `weights="ema"`, its `model` entry holds the moving average (best.pt, when the EMA validates best).
-        Every rank calls it; the main rank writes."""
+        last.pt holds the whole training state; best.pt and step_N.pt the weights only, unless
+        trainer.full_checkpoints=true (the optimizer's moments and the EMA made them four times larger, and
+        resuming reads last.pt). Every rank calls it; the main rank writes."""
         state = self.state_dict()  # every rank joins the RNG gather
         if weights == "ema":
             state["model"] = self.ema.model_state(self.model)
         state["weights"] = weights
         self._refuse_non_finite_weights(state)
+        if name != "last.pt" and not self.cfg.trainer.full_checkpoints:
+            state = without_training_state(state)
         self.write(state, name, weights, periodic)
 
     def write(self, state: dict, name: str, weights: str, periodic: bool = False) -> None:
@@ -155,7 +165,7 @@ class TrainingState:
 
         try:
             if periodic:
-                self.checkpoints.save_periodic(state, step, written)
+                self.checkpoints.save_periodic(state, step, written, weights_only=not self.cfg.trainer.full_checkpoints)
             else:
                 self.checkpoints.save(state, name, written)
         except CheckpointError as error:

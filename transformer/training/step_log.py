@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from transformer.console import bars_disabled
 from transformer.training.run_dir import TrainingError
 
 log = logging.getLogger("transformer.train")
@@ -157,7 +158,7 @@ class TrainingBar:
             initial=step,
             desc=desc,
             unit="step",
-            disable=None if show else True,
+            disable=bars_disabled(show),
             dynamic_ncols=True,
         )
 
@@ -189,10 +190,23 @@ def _is_console(handler: logging.Handler) -> bool:
     return isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in (sys.stdout, sys.stderr)
 
 
+@contextlib.contextmanager
 def log_lines_above_bars():
     """While open, log records for the console (stdout/stderr: Hydra's handler) are written through
     tqdm, which clears the bars, writes the line and draws them again below it: a log line never lands
-    on a bar's line. Without a console handler (train() called as a library) nothing changes."""
-    if any(_is_console(h) for h in logging.getLogger().handlers):
-        return logging_redirect_tqdm()
-    return contextlib.nullcontext()
+    on a bar's line. tqdm's handler takes the console handler's place with its format, and here its level
+    and filters too (+hydra.job_logging.handlers.console.level=WARNING keeps INFO lines off the console).
+    Without a console handler (train() called as a library) nothing changes."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    console = next((h for h in before if _is_console(h)), None)
+    if console is None:
+        yield
+        return
+    with logging_redirect_tqdm():
+        for handler in root.handlers:
+            if handler not in before:  # tqdm's, in the console handler's place
+                handler.setLevel(console.level)
+                for kept in console.filters:
+                    handler.addFilter(kept)
+        yield

@@ -3,6 +3,7 @@ cli/train.py (`transformer-train`, `python -m transformer.train`, `torchrun -m t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -16,7 +17,8 @@ from pathlib import Path
 import torch
 
 from transformer.checkpoint import check_config_matches_weights, load_model_weights, tensor_shapes
-from transformer.config import Config
+from transformer.config import Config, TrainerConfig
+from transformer.console import set_quiet
 from transformer.data.batching import TokenBatchSampler, UpdateSampler, update_loader
 from transformer.data.corpus import PreparedData
 from transformer.data.mixture import MixedCorpus
@@ -33,7 +35,8 @@ from transformer.training.monitor import Monitor
 from transformer.training.optim import build_optimizer
 from transformer.training.progress import Progress
 from transformer.training.resume import StartingPoint, starting_point
-from transformer.training.run_dir import Launch, RunDirectoryLock, StopSignals, attach_log_file, resume_hint
+from transformer.training.run_dir import Launch, RunDirectoryLock, StopSignals, resume_hint
+from transformer.training.run_log import announce, attach_log_file
 from transformer.training.selection import Selection
 from transformer.training.state import TrainingState
 from transformer.training.step import TrainingStep
@@ -281,7 +284,8 @@ def train(cfg, run_dir: str | Path | None = None) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     lock = RunDirectoryLock.acquire(run_dir) if rank == 0 else None  # one run per directory
     try:
-        attach_log_file(run_dir, is_main=rank == 0)
+        attach_log_file(run_dir, is_main=rank == 0, level=cfg.trainer.log_level)
+        set_quiet(cfg.trainer.log_level in ("warning", "error"))  # no progress bars either
         with log_lines_above_bars():
             return _train_in(cfg, run_dir, _launch_of_this_process())
     except RuntimeError as error:  # a collective of gloo or NCCL, when another rank has gone
@@ -328,6 +332,8 @@ def _fit_and_test(trainer: Trainer, launch: Launch | None) -> dict:
             test_scores = trainer.selection.test(trainer.run_dir)
             if test_scores:
                 metrics.update(test_bleu=test_scores["bleu"], test_chrf=test_scores["chrf"])
+        if trainer.runtime.is_main and (trainer.progress.stop_reason or "").startswith("reached trainer.max_minutes"):
+            announce(time_limit_note(cfg.trainer, trainer.progress.step))
         trainer.monitor.finish(trainer.progress.step, metrics)
         if trainer.stop_signal is not None:
             metrics["stopped_by"] = trainer.stop_signal  # a sweep stops (and says which job it was)
@@ -341,6 +347,26 @@ def _fit_and_test(trainer: Trainer, launch: Launch | None) -> dict:
         trainer.state.checkpoints.close()  # lets a write in flight finish
         trainer.monitor.close()
         trainer.leave_process_group(clean=False)  # after an error: no barrier
+
+
+def time_limit_note(tc, step: int) -> str:
+    """The last line of a run that trainer.max_minutes stopped: whether it cut short the steps or epochs
+    the run was set to make (a preset's or the command's; the schema's max_steps is only a backstop)."""
+    limit = f"stopped by trainer.max_minutes={tc.max_minutes:g} at step {step}"
+    planned = [
+        f"trainer.{key}={getattr(tc, key)}"
+        for key in ("max_steps", "max_epochs")
+        if getattr(tc, key) and getattr(tc, key) != TRAINER_DEFAULTS[key]
+    ]
+    if not planned:
+        return f"{limit}: the run's time limit"
+    return (
+        f"{limit} of {' / '.join(planned)}: the result is short of the planned run; add trainer.resume=true to "
+        "continue it from last.pt, or set trainer.max_minutes=0 for no time limit"
+    )
+
+
+TRAINER_DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainerConfig)}
 
 
 def _check_test_split(cfg: Config) -> None:
