@@ -14,10 +14,18 @@ if TYPE_CHECKING:
     from transformer.model import Transformer
 
 
-def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: str, trained: dict) -> str:
-    """README.md of the safetensors directory `name`: HuggingFace Hub metadata (YAML front matter), then
-    the languages, the training data, the model's shape, the checkpoint's validation scores and how to
-    load it. `trained`: the checkpoint's `step` and `metrics` (either may be missing)."""
+def model_card(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    config: Config,
+    name: str,
+    trained: dict,
+    export_format: str = "safetensors",
+) -> str:
+    """README.md of the exported directory `name` (`export_format`: safetensors or transformers):
+    HuggingFace Hub metadata (YAML front matter), then the languages, the training data, the model's
+    shape, the checkpoint's validation scores and how to load it. `trained`: the checkpoint's `step`
+    and `metrics` (either may be missing)."""
     data, shape = config.data, config.model
     src, tgt = data.src_lang, data.tgt_lang
     directions, targets = data.directions(), tokenizer.target_languages
@@ -46,7 +54,6 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
         if targets
         else f"Source `{src}`, target `{tgt}`."
     )
-    choose = f', tgt_lang="{tgt}"' if targets else ""
     if data.hub_id:
         front += ["datasets:", f"- {json.dumps(data.hub_id)}"]
     parameters = sum(p.numel() for p in model.parameters())  # a tied matrix counts once
@@ -63,8 +70,12 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
         f"# {name}: {title}",
         "",
         f"A Transformer encoder-decoder (Vaswani et al., 2017) trained with `{FORMAT_NAME}` (the Python "
-        "package `transformer`). This directory is that package's safetensors format: weights "
-        f"(`{WEIGHTS_FILE}`), training config (`{CONFIG_FILE}`) and SentencePiece model(s).",
+        + (
+            "package `transformer`), exported as a HuggingFace `transformers` model."
+            if export_format == "transformers"
+            else "package `transformer`). This directory is that package's safetensors format: weights "
+            f"(`{WEIGHTS_FILE}`), training config (`{CONFIG_FILE}`) and SentencePiece model(s)."
+        ),
         "",
         "## Languages",
         "",
@@ -88,6 +99,24 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
         "",
         "## How to load it",
         "",
+        *(
+            _load_transformers(name, config, targets)
+            if export_format == "transformers"
+            else _load_ours(name, config, targets)
+        ),
+        "## License",
+        "",
+        "The terms of the training data apply to the model; set `license` above before publishing it.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _load_ours(name: str, config: Config, targets: list[str]) -> list[str]:
+    """How to load the safetensors directory: with this package only."""
+    src, tgt = config.data.src_lang, config.data.tgt_lang
+    choose = f', tgt_lang="{tgt}"' if targets else ""
+    return [
         "```python",
         "from transformer import Translator",
         "",
@@ -102,14 +131,38 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
         "```",
         "",
         "HuggingFace `transformers` cannot load this directory: the architecture is not a `transformers` "
-        f"model class; load it with the `{FORMAT_NAME}` package as above.",
-        "",
-        "## License",
-        "",
-        "The terms of the training data apply to the model; set `license` above before publishing it.",
+        f"model class; load it with the `{FORMAT_NAME}` package as above, or export the checkpoint with "
+        "`transformer-export CKPT --format transformers OUT`, which `transformers` loads.",
         "",
     ]
-    return "\n".join(lines)
+
+
+def _load_transformers(name: str, config: Config, targets: list[str]) -> list[str]:
+    """How to load the transformers export: with `transformers` alone (no remote code)."""
+    architecture = "PegasusForConditionalGeneration" if config.model.pre_norm else "MarianMTModel"
+    tag = f">>{config.data.tgt_lang}<< " if targets else ""
+    lines = [
+        f"A native `transformers` model (`{architecture}`, `MarianTokenizer`): no `trust_remote_code`, and "
+        f"this package is not needed.",
+        "",
+        "```python",
+        "from transformers import AutoModelForSeq2SeqLM, AutoTokenizer",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}")    # this directory, or its Hub id owner/name',
+        f'model = AutoModelForSeq2SeqLM.from_pretrained("{name}")',
+        f'batch = tokenizer(["{tag}..."], return_tensors="pt", padding=True)',
+        "output = model.generate(**batch, num_beams=5)",
+        "print(tokenizer.batch_decode(output, skip_special_tokens=True))",
+        "```",
+        "",
+    ]
+    if targets:
+        lines += [
+            f"The target language is chosen by its tag at the start of the source text, as for Marian's "
+            f"multilingual models: {', '.join(f'`>>{x}<<`' for x in targets)}.",
+            "",
+        ]
+    return lines
 
 
 def _training_data(data) -> str:

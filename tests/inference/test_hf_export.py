@@ -1,0 +1,149 @@
+"""transformer-export --format transformers against the real `transformers` package: the export loads with
+AutoModelForSeq2SeqLM / AutoTokenizer offline and without remote code, its tokenizer gives our ids, its
+logits are ours for every architecture it maps (random weights, fast), and a trained model's forced-decoding
+scores and greedy / beam-5 translations through `generate` are ours (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers import run_main
+from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+from transformer.cli import export as export_command
+from transformer.data.batching import pad_sequences
+from transformer.data.tokenizer import Tokenizer, train_sentencepiece
+from transformer.data.toy import generate
+from transformer.inference.hf_export import export_transformers, refusal
+from transformer.model import build_model
+from transformer.special import BOS_ID, EOS_ID, UNK_ID
+
+transformers = pytest.importorskip("transformers")
+
+SOURCES = ["Der Hund läuft schnell.", "Die Katze schläft.", "Ein Mann liest ein Buch im Park €.", ""]
+TARGETS = ["The dog runs fast.", "The cat sleeps.", "A man reads a book in the park.", "Nothing."]  # A, N: <unk>
+
+
+def _load(out):
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    return AutoModelForSeq2SeqLM.from_pretrained(out).eval(), AutoTokenizer.from_pretrained(out)
+
+
+def _random_model(config, tokenizer, seed=3):
+    """Random weights, LayerNorms and biases away from their (1, 0) and 0 start, so that a swapped or
+    unpermuted one shows."""
+    torch.manual_seed(seed)
+    model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.3)
+    return model
+
+
+def _separate(tokenizer):
+    src, tgt = generate(400, 10, 10)["train"]
+    target_model = train_sentencepiece(tgt * 3, vocab_size=110, model_type="bpe", character_coverage=1.0, sample=10_000)
+    separate = Tokenizer(tokenizer.src_model_bytes, target_model)
+    assert not separate.joint
+    return separate
+
+
+@pytest.mark.parametrize(
+    "pre_norm,tied,joint,architecture",
+    [
+        (True, True, True, "PegasusForConditionalGeneration"),
+        (False, True, True, "MarianMTModel"),
+        (False, False, True, "MarianMTModel"),
+        (False, True, False, "MarianMTModel"),
+        (False, False, False, "MarianMTModel"),
+    ],
+)
+def test_the_export_computes_our_logits_and_tokens(pre_norm, tied, joint, architecture, untrained_checkpoint, tmp_path):
+    _, tokenizer, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
+    tokenizer = tokenizer if joint else _separate(tokenizer)
+    config.model.pre_norm, config.model.tie_embeddings = pre_norm, tied
+    model = _random_model(config, tokenizer)
+    out = export_transformers(model, tokenizer, config, tmp_path / "hf")
+    hf_model, hf_tokenizer = _load(out)
+    assert type(hf_model).__name__ == architecture and type(hf_tokenizer).__name__ == "MarianTokenizer"
+    assert json.loads((out / "export-manifest.json").read_text())["format"] == "transformers"
+    assert not (out / "spm.model").exists()  # the tokenizer's files carry the SentencePiece models
+
+    batch = hf_tokenizer(SOURCES, text_target=TARGETS, return_tensors="pt", padding=True)
+    ours_src, ours_tgt = tokenizer.encode_src(SOURCES), tokenizer.encode_tgt(TARGETS)
+    for row, ids in zip(batch["input_ids"].tolist(), ours_src):
+        assert row[: len(ids) + 1] == ids + [EOS_ID]  # then padding
+    for row, ids in zip(batch["labels"].tolist(), ours_tgt):
+        assert row[: len(ids) + 1] == ids + [EOS_ID]
+    known = [ids for ids in ours_tgt if UNK_ID not in ids]  # <unk> is a special token there: skipped
+    assert len(known) >= 2
+    assert hf_tokenizer.batch_decode(known, skip_special_tokens=True) == tokenizer.decode_tgt(known)
+
+    src = pad_sequences(ours_src, suffix=[EOS_ID])  # (B, S)
+    tgt_in = pad_sequences(ours_tgt, prefix=[BOS_ID])  # (B, T)
+    with torch.no_grad():
+        theirs = hf_model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        ).logits  # (B, T, V)
+        ours = model(src, tgt_in)
+    real = tgt_in != 0
+    real[:, 0] = True
+    assert theirs.shape == ours.shape
+    assert torch.allclose(theirs[real], ours[real], atol=1e-4), (theirs[real] - ours[real]).abs().max()
+
+
+@pytest.mark.parametrize(
+    "tied,joint,key", [(False, True, "model.tie_embeddings=false"), (True, False, "separate source and target")]
+)
+def test_a_pre_norm_model_no_native_class_computes_is_refused_in_one_line(
+    tied, joint, key, untrained_checkpoint, tmp_path, capsys
+):
+    _, tokenizer, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
+    tokenizer = tokenizer if joint else _separate(tokenizer)
+    config.model.pre_norm, config.model.tie_embeddings = True, tied
+    reason = refusal(config, tokenizer)
+    assert reason and key in reason and "model.pre_norm=true" in reason
+    model = _random_model(config, tokenizer)
+    with pytest.raises(ValueError, match="cannot export to transformers: model.pre_norm=true"):
+        export_transformers(model, tokenizer, config, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_multilingual_model_takes_marians_target_language_tag(untrained_checkpoint, tmp_path):
+    src, tgt = generate(400, 10, 10)["train"]
+    model_bytes = train_sentencepiece(
+        src + tgt, vocab_size=130, model_type="bpe", character_coverage=1.0, sample=10_000, symbols=["<2de>", "<2en>"]
+    )
+    tokenizer = Tokenizer(model_bytes)
+    assert tokenizer.target_languages == ["de", "en"]
+    _, _, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
+    model = _random_model(config, tokenizer)
+    out = export_transformers(model, tokenizer, config, tmp_path / "hf")
+    _, hf_tokenizer = _load(out)
+    for language in ("de", "en"):
+        tagged = [f">>{language}<< {line}" for line in SOURCES[:3]]
+        ids = hf_tokenizer(tagged)["input_ids"]
+        assert ids == [row + [EOS_ID] for row in tokenizer.encode_src(SOURCES[:3], tgt_lang=language)]
+    assert ">>en<<" in (out / "README.md").read_text()
+
+
+def test_the_export_command_writes_a_transformers_directory_and_replaces_it_with_force(
+    untrained_checkpoint, tmp_path, capsys
+):
+    out = tmp_path / "de-en-hf"
+    code, stdout, stderr = run_main(export_command.main, capsys, untrained_checkpoint, out, "--format", "transformers")
+    assert code == 0 and "(transformers)" in stdout, stderr
+    names = sorted(p.name for p in out.iterdir())
+    assert {"config.json", "generation_config.json", "model.safetensors", "README.md"} <= set(names)
+    assert {"source.spm", "target.spm", "vocab.json", "tokenizer_config.json"} <= set(names)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["decoder_start_token_id"] == BOS_ID and generation["eos_token_id"] == EOS_ID
+    assert generation["num_beams"] == 5 and generation["early_stopping"] is True
+    code, _, stderr = run_main(export_command.main, capsys, untrained_checkpoint, out, "--format", "transformers")
+    assert code == 2 and "pass --force" in stderr
+    code, _, _ = run_main(export_command.main, capsys, untrained_checkpoint, out, "--format", "transformers", "--force")
+    assert code == 0 and sorted(p.name for p in out.iterdir()) == names
