@@ -147,3 +147,65 @@ def test_the_export_command_writes_a_transformers_directory_and_replaces_it_with
     assert code == 2 and "pass --force" in stderr
     code, _, _ = run_main(export_command.main, capsys, untrained_checkpoint, out, "--format", "transformers", "--force")
     assert code == 0 and sorted(p.name for p in out.iterdir()) == names
+
+
+# ----- a trained model: forced decoding and generate against ours on 300 sentences ------------------
+
+MAX_NEW_TOKENS = 64  # ours: max_len_a=0, max_len_b=64, the same fixed limit (EOS included) for every sentence
+
+
+@pytest.fixture(scope="module")
+def trained_export(trained_checkpoint, tmp_path_factory):
+    """(our Translator, the transformers model and tokenizer of its export, 300 sources, references)."""
+    from transformer import Translator
+    from transformer.data.sources import load_split_text
+
+    model, tokenizer, config = model_from_checkpoint(load_checkpoint(trained_checkpoint))
+    assert config.model.pre_norm  # the default; post-norm's mapping is checked above with random weights
+    out = export_transformers(model, tokenizer, config, tmp_path_factory.mktemp("export") / "hf")
+    sources, references = load_split_text(config.data, "validation")
+    assert len(sources) >= 300
+    translator = Translator(model, tokenizer, config, torch.device("cpu"), "fp32")
+    return (translator, *_load(out), sources[:300], references[:300])
+
+
+def _generate(hf_model, hf_tokenizer, sources, **options) -> list[str]:
+    outputs = []
+    for start in range(0, len(sources), 60):
+        batch = hf_tokenizer(sources[start : start + 60], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            ids = hf_model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, **options)
+        outputs += hf_tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return outputs
+
+
+@pytest.mark.slow
+def test_forced_decoding_scores_of_the_export_are_ours(trained_export):
+    translator, hf_model, hf_tokenizer, sources, references = trained_export
+    ours = translator.score(sources, references)
+    theirs = []
+    for start in range(0, len(sources), 60):
+        batch = hf_tokenizer(
+            sources[start : start + 60], text_target=references[start : start + 60], return_tensors="pt", padding=True
+        )
+        labels = batch["labels"]
+        labels = labels.masked_fill(labels == hf_tokenizer.pad_token_id, -100)  # (B, T): padding not scored
+        with torch.no_grad():
+            logits = hf_model(**batch.data | {"labels": labels}).logits  # (B, T, V)
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(2, labels.clamp(min=0)[:, :, None]).squeeze(2)
+        theirs += logprobs.masked_fill(labels == -100, 0.0).sum(dim=1).tolist()
+    assert max(abs(a - b) for a, b in zip(theirs, ours)) < 1e-4
+    assert sum(ours) / len(ours) > -15  # a model that learned something: the check is not between two noises
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beam", [1, 5])
+def test_generate_translates_as_transformer_translate(beam, trained_export):
+    translator, hf_model, hf_tokenizer, sources, references = trained_export
+    penalty = {"alpha": 0.0} if beam > 1 else {}  # greedy search has no length penalty (and says so)
+    ours = translator.translate(sources, beam_size=beam, max_len_a=0.0, max_len_b=MAX_NEW_TOKENS, **penalty)
+    # The export's generation_config.json: early_stopping, forced EOS and the never-generated tokens as ours;
+    # the beam and the length penalty given here as transformer-translate's (alpha=0: raw log-probabilities).
+    theirs = _generate(hf_model, hf_tokenizer, sources, num_beams=beam, length_penalty=0.0)
+    assert sum(a == b for a, b in zip(theirs, ours)) >= 0.99 * len(sources)
+    assert sum(a == b for a, b in zip(ours, references)) >= 0.2 * len(sources)  # it translates
