@@ -72,6 +72,7 @@ def test_the_export_computes_our_logits_and_tokens(pre_norm, tied, joint, archit
     assert type(hf_model).__name__ == architecture and type(hf_tokenizer).__name__ == "MarianTokenizer"
     assert json.loads((out / "export-manifest.json").read_text())["format"] == "transformers"
     assert not (out / "spm.model").exists()  # the tokenizer's files carry the SentencePiece models
+    assert all(str(tmp_path).encode() not in path.read_bytes() for path in out.iterdir())  # no staging path
 
     batch = hf_tokenizer(SOURCES, text_target=TARGETS, return_tensors="pt", padding=True)
     ours_src, ours_tgt = tokenizer.encode_src(SOURCES), tokenizer.encode_tgt(TARGETS)
@@ -159,10 +160,16 @@ def trained_export(trained_checkpoint, tmp_path_factory):
     """(our Translator, the transformers model and tokenizer of its export, 300 sources, references)."""
     from transformer import Translator
     from transformer.data.sources import load_split_text
+    from transformer.inference.test_results import test_results_for
 
-    model, tokenizer, config = model_from_checkpoint(load_checkpoint(trained_checkpoint))
+    state = load_checkpoint(trained_checkpoint)
+    model, tokenizer, config = model_from_checkpoint(state)
     assert config.model.pre_norm  # the default; post-norm's mapping is checked above with random weights
-    out = export_transformers(model, tokenizer, config, tmp_path_factory.mktemp("export") / "hf")
+    tested = test_results_for(trained_checkpoint, state["step"])  # training wrote test_results.json
+    assert tested and tested["split"] == "test" and tested["bleu_signature"].startswith("nrefs:1")
+    trained = {"step": state["step"], "metrics": state["metrics"], "test": tested}
+    out = export_transformers(model, tokenizer, config, tmp_path_factory.mktemp("export") / "hf", trained=trained)
+    assert f"BLEU {tested['bleu']:.2f}" in (out / "README.md").read_text()
     sources, references = load_split_text(config.data, "validation")
     assert len(sources) >= 300
     translator = Translator(model, tokenizer, config, torch.device("cpu"), "fp32")
@@ -209,3 +216,53 @@ def test_generate_translates_as_transformer_translate(beam, trained_export):
     theirs = _generate(hf_model, hf_tokenizer, sources, num_beams=beam, length_penalty=0.0)
     assert sum(a == b for a, b in zip(theirs, ours)) >= 0.99 * len(sources)
     assert sum(a == b for a, b in zip(ours, references)) >= 0.2 * len(sources)  # it translates
+
+
+def test_the_card_of_a_tested_checkpoint_holds_its_test_scores_and_no_path_of_this_machine(
+    untrained_checkpoint, tmp_path, capsys, monkeypatch
+):
+    import yaml
+
+    from transformer.checkpoint import save_checkpoint
+    from transformer.inference.test_results import test_results_for, write_test_results
+
+    state = load_checkpoint(untrained_checkpoint)
+    home = tmp_path / "home" / "alice"
+    state["config"]["data"].update(name="custom", embedded=False, path=str(home / "corpus"))
+    state["config"]["run_dir"] = str(home / "runs" / "today")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    save_checkpoint(state, run / "checkpoints" / "best.pt")
+    signature = "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.5.1|norm:nfc"
+    scores = {"bleu": 31.416, "chrf": 55.5, "bleu_signature": signature, "chrf_signature": "nrefs:1|c"}
+    details = {"split": "test", "sentences": 500, "beam": 5, "src_lang": "de", "tgt_lang": "en"}
+    write_test_results(run, run / "checkpoints" / "best.pt", 10, details, scores)
+    assert test_results_for(run / "checkpoints" / "best.pt", 11) is None  # other weights than those tested
+    assert test_results_for(run / "checkpoints" / "last.pt", 10) is None
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "de-en-hf"
+    best = run / "checkpoints" / "best.pt"
+    code, _, err = run_main(export_command.main, capsys, best, out, "--format", "transformers")
+    assert code == 0, err
+    for path in out.iterdir():
+        for where in (str(tmp_path), "/alice/"):
+            assert where.encode() not in path.read_bytes(), (path.name, where)
+    card = (out / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert meta["library_name"] == "transformers" and meta["language"] == ["de", "en"] and meta["license"]
+    (result,) = meta["model-index"][0]["results"]
+    assert result["task"] == {"type": "translation", "name": "Translation de-en"}
+    assert result["dataset"]["split"] == "test" and result["dataset"]["name"] == "custom"
+    assert [(m["type"], m["value"]) for m in result["metrics"]] == [("bleu", 31.42), ("chrf", 55.5)]
+    assert result["metrics"][0]["args"] == signature
+    for text in (
+        "On the test split (`test`, 500 sentences, beam 5)",
+        "BLEU 31.42",
+        f"Test BLEU signature: `{signature}`",
+        'AutoModelForSeq2SeqLM.from_pretrained("de-en-hf")',
+        'AutoTokenizer.from_pretrained("de-en-hf")',
+        "num_beams=5",
+        "PegasusForConditionalGeneration",
+        "--format safetensors",
+    ):
+        assert text in card, text

@@ -15,6 +15,7 @@ from transformer.inference.ctranslate2 import CT2_QUANTIZATIONS, export_ctransla
 from transformer.inference.hf_export import export_transformers
 from transformer.inference.model_directory import check_output_directory, failure_reason, output_directory
 from transformer.inference.pretrained import save_pretrained
+from transformer.inference.test_results import test_results_for
 
 if TYPE_CHECKING:
     pass
@@ -69,6 +70,7 @@ def _export(args) -> int:
         state = load_checkpoint(args.checkpoint)
         model, tokenizer, config = model_from_checkpoint(state, args.checkpoint)
         trained = {"step": state.get("step"), "metrics": state.get("metrics")}
+        trained["test"] = test_results_for(args.checkpoint, state.get("step"))  # the run's test_results.json
         if export_format == "safetensors":
             out = save_pretrained(model, tokenizer, config, args.output, overwrite=args.force, trained=trained)
         elif export_format == "transformers":

@@ -30,9 +30,11 @@ def model_card(
     src, tgt = data.src_lang, data.tgt_lang
     directions, targets = data.directions(), tokenizer.target_languages
     languages = data.languages() if targets or data.corpora else [src, tgt]
+    # library_name: one the Hub knows and users can install; our own package is not on PyPI, so the
+    # safetensors directory names none.
     front = [
         "---",
-        f"library_name: {FORMAT_NAME}",
+        *(["library_name: transformers"] if export_format == "transformers" else []),
         "language:",
         *(f"- {json.dumps(x)}" for x in languages),
         "tags:",
@@ -56,6 +58,7 @@ def model_card(
     )
     if data.hub_id:
         front += ["datasets:", f"- {json.dumps(data.hub_id)}"]
+    front += _model_index(name, config, trained)
     parameters = sum(p.numel() for p in model.parameters())  # a tied matrix counts once
     vocabulary = (
         f"one joint SentencePiece {data.tokenizer_type} vocabulary of {tokenizer.src_vocab_size} pieces"
@@ -156,6 +159,11 @@ def _load_transformers(name: str, config: Config, targets: list[str]) -> list[st
         "```",
         "",
     ]
+    lines += [
+        f"With the `{FORMAT_NAME}` package (`Translator`, `transformer-translate`), load the `.pt` checkpoint "
+        "this was exported from, or its `transformer-export --format safetensors` directory.",
+        "",
+    ]
     if targets:
         lines += [
             f"The target language is chosen by its tag at the start of the source text, as for Marian's "
@@ -163,6 +171,51 @@ def _load_transformers(name: str, config: Config, targets: list[str]) -> list[st
             "",
         ]
     return lines
+
+
+def _model_index(name: str, config: Config, trained: dict) -> list[str]:
+    """The Hub's `model-index` results (YAML front matter): the test scores of these weights when the run
+    recorded them (test_results.json), else the last validation's; nothing when there are none."""
+    data = config.data
+    test = trained.get("test")
+    metrics = trained.get("metrics") if isinstance(trained.get("metrics"), dict) else {}
+    history = [v for v in metrics.get("val_history") or [] if isinstance(v, dict) and "bleu" in v]
+    if test:
+        split, bleu, chrf, signature = test.get("split"), test["bleu"], test.get("chrf"), test.get("bleu_signature")
+    elif history:
+        split, bleu, chrf = data.split_name(data.valid_split), history[-1]["bleu"], history[-1].get("chrf")
+        signature = metrics.get("bleu_signature")
+    else:
+        return []
+    dataset = data.hub_id or data.name
+    metric_lines = [
+        "    - type: bleu",
+        f"      value: {round(float(bleu), 2)}",
+        f"      name: {json.dumps('BLEU (sacreBLEU, ' + str(split) + ')')}",
+    ]
+    if signature:
+        metric_lines.append(f"      args: {json.dumps(signature)}")
+    if isinstance(chrf, (int, float)):
+        metric_lines += [
+            "    - type: chrf",
+            f"      value: {round(float(chrf), 2)}",
+            f"      name: {json.dumps('chrF (sacreBLEU, ' + str(split) + ')')}",
+        ]
+    task = f"Translation {data.src_lang}-{data.tgt_lang}" if not data.corpora else "Translation"
+    return [
+        "model-index:",
+        f"- name: {json.dumps(name)}",
+        "  results:",
+        "  - task:",
+        "      type: translation",
+        f"      name: {json.dumps(task)}",
+        "    dataset:",
+        f"      name: {json.dumps(dataset)}",
+        f"      type: {json.dumps(dataset)}",
+        f"      split: {json.dumps(str(split))}",
+        "    metrics:",
+        *metric_lines,
+    ]
 
 
 def _training_data(data) -> str:
@@ -215,7 +268,17 @@ def _evaluation(config: Config, trained: dict) -> list[str]:
     for key, label in (("bleu_signature", "BLEU signature"), ("chrf_signature", "chrF signature")):
         if metrics.get(key):
             lines.append(f"{label}: `{metrics[key]}`")
-    if "test_bleu" in metrics:
+    test = trained.get("test")
+    if test:
+        lines.append(
+            f"On the test split (`{test.get('split')}`, {test.get('sentences')} sentences, beam {test.get('beam')}), "
+            f"at the end of training, of these weights (step {test.get('step')}): BLEU {test['bleu']:.2f}, "
+            f"chrF {test.get('chrf', float('nan')):.2f}."
+        )
+        for key, label in (("bleu_signature", "Test BLEU signature"), ("chrf_signature", "Test chrF signature")):
+            if test.get(key):
+                lines.append(f"{label}: `{test[key]}`")
+    elif "test_bleu" in metrics:
         lines.append(f"Test split: BLEU {metrics['test_bleu']:.2f}, chrF {metrics.get('test_chrf', float('nan')):.2f}.")
     if "averaged_from" in metrics:
         lines.append(
