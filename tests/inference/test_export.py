@@ -289,7 +289,11 @@ def test_the_export_has_a_model_card(untrained_checkpoint, tmp_path, capsys):
     assert "README.md" in json.loads((out / model_directory.MANIFEST_FILE).read_text())["files"]
     _, front, body = card.split("---\n", 2)
     meta = yaml.safe_load(front)
-    assert meta["library_name"] == "transformer-nmt" and meta["language"] == ["de", "en"]
+    assert "library_name" not in meta and meta["language"] == ["de", "en"]  # ours is not on PyPI: none named
+    (result,) = meta["model-index"][0]["results"]  # no test recorded: the last validation's scores
+    assert meta["model-index"][0]["name"] == "de-en-model" and result["task"]["type"] == "translation"
+    assert result["dataset"]["split"] == "validation"
+    assert [(m["type"], m["value"]) for m in result["metrics"]] == [("bleu", 12.35), ("chrf", 40.5)]
     assert meta["tags"] == ["translation"] and meta["pipeline_tag"] == "translation" and meta["license"]
     model, _, _ = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
     parameters = sum(p.numel() for p in model.parameters())

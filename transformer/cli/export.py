@@ -1,4 +1,4 @@
-"""`transformer-export CKPT --format safetensors|ctranslate2 OUT`: a checkpoint as a model directory."""
+"""`transformer-export CKPT --format safetensors|transformers|ctranslate2 OUT`: a checkpoint as a model directory."""
 
 from __future__ import annotations
 
@@ -12,21 +12,24 @@ from transformer.errors import (
     import_torch_holding_interrupts,
 )
 from transformer.inference.ctranslate2 import CT2_QUANTIZATIONS, export_ctranslate2
+from transformer.inference.hf_export import export_transformers
 from transformer.inference.model_directory import check_output_directory, failure_reason, output_directory
 from transformer.inference.pretrained import save_pretrained
+from transformer.inference.test_results import test_results_for
 
 if TYPE_CHECKING:
     pass
 
 
-FORMATS = ("safetensors", "ctranslate2")
+FORMATS = ("safetensors", "transformers", "ctranslate2")
 DEPRECATED_FORMATS = {"hf": "safetensors"}  # --format hf: the safetensors directory's first name
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = CommandLineParser(  # errors in one line, as transformer-translate's
         prog="transformer-export",
-        description="Write a checkpoint as a CTranslate2 model or as a shareable safetensors directory.",
+        description="Write a checkpoint as a shareable safetensors directory, a HuggingFace transformers model "
+        "or a CTranslate2 model.",
     )
     parser.add_argument("checkpoint", help="a .pt checkpoint written by training (best.pt, avg.pt, ...)")
     parser.add_argument("output", help="the directory to write")
@@ -35,8 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         choices=[*FORMATS, *DEPRECATED_FORMATS],
         help="safetensors: model.safetensors + config.json + SentencePiece + a model card "
-        "(README.md), loaded by Translator.from_pretrained and transformer-translate (not by "
-        "HuggingFace transformers; hf is its old name); ctranslate2: for the CTranslate2 engine",
+        "(README.md), loaded by Translator.from_pretrained and transformer-translate (hf is its old "
+        "name); transformers: a native HuggingFace transformers model (Marian for post-norm, Pegasus "
+        "for pre-norm) that AutoModelForSeq2SeqLM and AutoTokenizer load, with a model card (needs "
+        "the transformers package); ctranslate2: for the CTranslate2 engine",
     )
     parser.add_argument(
         "--quantization",
@@ -64,9 +69,12 @@ def _export(args) -> int:
 
         state = load_checkpoint(args.checkpoint)
         model, tokenizer, config = model_from_checkpoint(state, args.checkpoint)
+        trained = {"step": state.get("step"), "metrics": state.get("metrics")}
+        trained["test"] = test_results_for(args.checkpoint, state.get("step"))  # the run's test_results.json
         if export_format == "safetensors":
-            trained = {"step": state.get("step"), "metrics": state.get("metrics")}
             out = save_pretrained(model, tokenizer, config, args.output, overwrite=args.force, trained=trained)
+        elif export_format == "transformers":
+            out = export_transformers(model, tokenizer, config, args.output, overwrite=args.force, trained=trained)
         else:
             out = export_ctranslate2(model, tokenizer, args.output, args.quantization, overwrite=args.force)
     except (FileExistsError, ValueError) as error:

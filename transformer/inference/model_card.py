@@ -14,17 +14,27 @@ if TYPE_CHECKING:
     from transformer.model import Transformer
 
 
-def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: str, trained: dict) -> str:
-    """README.md of the safetensors directory `name`: HuggingFace Hub metadata (YAML front matter), then
-    the languages, the training data, the model's shape, the checkpoint's validation scores and how to
-    load it. `trained`: the checkpoint's `step` and `metrics` (either may be missing)."""
+def model_card(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    config: Config,
+    name: str,
+    trained: dict,
+    export_format: str = "safetensors",
+) -> str:
+    """README.md of the exported directory `name` (`export_format`: safetensors or transformers):
+    HuggingFace Hub metadata (YAML front matter), then the languages, the training data, the model's
+    shape, the checkpoint's validation scores and how to load it. `trained`: the checkpoint's `step`
+    and `metrics` (either may be missing)."""
     data, shape = config.data, config.model
     src, tgt = data.src_lang, data.tgt_lang
     directions, targets = data.directions(), tokenizer.target_languages
     languages = data.languages() if targets or data.corpora else [src, tgt]
+    # library_name: one the Hub knows and users can install; our own package is not on PyPI, so the
+    # safetensors directory names none.
     front = [
         "---",
-        f"library_name: {FORMAT_NAME}",
+        *(["library_name: transformers"] if export_format == "transformers" else []),
         "language:",
         *(f"- {json.dumps(x)}" for x in languages),
         "tags:",
@@ -46,9 +56,9 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
         if targets
         else f"Source `{src}`, target `{tgt}`."
     )
-    choose = f', tgt_lang="{tgt}"' if targets else ""
     if data.hub_id:
         front += ["datasets:", f"- {json.dumps(data.hub_id)}"]
+    front += _model_index(name, config, trained)
     parameters = sum(p.numel() for p in model.parameters())  # a tied matrix counts once
     vocabulary = (
         f"one joint SentencePiece {data.tokenizer_type} vocabulary of {tokenizer.src_vocab_size} pieces"
@@ -63,8 +73,12 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
         f"# {name}: {title}",
         "",
         f"A Transformer encoder-decoder (Vaswani et al., 2017) trained with `{FORMAT_NAME}` (the Python "
-        "package `transformer`). This directory is that package's safetensors format: weights "
-        f"(`{WEIGHTS_FILE}`), training config (`{CONFIG_FILE}`) and SentencePiece model(s).",
+        + (
+            "package `transformer`), exported as a HuggingFace `transformers` model."
+            if export_format == "transformers"
+            else "package `transformer`). This directory is that package's safetensors format: weights "
+            f"(`{WEIGHTS_FILE}`), training config (`{CONFIG_FILE}`) and SentencePiece model(s)."
+        ),
         "",
         "## Languages",
         "",
@@ -88,6 +102,24 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
         "",
         "## How to load it",
         "",
+        *(
+            _load_transformers(name, config, targets)
+            if export_format == "transformers"
+            else _load_ours(name, config, targets)
+        ),
+        "## License",
+        "",
+        "The terms of the training data apply to the model; set `license` above before publishing it.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _load_ours(name: str, config: Config, targets: list[str]) -> list[str]:
+    """How to load the safetensors directory: with this package only."""
+    src, tgt = config.data.src_lang, config.data.tgt_lang
+    choose = f', tgt_lang="{tgt}"' if targets else ""
+    return [
         "```python",
         "from transformer import Translator",
         "",
@@ -102,14 +134,88 @@ def model_card(model: Transformer, tokenizer: Tokenizer, config: Config, name: s
         "```",
         "",
         "HuggingFace `transformers` cannot load this directory: the architecture is not a `transformers` "
-        f"model class; load it with the `{FORMAT_NAME}` package as above.",
-        "",
-        "## License",
-        "",
-        "The terms of the training data apply to the model; set `license` above before publishing it.",
+        f"model class; load it with the `{FORMAT_NAME}` package as above, or export the checkpoint with "
+        "`transformer-export CKPT --format transformers OUT`, which `transformers` loads.",
         "",
     ]
-    return "\n".join(lines)
+
+
+def _load_transformers(name: str, config: Config, targets: list[str]) -> list[str]:
+    """How to load the transformers export: with `transformers` alone (no remote code)."""
+    architecture = "PegasusForConditionalGeneration" if config.model.pre_norm else "MarianMTModel"
+    tag = f">>{config.data.tgt_lang}<< " if targets else ""
+    lines = [
+        f"A native `transformers` model (`{architecture}`, `MarianTokenizer`): no `trust_remote_code`, and "
+        f"this package is not needed.",
+        "",
+        "```python",
+        "from transformers import AutoModelForSeq2SeqLM, AutoTokenizer",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}")    # this directory, or its Hub id owner/name',
+        f'model = AutoModelForSeq2SeqLM.from_pretrained("{name}")',
+        f'batch = tokenizer(["{tag}..."], return_tensors="pt", padding=True)',
+        "output = model.generate(**batch, num_beams=5)",
+        "print(tokenizer.batch_decode(output, skip_special_tokens=True))",
+        "```",
+        "",
+    ]
+    lines += [
+        f"With the `{FORMAT_NAME}` package (`Translator`, `transformer-translate`), load the `.pt` checkpoint "
+        "this was exported from, or its `transformer-export --format safetensors` directory.",
+        "",
+    ]
+    if targets:
+        lines += [
+            f"The target language is chosen by its tag at the start of the source text, as for Marian's "
+            f"multilingual models: {', '.join(f'`>>{x}<<`' for x in targets)}.",
+            "",
+        ]
+    return lines
+
+
+def _model_index(name: str, config: Config, trained: dict) -> list[str]:
+    """The Hub's `model-index` results (YAML front matter): the test scores of these weights when the run
+    recorded them (test_results.json), else the last validation's; nothing when there are none."""
+    data = config.data
+    test = trained.get("test")
+    metrics = trained.get("metrics") if isinstance(trained.get("metrics"), dict) else {}
+    history = [v for v in metrics.get("val_history") or [] if isinstance(v, dict) and "bleu" in v]
+    if test:
+        split, bleu, chrf, signature = test.get("split"), test["bleu"], test.get("chrf"), test.get("bleu_signature")
+    elif history:
+        split, bleu, chrf = data.split_name(data.valid_split), history[-1]["bleu"], history[-1].get("chrf")
+        signature = metrics.get("bleu_signature")
+    else:
+        return []
+    dataset = data.hub_id or data.name
+    metric_lines = [
+        "    - type: bleu",
+        f"      value: {round(float(bleu), 2)}",
+        f"      name: {json.dumps('BLEU (sacreBLEU, ' + str(split) + ')')}",
+    ]
+    if signature:
+        metric_lines.append(f"      args: {json.dumps(signature)}")
+    if isinstance(chrf, (int, float)):
+        metric_lines += [
+            "    - type: chrf",
+            f"      value: {round(float(chrf), 2)}",
+            f"      name: {json.dumps('chrF (sacreBLEU, ' + str(split) + ')')}",
+        ]
+    task = f"Translation {data.src_lang}-{data.tgt_lang}" if not data.corpora else "Translation"
+    return [
+        "model-index:",
+        f"- name: {json.dumps(name)}",
+        "  results:",
+        "  - task:",
+        "      type: translation",
+        f"      name: {json.dumps(task)}",
+        "    dataset:",
+        f"      name: {json.dumps(dataset)}",
+        f"      type: {json.dumps(dataset)}",
+        f"      split: {json.dumps(str(split))}",
+        "    metrics:",
+        *metric_lines,
+    ]
 
 
 def _training_data(data) -> str:
@@ -162,7 +268,17 @@ def _evaluation(config: Config, trained: dict) -> list[str]:
     for key, label in (("bleu_signature", "BLEU signature"), ("chrf_signature", "chrF signature")):
         if metrics.get(key):
             lines.append(f"{label}: `{metrics[key]}`")
-    if "test_bleu" in metrics:
+    test = trained.get("test")
+    if test:
+        lines.append(
+            f"On the test split (`{test.get('split')}`, {test.get('sentences')} sentences, beam {test.get('beam')}), "
+            f"at the end of training, of these weights (step {test.get('step')}): BLEU {test['bleu']:.2f}, "
+            f"chrF {test.get('chrf', float('nan')):.2f}."
+        )
+        for key, label in (("bleu_signature", "Test BLEU signature"), ("chrf_signature", "Test chrF signature")):
+            if test.get(key):
+                lines.append(f"{label}: `{test[key]}`")
+    elif "test_bleu" in metrics:
         lines.append(f"Test split: BLEU {metrics['test_bleu']:.2f}, chrF {metrics.get('test_chrf', float('nan')):.2f}.")
     if "averaged_from" in metrics:
         lines.append(

@@ -141,9 +141,12 @@ def _listing(names: list[str], shown: int = 5) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
-def write_model_directory(out: str | Path, overwrite: bool, tokenizer: Tokenizer, build, export_format: str) -> Path:
+def write_model_directory(
+    out: str | Path, overwrite: bool, tokenizer: Tokenizer, build, export_format: str, sentencepiece: bool = True
+) -> Path:
     """`build(directory)` creates a model directory (a path that does not exist yet, in a staging directory
-    beside `out`); the SentencePiece model(s) and the manifest are added and the whole is moved into place.
+    beside `out`); the SentencePiece model(s) (unless not `sentencepiece`: a format that writes them under
+    names of its own) and the manifest are added and the whole is moved into place.
     A failed export leaves no half-written model behind and a previous export as it was; `--force`
     replaces only a previous export (check_output_directory)."""
     out = output_directory(out)
@@ -161,7 +164,7 @@ def write_model_directory(out: str | Path, overwrite: bool, tokenizer: Tokenizer
         built = staging / "model"  # created by `build` with the usual permissions
         try:
             build(built)
-            for name, data in tokenizer_files(tokenizer).items():
+            for name, data in (tokenizer_files(tokenizer) if sentencepiece else {}).items():
                 (built / name).write_bytes(data)
             files = sorted([entry.name for entry in built.iterdir()] + [MANIFEST_FILE])
             digests = {entry.name: file_sha256(entry) for entry in sorted(built.iterdir()) if entry.is_file()}

@@ -19,6 +19,7 @@ from transformer.data.sources import DataError, load_split_text
 from transformer.errors import Interrupted
 from transformer.inference.request import DecodeRequest
 from transformer.inference.scoring import score
+from transformer.inference.test_results import write_test_results
 from transformer.inference.translator import Translator
 from transformer.runtime import Runtime
 from transformer.training.ema import weights_swapped
@@ -171,8 +172,11 @@ class Selection:
         if not self.runtime.is_main:
             return None
         cfg, best = self.cfg, run_dir / "checkpoints" / "best.pt"
+        best_step = None
         if best.exists():
-            load_model_weights(self.state.model, load_checkpoint(best)["model"], best)
+            tested = load_checkpoint(best)
+            load_model_weights(self.state.model, tested["model"], best)
+            best_step = tested.get("step")
         try:
             sources, references = load_split_text(cfg.data, "test")
         except DataError as error:
@@ -191,6 +195,9 @@ class Selection:
         )
         announce(message)
         self.monitor.test(self.state.progress.step, scores)
+        details = {"split": cfg.data.split_name(cfg.data.test_split), "sentences": len(sources)}
+        details.update(beam=dc.beam_size, src_lang=cfg.data.src_lang, tgt_lang=cfg.data.tgt_lang)
+        write_test_results(run_dir, best if best.exists() else None, best_step, details, scores)  # for model cards
         return scores
 
 
