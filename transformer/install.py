@@ -18,6 +18,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 EXTRAS = {
     "data": ("datasets", "pyarrow"),
     "export": ("ctranslate2",),
+    "hf": ("transformers",),
     "mlflow": ("mlflow-skinny", "sqlalchemy", "alembic"),
     "wandb": ("wandb",),
 }

@@ -49,9 +49,9 @@ class CheckpointDirectory:
         has no hard links): one file written."""
 
         def write(snapshot: dict) -> None:
-            if weights_only:
-                self._write(without_training_state(snapshot), f"step_{step}.pt")
+            if weights_only:  # last.pt first: a run killed between the two resumes from it
                 self._write(snapshot, "last.pt")
+                self._write(without_training_state(snapshot), f"step_{step}.pt")
             else:
                 self._write(snapshot, f"step_{step}.pt")
                 _link_or_copy(self.directory / f"step_{step}.pt", self.directory / "last.pt")
