@@ -27,6 +27,7 @@ from transformer.data.sources import DataError, load_split_text
 from transformer.data.tokenizer import Tokenizer
 from transformer.distributed import peer_gone
 from transformer.errors import PeerGone
+from transformer.flops import mfu_meter
 from transformer.model import build_model
 from transformer.runtime import Runtime
 from transformer.training.banner import log_banner, warn_about_settings_the_run_cannot_honour
@@ -148,9 +149,11 @@ class Trainer:
         return Batches(sampler, updates, update_loader(train, updates, workers, pin_memory=cuda))
 
     def build_step(self) -> TrainingStep:
-        """The update (compiled, and wrapped in DDP under torchrun) and the log of its numbers."""
-        tc = self.cfg.trainer
-        return TrainingStep(tc, self.state, self.runtime, TrainLog(self.runtime.device, self.monitor, tc.max_bad_steps))
+        """The update (compiled, and wrapped in DDP under torchrun) and the log of its numbers (with MFU on
+        a GPU whose peak is known)."""
+        tc, device = self.cfg.trainer, self.runtime.device
+        mfu = mfu_meter(device, self.cfg.model, self.data.tokenizer.tgt_vocab_size, passes=2 if tc.rdrop else 1)
+        return TrainingStep(tc, self.state, self.runtime, TrainLog(device, self.monitor, tc.max_bad_steps, mfu))
 
     def build_selection(self) -> Selection:
         """The validators and what their results mean (best.pt, patience); a stop signal abandons a validation."""
