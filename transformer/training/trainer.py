@@ -31,6 +31,7 @@ from transformer.flops import mfu_meter
 from transformer.model import build_model
 from transformer.runtime import Runtime
 from transformer.training.banner import log_banner, warn_about_settings_the_run_cannot_honour
+from transformer.training.batch_fit import choose_max_tokens
 from transformer.training.checkpoint_dir import CheckpointDirectory
 from transformer.training.monitor import Monitor
 from transformer.training.optim import build_optimizer
@@ -72,6 +73,8 @@ class Trainer:
         self.data = self.build_data(start)
         self.model = self.build_model(start)
         self.state = self.build_state()
+        if cfg.trainer.max_tokens_auto and start.resume is None:  # a resumed run keeps its checkpoint's
+            self.fit_max_tokens()
         self.batches = self.build_batches()
         if start.resume:
             self.state.load(start.resume)
@@ -130,6 +133,13 @@ class Trainer:
             rt.device,
             bad_in_a_row=lambda: self.step.log.read()["bad_in_a_row"],
         )
+
+    def fit_max_tokens(self) -> None:
+        """trainer.max_tokens_auto: the budget the GPU's memory allows (rank 0's on every rank), into the
+        config the checkpoints hold."""
+        tc, rt = self.cfg.trainer, self.runtime
+        chosen = choose_max_tokens(tc, self.cfg.data, self.model, rt, self.data.tokenizer.tgt_vocab_size)
+        tc.max_tokens = rt.broadcast(chosen)
 
     def build_batches(self) -> Batches:
         tc, rt, train = self.cfg.trainer, self.runtime, self.data.train
