@@ -16,7 +16,8 @@ data_scale : Multi30k repeated to 1M and 4.5M pairs: cold and warm start to the 
 decode : sentences/s for greedy and beam 5, with the key/value cache and recomputing the prefix.
 translate_cli : with --checkpoint and MULTI30K_DIR, seconds for `transformer-translate` to translate
          test_2016_flickr as a whole process (startup and model load included), beam 5 and greedy.
-mfu    : on CUDA, model FLOPs/s over the exact device's dense bf16 peak (FLOPs counted analytically below).
+mfu    : on CUDA, model FLOPs/s over the exact device's dense bf16 peak: the count and the peak table are
+         transformer/flops.py's, which the training log's MFU shares.
 
 Batches are real Multi30k batches when MULTI30K_DIR is set, otherwise the embedded corpus. A model
 whose loss is not finite or does not fall over the timed steps fails the bench (exit code 1).
@@ -43,6 +44,7 @@ from transformer.attention import padding_mask  # noqa: E402
 from transformer.compose import compose  # noqa: E402
 from transformer.data.batching import TokenBatchSampler  # noqa: E402
 from transformer.data.prepare import prepare  # noqa: E402
+from transformer.flops import peak_bf16_tflops, train_flops  # noqa: E402
 from transformer.loss import batch_loss  # noqa: E402
 from transformer.model import SinusoidalPositions, build_model, compile_layers  # noqa: E402
 from transformer.runtime import (  # noqa: E402
@@ -52,28 +54,6 @@ from transformer.runtime import (  # noqa: E402
     tune_cpu_process,
 )
 from transformer.special import PAD_ID  # noqa: E402
-
-# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets, matched
-# against torch.cuda.get_device_name() in this order: the first key contained in the name wins.
-PEAK_BF16_TFLOPS = [
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),  # H100 SXM5 ("H100 80GB HBM3")
-    ("GH200", 989.0),
-    ("H200", 989.0),
-    ("H800", 989.0),
-    ("B200", 2250.0),
-    ("B100", 1750.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L40", 181.0),
-    ("L4", 121.0),
-    ("A10G", 70.0),
-    ("A10", 125.0),
-    ("RTX 4090", 165.0),
-    ("RTX 3090", 71.0),
-]
 
 
 class ReferenceTransformer(nn.Module):
@@ -118,20 +98,6 @@ class OurModel(nn.Module):
 
     def loss(self, batch, smoothing: float):
         return batch_loss(self.model, batch, smoothing)[0]  # the trainer's own loss
-
-
-def train_flops(cfg, batch, vocab: int) -> float:
-    """Forward+backward FLOPs of one batch: 3 x forward, forward = 2 x multiply-adds of every matmul."""
-    D, F = cfg.d_model, cfg.d_ff
-    src_tokens = int((batch.src != PAD_ID).sum())
-    tgt_tokens = int((batch.tgt_out != PAD_ID).sum())
-    S, T = batch.src.size(1), batch.tgt_in.size(1)
-    enc = cfg.encoder_layers * src_tokens * (2 * 4 * D * D + 2 * 2 * D * F + 2 * 2 * S * D)
-    dec = cfg.decoder_layers * (
-        tgt_tokens * (2 * 6 * D * D + 2 * 2 * D * F + 2 * 2 * T * D + 2 * 2 * S * D) + src_tokens * 2 * 2 * D * D
-    )
-    out = tgt_tokens * 2 * D * vocab
-    return 3.0 * (enc + dec + out)
 
 
 def time_training(models: dict, batches, device, dtype, repeats: int, smoothing: float = 0.1) -> dict:
@@ -326,8 +292,7 @@ class _compiled(nn.Module):
 
 
 def _peak_tflops(device) -> float | None:
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS if k in name), None)
+    return peak_bf16_tflops(torch.cuda.get_device_name(device))
 
 
 def bench_decode(model, tokenizer, cfg, sources: list[str], device, repeats: int) -> list[dict]:

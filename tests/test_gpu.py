@@ -201,3 +201,24 @@ def test_training_batches_too_large_for_the_gpu_stop_with_one_line(memory_limit,
     finally:
         trainer.leave_process_group(clean=True)
         trainer.monitor.close()
+
+
+def test_max_tokens_auto_picks_a_budget_that_fits_and_refuses_one_that_does_not():
+    """trainer.max_tokens_auto's real probe: the budget the search picks fits (with the headroom), the next
+    rung does not, and a budget far past the GPU's memory is caught (out of memory), not raised."""
+    from types import SimpleNamespace
+
+    from transformer.training.batch_fit import RUNG, cuda_probe, largest_fitting_budget
+
+    cfg = ModelConfig(d_model=512, n_heads=8, d_ff=2048, encoder_layers=6, decoder_layers=6, dropout=0.1)
+    model = build_model(cfg, 8000, 8000, True).cuda()
+    runtime = SimpleNamespace(
+        device=torch.device("cuda"), autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    )
+    fits = cuda_probe(model, runtime, max_len=256, vocab=8000, rdrop=False)
+    assert fits(4096)
+    assert not fits(2**24)  # 16M tokens of base: far more than any GPU holds
+    budget, tries = largest_fitting_budget(fits, first=8192)
+    assert budget is not None and budget >= 4096 and tries <= 30
+    assert fits(budget) and not fits(budget + RUNG)
+    assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradients behind

@@ -410,6 +410,12 @@ class TrainerConfig:
         "Parameters and optimizer state stay fp32 in every mode",
     )
     max_tokens: int = setting(4096, "token budget per batch: sentences x max(padded source, padded target length)")
+    max_tokens_auto: bool = setting(
+        False,
+        "on CUDA, replace trainer.max_tokens at a new run's start by the largest budget whose longest batch "
+        "(data.max_len sentences) fits in the GPU's memory with 10% left free (searched from trainer.max_tokens "
+        "by doubling and bisecting, logged, kept by a resumed run); ignored with a warning on a CPU",
+    )
     update_freq: int = setting(1, "gradient accumulation: batches per optimizer step")
     lr: float = setting(7e-4, "peak learning rate, reached at the end of warm-up")
     schedule: str = setting(

@@ -552,6 +552,47 @@ def test_the_train_log_sums_finite_steps_on_the_device_and_stops_on_a_run_of_bad
     log.check_finite(fp16=True)  # fp16 allows ten times as many
 
 
+@pytest.mark.parametrize("device_name", [None, "NVIDIA H200", "Tesla T4"])
+def test_the_log_line_and_tensorboard_give_mfu_on_a_gpu_whose_peak_is_known(device_name, caplog):
+    """On CUDA (a device whose .type is "cuda", no GPU needed: the name is given) the line and
+    TensorBoard's train/mfu give the window's FLOPs / seconds / the H200's 989 TFLOP/s; on a CPU (None) or
+    a GPU of unknown peak the line is as it always was."""
+    import logging
+    from types import SimpleNamespace
+
+    from transformer.data.batching import Batch
+    from transformer.flops import mfu_meter, train_flops
+    from transformer.training.step_log import StepResult, TrainLog
+
+    cfg = compose_config(["model=tiny"]).model
+    device = SimpleNamespace(type="cuda") if device_name else torch.device("cpu")
+    meter = mfu_meter(device, cfg, 100, device_name=device_name) if device_name else None
+    seen = []
+    monitor = SimpleNamespace(training=lambda step, epoch, values, device: seen.append(values))
+    log = TrainLog(torch.device("cpu"), monitor, max_bad_steps=3, mfu=meter)
+    src = torch.tensor([[5, 6, 7, 3], [5, 3, 0, 0]])  # (2, 4)
+    tgt = torch.tensor([[2, 8, 9], [2, 8, 0]])
+    batch = Batch(src, tgt, tgt, num_tgt_tokens=5, padding_share=0.25)
+    for _ in range(3):
+        log.add(StepResult(torch.tensor([10.0, 5.0, 2.0]), torch.tensor(1.5), torch.tensor(True), 5.0), [(batch, 1)])
+    log.started -= 2.0  # the window took (at least) two seconds
+    with caplog.at_level(logging.INFO, logger="transformer.train"):
+        log.write(
+            step=3, epoch=0, lr=1e-3, loss_scale=1.0, fp16=False, bar=SimpleNamespace(set_postfix=lambda **_: None)
+        )
+    line = caplog.records[-1].getMessage()
+    prefix = "step 3 | epoch 0 | loss 2.000 | nll 1.000 | ppl 2.72 | accuracy 40.0% | lr 0.001 | gnorm 1.50 | tok/s "
+    assert line.startswith(prefix)
+    if device_name == "NVIDIA H200":
+        expected = 3 * train_flops(cfg, batch, 100) / 2.0 / 989e12
+        assert seen[0]["mfu"] == pytest.approx(expected, rel=0.05)
+        mfu_shown = line.split("tok/s ")[1].split(" | ")[1]
+        assert mfu_shown == f"mfu {100 * seen[0]['mfu']:.1f}%" and line.endswith(" | pad 25.0%")
+    else:
+        assert "mfu" not in seen[0] and "mfu" not in line
+        assert line.removeprefix(prefix).split(" | ")[1:] == ["pad 25.0%"]
+
+
 def test_resuming_into_fp16_starts_the_loss_scaler_afresh_from_a_bf16_or_fp32_checkpoint(caplog):
     from transformer.training.state import load_scaler_state
 

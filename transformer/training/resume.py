@@ -57,6 +57,7 @@ HONOURED_ON_RESUME = {
         "average_last",
         "patience",
         "max_bad_steps",
+        "max_tokens_auto",  # a resumed run never searches: it keeps the checkpoint's trainer.max_tokens
         "compile",
         "resume",
         "overwrite",
@@ -132,6 +133,12 @@ def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> Non
         raise TrainingError(
             f"{path}: its stored config is {NESTED_TOO_DEEPLY}; resume from another checkpoint"
         ) from None
+    saved_trainer = saved.get("trainer", {})
+    if cfg.trainer.max_tokens_auto and "max_tokens" in saved_trainer:
+        # The budget trainer.max_tokens_auto chose (or the one the run had) goes on: no search on resume.
+        cfg.trainer.max_tokens = saved_trainer["max_tokens"]
+        if warn:
+            log.info("trainer.max_tokens_auto: the resumed run keeps trainer.max_tokens=%d", cfg.trainer.max_tokens)
     restoring, restoring_named = [], []  # the overrides giving changed keys their old values; lists named
     for section in ("model", "data", "trainer", "decode"):
         values, old_values = getattr(cfg, section), saved.get(section, {})

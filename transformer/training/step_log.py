@@ -3,7 +3,9 @@
 Each step adds its summed loss and NLL, correctly predicted targets, token counts and whether it was finite to
 a small tensor on
 the device, so that no step waits for the GPU to report them; they are read back once per log line
-(`write`), which also checks the run of non-finite steps (`trainer.max_bad_steps`).
+(`write`), which also checks the run of non-finite steps (`trainer.max_bad_steps`). On a GPU whose peak
+is known the line and TensorBoard (train/mfu) also give the model FLOPs utilisation (`transformer.flops`),
+counted from the host's batches: it reads nothing back either.
 
 On a terminal the training bar counts steps towards whichever limit ends the run first (`TrainingBar`),
 and log lines are written above the bars, never onto one (`log_lines_above_bars`).
@@ -23,6 +25,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from transformer.console import bars_disabled
+from transformer.flops import MfuMeter
 from transformer.training.run_dir import TrainingError
 
 log = logging.getLogger("transformer.train")
@@ -46,9 +49,10 @@ class StepResult:
 
 
 class TrainLog:
-    def __init__(self, device: torch.device, monitor, max_bad_steps: int):
-        """`monitor`: the run's `transformer.training.monitor.Monitor` (TensorBoard), or None."""
-        self.device, self.monitor, self.max_bad_steps = device, monitor, max_bad_steps
+    def __init__(self, device: torch.device, monitor, max_bad_steps: int, mfu: MfuMeter | None = None):
+        """`monitor`: the run's `transformer.training.monitor.Monitor` (TensorBoard), or None. `mfu`: the
+        FLOPs counter of a CUDA run (`transformer.flops.mfu_meter`), or None: no MFU (on a CPU)."""
+        self.device, self.monitor, self.max_bad_steps, self.mfu = device, monitor, max_bad_steps, mfu
         self.sums = torch.zeros(7, dtype=torch.float64, device=device)
         self.grad_norm: torch.Tensor | None = None
         self.skipped_total = 0
@@ -70,6 +74,8 @@ class TrainLog:
         sums[ALL_TOKENS] += stats.tokens  # every rank's target tokens
         self.grad_norm = stats.grad_norm
         self.padding += sum(b.padding_share for b, _ in micro) / max(1, len(micro))
+        if self.mfu is not None:
+            self.mfu.add(micro)
         self.steps += 1
 
     def read(self) -> dict:
@@ -118,12 +124,14 @@ class TrainLog:
             "padding_share": self.padding / max(1, self.steps),
             "skipped_steps": self.skipped_total,
         }
+        if self.mfu is not None:
+            values["mfu"] = self.mfu.read(elapsed)
         if self.monitor:
             self.monitor.training(step, epoch, values, self.device)
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{values['tokens_per_s']:.0f}")
         log.info(
             "step %d | epoch %d | loss %.3f | nll %.3f | ppl %.2f | accuracy %.1f%% | lr %.3g | gnorm %.2f | "
-            "tok/s %.0f | pad %.1f%%%s%s",
+            "tok/s %.0f%s | pad %.1f%%%s%s",
             step,
             epoch,
             loss,
@@ -133,6 +141,7 @@ class TrainLog:
             lr,
             values["grad_norm"],
             values["tokens_per_s"],
+            f" | mfu {100 * values['mfu']:.1f}%" if self.mfu is not None else "",
             100 * values["padding_share"],
             f" | loss scale {loss_scale:g}" if fp16 else "",
             f" | {numbers['skipped']} non-finite steps skipped" if numbers["skipped"] else "",

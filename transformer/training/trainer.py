@@ -27,9 +27,11 @@ from transformer.data.sources import DataError, load_split_text
 from transformer.data.tokenizer import Tokenizer
 from transformer.distributed import peer_gone
 from transformer.errors import PeerGone
+from transformer.flops import mfu_meter
 from transformer.model import build_model
 from transformer.runtime import Runtime
 from transformer.training.banner import log_banner, warn_about_settings_the_run_cannot_honour
+from transformer.training.batch_fit import choose_max_tokens
 from transformer.training.checkpoint_dir import CheckpointDirectory
 from transformer.training.monitor import Monitor
 from transformer.training.optim import build_optimizer
@@ -71,6 +73,8 @@ class Trainer:
         self.data = self.build_data(start)
         self.model = self.build_model(start)
         self.state = self.build_state()
+        if cfg.trainer.max_tokens_auto and start.resume is None:  # a resumed run keeps its checkpoint's
+            self.fit_max_tokens()
         self.batches = self.build_batches()
         if start.resume:
             self.state.load(start.resume)
@@ -130,6 +134,13 @@ class Trainer:
             bad_in_a_row=lambda: self.step.log.read()["bad_in_a_row"],
         )
 
+    def fit_max_tokens(self) -> None:
+        """trainer.max_tokens_auto: the budget the GPU's memory allows (rank 0's on every rank), into the
+        config the checkpoints hold."""
+        tc, rt = self.cfg.trainer, self.runtime
+        chosen = choose_max_tokens(tc, self.cfg.data, self.model, rt, self.data.tokenizer.tgt_vocab_size)
+        tc.max_tokens = rt.broadcast(chosen)
+
     def build_batches(self) -> Batches:
         tc, rt, train = self.cfg.trainer, self.runtime, self.data.train
         sampler = TokenBatchSampler(
@@ -148,9 +159,11 @@ class Trainer:
         return Batches(sampler, updates, update_loader(train, updates, workers, pin_memory=cuda))
 
     def build_step(self) -> TrainingStep:
-        """The update (compiled, and wrapped in DDP under torchrun) and the log of its numbers."""
-        tc = self.cfg.trainer
-        return TrainingStep(tc, self.state, self.runtime, TrainLog(self.runtime.device, self.monitor, tc.max_bad_steps))
+        """The update (compiled, and wrapped in DDP under torchrun) and the log of its numbers (with MFU on
+        a GPU whose peak is known)."""
+        tc, device = self.cfg.trainer, self.runtime.device
+        mfu = mfu_meter(device, self.cfg.model, self.data.tokenizer.tgt_vocab_size, passes=2 if tc.rdrop else 1)
+        return TrainingStep(tc, self.state, self.runtime, TrainLog(device, self.monitor, tc.max_bad_steps, mfu))
 
     def build_selection(self) -> Selection:
         """The validators and what their results mean (best.pt, patience); a stop signal abandons a validation."""
