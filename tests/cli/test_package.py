@@ -57,7 +57,8 @@ def _declared() -> tuple[set[str], dict[str, set[str]]]:
 
 
 @pytest.mark.parametrize(
-    "folder,allowed_extras", [("transformer", ("data", "export", "mlflow", "wandb")), ("scripts", ("export", "dev"))]
+    "folder,allowed_extras",
+    [("transformer", ("data", "export", "hf", "mlflow", "wandb")), ("scripts", ("export", "dev"))],
 )
 def test_every_third_party_import_is_declared(folder, allowed_extras):
     dependencies, extras = _declared()
