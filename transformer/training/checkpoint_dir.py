@@ -99,7 +99,9 @@ class CheckpointDirectory:
         try:
             save_checkpoint(state, self.directory / name)
         except CheckpointError as error:
-            kept = sorted(self.directory.glob("*.pt"), key=lambda p: p.stat().st_mtime)
+            # last.pt resumes the run (a file is replaced only once its successor is whole); else the newest
+            last = self.directory / "last.pt"
+            kept = [last] if last.is_file() else sorted(self.directory.glob("*.pt"), key=lambda p: p.stat().st_mtime)
             raise CheckpointError(
                 f"{error}; the last good checkpoint is {kept[-1] if kept else 'none (nothing was saved yet)'}"
             ) from None
