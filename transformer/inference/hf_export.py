@@ -47,8 +47,6 @@ if TYPE_CHECKING:
 
     from transformer.model import Transformer
 
-INSTALL_HINT = "--format transformers needs the transformers package: pip install 'transformers>=5.0'"
-
 
 def refusal(config: Config, tokenizer: Tokenizer) -> str | None:
     """Why this model has no exact native transformers class (the key to change), or None."""
@@ -282,7 +280,9 @@ def export_transformers(
     try:
         import transformers  # noqa: F401
     except ImportError:
-        raise ValueError(INSTALL_HINT) from None
+        from transformer.install import install_hint
+
+        raise ValueError(f"--format transformers needs the transformers package: {install_hint('hf')}") from None
     from transformer.inference.model_card import model_card
     from transformer.inference.model_directory import output_directory
     from transformer.inference.pretrained import refuse_non_finite, without_local_paths
