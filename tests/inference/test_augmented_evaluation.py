@@ -1,6 +1,7 @@
 """transformer-evaluate --augment: one row per noised copy beside the clean score, each copy's sources,
 references and hypotheses written beside the checkpoint as scored, the same copies for the same seed, and the
-refusals. An untrained checkpoint proves all of it (the scores are compared with the files, not judged)."""
+refusals. An untrained checkpoint proves these (the scores are compared with the files, not judged); one slow test
+shows the issue's finding on the session's trained tiny model."""
 
 import json
 import shutil
@@ -112,3 +113,24 @@ def test_bad_augment_flags_are_refused_in_one_line(pair, capsys, flags, message)
     assert rc == 2 and out == ""
     assert assert_one_line_refusal(err, "transformer-evaluate") == f"transformer-evaluate: error: {message}"
     assert not list(checkpoint.parent.glob("*.hyp"))  # refused before translating
+
+
+@pytest.mark.slow
+def test_a_model_trained_on_sentence_case_falls_apart_on_the_upper_cased_copy(trained_checkpoint, tmp_path, capsys):
+    """Issue 73's finding on the session's trained tiny model (no augmentation): the upper-cased copy, scored
+    against upper-cased references, loses most of the clean BLEU, typos lose some, and the clean row is the plain
+    evaluation's."""
+    checkpoint = tmp_path / "best.pt"
+    shutil.copy(trained_checkpoint, checkpoint)
+    flags = ["--beam", 1, "--device", "cpu", "--precision", "fp32"]
+    rc, out, err = run_main(main, capsys, checkpoint, *flags, "--augment", "upper,typos")
+    assert rc == 0, err
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:5]}
+    clean, noised = float(rows["clean"][0]), float(rows["upper"][0])
+    assert clean > 10 and noised < clean / 2 and float(rows["typos"][0]) < clean, out  # measured: 93.7, 0.0, 88.1
+    assert float(rows["upper"][2]) == pytest.approx(noised - clean, abs=0.011)
+    plain = json.loads((tmp_path / "best.test.beam1.json").read_text())
+    assert plain["bleu"] == pytest.approx(clean, abs=0.005) and "augment" not in plain
+    references = _lines(tmp_path / "best.test.aug-upper.beam1.ref")
+    assert references and all(line == line.upper() for line in references)
+    assert any(line != line.lower() for line in references)  # letters, upper-cased
