@@ -4,12 +4,14 @@ file pair), print sacreBLEU and chrF with their signatures (`scoring.score`: hyp
 ensemble). For a multilingual model, also the share of translations in another of its languages
 (off-target rate, transformer/data/langid.py). `--alpha 1,1.5,2` scores each length penalty and names the
 best; `--directions all` scores every direction of a multilingual model (with an alpha list: the best
-per target language, `decode.alpha_by_language`). Like transformer-translate, it answers --help and
+per target language, `decode.alpha_by_language`). `--augment upper,title,typos,nopunct,mix` scores noised copies
+of the set (data/augment.py) beside the clean score. Like transformer-translate, it answers --help and
 refuses bad arguments before it loads torch."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from transformer.cli.args import (
@@ -20,8 +22,17 @@ from transformer.cli.args import (
     device_error,
     given_decoding_options,
 )
+from transformer.cli.evaluate_report import (
+    alpha_text,
+    print_augmented,
+    print_directions,
+    print_result,
+    print_search,
+    search_line,
+)
 from transformer.cli.run import run_command
 from transformer.config import check_decode_options
+from transformer.data.augment import EVALUATION_SEED, EVALUATION_TYPO_RATE, VARIANTS, variant_names
 from transformer.errors import UsageError
 from transformer.inference.evaluate import EvaluationSet, Models, evaluate
 from transformer.inference.request import DecodeRequest
@@ -59,6 +70,25 @@ def build_parser() -> CommandLineParser:
         "(Multi30k's tok/*.lc.norm.tok.*): also report BLEU as the literature does, our output "
         "lowercased, normalized and tokenized the same way (sacremoses), sacreBLEU tokenize=none; "
         "with --directions, {tgt} in REF stands for each target language",
+    )
+    parser.add_argument(
+        "--augment",
+        metavar="VARIANT[,...]",
+        type=augment_variants,
+        help="also score noised copies of the set, one row each beside the clean score: "
+        f"{', '.join(VARIANTS)} (upper: source and reference in upper case; title: each word's first letter "
+        f"in upper case, both sides; typos: in {EVALUATION_TYPO_RATE:.0%} of the source's words longer than "
+        "three letters, the reference kept; nopunct: the source's final punctuation removed, and then the "
+        "reference's; mix: one of these drawn per sentence). Each copy's sources, references and "
+        "hypotheses are written beside the checkpoint (<ckpt>.<split>.aug-VARIANT.beamN.src/.ref/.hyp)".replace(
+            "%", "%%"
+        ),
+    )
+    parser.add_argument(
+        "--augment-seed",
+        type=int,
+        metavar="N",
+        help=f"the seed of the --augment copies (default {EVALUATION_SEED}): the same seed, the same copies",
     )
     add_decoding_flags(parser, leave_out=("nbest",))  # it scores the best translation of each line
     for action in parser._actions:  # --alpha: one value, or a search over several
@@ -100,6 +130,14 @@ def alpha_values(text: str) -> list[float] | dict[str, float]:
     return values
 
 
+def augment_variants(text: str) -> list[str]:
+    """--augment upper,title: the variants' names (data/augment.py), each known and given once."""
+    try:
+        return variant_names(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return run_command("transformer-evaluate", lambda: _evaluate(args))
@@ -117,11 +155,13 @@ def _evaluate(args) -> int:
     except OSError as error:  # e.g. the hypothesis file cannot be written beside the checkpoint
         raise UsageError(f"{error.filename}: {error.strerror}") from None
     if args.directions:
-        _print_directions(results, len(alphas) > 1, show_alpha=per_language is not None)
+        print_directions(results, len(alphas) > 1, show_alpha=per_language is not None)
+    elif args.augment:
+        print_augmented(results)
     elif len(results) > 1:
-        _print_search(results, args)
+        print_search(results, args)
     else:
-        _print_result(results[0])
+        print_result(results[0])
     return 0
 
 
@@ -143,6 +183,7 @@ def _check(args) -> tuple[list, dict[str, float] | None]:
         raise ValueError(
             "--directions scores the split in each direction: leave out --src-lang, --tgt-lang, --src and --ref"
         )
+    _check_augment(args, alphas)
     args.weights = checked_model_arguments(args)
     bad_device = device_error(args.device)
     if bad_device:
@@ -154,7 +195,7 @@ def _load(args, alphas: list, per_language: dict[str, float] | None):
     """The model(s), loaded here when several evaluations share them (else by each evaluation), and the
     directions to score, checked against them."""
     translator = None
-    if len(alphas) > 1 or args.directions or per_language is not None:  # loaded once for all below
+    if len(alphas) > 1 or args.directions or per_language is not None or args.augment:  # loaded once for all below
         from transformer.inference.translator import Translator
 
         translator = Translator.from_checkpoints(
@@ -201,37 +242,31 @@ def _run(args, translator, directions, alphas: list, per_language: dict[str, flo
             )
             label = f"alpha{alpha:g}" if len(alphas) > 1 else None
             results.append(evaluate(models, data, request, label=label, translator=translator))
+            for name in args.augment or ():  # the noised copies, translated and scored as the clean set is
+                noised = dataclasses.replace(data, augment=name, augment_seed=args.augment_seed)
+                results.append(evaluate(models, noised, request, label=label, translator=translator))
             if len(alphas) > 1 or args.directions:
-                line = _search_line(results[-1], bool(args.directions), len(alphas) > 1 or per_language is not None)
+                line = search_line(results[-1], bool(args.directions), len(alphas) > 1 or per_language is not None)
                 print(line, flush=True)
     return results
 
 
-def _print_result(result: dict) -> None:
-    if "ensemble" in result:
-        print(f"ensemble of {len(result['ensemble'])}: {' '.join(result['ensemble'])}")
-    print(
-        f"{result['split']}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  "
-        f"({result['sentences']} sentences, beam {result['beam_size']}, {result['seconds']:.1f} s)"
-    )
-    print(f"BLEU signature: {result['bleu_signature']}")
-    if "bleu_tokenized_lc" in result:
-        print(
-            f"BLEU tokenized and lowercased, as the literature reports it (not comparable with the above): "
-            f"{result['bleu_tokenized_lc']:.2f}  {result['bleu_tokenized_lc_signature']}"
+def _check_augment(args, alphas: list) -> None:
+    """--augment: one evaluation (a direction, an alpha) and its noised copies; --augment-seed with it."""
+    if args.augment_seed is None:
+        args.augment_seed = EVALUATION_SEED
+    elif not args.augment:
+        raise ValueError(f"--augment-seed {args.augment_seed}: it seeds the noised copies; give --augment too")
+    elif args.augment_seed < 0:
+        raise ValueError(f"--augment-seed {args.augment_seed}: give a whole number of 0 or more")
+    if not args.augment:
+        return
+    if args.directions or len(alphas) > 1:
+        raise ValueError(
+            "--augment scores one evaluation beside its noised copies: leave out --directions and give one --alpha"
         )
-    print(f"chrF signature: {result['chrf_signature']}")
-    if "off_target" in result:
-        wrong = ", ".join(f"{lang} {count}" for lang, count in result["off_target_languages"].items())
-        print(
-            f"off-target: {result['off_target']:.2f}% of the translations are in another of the model's languages "
-            f"({wrong or 'none'}; py3langid choosing among {', '.join(result['off_target_among'])})"
-        )
-    print(f"hypotheses: {result['hypotheses_file']}\nscores: {result['scores_file']}")
-
-
-def _alpha_text(per_language: dict[str, float]) -> str:
-    return ",".join(f"{language}={alpha:g}" for language, alpha in per_language.items())
+    if args.tokenized_lc:
+        raise ValueError("--augment: leave out --tokenized-lc (the noised copies have no tokenized references)")
 
 
 def _refuse_greedy(beam: int | None, alphas: list, per_language: dict[str, float] | None) -> None:
@@ -245,7 +280,7 @@ def _refuse_greedy(beam: int | None, alphas: list, per_language: dict[str, float
         )
     if per_language is not None:
         raise ValueError(
-            f"--alpha {_alpha_text(per_language)}: a length penalty per language needs a beam of 2 "
+            f"--alpha {alpha_text(per_language)}: a length penalty per language needs a beam of 2 "
             "or more (--beam 5): greedy search has no length penalty"
         )
 
@@ -262,14 +297,14 @@ def _check_alpha_languages(per_language: dict[str, float], translator, targets: 
     unknown = [language for language in per_language if language not in known]
     if unknown:
         raise ValueError(
-            f"--alpha {_alpha_text(per_language)}: the model does not translate into {unknown[0]}; "
+            f"--alpha {alpha_text(per_language)}: the model does not translate into {unknown[0]}; "
             f"it translates into {', '.join(known)}"
         )
     scored = {_scored_language(target, translator) for target in targets}
     unused = [language for language in per_language if language not in scored]
     if unused:
         print(
-            f"note: --alpha {_alpha_text({lang: per_language[lang] for lang in unused})}: no direction "
+            f"note: --alpha {alpha_text({lang: per_language[lang] for lang in unused})}: no direction "
             f"scored here translates into {' or '.join(unused)}",
             file=sys.stderr,
         )
@@ -305,82 +340,6 @@ def _directions(given: str, translator) -> list[tuple[str, str]]:
                 f"(its directions: {trained}); give all, or directions between its languages"
             )
     return pairs
-
-
-def _search_line(result: dict, direction: bool = False, alpha: bool = True) -> str:
-    """One evaluation of a search or of several directions, in one line."""
-    tokenized = f"  tokenized lowercased {result['bleu_tokenized_lc']:.2f}" if "bleu_tokenized_lc" in result else ""
-    off = f"  off-target {result['off_target']:.2f}%" if "off_target" in result else ""
-    what = " ".join(
-        ([f"{result['src_lang']}-{result['tgt_lang']}"] if direction else [])
-        + ([f"alpha {result['alpha']:g}"] if alpha else [])
-    )
-    return f"{what}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}{tokenized}{off}  ({result['seconds']:.1f} s)"
-
-
-def _print_directions(results: list[dict], searched: bool, show_alpha: bool = False) -> None:
-    """Several directions: with a search, the best alpha of each target language (the mean BLEU of the
-    directions into it) and the setting that makes them the model's defaults; then each direction's
-    result (at its language's best alpha) and their mean."""
-
-    def direction(result):
-        return f"{result['src_lang']}-{result['tgt_lang']}"
-
-    chosen = results
-    if searched:
-        by_language: dict[str, dict[float, list[float]]] = {}
-        for result in results:
-            by_language.setdefault(result["tgt_lang"], {}).setdefault(result["alpha"], []).append(result["bleu"])
-        best = {
-            language: max(scores, key=lambda a: sum(scores[a]) / len(scores[a]))
-            for language, scores in by_language.items()
-        }
-        for language, alpha in sorted(best.items()):
-            means = ", ".join(f"{a:g}: {sum(v) / len(v):.2f}" for a, v in by_language[language].items())
-            print(f"into {language}: alpha {alpha:g} (mean BLEU of the directions into it at each alpha: {means})")
-        print(
-            "as the model's defaults: decode.alpha_by_language='{"
-            + ", ".join(f"{language}: {alpha:g}" for language, alpha in sorted(best.items()))
-            + "}' at training; "
-            f"for this model: --alpha {_alpha_text(dict(sorted(best.items())))}"
-        )
-        chosen = [r for r in results if r["alpha"] == best[r["tgt_lang"]]]
-    show_alpha = show_alpha or searched
-    print(f"{'direction':10} {'BLEU':>6} {'chrF':>6}" + ("  alpha" if show_alpha else ""))
-    for result in chosen:
-        print(
-            f"{direction(result):10} {result['bleu']:6.2f} {result['chrf']:6.2f}"
-            + (f"  {result['alpha']:g}" if show_alpha else "")
-        )
-    mean = sum(r["bleu"] for r in chosen) / len(chosen)
-    print(f"{f'mean of {len(chosen)}':10} {mean:6.2f} {sum(r['chrf'] for r in chosen) / len(chosen):6.2f}")
-    if searched and chosen[0]["split"].split(".")[0] == "test":
-        print(
-            "note: a length penalty chosen on the test split overstates its test score; search on --split validation",
-            file=sys.stderr,
-        )
-    print(f"BLEU signature: {chosen[0]['bleu_signature']} (each direction's in its results)")
-    print(f"results: {', '.join(r['scores_file'] for r in chosen)}")
-
-
-def _print_search(results: list[dict], args) -> None:
-    """The best alpha of a length penalty search, and where to put it."""
-    best = max(results, key=lambda r: (r["bleu"], r["chrf"]))
-    split = results[0]["split"].split(".alpha")[0]
-    print(f"best on {split} (beam {best['beam_size']}): --alpha {best['alpha']:g} (BLEU {best['bleu']:.2f})")
-    language = best["tgt_lang"]
-    multilingual = "off_target_among" in best
-    key = f"decode.alpha_by_language.{language}" if multilingual else "decode.alpha"
-    print(
-        f"as the model's default: {key}={best['alpha']:g} at training"
-        + (" (the length penalty of every direction into this language)" if multilingual else "")
-    )
-    if args.src is None and args.split == "test":
-        print(
-            "note: a length penalty chosen on the test split overstates its test score; search on --split validation",
-            file=sys.stderr,
-        )
-    print(f"BLEU signature: {best['bleu_signature']}\nresults: {', '.join(r['scores_file'] for r in results)}")
 
 
 if __name__ == "__main__":

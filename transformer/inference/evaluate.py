@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformer.data.augment import EVALUATION_SEED, EVALUATION_TYPO_RATE, VARIANTS, augment_pairs
 from transformer.data.lines import read_lines
 from transformer.data.sources import DataError, load_split_text
 from transformer.errors import overwritten_input, write_problem
@@ -43,13 +44,17 @@ class EvaluationSet:
     and `ref_file` pair; `src_lang`: the source language of another direction of a multilingual model (the
     target language is the decode request's `tgt_lang`); `tokenized_lc`: a file of the references lowercased
     and Moses-tokenized (Multi30k's tok/*.lc.norm.tok.*), for BLEU as the literature reports it beside ours
-    (`scoring.tokenized_lowercased_bleu`)."""
+    (`scoring.tokenized_lowercased_bleu`); `augment`: a variant of data/augment.py (upper, title, typos, nopunct,
+    mix) that noises the sources, and the references where it says so, with `augment_seed`: a noised copy of
+    the set, its files named `.aug-<variant>` and holding the noised sources and references too."""
 
     split: str = "test"
     src_file: str | None = None
     ref_file: str | None = None
     src_lang: str | None = None
     tokenized_lc: str | None = None
+    augment: str | None = None
+    augment_seed: int = EVALUATION_SEED
 
 
 def evaluate(
@@ -71,6 +76,13 @@ def evaluate(
     models, request = Models.of(models), request or DecodeRequest()
     checkpoints, weights, quantize = list(models.checkpoints), models.weights, models.quantize
     checkpoint = checkpoints[0]
+    augment, augment_seed = data.augment, data.augment_seed
+    if augment is not None and augment not in VARIANTS:
+        raise DataError(f"augment={augment!r} is not a variant; the variants: {', '.join(VARIANTS)}")
+    if augment and data.tokenized_lc:
+        raise DataError(
+            "--tokenized-lc scores against clean references: leave it out of a noised (--augment) evaluation"
+        )
     translator = translator or Translator.from_checkpoints(
         checkpoints, weights, device=models.device, precision=models.precision, quantize=quantize
     )
@@ -121,6 +133,8 @@ def evaluate(
         name = f"{split}.{data.src_lang}-{data.tgt_lang}" if src_lang or tgt_lang else split
     if not sources:
         raise DataError(f"{src_file or f'the {split} split'}: no sentences to translate and score")
+    if augment:  # the references too, where the variant changes the target side
+        sources, references = augment_pairs(sources, references, augment, augment_seed)
     tokenized_references = None
     if tokenized_lc:
         _check_file("--tokenized-lc", tokenized_lc)
@@ -138,6 +152,7 @@ def evaluate(
     name += (
         (f".ensemble{len(checkpoints)}" if len(checkpoints) > 1 else "")
         + (f".{quantize}" if quantize else "")
+        + (f".aug-{augment}" if augment else "")
         + (f".{label}" if label else "")
     )
     hyp_path, json_path = output_paths(checkpoint, name, beam)
@@ -150,7 +165,8 @@ def evaluate(
         f"the --ref file {ref_file}": ref_file,
         **{f"the checkpoint {each}": each for each in checkpoints},
     }
-    for path in (hyp_path, json_path):
+    noised_paths = (hyp_path.with_suffix(".src"), hyp_path.with_suffix(".ref")) if augment else ()
+    for path in (hyp_path, json_path, *noised_paths):
         overwritten = overwritten_input(path, inputs)
         if overwritten:
             raise DataError(
@@ -183,6 +199,7 @@ def evaluate(
         ),
         **({"ensemble": [str(each) for each in checkpoints], "weights": weights} if len(checkpoints) > 1 else {}),
         **({"quantize": quantize} if quantize else {}),
+        **(_augment_record(augment, augment_seed) if augment else {}),
         "seconds": round(seconds, 2),
         **score(hypotheses, references, data.tgt_lang),
     }
@@ -192,9 +209,22 @@ def evaluate(
     if model_data.target_languages():  # a multilingual model: how often it answers in another language
         result.update(off_target(hypotheses, data.tgt_lang, model_data.languages()) or {})
     hyp_path.write_text("".join(h.replace("\n", " ") + "\n" for h in hypotheses), encoding="utf-8")
+    for path, lines in zip(noised_paths, (sources, references)):  # what was translated and scored
+        path.write_text("".join(line.replace("\n", " ") + "\n" for line in lines), encoding="utf-8")
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     result["hypotheses_file"], result["scores_file"] = str(hyp_path), str(json_path)
+    if augment:
+        result["noised_src_file"], result["noised_ref_file"] = map(str, noised_paths)
     return result
+
+
+def _augment_record(augment: str, seed: int) -> dict:
+    """What the JSON records of a noised evaluation: the variant, its seed, the typo rate where it has typos."""
+    return {
+        "augment": augment,
+        "augment_seed": seed,
+        **({"typo_rate": EVALUATION_TYPO_RATE} if augment in ("typos", "mix") else {}),
+    }
 
 
 def _results_of_another_source(json_path: Path, source: str | None) -> bool:
