@@ -137,13 +137,22 @@ def _drop(word: str, rng: Generator) -> str:
     return word[:i] + word[i + 1 :]
 
 
-def _insert(word: str, rng: Generator) -> str | None:
+def _key_and_neighbour(word: str, rng: Generator) -> tuple[int, str] | None:
+    """A position of `word` whose letter is on the keyboard, and one of that key's neighbours (lower case)."""
     positions = [i for i, letter in enumerate(word) if letter.lower() in NEIGHBOUR_KEYS]
     if not positions:
         return None
     i = positions[rng.integers(len(positions))]
     near = NEIGHBOUR_KEYS[word[i].lower()]
-    return word[: i + 1] + _like(near[rng.integers(len(near))], word) + word[i + 1 :]
+    return i, near[rng.integers(len(near))]
+
+
+def _insert(word: str, rng: Generator) -> str | None:
+    picked = _key_and_neighbour(word, rng)
+    if picked is None:
+        return None
+    i, near = picked
+    return word[: i + 1] + _like(near, word) + word[i + 1 :]
 
 
 def _repeat(word: str, rng: Generator) -> str:
@@ -152,12 +161,11 @@ def _repeat(word: str, rng: Generator) -> str:
 
 
 def _neighbour(word: str, rng: Generator) -> str | None:
-    positions = [i for i, letter in enumerate(word) if letter.lower() in NEIGHBOUR_KEYS]
-    if not positions:
+    picked = _key_and_neighbour(word, rng)
+    if picked is None:
         return None
-    i = positions[rng.integers(len(positions))]
-    near = NEIGHBOUR_KEYS[word[i].lower()]
-    return word[:i] + _like(near[rng.integers(len(near))], word[i]) + word[i + 1 :]
+    i, near = picked
+    return word[:i] + _like(near, word[i]) + word[i + 1 :]
 
 
 _TYPO: dict[str, Callable[[str, Generator], str | None]] = {

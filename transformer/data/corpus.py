@@ -117,17 +117,18 @@ class EncodedCorpus:
         if self.cleaning and self.cleaning.langid:
             language = np.load(self.directory / self.cleaning.langid, mmap_mode="r")
         total = len(flags)
-        lengths = {side: self._stored_lengths(side) for side in ("src", "tgt")}
         longest = 0 if self.max_len is None else self.max_len
         if self.max_len is None:
             for side in ("src", "tgt"):
-                longest = max([longest] + [int(chunk.max(initial=0)) for chunk in lengths[side]()])
+                longest = max([longest] + [int(chunk.max(initial=0)) for chunk in self._stored_lengths(side)])
         length_type = compact(np.array([longest])).dtype
         self.pair_index = np.empty(total, dtype=index_dtype(total))  # filled up to `kept`: pages untouched after
         self.src_lens, self.tgt_lens = np.empty(total, dtype=length_type), np.empty(total, dtype=length_type)
         self.dropped = {"empty": 0, "NUL byte": 0, "too long": 0}
         kept = 0
-        for start, src_all, tgt_all in zip(range(0, total, CHUNK_PAIRS), lengths["src"](), lengths["tgt"]()):
+        for start, src_all, tgt_all in zip(
+            range(0, total, CHUNK_PAIRS), self._stored_lengths("src"), self._stored_lengths("tgt")
+        ):
             stop = start + len(src_all)
             chunk_flags = np.asarray(flags[start:stop])
             rules = {  # each pair counted under the first rule that drops it
@@ -155,14 +156,10 @@ class EncodedCorpus:
         self.total_pairs = total
 
     def _stored_lengths(self, side: str):
-        """A function that yields the lengths of every stored pair of `side`, CHUNK_PAIRS at a time (uint32)."""
+        """The lengths of every stored pair of `side`, CHUNK_PAIRS at a time (uint32)."""
         offsets = getattr(self, f"_{side}_offsets")
-
-        def chunks():
-            for start in range(0, len(offsets) - 1, CHUNK_PAIRS):
-                yield np.diff(offsets[start : start + CHUNK_PAIRS + 1]).astype(np.uint32)
-
-        return chunks
+        for start in range(0, len(offsets) - 1, CHUNK_PAIRS):
+            yield np.diff(offsets[start : start + CHUNK_PAIRS + 1]).astype(np.uint32)
 
     def __getstate__(self):
         return {

@@ -34,6 +34,7 @@ the sentence. generation_config.json holds our decoding defaults where transform
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -258,9 +259,7 @@ def write_tokenizer(tokenizer: Tokenizer, config: Config, directory: Path) -> No
         **separate,
     )
     hf_tokenizer.save_pretrained(str(directory))
-    for entry in scratch.iterdir():
-        entry.unlink()
-    scratch.rmdir()
+    shutil.rmtree(scratch)
 
 
 def export_transformers(
