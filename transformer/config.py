@@ -102,6 +102,26 @@ def _file_name(key: str, name: str) -> None:
         )
 
 
+AUGMENT_SHARES = ("upper", "title", "typos", "nopunct", "merge")  # data.augment_<name>: a share of pairs
+
+
+def _check_augmentation(where: str, cfg) -> None:
+    """data.augment_* (or a corpus's own): shares in [0, 1], upper + title at most 1, a typo rate in (0, 1]."""
+    for name in AUGMENT_SHARES:
+        value = getattr(cfg, f"augment_{name}")
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{where}.augment_{name}={value} must be a share of pairs in [0, 1] (0 = off; e.g. 0.05)")
+    upper, title = cfg.augment_upper or 0.0, cfg.augment_title or 0.0
+    if upper + title > 1.0:
+        raise ConfigError(
+            f"{where}.augment_upper + augment_title = {upper + title:g}: a pair gets one case at most, so the two "
+            "shares may add up to 1 at most"
+        )
+    rate = cfg.augment_typo_rate
+    if rate is not None and not 0.0 < rate <= 1.0:
+        raise ConfigError(f"{where}.augment_typo_rate={rate} must be in (0, 1] (e.g. 0.1: one word in ten)")
+
+
 @dataclass
 class CorpusConfig:
     """One training corpus of a mixture (`data.corpora`): where its text is, how much of each epoch it
@@ -130,6 +150,12 @@ class CorpusConfig:
     langid: bool | None = setting(
         None, "its own cleaning rule (default: data.langid): e.g. true for a crawled corpus only"
     )
+    augment_upper: float | None = setting(None, "its own data.augment_upper (default: the run's)")
+    augment_title: float | None = setting(None, "its own data.augment_title (default: the run's)")
+    augment_typos: float | None = setting(None, "its own data.augment_typos (default: the run's)")
+    augment_typo_rate: float | None = setting(None, "its own data.augment_typo_rate (default: the run's)")
+    augment_nopunct: float | None = setting(None, "its own data.augment_nopunct (default: the run's)")
+    augment_merge: float | None = setting(None, "its own data.augment_merge (default: the run's)")
 
     def label(self, data: DataConfig) -> str:
         """The corpus's name: given, or the last part of its path or hub id (and its languages, where it
@@ -199,6 +225,18 @@ class DataConfig:
         "0 = off (validation and test are never sampled)",
     )
     subword_nbest: int = setting(-1, "unigram sampling: from the n best segmentations (-1 = all, else at least 2)")
+    augment_upper: float = setting(
+        0.0, "training augmentation: share of pairs upper-cased, both sides, drawn afresh every epoch (0 = off)"
+    )
+    augment_title: float = setting(0.0, "training augmentation: share of pairs in Title Case, both sides")
+    augment_typos: float = setting(0.0, "training augmentation: share of pairs whose source gets typos")
+    augment_typo_rate: float = setting(0.1, "training augmentation: share of a noised source's words misspelt")
+    augment_nopunct: float = setting(
+        0.0, "training augmentation: share of pairs without their final punctuation, both sides"
+    )
+    augment_merge: float = setting(
+        0.0, "training augmentation: share of pairs joined with the next one or two (within data.max_len)"
+    )
     vocab_size: int = setting(8000, "SentencePiece pieces (per language unless joint_vocab)")
     tokenizer_type: str = setting("bpe", "bpe | unigram")
     joint_vocab: bool = setting(True, "one vocabulary for both languages (lets the model tie all embeddings)")
@@ -218,6 +256,12 @@ class DataConfig:
             )
         if self.subword_nbest != -1 and self.subword_nbest < 2:  # SentencePiece refuses 1 (nothing to sample)
             raise ConfigError(f"data.subword_nbest={self.subword_nbest} must be -1 (all) or at least 2")
+        _check_augmentation("data", self)
+        if self.subword_sampling and any(getattr(self, f"augment_{name}") for name in AUGMENT_SHARES):
+            raise ConfigError(
+                "data.subword_sampling and data.augment_* do not work together yet; set data.subword_sampling=0 "
+                "or the data.augment_* keys to 0"
+            )
         if self.max_len_ratio < 0 or 0 < self.max_len_ratio < 1:
             raise ConfigError(f"data.max_len_ratio={self.max_len_ratio} must be 0 (off) or at least 1")
         _positive("data.vocab_size", self.vocab_size)
@@ -264,6 +308,7 @@ class DataConfig:
             ratio = corpus.max_len_ratio
             if ratio is not None and not (math.isfinite(ratio) and (ratio == 0 or ratio >= 1)):
                 raise ConfigError(f"{key}.max_len_ratio={ratio} must be 0 (off) or at least 1")
+            _check_augmentation(key, corpus)
             names.append(corpus.label(self))
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:

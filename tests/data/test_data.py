@@ -724,10 +724,10 @@ def test_sampled_epochs_are_packed_by_their_own_lengths(tmp_path):
     corpus, tokenizer, _, _ = _sampled_corpus(tmp_path)
     corpus.enable_subword_sampling(tokenizer, 0.1, -1, seed=1)
     sampler = TokenBatchSampler(
-        corpus.src_lens, corpus.tgt_lens, max_tokens=400, seed=7, epoch_lengths=corpus.sampled_lengths
+        corpus.src_lens, corpus.tgt_lens, max_tokens=400, seed=7, epoch_lengths=corpus.epoch_lengths
     )
     for epoch in (0, 1):
-        src_lens, tgt_lens = corpus.sampled_lengths(epoch)
+        src_lens, tgt_lens = corpus.epoch_lengths(epoch)
         assert not np.array_equal(src_lens, corpus.src_lens)  # not the fixed segmentation
         for number, positions in enumerate(sampler.batches(epoch)):
             batch = corpus.collate(positions, (epoch, number))

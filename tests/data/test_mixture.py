@@ -329,3 +329,31 @@ def test_a_direction_validates_on_its_corpus_when_data_path_does_not_name_langua
     directions = prepare(cfg.data).directions
     assert directions["de-en"][1].where == str(tsv / "validation.tsv")
     assert directions["en-de"][1].where == f"{big / 'validation.en'} + validation.de"  # not the TSV read backwards
+
+
+def test_each_corpus_of_a_mixture_is_augmented_by_its_own_shares(corpora, data_cache):
+    """data.corpora[i].augment_*: the first corpus upper-cased (its own share), the second left clean (the
+    run's 0); a batch mixing both collates each row as its corpus says, at the epoch's packed lengths."""
+    from transformer.data.mixture import enable_augmentation
+    from transformer.special import EOS_ID, PAD_ID
+
+    big, small = corpora
+    overrides = _mixture_overrides(corpora)
+    overrides[3] = f"data.corpora=[{{path: {big}, augment_upper: 1.0}}, {{path: {small}}}]"
+    cfg = compose_config(FAST + overrides, data_cache)
+    data = prepare(cfg.data)
+    train, tokenizer = data.train, data.tokenizer
+    enable_augmentation(train, cfg.data, tokenizer, seed=1)
+    assert train.parts[0].augmentation is not None and train.parts[1].augmentation is None
+    assert train.varies_by_epoch
+    positions = np.array([len(train) - 1, 0, len(train.parts[0]), 5, len(train) - 2])
+    clean, noised = train.collate(positions), train.collate(positions, (0, 0))
+    src_lens, _ = train.epoch_lengths(0)
+
+    def texts(batch):
+        return tokenizer.src.decode([[i for i in row if i not in (PAD_ID, EOS_ID)] for row in batch.src.tolist()])
+
+    for row, (before, after) in enumerate(zip(texts(clean), texts(noised))):
+        first_corpus = positions[row] < len(train.parts[0])
+        assert after == (before.upper() if first_corpus else before), row
+    assert ((noised.src != PAD_ID).sum(1).numpy() - 1).tolist() == src_lens[positions].tolist()

@@ -79,10 +79,13 @@ def _params(path: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers, sampling", [(0, 0.0), (2, 0.0), (2, 0.1)])
-def test_resume_continues_exactly(tmp_path, data_cache, workers, sampling, caplog):
-    """Also with subword sampling: each batch's segmentation depends on (seed, epoch, batch) alone,
-    whichever process collates it and wherever the run was interrupted."""
+@pytest.mark.parametrize(
+    "workers, sampling, augmented", [(0, 0.0, False), (2, 0.0, False), (2, 0.1, False), (2, 0.0, True)]
+)
+def test_resume_continues_exactly(tmp_path, data_cache, workers, sampling, augmented, caplog):
+    """Also with subword sampling or augmentation (data.augment_*): each batch's segmentation and noise
+    depend on (seed, epoch, batch) alone, whichever process collates it and wherever the run was
+    interrupted."""
     common = FAST + [
         "data.embedded_pairs=800",
         "trainer.precision=fp32",
@@ -100,12 +103,20 @@ def test_resume_continues_exactly(tmp_path, data_cache, workers, sampling, caplo
         "trainer.weight_decay=0.01",
         "trainer.weight_decay_norm_bias=false",
     ]  # two optimizer groups
+    if augmented:
+        common += [
+            "data.augment_upper=0.2",
+            "data.augment_typos=0.3",
+            "data.augment_merge=0.2",
+            "data.augment_nopunct=0.1",
+        ]
     # Uninterrupted: 20 steps (two batches each: more than one epoch of the 800-pair corpus).
     import logging
 
     with caplog.at_level(logging.INFO):
         train(compose_config(common + ["trainer.max_steps=20"], data_cache), tmp_path / "full")
     assert ("re-segmented with SentencePiece sampling (data.subword_sampling=0.1)" in caplog.text) == bool(sampling)
+    assert ("training pairs augmented (upper 0.2, typos 0.3, nopunct 0.1, merge 0.2" in caplog.text) == augmented
     # Interrupted after 7 steps, then resumed to 20.
     train(compose_config(common + ["trainer.max_steps=7"], data_cache), tmp_path / "split")
     assert load_checkpoint(tmp_path / "split/checkpoints/last.pt")["step"] == 7

@@ -70,13 +70,14 @@ def _neighbour_keys() -> dict[str, str]:
 NEIGHBOUR_KEYS = _neighbour_keys()
 
 
-def rng_for(seed: int, epoch: int, pair: int) -> Generator:
+def rng_for(seed: int, epoch: int, pair: int, stream: int = 0) -> Generator:
     """The Generator of one pair's augmentation: a pure function of (seed, epoch, pair), whatever order
-    pairs are drawn in, whichever worker or rank draws them, and after a resume."""
-    for name, value in (("seed", seed), ("epoch", epoch), ("pair", pair)):
+    pairs are drawn in, whichever worker or rank draws them, and after a resume. `stream` tells apart the
+    corpora of a mixture (0: the first, or a corpus alone)."""
+    for name, value in (("seed", seed), ("epoch", epoch), ("pair", pair), ("stream", stream)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"rng_for: {name}={value!r}; give a whole number of 0 or more")
-    return np.random.default_rng([int(seed), int(epoch), int(pair)])
+    return np.random.default_rng([int(seed), int(epoch), int(pair)] + ([int(stream)] if stream else []))
 
 
 def _on_words(text: str, change: Callable[[str], str]) -> str:

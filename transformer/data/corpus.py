@@ -49,6 +49,7 @@ from tqdm import tqdm
 from transformer.config import DataConfig
 from transformer.console import bars_disabled
 from transformer.data.arrays import CHUNK_PAIRS, ColumnWriter, compact, index_dtype, repeated_keys
+from transformer.data.augmented_pairs import AugmentSettings, PairAugmentation
 from transformer.data.cache import check_file, file_record, read_record, sealed, write_failure
 from transformer.data.cleaning import (
     FLAG_BLANK,
@@ -90,6 +91,7 @@ class EncodedCorpus:
     def __init__(self, directory: Path, max_len: int | None, name: str, cleaning: Cleaning | None = None):
         self.directory, self.max_len, self.name, self.cleaning = Path(directory), max_len, name, cleaning
         self.sampling: SubwordSampling | None = None
+        self.augmentation: PairAugmentation | None = None
         self._open()
 
     def _open(self) -> None:
@@ -168,6 +170,7 @@ class EncodedCorpus:
             "name": self.name,
             "cleaning": self.cleaning,
             "sampling": self.sampling,
+            "augmentation": self.augmentation,
         }
 
     def __setstate__(self, state):
@@ -186,6 +189,8 @@ class EncodedCorpus:
         pairs = self.pair_index[positions]
         if self.sampling is not None and key is not None:
             return self.sampling.batch(self, pairs, epoch=key[0])
+        if self.augmentation is not None and key is not None:
+            return self.augmentation.batch(self, positions, epoch=key[0])
         return make_batch(
             self._src_ids,
             self._src_offsets[pairs],
@@ -212,10 +217,36 @@ class EncodedCorpus:
             f", data.subword_nbest={nbest}" if nbest != -1 else "",
         )
 
-    def sampled_lengths(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """Source and target lengths of the kept pairs in `epoch`'s sampled segmentation (the batch
-        sampler packs by them)."""
-        return self.sampling.lengths(self, epoch)
+    def enable_augmentation(self, tokenizer: Tokenizer, settings: AugmentSettings, seed: int, stream: int = 0) -> None:
+        """Noise training batches with data.augment_* (`PairAugmentation`), drawn per (trainer.seed, corpus
+        `stream`, epoch, pair)."""
+        self.augmentation = PairAugmentation(settings, tokenizer.state_dict(), seed, self.max_len, stream)
+        log.info(
+            "%s: training pairs augmented (%s), drawn afresh every epoch from trainer.seed, epoch and pair",
+            self.name,
+            settings.describe(),
+        )
+
+    @property
+    def varies_by_epoch(self) -> bool:
+        """Whether the pairs' ids (and lengths) change from epoch to epoch: subword sampling, augmentation."""
+        return self.sampling is not None or self.augmentation is not None
+
+    def epoch_lengths(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source and target lengths of the kept pairs in `epoch` (sampled segmentation, augmentation): the
+        batch sampler packs by them."""
+        if self.sampling is not None:
+            return self.sampling.lengths(self, epoch)
+        if self.augmentation is not None:
+            return self.augmentation.lengths(self, epoch)
+        return self.src_lens, self.tgt_lens
+
+    def epoch_sides(self, positions: np.ndarray, epoch: int) -> tuple[list, list] | None:
+        """(source ids, target ids) of kept `positions` in `epoch` where augmentation changes them; None
+        where the stored ids hold (a mixture gathers those itself)."""
+        if self.augmentation is None:
+            return None
+        return self.augmentation.sides(self, positions, epoch)
 
     def text(self, side: str, pairs: np.ndarray) -> list[str]:
         """The original lines of stored pairs `pairs` on `side` (src, tgt), from the kept text."""
@@ -485,4 +516,26 @@ def train_tokenizer(cfg: DataConfig, source: SplitSource, build: bool = True) ->
         cache_dir=cfg.cache_dir,
         build=build,
         languages=cfg.target_languages(),
+        augment=_tokenizer_augmentation(cfg),
     )
+
+
+MAX_NOISED_SAMPLE = 0.5  # the largest share of the tokenizer's sample in upper / title case (and with typos)
+
+
+def _tokenizer_augmentation(cfg: DataConfig) -> dict:
+    """The shares the tokenizer's sample is noised in: the run's data.augment_*, or in a mixture the largest
+    share any corpus trains with, so that the vocabulary covers every corpus's noise."""
+    shares = AugmentSettings.of(cfg).for_tokenizer()
+    for corpus in cfg.corpora:
+        for name in shares:
+            own = getattr(corpus, f"augment_{name}")
+            if own is not None and (name != "typo_rate" or corpus.augment_typos):
+                shares[name] = max(shares[name], own)
+    # Validation, test and users' input are clean: at most half the sample is noised, so that clean text keeps
+    # its pieces even where a corpus trains on noised pairs only.
+    case = shares["upper"] + shares["title"]
+    if case > MAX_NOISED_SAMPLE:
+        shares["upper"], shares["title"] = (MAX_NOISED_SAMPLE * shares[k] / case for k in ("upper", "title"))
+    shares["typos"] = min(shares["typos"], MAX_NOISED_SAMPLE)
+    return shares

@@ -24,8 +24,9 @@ import logging
 
 import numpy as np
 
-from transformer.config import CorpusConfig, DataConfig
-from transformer.data.batching import Batch, make_batch
+from transformer.config import AUGMENT_SHARES, CorpusConfig, DataConfig
+from transformer.data.augmented_pairs import AugmentSettings
+from transformer.data.batching import Batch, flat_ids, make_batch
 from transformer.data.corpus import EncodedCorpus, PreparedData, encoded_split, preparation_lock, train_tokenizer
 from transformer.data.overlap import warn_of_overlap
 from transformer.data.sources import ArrowTable, Concatenated, ParallelFiles, SplitSource, open_split
@@ -34,12 +35,13 @@ from transformer.errors import DataError
 
 log = logging.getLogger("transformer.data.corpus")
 CLEANING_KEYS = ("drop_duplicates", "drop_copies", "max_len_ratio", "langid")  # a corpus may set its own
+AUGMENT_KEYS = tuple(f"augment_{name}" for name in (*AUGMENT_SHARES, "typo_rate"))  # and these
 
 
 def corpus_config(cfg: DataConfig, corpus: CorpusConfig) -> DataConfig:
     """The data config of one corpus of the mixture: its source, name and languages, the cleaning rules it
     sets itself; every other setting (max_len, tokenizer) the run's."""
-    own_rules = {key: getattr(corpus, key) for key in CLEANING_KEYS if getattr(corpus, key) is not None}
+    own_rules = {key: getattr(corpus, key) for key in CLEANING_KEYS + AUGMENT_KEYS if getattr(corpus, key) is not None}
     return dataclasses.replace(
         cfg,
         name=corpus.label(cfg),
@@ -172,22 +174,39 @@ class MixedCorpus:
         """Which corpus (its index in data.corpora) each position belongs to."""
         return np.searchsorted(self.starts, np.asarray(positions), side="right") - 1
 
+    @property
+    def varies_by_epoch(self) -> bool:
+        """Whether some corpus's pairs change from epoch to epoch (its own data.augment_*)."""
+        return any(part.varies_by_epoch for part in self.parts)
+
+    def epoch_lengths(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source and target lengths of every position in `epoch`, corpus after corpus."""
+        lengths = [part.epoch_lengths(epoch) for part in self.parts]
+        return np.concatenate([src for src, _ in lengths]), np.concatenate([tgt for _, tgt in lengths])
+
     def collate(self, positions, key=None) -> Batch:
-        """The batch of positions `positions`, in their order, whichever corpora they come from."""
+        """The batch of positions `positions`, in their order, whichever corpora they come from; with a
+        `key` (epoch, batch number), each augmented corpus's pairs as that epoch noises them."""
         positions = np.asarray(positions, dtype=np.int64)
         owner = self.corpus_of(positions)
         flat, starts = (
             {"src": [], "tgt": []},
             {"src": np.zeros(len(positions), np.int64), "tgt": np.zeros(len(positions), np.int64)},
         )
-        lengths = {"src": self.src_lens[positions], "tgt": self.tgt_lens[positions]}
+        lengths = {"src": self.src_lens[positions].astype(np.int64), "tgt": self.tgt_lens[positions].astype(np.int64)}
         used = {"src": 0, "tgt": 0}
         for i in np.unique(owner).tolist():
             rows = np.flatnonzero(owner == i)
-            pairs = self.parts[i].pair_index[positions[rows] - self.starts[i]]
-            for side in ("src", "tgt"):
-                ids, offsets = self.parts[i].stored(side)
-                compact, compact_starts = _gather(ids, offsets[pairs], lengths[side][rows])
+            local = positions[rows] - self.starts[i]
+            noised = self.parts[i].epoch_sides(local, key[0]) if key is not None else None
+            pairs = self.parts[i].pair_index[local]
+            for k, side in enumerate(("src", "tgt")):
+                if noised is not None:
+                    compact, compact_starts, side_lengths = flat_ids(noised[k])
+                    lengths[side][rows] = side_lengths
+                else:
+                    ids, offsets = self.parts[i].stored(side)
+                    compact, compact_starts = _gather(ids, offsets[pairs], lengths[side][rows])
                 flat[side].append(compact)
                 starts[side][rows] = compact_starts + used[side]
                 used[side] += len(compact)
@@ -352,3 +371,17 @@ def _encoded(cfg: DataConfig, source: SplitSource, tokenizer: Tokenizer, split: 
         with preparation_lock(cfg):
             corpus = encoded_split(source, tokenizer, cfg, split)
     return corpus
+
+
+def enable_augmentation(train: EncodedCorpus | MixedCorpus, cfg: DataConfig, tokenizer: Tokenizer, seed: int) -> None:
+    """data.augment_* on the training split; in a mixture, each corpus by its own keys or else the run's,
+    with its index in data.corpora telling its draws apart."""
+    if isinstance(train, MixedCorpus):
+        for stream, (part, corpus) in enumerate(zip(train.parts, cfg.corpora)):
+            settings = AugmentSettings.of(corpus_config(cfg, corpus))
+            if settings:
+                part.enable_augmentation(tokenizer, settings, seed, stream)
+        return
+    settings = AugmentSettings.of(cfg)
+    if settings:
+        train.enable_augmentation(tokenizer, settings, seed)

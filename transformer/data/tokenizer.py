@@ -15,14 +15,16 @@ import logging
 import os
 import re
 import unicodedata
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
 from transformer.console import bars_disabled
+from transformer.data import augment
 from transformer.data.cache import bytes_record, check_bytes, read_cached_bytes, read_record, sealed, write_failure
 from transformer.errors import CacheDamage, DataError
 from transformer.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (also imported from here)
@@ -226,13 +228,17 @@ def build_tokenizer(
     cache_dir: str | Path = "data",
     build: bool = True,
     languages: Sequence[str] = (),
+    augment: dict | None = None,
 ) -> Tokenizer | None:
     """Load the cached tokenizer for this training split (by its fingerprint) and these settings, or
     train and cache it, streaming the split. With `build=False`, None when nothing (whole) is cached.
 
     The cache is `spm/<key>.joint.model` (or `.src.model` + `.tgt.model`) and `spm/<key>.json`, which
     records each model's size and CRC-32: a damaged or missing model is trained again, with a warning.
-    `languages`: the target languages of a multilingual model, each with a tag piece (joint only)."""
+    `languages`: the target languages of a multilingual model, each with a tag piece (joint only).
+    `augment`: the training augmentation's shares of upper case, title case and typos (and the typo rate):
+    the sample's lines are noised in the same shares (`augmented_sample`), so that the vocabulary holds
+    pieces for upper-case words instead of shredding them into letters."""
     settings = {
         "vocab_size": vocab_size,
         "model_type": model_type,
@@ -240,6 +246,7 @@ def build_tokenizer(
         "character_coverage": character_coverage,
         "sample": sample,
         **({"languages": sorted(languages)} if languages else {}),
+        **({"augment": augment} if augment and any(augment[k] for k in ("upper", "title", "typos")) else {}),
     }
     key = hashlib.sha256(
         json.dumps({**settings, "corpus": source.fingerprint(), "cache": CACHE_VERSION}, sort_keys=True).encode()
@@ -271,6 +278,8 @@ def build_tokenizer(
         models = []
         for sides in [("src", "tgt")] if joint else [("src",), ("tgt",)]:
             lines, reservoir = _training_lines(source, sides, sample)
+            if "augment" in settings:
+                lines = augmented_sample(lines, augment)
             models.append(train_sentencepiece(lines, sample=reservoir, **train))
         _write_cached(record_path, paths, models, {**settings, "corpus": source.where})
     tokenizer = Tokenizer(models[0], None if joint else models[1])
@@ -284,6 +293,24 @@ def build_tokenizer(
     else:
         log.info("SentencePiece: the vocabulary has %s pieces", sizes)
     return tokenizer
+
+
+AUGMENTED_SAMPLE_SEED = 73  # the tokenizer sample's noise: the same lines noised alike in every process
+
+
+def augmented_sample(lines: Iterable[str], shares: dict) -> Iterator[str]:
+    """The tokenizer's sample with each line, in the training augmentation's shares, upper-cased or in title
+    case (one of the two), and misspelt at its typo rate; drawn in order from one seeded generator."""
+    rng = np.random.default_rng(AUGMENTED_SAMPLE_SEED)
+    for line in lines:
+        case, typo = rng.random(2)
+        if case < shares["upper"]:
+            line = augment.upper(line)
+        elif case < shares["upper"] + shares["title"]:
+            line = augment.title(line)
+        if typo < shares["typos"]:
+            line = augment.typos(line, rng, rate=shares["typo_rate"])
+        yield line
 
 
 def _training_lines(source: SplitSource, sides: tuple[str, ...], sample: int):

@@ -21,7 +21,7 @@ from transformer.config import Config, TrainerConfig
 from transformer.console import set_quiet
 from transformer.data.batching import TokenBatchSampler, UpdateSampler, update_loader
 from transformer.data.corpus import PreparedData
-from transformer.data.mixture import MixedCorpus
+from transformer.data.mixture import MixedCorpus, enable_augmentation
 from transformer.data.prepare import prepare
 from transformer.data.sources import DataError, load_split_text
 from transformer.data.tokenizer import Tokenizer
@@ -101,6 +101,7 @@ class Trainer:
             data.train.enable_subword_sampling(
                 data.tokenizer, dc.subword_sampling, dc.subword_nbest, self.cfg.trainer.seed
             )
+        enable_augmentation(data.train, dc, data.tokenizer, self.cfg.trainer.seed)
         return data
 
     def build_model(self, start: StartingPoint) -> torch.nn.Module:
@@ -148,7 +149,7 @@ class Trainer:
             train.tgt_lens,
             tc.max_tokens,
             tc.seed,
-            epoch_lengths=train.sampled_lengths if train.sampling else None,
+            epoch_lengths=train.epoch_lengths if train.varies_by_epoch else None,
             epoch_pairs=functools.partial(train.epoch_positions, tc.seed) if isinstance(train, MixedCorpus) else None,
         )
         updates = UpdateSampler(sampler, tc.update_freq, rt.dist.rank, rt.dist.world_size)
