@@ -46,6 +46,7 @@ def test_the_presets_only_override_the_schema_defaults():
     [
         ("multi30k_long", ["data=multi30k_de_en", "model=small"], {"model.dropout", "decode.alpha"}),
         ("multi30k_multi", ["data=multi30k_multi"], set()),
+        ("augmented", ["data=multi30k_de_en", "model=small"], set()),
     ],
 )
 def test_a_recipe_changes_every_key_it_sets_and_the_command_line_still_wins(recipe_name, base, restated):
