@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from transformer.config import AUGMENT_SHARES
 from transformer.data import augment
 from transformer.data.tokenizer import Tokenizer
 from transformer.special import EOS_ID
@@ -50,10 +51,10 @@ class AugmentSettings:
         return cls(**{f.name: float(getattr(cfg, f"augment_{f.name}")) for f in fields(cls)})
 
     def __bool__(self) -> bool:
-        return any(getattr(self, name) > 0 for name in ("upper", "title", "typos", "nopunct", "merge"))
+        return any(getattr(self, name) > 0 for name in AUGMENT_SHARES)
 
     def describe(self) -> str:
-        chosen = [f"{name} {getattr(self, name):g}" for name in ("upper", "title", "typos", "nopunct", "merge")]
+        chosen = [f"{name} {getattr(self, name):g}" for name in AUGMENT_SHARES]
         return ", ".join(c for c in chosen if not c.endswith(" 0")) + (
             f" (typo rate {self.typo_rate:g})" if self.typos else ""
         )
@@ -195,13 +196,8 @@ class PairAugmentation:
             tag = _leading(joined[0][0], protected)
             if any(_leading(ids, protected) != tag for ids in joined[0][1:]):
                 joined = [side[:1] for side in joined]  # pairs into different languages are never merged
-            pair = (
-                augment.merge(
-                    [(tok.src.decode(s[len(tag) :]), tok.tgt.decode(t)) for s, t in zip(*joined)], limit=_any_length
-                )
-                if len(joined[0]) > 1
-                else (tok.src.decode(joined[0][0][len(tag) :]), tok.tgt.decode(joined[1][0]))
-            )
+            texts_of_span = [(tok.src.decode(s[len(tag) :]), tok.tgt.decode(t)) for s, t in zip(*joined)]
+            pair = augment.merge(texts_of_span, limit=_any_length) if len(texts_of_span) > 1 else texts_of_span[0]
             tags.append(tag)
             texts.append(self._modified(pair, {name: bool(pick[row]) for name, pick in picks.items()}, rng))
         src_ids = tok.encode_src([src for src, _ in texts]) if texts else []
