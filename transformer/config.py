@@ -240,6 +240,11 @@ class DataConfig:
     vocab_size: int = setting(8000, "SentencePiece pieces (per language unless joint_vocab)")
     tokenizer_type: str = setting("bpe", "bpe | unigram")
     joint_vocab: bool = setting(True, "one vocabulary for both languages (lets the model tie all embeddings)")
+    inline_case: bool = setting(
+        False,
+        "case as a marker piece after each lower-cased word (Hund -> hund+T, HUND -> hund+U), so that upper and "
+        "title case share the words' pieces; undone on output",
+    )
     character_coverage: float = setting(1.0, "SentencePiece: share of characters covered by the vocabulary")
     tokenizer_sample: int = setting(
         1_000_000, "SentencePiece trains on a random sample of at most this many sentences (0 = all of them)"
@@ -491,6 +496,11 @@ class TrainerConfig:
     checkpoint_every: int = setting(0, "steps between step_N.pt/last.pt; 0 = validate_every")
     val_beam_size: int = setting(1, "beam for validation BLEU (1 = greedy, fastest); the test uses decode.beam_size")
     val_max_sentences: int = setting(0, "decode only the first N validation sentences (0 = all)")
+    val_augment: list[str] = setting(
+        factory=list,
+        meaning="noised copies of the validation sentences also decoded and scored at each validation, logged as "
+        "bleu_<variant> (e.g. [upper,title,typos]; the variants of transformer-evaluate --augment)",
+    )
     test_at_end: bool = setting(True, "translate the test split with the best checkpoint at the end; print BLEU")
     attention_heatmaps: str = setting(
         "mean",
@@ -577,6 +587,13 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.log_level={self.log_level!r} must be one of {', '.join(LOG_LEVELS)} (or null: Hydra's level)"
             )
+        if self.val_augment:
+            from transformer.data.augment import variant_names  # no torch: a module of plain text functions
+
+            try:
+                variant_names(",".join(map(str, self.val_augment)))
+            except ValueError as error:
+                raise ConfigError(f"trainer.val_augment={list(self.val_augment)}: {error}") from None
         unknown = [name for name in self.loggers if name not in LOGGERS]
         if unknown or len(set(self.loggers)) != len(self.loggers):
             raise ConfigError(

@@ -196,7 +196,7 @@ class PairAugmentation:
             tag = _leading(joined[0][0], protected)
             if any(_leading(ids, protected) != tag for ids in joined[0][1:]):
                 joined = [side[:1] for side in joined]  # pairs into different languages are never merged
-            texts_of_span = [(tok.src.decode(s[len(tag) :]), tok.tgt.decode(t)) for s, t in zip(*joined)]
+            texts_of_span = list(zip(tok.decode_src([s[len(tag) :] for s in joined[0]]), tok.decode_tgt(joined[1])))
             pair = augment.merge(texts_of_span, limit=_any_length) if len(texts_of_span) > 1 else texts_of_span[0]
             tags.append(tag)
             texts.append(self._modified(pair, {name: bool(pick[row]) for name, pick in picks.items()}, rng))

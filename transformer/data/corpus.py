@@ -517,6 +517,7 @@ def train_tokenizer(cfg: DataConfig, source: SplitSource, build: bool = True) ->
         build=build,
         languages=cfg.target_languages(),
         augment=_tokenizer_augmentation(cfg),
+        inline_case=cfg.inline_case,
     )
 
 

@@ -24,7 +24,7 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 from transformer.console import bars_disabled
-from transformer.data import augment
+from transformer.data import augment, casing
 from transformer.data.cache import bytes_record, check_bytes, read_cached_bytes, read_record, sealed, write_failure
 from transformer.errors import CacheDamage, DataError
 from transformer.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (also imported from here)
@@ -52,6 +52,8 @@ class Tokenizer:
         self.joint = tgt_model is None or tgt_model == src_model
         self.src = spm.SentencePieceProcessor(model_proto=self.src_model_bytes)
         self.tgt = self.src if self.joint else spm.SentencePieceProcessor(model_proto=self.tgt_model_bytes)
+        # Inline casing (casing.py): a model trained with data.inline_case holds both markers as pieces.
+        self.inline_case = all(self.src.piece_to_id(marker) != UNK_ID for marker in casing.MARKERS)
 
     @property
     def src_vocab_size(self) -> int:
@@ -97,6 +99,16 @@ class Tokenizer:
         return self.tgt.encode(self._as_text(lines), num_threads=num_threads)
 
     def _as_text(self, lines: Sequence[str]) -> list[str]:
+        """`lines` as SentencePiece takes them: case written inline when the model has inline casing,
+        language tags written in the text escaped (`_tags_escaped`)."""
+        lines = self._tags_escaped(lines)
+        return [casing.encode(line) for line in lines] if self.inline_case else lines
+
+    def as_model_text(self, line: str) -> str:
+        """One line as SentencePiece takes it (for callers that run SentencePiece themselves: sampling)."""
+        return self._as_text([line])[0]
+
+    def _tags_escaped(self, lines: Sequence[str]) -> list[str]:
         """`lines`, where a language tag written in the text (`<2de>`) is kept from becoming the tag:
         SentencePiece matches its user-defined pieces in raw text, so a sentence could choose the target
         language. A word joiner after the `<` breaks the match; SentencePiece's normalization drops it.
@@ -125,7 +137,14 @@ class Tokenizer:
         return hashlib.sha256(self.src_model_bytes + b"\0" + self.tgt_model_bytes).hexdigest()[:16]
 
     def decode_tgt(self, ids: Sequence[Sequence[int]]) -> list[str]:
-        return self.tgt.decode([list(x) for x in ids])
+        return self._cased(self.tgt.decode([list(x) for x in ids]))
+
+    def decode_src(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        """Source text of source ids (without a language tag: the caller strips it)."""
+        return self._cased(self.src.decode([list(x) for x in ids]))
+
+    def _cased(self, texts: list[str]) -> list[str]:
+        return [casing.decode(text) for text in texts] if self.inline_case else texts
 
     def state_dict(self) -> dict:
         """Plain bytes, loadable with `torch.load(weights_only=True)`."""
@@ -229,6 +248,7 @@ def build_tokenizer(
     build: bool = True,
     languages: Sequence[str] = (),
     augment: dict | None = None,
+    inline_case: bool = False,
 ) -> Tokenizer | None:
     """Load the cached tokenizer for this training split (by its fingerprint) and these settings, or
     train and cache it, streaming the split. With `build=False`, None when nothing (whole) is cached.
@@ -238,7 +258,8 @@ def build_tokenizer(
     `languages`: the target languages of a multilingual model, each with a tag piece (joint only).
     `augment`: the training augmentation's shares of upper case, title case and typos (and the typo rate):
     the sample's lines are noised in the same shares (`augmented_sample`), so that the vocabulary holds
-    pieces for upper-case words instead of shredding them into letters."""
+    pieces for upper-case words instead of shredding them into letters.
+    `inline_case`: every line is trained on as `casing.encode` writes it, the case markers pieces of their own."""
     settings = {
         "vocab_size": vocab_size,
         "model_type": model_type,
@@ -247,6 +268,7 @@ def build_tokenizer(
         "sample": sample,
         **({"languages": sorted(languages)} if languages else {}),
         **({"augment": augment} if augment and any(augment[k] for k in ("upper", "title", "typos")) else {}),
+        **({"inline_case": True} if inline_case else {}),
     }
     key = hashlib.sha256(
         json.dumps({**settings, "corpus": source.fingerprint(), "cache": CACHE_VERSION}, sort_keys=True).encode()
@@ -273,13 +295,17 @@ def build_tokenizer(
             model_type=model_type,
             character_coverage=character_coverage,
             where=source.where,
-            symbols=[LANGUAGE_TAG.format(language) for language in sorted(languages)],
+            # the tags first: they stay next to the special ids (Tokenizer.protected_ids)
+            symbols=[LANGUAGE_TAG.format(language) for language in sorted(languages)]
+            + (list(casing.MARKERS) if inline_case else []),
         )
         models = []
         for sides in [("src", "tgt")] if joint else [("src",), ("tgt",)]:
             lines, reservoir = _training_lines(source, sides, sample)
             if "augment" in settings:
                 lines = augmented_sample(lines, augment)
+            if inline_case:
+                lines = map(casing.encode, lines)
             models.append(train_sentencepiece(lines, sample=reservoir, **train))
         _write_cached(record_path, paths, models, {**settings, "corpus": source.where})
     tokenizer = Tokenizer(models[0], None if joint else models[1])

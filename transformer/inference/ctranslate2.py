@@ -5,6 +5,7 @@ our encoder expects."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,8 @@ from transformer.errors import (
 from transformer.inference.model_directory import write_model_directory
 from transformer.inference.pretrained import refuse_non_finite
 from transformer.install import install_hint
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformer.model import Transformer
@@ -92,6 +95,12 @@ def export_ctranslate2(
     if quantization is not None and quantization not in CT2_QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization}: one of {', '.join(CT2_QUANTIZATIONS)}")
     refuse_non_finite(model, "the model")
+    if tokenizer.inline_case:
+        log.warning(
+            "the model has inline casing (data.inline_case=true): CTranslate2's users must write each source as "
+            "transformer.data.casing.encode(text) before SentencePiece and read each output through "
+            "casing.decode (transformer-translate does both)"
+        )
 
     class _Ours(Converter):  # CTranslate2's own validate / optimize (quantize) / save
         def _load(self):

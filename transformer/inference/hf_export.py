@@ -52,6 +52,11 @@ if TYPE_CHECKING:
 def refusal(config: Config, tokenizer: Tokenizer) -> str | None:
     """Why this model has no exact native transformers class (the key to change), or None."""
     shape = config.model
+    if tokenizer.inline_case:
+        return (
+            "the model was trained with data.inline_case=true, which transformers' MarianTokenizer does not write "
+            "(lower-cased words with case markers); export --format safetensors or ctranslate2 instead"
+        )
     if shape.d_model % 2:
         return f"model.d_model={shape.d_model} is odd; transformers' sinusoidal positions need an even width"
     if shape.pre_norm and not tokenizer.joint:

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from transformer.data import casing
 from transformer.training.sinks import TensorBoardSink, flatten, numbers, open_sinks
 
 log = logging.getLogger(__name__)
@@ -169,9 +170,14 @@ def figure_pixels(figure) -> np.ndarray:
     return np.asarray(canvas.buffer_rgba())[:, :, :3].copy()
 
 
+# Inline casing's markers (data/casing.py, private-use characters no font draws) as the heatmaps label them
+MARKER_LABELS = {casing.TITLE: "[T]", casing.UPPER: "[U]"}
+
+
 def pieces(processor, ids: list[int]) -> list[str]:
     """Token ids as their SentencePiece pieces, then the end of sentence."""
-    return [processor.id_to_piece(i) for i in ids] + ["</s>"]
+    shown = [processor.id_to_piece(i) for i in ids]
+    return [MARKER_LABELS.get(piece, piece) for piece in shown] + ["</s>"]
 
 
 class Monitor:
