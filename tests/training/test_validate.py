@@ -141,3 +141,44 @@ def test_the_validator_computes_and_returns_without_writing(tmp_path, data_cache
     # ranks other than 0 draw nothing
     quiet = Validator(cfg, model, translator, data.valid, text, torch.device("cpu"), translator.autocast, None)
     assert quiet.run().panels == [] and quiet.run().detail is None
+
+
+def test_the_validator_scores_noised_copies_as_transformer_evaluate_makes_them(data_cache, caplog):
+    """trainer.val_augment: each variant's copy of the validation sentences decoded and scored beside the clean
+    one (bleu_<variant>, chrf_<variant>), with the evaluation's seed; the log line names each; a bad name refused."""
+    import logging
+
+    import pytest
+    import torch
+
+    from tests.helpers import FAST, compose_config
+    from transformer.config import ConfigError
+    from transformer.data.augment import EVALUATION_SEED, augment_pairs
+    from transformer.data.prepare import prepare
+    from transformer.inference.translator import Translator
+    from transformer.model import build_model
+    from transformer.training.selection import _log_validation
+    from transformer.training.validate import Validator
+
+    cfg = compose_config(FAST + ["trainer.val_max_sentences=6", "trainer.val_augment=[upper,typos]"], data_cache)
+    data = prepare(cfg.data)
+    tok = data.tokenizer
+    torch.manual_seed(0)
+    model = build_model(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, tok.joint)
+    translator = Translator(model, tok, cfg, torch.device("cpu"))
+    text = data.sources["validation"].read_all()
+    metrics = Validator(cfg, model, translator, data.valid, text, torch.device("cpu"), translator.autocast, None).run()
+    metrics = metrics.metrics
+    for name in ("upper", "typos"):
+        sources, references = augment_pairs(text[0][:6], text[1][:6], name, EVALUATION_SEED)
+        assert sources != text[0][:6]
+        expected = score(translator.translate(sources, beam_size=1), references, cfg.data.tgt_lang)
+        assert (metrics[f"bleu_{name}"], metrics[f"chrf_{name}"]) == (expected["bleu"], expected["chrf"])
+    assert "bleu_title" not in metrics
+    with caplog.at_level(logging.INFO):
+        _log_validation(100, {**metrics, "bleu_raw": 1.0}, "raw", "", "")
+    assert caplog.records[-1].getMessage().endswith(
+        f"| upper BLEU {metrics['bleu_upper']:.2f} | typos BLEU {metrics['bleu_typos']:.2f}"
+    )
+    with pytest.raises(ConfigError, match=r"trainer.val_augment=\['upper', 'caps'\]: 'caps' is not a variant"):
+        compose_config(FAST + ["trainer.val_augment=[upper,caps]"], data_cache)

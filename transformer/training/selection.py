@@ -14,6 +14,7 @@ from pathlib import Path
 
 from transformer.checkpoint import average_checkpoints, load_checkpoint, load_model_weights, step_checkpoints
 from transformer.config import Config
+from transformer.data.augment import VARIANTS
 from transformer.data.corpus import PreparedData
 from transformer.data.sources import DataError, load_split_text
 from transformer.errors import Interrupted
@@ -219,5 +220,10 @@ def _log_validation(step: int, m: dict, weights: str, what: str, signature: str)
         m["bleu"],
         m["chrf"],
         100 * m["cut_at_max_len"],
-        f" | {signature}" if signature else "",
+        "".join(
+            f" | {key[5:]} BLEU {value:.2f}"
+            for key, value in m.items()
+            if key.startswith("bleu_") and key[5:] in VARIANTS
+        )
+        + (f" | {signature}" if signature else ""),
     )

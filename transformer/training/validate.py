@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from transformer.data.augment import EVALUATION_SEED, augment_pairs
 from transformer.data.batching import batches_in_order
 from transformer.data.corpus import EncodedCorpus
 from transformer.errors import Interrupted
@@ -137,6 +138,11 @@ class Validator:
         limit = cfg.trainer.val_max_sentences
         sources, references = text
         self.sources, self.references = (sources[:limit], references[:limit]) if limit else (sources, references)
+        # trainer.val_augment: noised copies of those sentences, as transformer-evaluate --augment makes them
+        self.noised = {
+            name: augment_pairs(self.sources, self.references, name, EVALUATION_SEED)
+            for name in cfg.trainer.val_augment
+        }
         # The sentences drawn at every validation of the run, chosen and encoded once.
         encoded = translator.encode_sources(self.sources) if attention else []
         self.drawn = attention_sentences(encoded)
@@ -162,6 +168,12 @@ class Validator:
             "chrf": scores["chrf"],
             "cut_at_max_len": sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps)),
         }
+        for name, (sources, references) in self.noised.items():
+            noised = self.translator.hypotheses(sources, request, progress=None, desc=f"validate {name}", stop=stop)
+            noised_scores = score(
+                [h[0].text for h in noised], references, self.translator.tgt_lang or self.cfg.data.tgt_lang
+            )
+            metrics[f"bleu_{name}"], metrics[f"chrf_{name}"] = noised_scores["bleu"], noised_scores["chrf"]
         shown = [hyps[i][0].tokens for i in self.drawn]  # what each drawn sentence decodes to now
         return Validation(
             metrics,
