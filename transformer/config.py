@@ -102,6 +102,7 @@ def _file_name(key: str, name: str) -> None:
         )
 
 
+LANGUAGE_TAG_SIDES = ("source", "both", "decoder")  # data.language_tag
 AUGMENT_SHARES = ("upper", "title", "typos", "nopunct", "merge")  # data.augment_<name>: a share of pairs
 
 
@@ -240,6 +241,11 @@ class DataConfig:
     vocab_size: int = setting(8000, "SentencePiece pieces (per language unless joint_vocab)")
     tokenizer_type: str = setting("bpe", "bpe | unigram")
     joint_vocab: bool = setting(True, "one vocabulary for both languages (lets the model tie all embeddings)")
+    language_tag: str = setting(
+        "source",
+        "a multilingual model's target-language tag: source (the first source token) | both (also the decoder's "
+        "first input, in place of BOS) | decoder (the decoder's first input only)",
+    )
     inline_case: bool = setting(
         False,
         "case as a marker piece after each lower-cased word (Hund -> hund+T, HUND -> hund+U), so that upper and "
@@ -330,6 +336,13 @@ class DataConfig:
             raise ConfigError(
                 "data.subword_sampling does not work with data.corpora yet; train a mixture with "
                 "data.subword_sampling=0"
+            )
+        if self.language_tag not in LANGUAGE_TAG_SIDES:
+            raise ConfigError(f"data.language_tag={self.language_tag!r} must be one of {', '.join(LANGUAGE_TAG_SIDES)}")
+        if self.language_tag != "source" and not self.target_languages():
+            raise ConfigError(
+                f"data.language_tag={self.language_tag}: the run trains a model into one language "
+                f"({self.tgt_lang}), which has no language tag; leave data.language_tag=source"
             )
 
     def validate_for_training(self) -> None:

@@ -76,7 +76,9 @@ def _export(args) -> int:
         elif export_format == "transformers":
             out = export_transformers(model, tokenizer, config, args.output, overwrite=args.force, trained=trained)
         else:
-            out = export_ctranslate2(model, tokenizer, args.output, args.quantization, overwrite=args.force)
+            out = export_ctranslate2(
+                model, tokenizer, args.output, args.quantization, args.force, config.data.language_tag
+            )
     except (FileExistsError, ValueError) as error:
         raise UsageError(str(error)) from None
     except OSError as error:  # e.g. the output directory cannot be listed

@@ -282,16 +282,32 @@ class UpdateSampler(torch.utils.data.Sampler):
             position += consumed
 
 
+def place_language_tag(batch: Batch, side: str) -> Batch:
+    """A multilingual batch (every source starting with its target-language tag) with the tag where
+    data.language_tag puts it: `source` as stored; `both` also the decoder's first input, in place of BOS;
+    `decoder` only there (the source's first column dropped). Nothing is predicted at the tag: `tgt_out`
+    is unchanged, so the loss never sees a tag."""
+    if side == "source":
+        return batch
+    tgt_in = batch.tgt_in.clone()
+    tgt_in[:, 0] = batch.src[:, 0]  # (B,) the tags, in place of BOS
+    src = batch.src[:, 1:].contiguous() if side == "decoder" else batch.src  # (B, S - 1) without the tags
+    return Batch(src, tgt_in, batch.tgt_out, batch.num_tgt_tokens, batch.padding_share, batch.tgt_positions)
+
+
 class UpdateBatches(torch.utils.data.Dataset):
     """Collates an update's plan from `UpdateSampler` into [(Batch, weight), ...] (in a worker when
-    num_workers > 0)."""
+    num_workers > 0), the language tags placed by data.language_tag (`place_language_tag`)."""
 
-    def __init__(self, corpus):
-        self.corpus = corpus
+    def __init__(self, corpus, language_tag: str = "source"):
+        self.corpus, self.language_tag = corpus, language_tag
 
     def __getitem__(self, item):
         plan, consumed = item
-        return [(self.corpus.collate(indices, key), weight) for indices, weight, key in plan], consumed
+        return [
+            (place_language_tag(self.corpus.collate(indices, key), self.language_tag), weight)
+            for indices, weight, key in plan
+        ], consumed
 
 
 def _ignore_stop_signals(_worker_id: int) -> None:
@@ -300,11 +316,11 @@ def _ignore_stop_signals(_worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def update_loader(corpus, sampler: UpdateSampler, num_workers: int, pin_memory: bool):
+def update_loader(corpus, sampler: UpdateSampler, num_workers: int, pin_memory: bool, language_tag: str = "source"):
     """A DataLoader of updates. It has its own generator: creating its iterators must not draw from
     the global torch RNG (dropout's stream), or a resumed run would not repeat an uninterrupted one."""
     return torch.utils.data.DataLoader(
-        UpdateBatches(corpus),
+        UpdateBatches(corpus, language_tag),
         sampler=sampler,
         batch_size=None,
         num_workers=num_workers,

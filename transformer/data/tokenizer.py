@@ -80,6 +80,15 @@ class Tokenizer:
         pieces, which SentencePiece numbers right after the special ones): word dropout keeps them all."""
         return 1 + max([EOS_ID, *(self.tag_id(language) for language in self.target_languages)])
 
+    @property
+    def tag_ids(self) -> tuple[int, int]:
+        """[first, end): the ids of the language tags (user-defined pieces numbered one after another)."""
+        ids = sorted(self.tag_id(language) for language in self.target_languages)
+        if not ids:
+            return (0, 0)
+        assert ids == list(range(ids[0], ids[-1] + 1)), "language tags are numbered one after another"
+        return (ids[0], ids[-1] + 1)
+
     def tag_id(self, language: str) -> int:
         """The id of `language`'s tag; ValueError naming the languages there are."""
         if language not in self.target_languages:

@@ -86,7 +86,12 @@ def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer):
 
 
 def export_ctranslate2(
-    model: Transformer, tokenizer: Tokenizer, out: str | Path, quantization: str | None = None, overwrite: bool = False
+    model: Transformer,
+    tokenizer: Tokenizer,
+    out: str | Path,
+    quantization: str | None = None,
+    overwrite: bool = False,
+    language_tag: str = "source",
 ) -> Path:
     try:
         from ctranslate2.converters.converter import Converter
@@ -100,6 +105,11 @@ def export_ctranslate2(
             "the model has inline casing (data.inline_case=true): CTranslate2's users must write each source as "
             "transformer.data.casing.encode(text) before SentencePiece and read each output through "
             "casing.decode (transformer-translate does both)"
+        )
+    if tokenizer.target_languages and language_tag != "source":
+        raise ValueError(
+            "the model reads its target-language tag in the decoder (data.language_tag): CTranslate2 would need "
+            "it as a target prefix, which this export does not write yet; export --format safetensors instead"
         )
 
     class _Ours(Converter):  # CTranslate2's own validate / optimize (quantize) / save

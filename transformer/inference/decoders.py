@@ -62,10 +62,18 @@ class LogitsDecoder(StepDecoder, Protocol):
 
 
 class ModelDecoder:
-    """Runs the Transformer decoder one step at a time for `search`."""
+    """Runs the Transformer decoder one step at a time for `search`. `start`: the id the decoder reads
+    first in place of BOS (a target-language tag); `never`: ids [first, end) given no probability."""
 
-    def __init__(self, model: EncoderDecoder, src: torch.Tensor, use_cache: bool = True):
-        self.model = model
+    def __init__(
+        self,
+        model: EncoderDecoder,
+        src: torch.Tensor,
+        use_cache: bool = True,
+        start: int | None = None,
+        never: tuple[int, int] | None = None,
+    ):
+        self.model, self.start, self.never = model, start, never
         memory = model.encode(src)  # (B, S, D)
         src_pad_mask = padding_mask(src, PAD_ID)  # (B, S)
         self.cache = model.new_cache(memory, src_pad_mask) if use_cache else None
@@ -73,10 +81,16 @@ class ModelDecoder:
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (rows, t) -> logits (rows, V) of token t+1, in the model's compute dtype."""
+        if self.start is not None and (self.cache is None or tokens.size(1) == 1):  # BOS is read: the tag instead
+            tokens = tokens.clone()
+            tokens[:, 0] = self.start
         if self.cache is not None:
-            return self.model.decode_step(tokens, self.cache)
-        # Without the cache, recompute the whole prefix: the slow reference for tests and benchmarks.
-        return self.model.decode(tokens, self.memory, self.src_pad_mask)[:, -1]
+            logits = self.model.decode_step(tokens, self.cache)
+        else:  # recompute the whole prefix: the slow reference for tests and benchmarks
+            logits = self.model.decode(tokens, self.memory, self.src_pad_mask)[:, -1]
+        if self.never is not None:
+            logits[:, self.never[0] : self.never[1]] = float("-inf")  # a fill on the device
+        return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (rows, t) -> log-probabilities (rows, V) of token t+1, in float32."""

@@ -57,6 +57,11 @@ def refusal(config: Config, tokenizer: Tokenizer) -> str | None:
             "the model was trained with data.inline_case=true, which transformers' MarianTokenizer does not write "
             "(lower-cased words with case markers); export --format safetensors or ctranslate2 instead"
         )
+    if tokenizer.target_languages and getattr(config.data, "language_tag", "source") != "source":
+        return (
+            f"data.language_tag={config.data.language_tag}: the decoder starts from the target-language tag, "
+            "where transformers' models start from one fixed token; export --format safetensors instead"
+        )
     if shape.d_model % 2:
         return f"model.d_model={shape.d_model} is odd; transformers' sinusoidal positions need an even width"
     if shape.pre_norm and not tokenizer.joint:

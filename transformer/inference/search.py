@@ -58,7 +58,9 @@ class Search:
     length penalty `alpha`, `nbest` hypotheses per sentence, the length limit `max_len_a * source + max_len_b`,
     `batch_tokens` (source tokens times the beam per batch), `sampling` instead of a search, `prefixes`
     (per source, target token ids without BOS forced first, [] for none), `workers` (CPU processes) and
-    `use_cache` (the key/value cache; False recomputes every prefix)."""
+    `use_cache` (the key/value cache; False recomputes every prefix). `start`: the decoder's first input in
+    place of BOS (a target-language tag, data.language_tag=both|decoder); `never`: a range of ids
+    [first, end) never generated (the tags)."""
 
     beam_size: int = 5
     alpha: float = 0.0
@@ -70,6 +72,8 @@ class Search:
     prefixes: list[list[int]] | None = None
     workers: int = 1
     use_cache: bool = True
+    start: int | None = None
+    never: tuple[int, int] | None = None
 
 
 # Greedy search drops finished sentences from the batch (and the decoder's caches) once they are this
@@ -302,7 +306,7 @@ def translate_ids(
     def attempt(indices: list[int]) -> list[list[Hypothesis]]:
         src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(device)  # (B, S)
         with autocast() if autocast is not None else contextlib.nullcontext():
-            decoders = [ModelDecoder(m, src, search.use_cache) for m in models]
+            decoders = [ModelDecoder(m, src, search.use_cache, search.start, search.never) for m in models]
             decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, weights)
             lens = max_lengths(src, search.max_len_a, search.max_len_b, limit)  # (B,)
             prefix = None

@@ -130,6 +130,11 @@ class Translator:
                     f"{path} translates {translated} but {paths[0]} translates {wanted}: "
                     "the models of an ensemble must translate the same languages into the same ones"
                 )
+            if (side := member.language_tag) != first.language_tag:
+                raise CheckpointError(
+                    f"{path} reads its language tag with data.language_tag={side}, {paths[0]} with "
+                    f"{first.language_tag}: the models of an ensemble must read the tag alike"
+                )
         first.models, first.weights = [member.model for member in members], weights
         first.max_length = min(member.max_length for member in members)
         return first
@@ -142,6 +147,12 @@ class Translator:
         directions = self.config.data.directions()
         sources = ", ".join(sorted({str(src) for src, _ in directions}))
         return f"{sources} -> {', '.join(sorted({str(tgt) for _, tgt in directions}))}"
+
+    @property
+    def language_tag(self) -> str:
+        """Where a multilingual model reads its target-language tag (data.language_tag; older
+        checkpoints: the source)."""
+        return getattr(self.config.data, "language_tag", "source") if self.target_languages else "source"
 
     @property
     def target_languages(self) -> list[str]:
@@ -183,7 +194,7 @@ class Translator:
         limit = self.max_length
         language = self.target_language(tgt_lang)
         sources = self.tokenizer.encode_src([s.strip() for s in sentences])
-        if language is not None:
+        if language is not None and self.language_tag != "decoder":
             tag = self.tokenizer.tag_id(language)
             tagged = tag_empty if isinstance(tag_empty, list) else [tag_empty] * len(sources)
             sources = [[tag, *ids] if ids or wanted else [] for ids, wanted in zip(sources, tagged)]
@@ -296,7 +307,15 @@ class Translator:
             prefixes=prefix_ids,
             workers=cpu_workers(self.device) if request.workers is None else request.workers,
             use_cache=request.use_cache,
+            **self.tag_in_decoder(language),
         )
+
+    def tag_in_decoder(self, language: str | None) -> dict:
+        """`Search.start` and `never` for a model that reads its target-language tag in the decoder: the tag
+        in place of BOS, and no tag ever generated; {} otherwise."""
+        if language is None or self.language_tag == "source":
+            return {}
+        return {"start": self.tokenizer.tag_id(language), "never": self.tokenizer.tag_ids}
 
     def beam_error(self, beam_size: int, knob: str) -> str | None:
         """A beam wider than the target vocabulary: more hypotheses than pieces to extend them with, time
@@ -384,7 +403,9 @@ class Translator:
         for indices in batches_in_order(widths, batch_tokens or SCORE_BATCH_TOKENS):
             src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(self.device)  # (B, S)
             tgt = [targets[i] for i in indices]
-            tgt_in = pad_sequences(tgt, prefix=[BOS_ID]).to(self.device)  # (B, T)
+            tgt_in = pad_sequences(tgt, prefix=[BOS_ID])  # (B, T)
+            tgt_in[:, 0] = self.tag_in_decoder(self.target_language(tgt_lang)).get("start", BOS_ID)
+            tgt_in = tgt_in.to(self.device)
             tgt_out = pad_sequences(tgt, suffix=[EOS_ID]).to(self.device)  # (B, T)
             sums = 0.0
             for model, share in zip(self.models, shares):

@@ -30,7 +30,15 @@ log = logging.getLogger("transformer.train")
 # decay) and the run started from what it started from. A different value given is ignored (one warning).
 FIXED_BY_CHECKPOINT = {
     "model": ("name", "d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers", "pre_norm", "tie_embeddings"),
-    "data": ("vocab_size", "tokenizer_type", "joint_vocab", "inline_case", "character_coverage", "tokenizer_sample"),
+    "data": (
+        "vocab_size",
+        "tokenizer_type",
+        "joint_vocab",
+        "inline_case",
+        "language_tag",
+        "character_coverage",
+        "tokenizer_sample",
+    ),
     "trainer": ("lr", "betas", "adam_eps", "weight_decay", "weight_decay_norm_bias", "init_from"),
 }
 

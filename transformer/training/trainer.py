@@ -157,7 +157,11 @@ class Trainer:
             warn_about_settings_the_run_cannot_honour(self.cfg, sampler, rt.dist.world_size)
         cuda = rt.device.type == "cuda"
         workers = tc.num_workers if tc.num_workers is not None else (2 if cuda else 0)
-        return Batches(sampler, updates, update_loader(train, updates, workers, pin_memory=cuda))
+        return Batches(
+            sampler,
+            updates,
+            update_loader(train, updates, workers, pin_memory=cuda, language_tag=self.cfg.data.language_tag),
+        )
 
     def build_step(self) -> TrainingStep:
         """The update (compiled, and wrapped in DDP under torchrun) and the log of its numbers (with MFU on

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from transformer.data.augment import EVALUATION_SEED, augment_pairs
-from transformer.data.batching import batches_in_order
+from transformer.data.batching import batches_in_order, place_language_tag
 from transformer.data.corpus import EncodedCorpus
 from transformer.errors import Interrupted
 from transformer.inference.request import DecodeRequest
@@ -41,6 +41,7 @@ def validation_loss(
     autocast: Callable[[], contextlib.AbstractContextManager],
     smoothing: float,
     stop: Callable[[], bool] | None = None,
+    language_tag: str = "source",
 ) -> tuple[float, float, float]:
     """Per-token (label-smoothed loss, NLL, accuracy) over a whole prepared split (an `EncodedCorpus`);
     accuracy: the share of target tokens that are the most probable token given the reference before
@@ -52,7 +53,7 @@ def validation_loss(
         for indices in batches_in_order(lengths, max_tokens):
             if stop is not None and stop():
                 raise Interrupted
-            batch = corpus.collate(indices).to(device)
+            batch = place_language_tag(corpus.collate(indices), language_tag).to(device)
             with autocast():
                 hidden, target = target_hidden(model, batch)
                 weight = unwrap(model).output.weight
@@ -64,32 +65,35 @@ def validation_loss(
     return total_loss / tokens, total_nll / tokens, correct.item() / tokens
 
 
-def cross_attention(model, source_ids: list[int], hypothesis_ids: list[int], device) -> np.ndarray:
+def cross_attention(model, source_ids: list[int], hypothesis_ids: list[int], device, start: int = BOS_ID) -> np.ndarray:
     """(T, S) cross-attention of the model's last decoder layer, mean over heads, as it reads the source
     (its ids and EOS: S) while predicting each token of the hypothesis and then EOS (T = len + 1). Ids
     within the model's positions, as `Translator` makes them."""
-    return cross_attention_by_layer(model, source_ids, hypothesis_ids, device, [-1])[0].mean(0)
+    return cross_attention_by_layer(model, source_ids, hypothesis_ids, device, [-1], start)[0].mean(0)
 
 
 def cross_attention_panels(
-    model, source_ids: list[int], hypothesis_ids: list[int], device, by: str
+    model, source_ids: list[int], hypothesis_ids: list[int], device, by: str, start: int = BOS_ID
 ) -> list[tuple[str, np.ndarray]]:
     """(label, (T, S) weights) for `trainer.attention_heatmaps`: `heads`, each head of the last decoder
     layer; `layers`, each layer's mean over heads."""
     if by == "heads":
-        heads = cross_attention_by_layer(model, source_ids, hypothesis_ids, device, [-1])[0]
+        heads = cross_attention_by_layer(model, source_ids, hypothesis_ids, device, [-1], start)[0]
         return [(f"last layer, head {h + 1}", weights) for h, weights in enumerate(heads)]
-    layers = cross_attention_by_layer(model, source_ids, hypothesis_ids, device, range(len(model.decoder_layers)))
+    layers = cross_attention_by_layer(
+        model, source_ids, hypothesis_ids, device, range(len(model.decoder_layers)), start
+    )
     return [(f"layer {i + 1}, mean over heads", weights.mean(0)) for i, weights in enumerate(layers)]
 
 
 @torch.no_grad()
 def cross_attention_by_layer(
-    model, source_ids: list[int], hypothesis_ids: list[int], device, layers
+    model, source_ids: list[int], hypothesis_ids: list[int], device, layers, start: int = BOS_ID
 ) -> list[np.ndarray]:
-    """Per decoder layer in `layers` (indices): its cross-attention weights (H, T, S) for the sentence."""
+    """Per decoder layer in `layers` (indices): its cross-attention weights (H, T, S) for the sentence, the
+    decoder reading `start` first (BOS, or a target-language tag: data.language_tag)."""
     src = torch.tensor([source_ids + [EOS_ID]], device=device)
-    tgt = torch.tensor([[BOS_ID] + hypothesis_ids], device=device)
+    tgt = torch.tensor([[start] + hypothesis_ids], device=device)
     modules = [model.decoder_layers[i].cross_attn for i in layers]
     for module in modules:
         module.need_weights = True
@@ -147,13 +151,21 @@ class Validator:
         encoded = translator.encode_sources(self.sources) if attention else []
         self.drawn = attention_sentences(encoded)
         self.drawn_sources = [encoded[i] for i in self.drawn]
+        self.start = translator.tag_in_decoder(translator.tgt_lang).get("start", BOS_ID)  # what the decoder reads first
 
     def run(self, stop=None) -> Validation:
         """Loss, BLEU, chrF, samples and pictures of the weights the model holds now. `stop()` is asked
         between batches; True raises `search.Interrupted`."""
         tc, dc = self.cfg.trainer, self.cfg.decode
         loss, nll, accuracy = validation_loss(
-            self.model, self.corpus, tc.max_tokens, self.device, self.autocast, tc.label_smoothing, stop
+            self.model,
+            self.corpus,
+            tc.max_tokens,
+            self.device,
+            self.autocast,
+            tc.label_smoothing,
+            stop,
+            self.cfg.data.language_tag,
         )
         request = DecodeRequest(beam_size=tc.val_beam_size, batch_tokens=dc.batch_tokens)
         hyps = self.translator.hypotheses(self.sources, request, progress=None, desc="validate", stop=stop)
@@ -188,7 +200,7 @@ class Validator:
         tokenizer = self.translator.tokenizer
         return [
             (
-                cross_attention(self.model, source, hypothesis, self.device),
+                cross_attention(self.model, source, hypothesis, self.device, self.start),
                 pieces(tokenizer.src, source),
                 pieces(tokenizer.tgt, hypothesis),
             )
@@ -204,5 +216,7 @@ class Validator:
         source_pieces, predicted = pieces(tokenizer.src, source), pieces(tokenizer.tgt, hypotheses[0])
         return self.attention, [
             (weights, source_pieces, predicted, label)
-            for label, weights in cross_attention_panels(self.model, source, hypotheses[0], self.device, self.attention)
+            for label, weights in cross_attention_panels(
+                self.model, source, hypotheses[0], self.device, self.attention, self.start
+            )
         ]
