@@ -1,6 +1,6 @@
 """`make bench`: training and decoding speed, side by side in one process, written to bench.json.
 
-    python scripts/bench.py [--preset small] [--max-tokens 4096] [--checkpoint CKPT] [--quick]
+    python scripts/bench.py [--preset small] [--max-tokens 4096] [--checkpoint CKPT] [--sections host,...]
 
 train  : target tokens/s and peak memory of our model's training step (forward, fused label-smoothed loss,
          backward, AdamW) vs a torch.nn.Transformer model of the same shape with tied embeddings and the
@@ -18,6 +18,12 @@ translate_cli : with --checkpoint and MULTI30K_DIR, seconds for `transformer-tra
          test_2016_flickr as a whole process (startup and model load included), beam 5 and greedy.
 mfu    : on CUDA, model FLOPs/s over the exact device's dense bf16 peak: the count and the peak table are
          transformer/flops.py's, which the training log's MFU shares.
+host   : the trainer's step on the `meta` device, no arithmetic: operators dispatched per step (by phase) and
+         the host's milliseconds per step, for --host presets (base, big) at 4k and 32k target tokens; fp32
+         only (autocast has no meta version) (scripts/bench_host.py, transformer/training/host_cost.py).
+
+--sections runs some of them (default: all; each still skips itself without what it needs), e.g.
+`make bench ARGS="--sections host"`.
 
 Batches are real Multi30k batches when MULTI30K_DIR is set, otherwise the embedded corpus. A model
 whose loss is not finite or does not fall over the timed steps fails the bench (exit code 1).
@@ -54,6 +60,8 @@ from transformer.runtime import (  # noqa: E402
     tune_cpu_process,
 )
 from transformer.special import PAD_ID  # noqa: E402
+
+SECTIONS = ("data", "train", "trainer", "decode", "translate_cli", "data_scale", "host")
 
 
 class ReferenceTransformer(nn.Module):
@@ -360,9 +368,27 @@ def main() -> int:
         help="corpus sizes (pairs) for the data-scale section, needs MULTI30K_DIR; 0 = skip",
     )
     parser.add_argument("--data-scale-dir", default="/tmp/bench-data-scale", help="where its corpora are written")
+    parser.add_argument(
+        "--host", default="base,big", help="model presets of the host section (comma-separated; 0 = skip)"
+    )
+    parser.add_argument("--host-repeats", type=int, default=10, help="timed steps per shape of the host section")
+    parser.add_argument(
+        "--host-overrides",
+        nargs="*",
+        default=[],
+        help="Hydra overrides for the host section, e.g. trainer.ema_decay=0.998",
+    )
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to run (default: all: {', '.join(SECTIONS)})",
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--output", default="bench.json")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if sections - set(SECTIONS):
+        parser.error(f"--sections: unknown {', '.join(sorted(sections - set(SECTIONS)))}; one of {', '.join(SECTIONS)}")
     tune_cpu_process()  # as the training and translation CLIs do
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     multi30k = os.environ.get("MULTI30K_DIR")
@@ -382,29 +408,31 @@ def main() -> int:
     }
     from bench_data import bench_data, bench_data_scale
 
-    rows = [bench_data(cfg)]
-    data = prepare(cfg.data)
-    rows += bench_train(cfg, data, device, args)
-    rows += bench_trainer(
-        data_overrides + [f"model={args.preset}", f"trainer.max_tokens={args.max_tokens}"], device, args
-    )
+    rows = [bench_data(cfg)] if "data" in sections else []
+    if "train" in sections:
+        rows += bench_train(cfg, prepare(cfg.data), device, args)
+    if "trainer" in sections:
+        rows += bench_trainer(
+            data_overrides + [f"model={args.preset}", f"trainer.max_tokens={args.max_tokens}"], device, args
+        )
 
     from transformer.checkpoint import load_checkpoint, model_from_checkpoint
     from transformer.data.sources import load_split_text
 
-    if args.checkpoint:
-        model, tokenizer, ckpt_cfg = model_from_checkpoint(load_checkpoint(args.checkpoint), args.checkpoint)
-        data_cfg = ckpt_cfg.data
-        if multi30k and data_cfg.name.startswith("multi30k"):  # MULTI30K_DIR, wherever it was trained
-            data_cfg = dataclasses.replace(data_cfg, path=multi30k)
-        sources, _ = load_split_text(data_cfg, "test")
-    else:
-        model, tokenizer, ckpt_cfg, sources = _quick_model()
-    if args.decode_sentences:
-        sources = sources[: args.decode_sentences]
-    rows += bench_decode(model, tokenizer, ckpt_cfg, sources, device, repeats=1)
+    if "decode" in sections:
+        if args.checkpoint:
+            model, tokenizer, ckpt_cfg = model_from_checkpoint(load_checkpoint(args.checkpoint), args.checkpoint)
+            data_cfg = ckpt_cfg.data
+            if multi30k and data_cfg.name.startswith("multi30k"):  # MULTI30K_DIR, wherever it was trained
+                data_cfg = dataclasses.replace(data_cfg, path=multi30k)
+            sources, _ = load_split_text(data_cfg, "test")
+        else:
+            model, tokenizer, ckpt_cfg, sources = _quick_model()
+        if args.decode_sentences:
+            sources = sources[: args.decode_sentences]
+        rows += bench_decode(model, tokenizer, ckpt_cfg, sources, device, repeats=1)
     test_file = Path(multi30k or ".") / "test_2016_flickr.de"
-    if args.checkpoint and multi30k and args.cli_repeats > 0 and test_file.exists():
+    if "translate_cli" in sections and args.checkpoint and multi30k and args.cli_repeats > 0 and test_file.exists():
         import tempfile
 
         from bench_ctranslate2 import bench_translation, first_lines
@@ -420,8 +448,12 @@ def main() -> int:
                 )
             rows += bench_translation(args.checkpoint, files, args.cli_repeats, args.ensemble)
     sizes = [int(x) for x in args.data_scale.split(",") if int(x) > 0]
-    if multi30k and sizes:
+    if "data_scale" in sections and multi30k and sizes:
         rows += bench_data_scale(Path(multi30k), sizes, Path(args.data_scale_dir))
+    if "host" in sections and args.host not in ("", "0"):
+        from bench_host import bench_host
+
+        rows += bench_host(args.host.split(","), args.host_overrides, args.host_repeats)
 
     Path(args.output).write_text(json.dumps({"info": info, "results": rows}, indent=2) + "\n")
     _print_table(info, rows)
@@ -479,6 +511,10 @@ def _print_table(info: dict, rows: list[dict]) -> None:
             from bench_data import print_row
 
             print_row(row)
+        elif row["section"] == "host":
+            from bench_host import print_row as print_host
+
+            print_host(row)
         elif row["section"] in ("ctranslate2", "translate_cli", "translate_startup"):
             from bench_ctranslate2 import print_row as print_translation
 
