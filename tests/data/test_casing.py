@@ -87,7 +87,11 @@ def test_inline_casing_travels_in_the_model_bytes_and_a_cased_model_has_none(cas
 
 def test_a_multilingual_inline_cased_vocabulary_keeps_its_tags_next_to_the_special_ids(sentences, tmp_path):
     tok = build_tokenizer(
-        InMemory(sentences, sentences, "u"), vocab_size=140, cache_dir=tmp_path, languages=["de", "fr"], inline_case=True
+        InMemory(sentences, sentences, "u"),
+        vocab_size=140,
+        cache_dir=tmp_path,
+        languages=["de", "fr"],
+        inline_case=True,
     )
     assert tok.target_languages == ["de", "fr"] and tok.inline_case
     assert tok.protected_ids == 1 + tok.tag_id("fr")  # the markers come after: word dropout may drop them

@@ -177,8 +177,10 @@ def test_the_validator_scores_noised_copies_as_transformer_evaluate_makes_them(d
     assert "bleu_title" not in metrics
     with caplog.at_level(logging.INFO):
         _log_validation(100, {**metrics, "bleu_raw": 1.0}, "raw", "", "")
-    assert caplog.records[-1].getMessage().endswith(
-        f"| upper BLEU {metrics['bleu_upper']:.2f} | typos BLEU {metrics['bleu_typos']:.2f}"
+    assert (
+        caplog.records[-1]
+        .getMessage()
+        .endswith(f"| upper BLEU {metrics['bleu_upper']:.2f} | typos BLEU {metrics['bleu_typos']:.2f}")
     )
     with pytest.raises(ConfigError, match=r"trainer.val_augment=\['upper', 'caps'\]: 'caps' is not a variant"):
         compose_config(FAST + ["trainer.val_augment=[upper,caps]"], data_cache)
