@@ -85,6 +85,13 @@ def build_parser() -> CommandLineParser:
         ),
     )
     parser.add_argument(
+        "--pivot",
+        metavar="LANG",
+        help="a multilingual model: also translate through LANG (source -> LANG -> target, the same model) "
+        "and score that beside the direct translation, with the off-target rate of both (e.g. a zero-shot "
+        "direction against the pivot through English: --src-lang de --tgt-lang fr --pivot en)",
+    )
+    parser.add_argument(
         "--augment-seed",
         type=int,
         metavar="N",
@@ -184,6 +191,8 @@ def _check(args) -> tuple[list, dict[str, float] | None]:
             "--directions scores the split in each direction: leave out --src-lang, --tgt-lang, --src and --ref"
         )
     _check_augment(args, alphas)
+    if args.pivot and (args.augment or len(alphas) > 1):
+        raise ValueError("--pivot scores one translation beside its pivot: leave out --augment and give one --alpha")
     args.weights = checked_model_arguments(args)
     bad_device = device_error(args.device)
     if bad_device:
@@ -229,7 +238,7 @@ def _run(args, translator, directions, alphas: list, per_language: dict[str, flo
         tokenized_lc = args.tokenized_lc
         if tokenized_lc and tgt_lang:
             tokenized_lc = tokenized_lc.replace("{tgt}", tgt_lang)
-        data = EvaluationSet(args.split, args.src, args.ref, src_lang, tokenized_lc)
+        data = EvaluationSet(args.split, args.src, args.ref, src_lang, tokenized_lc, pivot=args.pivot)
         for alpha in alphas:
             request = DecodeRequest(
                 beam_size=args.beam,

@@ -29,7 +29,24 @@ def print_result(result: dict) -> None:
             f"off-target: {result['off_target']:.2f}% of the translations are in another of the model's languages "
             f"({wrong or 'none'}; py3langid choosing among {', '.join(result['off_target_among'])})"
         )
+    if "pivot" in result:
+        print(pivot_line(result))
     print(f"hypotheses: {result['hypotheses_file']}\nscores: {result['scores_file']}")
+
+
+def pivot_line(result: dict) -> str:
+    """The pivot translation (--pivot) beside the direct one: BLEU, chrF, the difference, the off-target rates."""
+    pivot = result["pivot"]
+    off = (
+        f"; off-target {pivot['off_target']:.2f}% (direct {result['off_target']:.2f}%, the step into "
+        f"{pivot['via']} {pivot['off_target_into_pivot']:.2f}%)"
+        if "off_target" in pivot and "off_target" in result
+        else ""
+    )
+    return (
+        f"through {pivot['via']}: BLEU {pivot['bleu']:.2f}  chrF {pivot['chrf']:.2f}  (direct - pivot: BLEU "
+        f"{result['bleu'] - pivot['bleu']:+.2f}){off}  ({pivot['seconds']:.1f} s; {pivot['hypotheses_file']})"
+    )
 
 
 def alpha_text(per_language: dict[str, float]) -> str:
@@ -44,7 +61,15 @@ def search_line(result: dict, direction: bool = False, alpha: bool = True) -> st
         ([f"{result['src_lang']}-{result['tgt_lang']}"] if direction else [])
         + ([f"alpha {result['alpha']:g}"] if alpha else [])
     )
-    return f"{what}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}{tokenized}{off}  ({result['seconds']:.1f} s)"
+    through = ""
+    if "pivot" in result:
+        pivot = result["pivot"]
+        pivot_off = f", off-target {pivot['off_target']:.2f}%" if "off_target" in pivot else ""
+        through = f"  through {pivot['via']}: BLEU {pivot['bleu']:.2f}{pivot_off}"
+    return (
+        f"{what}: BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}{tokenized}{off}{through}  "
+        f"({result['seconds']:.1f} s)"
+    )
 
 
 def print_directions(results: list[dict], searched: bool, show_alpha: bool = False) -> None:
@@ -75,14 +100,29 @@ def print_directions(results: list[dict], searched: bool, show_alpha: bool = Fal
         )
         chosen = [r for r in results if r["alpha"] == best[r["tgt_lang"]]]
     show_alpha = show_alpha or searched
-    print(f"{'direction':10} {'BLEU':>6} {'chrF':>6}" + ("  alpha" if show_alpha else ""))
+    pivoted = "pivot" in chosen[0]
+    print(
+        f"{'direction':10} {'BLEU':>6} {'chrF':>6}"
+        + ("  alpha" if show_alpha else "")
+        + (f" {'off-target':>10} {'pivot ' + chosen[0]['pivot']['via']:>8} {'off-target':>10}" if pivoted else "")
+    )
     for result in chosen:
         print(
             f"{direction(result):10} {result['bleu']:6.2f} {result['chrf']:6.2f}"
             + (f"  {result['alpha']:g}" if show_alpha else "")
+            + (
+                f" {result.get('off_target', float('nan')):9.2f}% {result['pivot']['bleu']:8.2f} "
+                f"{result['pivot'].get('off_target', float('nan')):9.2f}%"
+                if pivoted
+                else ""
+            )
         )
     mean = sum(r["bleu"] for r in chosen) / len(chosen)
-    print(f"{f'mean of {len(chosen)}':10} {mean:6.2f} {sum(r['chrf'] for r in chosen) / len(chosen):6.2f}")
+    pivot_mean = sum(r["pivot"]["bleu"] for r in chosen) / len(chosen) if pivoted else 0.0
+    print(
+        f"{f'mean of {len(chosen)}':10} {mean:6.2f} {sum(r['chrf'] for r in chosen) / len(chosen):6.2f}"
+        + (f" {'':>10} {pivot_mean:8.2f}" if pivoted and not show_alpha else "")
+    )
     if searched and chosen[0]["split"].split(".")[0] == "test":
         print(
             "note: a length penalty chosen on the test split overstates its test score; search on --split validation",

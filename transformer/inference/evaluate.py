@@ -46,7 +46,9 @@ class EvaluationSet:
     and Moses-tokenized (Multi30k's tok/*.lc.norm.tok.*), for BLEU as the literature reports it beside ours
     (`scoring.tokenized_lowercased_bleu`); `augment`: a variant of data/augment.py (upper, title, typos, nopunct,
     mix) that noises the sources, and the references where it says so, with `augment_seed`: a noised copy of
-    the set, its files named `.aug-<variant>` and holding the noised sources and references too."""
+    the set, its files named `.aug-<variant>` and holding the noised sources and references too; `pivot`: a
+    multilingual model's language to translate through as well (source -> pivot -> target, the same model),
+    scored beside the direct translation (`result["pivot"]`)."""
 
     split: str = "test"
     src_file: str | None = None
@@ -55,6 +57,7 @@ class EvaluationSet:
     tokenized_lc: str | None = None
     augment: str | None = None
     augment_seed: int = EVALUATION_SEED
+    pivot: str | None = None
 
 
 def evaluate(
@@ -76,7 +79,7 @@ def evaluate(
     models, request = Models.of(models), request or DecodeRequest()
     checkpoints, weights, quantize = list(models.checkpoints), models.weights, models.quantize
     checkpoint = checkpoints[0]
-    augment, augment_seed = data.augment, data.augment_seed
+    augment, augment_seed, pivot = data.augment, data.augment_seed, data.pivot
     if augment is not None and augment not in VARIANTS:
         raise DataError(f"augment={augment!r} is not a variant; the variants: {', '.join(VARIANTS)}")
     if augment and data.tokenized_lc:
@@ -117,6 +120,8 @@ def evaluate(
     translator.tgt_lang = translator.target_language(
         tgt_lang or (None if src_file else data.tgt_lang), knob="--tgt-lang "
     )
+    if pivot:
+        _check_pivot(pivot, translator, data.src_lang, data.tgt_lang)
     if src_file or ref_file:
         if not (src_file and ref_file):
             raise DataError("give both --src and --ref")
@@ -208,6 +213,11 @@ def evaluate(
     model_data = translator.config.data
     if model_data.target_languages():  # a multilingual model: how often it answers in another language
         result.update(off_target(hypotheses, data.tgt_lang, model_data.languages()) or {})
+    if pivot:
+        result["pivot"] = _through(translator, sources, references, asked, pivot, model_data.languages())
+        pivot_path = output_paths(checkpoint, f"{name}.pivot-{pivot}", beam)[0]
+        pivot_path.write_text("".join(h.replace("\n", " ") + "\n" for h in result["pivot"].pop("lines")))
+        result["pivot"]["hypotheses_file"] = str(pivot_path)
     hyp_path.write_text("".join(h.replace("\n", " ") + "\n" for h in hypotheses), encoding="utf-8")
     for path, lines in zip(noised_paths, (sources, references)):  # what was translated and scored
         path.write_text("".join(line.replace("\n", " ") + "\n" for line in lines), encoding="utf-8")
@@ -216,6 +226,46 @@ def evaluate(
     if augment:
         result["noised_src_file"], result["noised_ref_file"] = map(str, noised_paths)
     return result
+
+
+def _check_pivot(pivot: str, translator, src_lang: str, tgt_lang: str) -> None:
+    """--pivot LANG: a target language of a multilingual model, other than the direction's two."""
+    if not translator.target_languages:
+        raise DataError(f"--pivot {pivot}: a bilingual model translates into one language; leave --pivot out")
+    if pivot not in translator.target_languages:
+        raise DataError(
+            f"--pivot {pivot}: not a language this model translates into ({', '.join(translator.target_languages)})"
+        )
+    if pivot in (src_lang, tgt_lang):
+        raise DataError(f"--pivot {pivot}: it is an end of {src_lang} -> {tgt_lang}; give a third language")
+
+
+def _through(translator, sources: list[str], references: list[str], asked, pivot: str, languages) -> dict:
+    """The sources translated into `pivot`, then those translations into the evaluated target language, by the
+    same model and request: the second step scored, the off-target rate of each step, the final lines."""
+    from transformer.data.langid import off_target
+    from transformer.inference.scoring import score
+
+    target = translator.tgt_lang
+    started = time.perf_counter()
+    try:
+        translator.tgt_lang = pivot
+        middle = translator.translate(sources, asked, progress=sys.stderr.isatty())
+        translator.tgt_lang = target
+        final = translator.translate(middle, asked, progress=sys.stderr.isatty())
+    finally:
+        translator.tgt_lang = target
+    scores = score(final, references, target)
+    first_step = off_target(middle, pivot, languages) or {}
+    return {
+        "via": pivot,
+        "bleu": scores["bleu"],
+        "chrf": scores["chrf"],
+        "seconds": round(time.perf_counter() - started, 2),
+        **(off_target(final, target, languages) or {}),
+        **({"off_target_into_pivot": first_step["off_target"]} if "off_target" in first_step else {}),
+        "lines": final,
+    }
 
 
 def _augment_record(augment: str, seed: int) -> dict:
