@@ -246,6 +246,11 @@ class DataConfig:
         "a multilingual model's target-language tag: source (the first source token) | both (also the decoder's "
         "first input, in place of BOS) | decoder (the decoder's first input only)",
     )
+    validate_zero_shot: bool = setting(
+        False,
+        "a multilingual run also validates the directions no corpus trains for which data.path holds text in "
+        "both languages (val.de + val.fr), each logged with its off-target rate",
+    )
     inline_case: bool = setting(
         False,
         "case as a marker piece after each lower-cased word (Hund -> hund+T, HUND -> hund+U), so that upper and "
@@ -509,6 +514,11 @@ class TrainerConfig:
     checkpoint_every: int = setting(0, "steps between step_N.pt/last.pt; 0 = validate_every")
     val_beam_size: int = setting(1, "beam for validation BLEU (1 = greedy, fastest); the test uses decode.beam_size")
     val_max_sentences: int = setting(0, "decode only the first N validation sentences (0 = all)")
+    select_zero_shot: bool = setting(
+        False,
+        "with data.validate_zero_shot: the zero-shot directions count in the mean BLEU that picks best.pt and "
+        "drives trainer.patience (else they are logged only)",
+    )
     val_augment: list[str] = setting(
         factory=list,
         meaning="noised copies of the validation sentences also decoded and scored at each validation, logged as "

@@ -503,6 +503,8 @@ class PreparedData:
     # A multilingual mixture: each direction's validation split and its text ("fr-en": (corpus, source));
     # `valid` and sources["validation"] are then data.src_lang -> data.tgt_lang's (else the first's).
     directions: dict[str, tuple[EncodedCorpus, SplitSource]] = field(default_factory=dict)
+    # data.validate_zero_shot: the directions no corpus trains that data.path has validation text for ("de-fr")
+    zero_shot: dict[str, tuple[EncodedCorpus, SplitSource]] = field(default_factory=dict)
 
 
 def train_tokenizer(cfg: DataConfig, source: SplitSource, build: bool = True) -> Tokenizer | None:

@@ -29,8 +29,9 @@ from transformer.data.augmented_pairs import AugmentSettings
 from transformer.data.batching import Batch, flat_ids, make_batch
 from transformer.data.corpus import EncodedCorpus, PreparedData, encoded_split, preparation_lock, train_tokenizer
 from transformer.data.overlap import warn_of_overlap
-from transformer.data.sources import ArrowTable, Concatenated, ParallelFiles, SplitSource, open_split
+from transformer.data.sources import Concatenated, SplitSource, open_split
 from transformer.data.tokenizer import Tokenizer
+from transformer.data.zero_shot import keyed_by_language, zero_shot_validation
 from transformer.errors import DataError
 
 log = logging.getLogger("transformer.data.corpus")
@@ -64,7 +65,7 @@ def _check_one_direction_per_file(part_cfgs: list[DataConfig], part_sources: lis
     direction, the second under the wrong tag."""
     seen: dict[str, tuple[int, str]] = {}
     for i, (part_cfg, source) in enumerate(zip(part_cfgs, part_sources)):
-        if _keyed_by_language(source, part_cfg.src_lang, part_cfg.tgt_lang):
+        if keyed_by_language(source, part_cfg.src_lang, part_cfg.tgt_lang):
             continue
         direction = f"{part_cfg.src_lang}-{part_cfg.tgt_lang}"
         first = seen.setdefault(source.where, (i, direction))
@@ -74,14 +75,6 @@ def _check_one_direction_per_file(part_cfgs: list[DataConfig], part_sources: lis
                 f"as {first[1]}: a file whose columns do not name their languages holds one direction "
                 "(source, then target); for the other, write a file with the columns swapped"
             )
-
-
-def _keyed_by_language(source: SplitSource, src_lang: str, tgt_lang: str) -> bool:
-    """Whether `source` holds text picked by its languages (files `val.fr`, a `translation` column, columns
-    named fr and en), rather than whatever pair a TSV or src/tgt columns hold."""
-    if isinstance(source, ParallelFiles):
-        return True
-    return isinstance(source, ArrowTable) and source.columns in (None, (src_lang, tgt_lang))
 
 
 def _direction_validation(cfg: DataConfig, first: DataConfig, index: int) -> tuple[DataConfig, SplitSource]:
@@ -95,7 +88,7 @@ def _direction_validation(cfg: DataConfig, first: DataConfig, index: int) -> tup
         )
         try:
             source = open_split(own, "validation")
-            if _keyed_by_language(source, first.src_lang, first.tgt_lang):
+            if keyed_by_language(source, first.src_lang, first.tgt_lang):
                 return own, source
             problem = f"{source.where} does not name its languages"
         except DataError as error:
@@ -361,7 +354,14 @@ def prepare_mixture(cfg: DataConfig, tokenizer: Tokenizer | None, splits, source
         if "validation" in encoded
         else "",
     )
-    return PreparedData(tokenizer, train, encoded.get("validation"), {**others, "train": joined}, directions)
+    zero_shot = {}
+    if directions and cfg.validate_zero_shot:
+        zero_shot = zero_shot_validation(cfg, lambda own, source, split: _encoded(own, source, tokenizer, split))
+        log.info(
+            "zero-shot validation: %s",
+            ", ".join(f"{d} {len(c)} pairs" for d, (c, _) in zero_shot.items()) or "none (no text in both languages)",
+        )
+    return PreparedData(tokenizer, train, encoded.get("validation"), {**others, "train": joined}, directions, zero_shot)
 
 
 def _encoded(cfg: DataConfig, source: SplitSource, tokenizer: Tokenizer, split: str) -> EncodedCorpus:

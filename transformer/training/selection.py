@@ -61,6 +61,9 @@ class Selection:
         # One validator, or one per direction of a multilingual model (into its target language); the
         # attention pictures are drawn for the first.
         splits = data.directions or {None: (data.valid, data.sources["validation"])}
+        # data.validate_zero_shot: the directions no corpus trains, validated beside them
+        self.zero_shot = set(data.zero_shot)
+        splits = {**splits, **data.zero_shot}
         pictures = tc.attention_heatmaps if runtime.is_main and tc.attention_heatmaps != "off" else None
         self.validators = {
             direction: Validator(
@@ -163,8 +166,17 @@ class Selection:
             )
         if None in results:
             return {**results[None].metrics, "weights": weights}
-        mean = mean_metrics([result.metrics for result in results.values()])  # drives best.pt and patience
-        _log_validation(step, mean, weights, f"mean of {len(results)} directions", "")
+        trained = [r.metrics for d, r in results.items() if d not in self.zero_shot]
+        untrained = [r.metrics for d, r in results.items() if d in self.zero_shot]
+        if untrained:
+            zero_shot = mean_metrics(untrained)
+            _log_validation(step, zero_shot, weights, f"mean of {len(untrained)} zero-shot directions", "")
+            self.monitor.validation(step, weights, zero_shot, [], direction="zero-shot")
+        # the mean that drives best.pt and patience: the trained directions' (trainer.select_zero_shot: all)
+        counted = trained + (untrained if self.cfg.trainer.select_zero_shot else [])
+        mean = mean_metrics(counted)
+        what = f"mean of {len(counted)} directions" + (" (zero-shot included)" if len(counted) > len(trained) else "")
+        _log_validation(step, mean, weights, what, "")
         self.monitor.validation(step, weights, mean, [])
         return {**mean, **{f"bleu_{d}": r.metrics["bleu"] for d, r in results.items()}, "weights": weights}
 
@@ -225,5 +237,6 @@ def _log_validation(step: int, m: dict, weights: str, what: str, signature: str)
             for key, value in m.items()
             if key.startswith("bleu_") and key[5:] in VARIANTS
         )
+        + (f" | off-target {m['off_target']:.1f}%" if "off_target" in m else "")
         + (f" | {signature}" if signature else ""),
     )

@@ -21,6 +21,7 @@ import torch
 from transformer.data.augment import EVALUATION_SEED, augment_pairs
 from transformer.data.batching import batches_in_order, place_language_tag
 from transformer.data.corpus import EncodedCorpus
+from transformer.data.langid import off_target
 from transformer.errors import Interrupted
 from transformer.inference.request import DecodeRequest
 from transformer.inference.scoring import score
@@ -108,7 +109,8 @@ def cross_attention_by_layer(
 
 def mean_metrics(results: list[dict]) -> dict:
     """The mean of several directions' validation metrics (perplexity: of their mean NLL)."""
-    mean = {key: sum(r[key] for r in results) / len(results) for key in results[0]}
+    keys = [key for key in results[0] if all(key in r for r in results)]  # off_target: where langid knows them
+    mean = {key: sum(r[key] for r in results) / len(results) for key in keys}
     mean["ppl"] = math.exp(min(mean["nll"], 50))
     return mean
 
@@ -180,6 +182,10 @@ class Validator:
             "chrf": scores["chrf"],
             "cut_at_max_len": sum(h[0].hit_max_len for h in hyps) / max(1, len(hyps)),
         }
+        if self.translator.target_languages:  # a multilingual model: how often it answers in another language
+            off = off_target(texts, self.translator.tgt_lang, self.cfg.data.languages())
+            if off is not None:
+                metrics["off_target"] = off["off_target"]
         for name, (sources, references) in self.noised.items():
             noised = self.translator.hypotheses(sources, request, progress=None, desc=f"validate {name}", stop=stop)
             noised_scores = score(
