@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Every CUDA path in one go, for a lent GPU machine that has PyTorch but no package index:
 #   bash scripts/gpu_check.sh STAGE...     stages: env gputests precisions train ddp translate oom bench suite
-#                                           search evaluate
+#                                           search evaluate matrix onmt
 # Reads Multi30k from $MULTI30K_DIR (default .gpu/multi30k), pure-Python dependencies the machine lacks
 # (hydra, omegaconf, antlr4, sacremoses, py3langid) from .gpu/site, a CPU-trained checkpoint and its CPU
 # fp32 hypotheses from .gpu/ (translate and bench only; see docs/development.md, "On a GPU"). Full logs go
 # to $OUT (or /tmp/gpu_out), one summary line per finding to stdout. `search` runs the training runs listed
 # in $SEARCH (default docs/lab/gpu_search.txt) side by side until $SEARCH_SECONDS (default 300) have passed;
 # SEARCH_RESUME=1 continues them from their last.pt in a later call while the machine is still warm.
+# `matrix` times the trainer's step by model, precision, compile and batch budget within $MATRIX_SECONDS (default:
+# what is left of $CALL_SECONDS less 45 s, else 420; scripts/gpu_matrix.py, MATRIX_ARGS for more of its
+# options) and writes docs/gpu/<date>-<device>.json and the same file in $OUT; `onmt` adds OpenNMT-py 3.5.1's rows
+# to it, installed from .gpu/wheels (scripts/gpu_wheels.sh), at $ONMT_TOKENS (default 32768; a list: a row each)
+# target tokens for $ONMT_STEPS (default 200) steps, at most $ONMT_SECONDS (default 120) each. The checklist's call:
+#   CALL_SECONDS=575 bash scripts/gpu_check.sh onmt matrix
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -220,6 +226,56 @@ stage_bench() {
             --checkpoint .gpu/deen-s1.pt --cli-repeats 0 --repeats 3 --steps 20 --trainer-steps 50 --output "$OUT/bench-$preset.json" >>"$LOG" 2>&1
         say "bench $preset: rc $?"
         tail -25 "$LOG" | grep -E "mfu|MFU|tok/s|sent|peak|train|decode" | head -20
+    done
+}
+
+stage_matrix() {   # the table and the JSON of scripts/gpu_matrix.py; output to files, not a pipe (see gputests)
+    # its time: MATRIX_SECONDS, else what is left of CALL_SECONDS (this call's, counted from the script's start)
+    # less 45 s for a row that outruns its estimate, else 420 s
+    local seconds=${MATRIX_SECONDS:-420}
+    [ -z "${MATRIX_SECONDS:-}" ] && [ -n "${CALL_SECONDS:-}" ] && seconds=$((CALL_SECONDS - SECONDS - 45))
+    [ "$seconds" -lt 120 ] && seconds=120   # the first rows at least (each is written as it ends)
+    local t0=$SECONDS
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv >>"$LOG" 2>&1
+    # the matrix stops starting rows at $seconds; a row begun just before may run on for its own time
+    # shellcheck disable=SC2086
+    PYTHONFAULTHANDLER=1 timeout -s ABRT $((seconds + 150)) $PY scripts/gpu_matrix.py matrix --data-dir "$M" \
+        --cache-dir $CACHE --out "$OUT" --seconds "$seconds" ${MATRIX_ARGS:-} >"$OUT/matrix.log" 2>&1
+    say "matrix: rc $?, $((SECONDS - t0)) s"
+    if [ -f "$OUT/matrix.txt" ]; then tee -a "$LOG" <"$OUT/matrix.txt"; else tail -20 "$OUT/matrix.log"; fi
+    leftovers
+}
+
+stage_onmt() {   # OpenNMT-py 3.5.1 on model=base's shape, same data and GPU (scripts/gpu_onmt.py): rows of the JSON
+    local work=/tmp/gpu_onmt device=${ONMT_DEVICE:-cuda} tokens wheels rc t0 log="$OUT/onmt.log"
+    mkdir -p $work/stubs/spacy
+    # imported at start by transforms this run does not use (terminology, clean): empty stand-ins let it start
+    : >$work/stubs/spacy/__init__.py
+    : >$work/stubs/fasttext.py
+    wheels=$($PY scripts/gpu_onmt.py wheels "${ONMT_WHEELS:-.gpu/wheels}") \
+        || { say "onmt: no wheels (bash scripts/gpu_wheels.sh)"; return; }
+    # shellcheck disable=SC2086
+    $PY -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --upgrade --target $work/site $wheels \
+        >>"$log" 2>&1 || { say "onmt: pip install failed"; tail -5 "$log"; return; }
+    say "onmt: installed $(echo $wheels | wc -w) wheels"
+    local pypath="$work/site:$work/stubs:$PYTHONPATH"
+    PYTHONPATH=$pypath $PY scripts/gpu_onmt.py prepare --data-dir "$M" --work $work >>"$log" 2>&1 \
+        || { say "onmt: prepare failed"; tail -5 "$log"; return; }
+    for tokens in ${ONMT_TOKENS:-32768}; do
+        PYTHONPATH=$pypath $PY scripts/gpu_onmt.py config --work $work --tokens "$tokens" --device "$device" \
+            --steps "${ONMT_STEPS:-200}" --report-every "${ONMT_REPORT:-20}" --model "${ONMT_MODEL:-base}" \
+            >>"$log" 2>&1 || { say "onmt: config failed"; tail -5 "$log"; return; }
+        [ -f $work/vocab.shared ] || PYTHONPATH=$pypath $PY -m onmt.bin.build_vocab \
+            -config $work/${ONMT_MODEL:-base}-$tokens.yaml -n_sample -1 >>"$log" 2>&1
+        t0=$SECONDS
+        PYTHONPATH=$pypath timeout -s TERM "${ONMT_SECONDS:-120}" $PY -m onmt.bin.train \
+            -config $work/${ONMT_MODEL:-base}-$tokens.yaml >$work/train-$tokens.log 2>&1
+        rc=$?
+        cat $work/train-$tokens.log >>"$log"
+        PYTHONPATH=$pypath $PY scripts/gpu_onmt.py row --log $work/train-$tokens.log --rc $rc --tokens "$tokens" \
+            --skip "${ONMT_SKIP:-60}" --seconds $((SECONDS - t0)) --device "$device" --model "${ONMT_MODEL:-base}" \
+            --out "$OUT" ${ONMT_JSON_DIR:+--json-dir "$ONMT_JSON_DIR"} 2>>"$log" | tee -a "$LOG"
+        leftovers
     done
 }
 
