@@ -507,6 +507,13 @@ class TrainerConfig:
         "token pair (rdrop = its alpha, 5 in its translation runs), divided by 2. "
         "Twice the compute per step; recipe=multi30k_long uses 2 with dropout 0.2; 0 = off",
     )
+    online_backtranslation: float = setting(
+        0.0,
+        "a multilingual model: share of each batch's pairs whose source is replaced by the model's own greedy "
+        "translation of the target into another of its languages (random online back-translation, Zhang et "
+        "al. 2020: zero-shot directions learn from real targets); 0 = off",
+    )
+    online_backtranslation_from: int = setting(0, "the step trainer.online_backtranslation starts at")
     max_steps: int = setting(100000, "stop after this many optimizer steps (0 = no limit)")
     max_epochs: int = setting(0, "stop after this many epochs (0 = no limit)")
     max_minutes: float = setting(0.0, "stop after this much wall-clock time, validation included (0 = no limit)")
@@ -600,6 +607,11 @@ class TrainerConfig:
             _positive(f"trainer.{key}", getattr(self, key))
         if self.lr <= 0:
             raise ConfigError(f"trainer.lr={self.lr} must be > 0 (e.g. trainer.lr=7e-4)")
+        if not 0.0 <= self.online_backtranslation <= 1.0:
+            raise ConfigError(
+                f"trainer.online_backtranslation={self.online_backtranslation} must be a share of pairs in [0, 1] "
+                "(0 = off; e.g. 0.25)"
+            )
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"trainer.schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
         if self.attention_heatmaps not in ATTENTION_HEATMAPS:
@@ -642,6 +654,7 @@ class TrainerConfig:
             "weight_decay",
             "clip_norm",
             "max_minutes",
+            "online_backtranslation_from",
         ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)} must be >= 0 (0 disables it)")
@@ -953,6 +966,12 @@ class Config:
             raise ConfigError(
                 f"decode.alpha_by_language: {', '.join(unknown)} is not a target language of this "
                 f"model; it translates into {', '.join(targets)}"
+            )
+        if self.trainer.online_backtranslation and not targets:
+            raise ConfigError(
+                f"trainer.online_backtranslation={self.trainer.online_backtranslation}: the run trains a model into "
+                f"one language ({self.data.tgt_lang}), with no other language to translate its targets into; "
+                "leave it at 0"
             )
         # A training pair of data.max_len tokens takes one position more: the source its EOS, the
         # target input its BOS. (Decoding caps its output at model.max_positions - 1 tokens itself.)

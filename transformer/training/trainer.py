@@ -30,6 +30,7 @@ from transformer.errors import PeerGone
 from transformer.flops import mfu_meter
 from transformer.model import build_model
 from transformer.runtime import Runtime
+from transformer.training.backtranslation import OnlineBacktranslation
 from transformer.training.banner import log_banner, warn_about_settings_the_run_cannot_honour
 from transformer.training.batch_fit import choose_max_tokens
 from transformer.training.checkpoint_dir import CheckpointDirectory
@@ -85,6 +86,7 @@ class Trainer:
             resumed_step=start.resume["step"] if start.resume else None,
         )
         self.step = self.build_step()
+        self.backtranslation = self.build_backtranslation()
         if self.runtime.is_main:
             log_banner(self.run_dir, start.describe(), self.runtime, self.model, cfg.model.name)
             self.monitor.start(cfg, self.runtime.precision, sum(p.numel() for p in self.model.parameters()))
@@ -162,6 +164,10 @@ class Trainer:
             updates,
             update_loader(train, updates, workers, pin_memory=cuda, language_tag=self.cfg.data.language_tag),
         )
+
+    def build_backtranslation(self) -> OnlineBacktranslation | None:
+        """trainer.online_backtranslation (a multilingual model), else None."""
+        return OnlineBacktranslation.for_run(self.cfg, self.model, self.data.tokenizer, self.runtime)
 
     def build_step(self) -> TrainingStep:
         """The update (compiled, and wrapped in DDP under torchrun) and the log of its numbers (with MFU on
@@ -259,6 +265,8 @@ class Trainer:
     def _update(self, micro, consumed: int, bar, started: float) -> str | None:
         """One optimizer update with its logging, validation and checkpoints; the stop reason, if any."""
         tc, progress, fp16 = self.cfg.trainer, self.progress, self.runtime.precision == "fp16"
+        if self.backtranslation is not None:
+            micro = self.backtranslation(micro, progress.step)
         stats = self.step(micro)
         progress.position += consumed
         if stats.out_of_memory:
