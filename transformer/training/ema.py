@@ -40,7 +40,9 @@ class ExponentialMovingAverage:
     @torch.no_grad()
     def update(self, step: int) -> None:
         """Fold in the weights after optimizer update number `step` (1 for the first)."""
-        current = [p.detach().float() for p in self.params]
+        # Under no_grad the parameters go in as they are: a detach of each was one operator per parameter every
+        # step (198 for model=base: host time on a GPU, docs/benchmarks.md "Host cost").
+        current = [p if p.dtype == torch.float32 else p.float() for p in self.params]
         torch._foreach_lerp_(self.average, current, 1.0 - self.decay_at(step))
 
     def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
