@@ -17,6 +17,7 @@ the window's wall time (data loading included, as ours); the row is the median o
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import re
 import statistics
@@ -231,12 +232,13 @@ def main(argv: list[str] | None = None) -> int:
             result["seconds"] = round(args.seconds, 1)
         info = device_info(args.device)
         paths = result_paths(args.json_dir, args.out, info["date"], info["device"])
-        import onmt  # the version that ran (on PYTHONPATH beside the training's)
-
-        opennmt = {"version": onmt.__version__, "precision": precision, "skip_steps": args.skip}
+        # the version that ran (installed with --target beside the training's PYTHONPATH; a peer we race, not
+        # one of our dependencies, so read from its metadata rather than imported)
+        version = importlib.metadata.version("OpenNMT-py")
+        opennmt = {"version": version, "precision": precision, "skip_steps": args.skip}
         write_results(paths, {key: info[key] for key in ("device", "torch", "date")} | {"opennmt": opennmt}, [result])
         print(
-            f"gpu_onmt: OpenNMT-py {onmt.__version__} {precision} at {args.tokens} tokens: "
+            f"gpu_onmt: OpenNMT-py {version} {precision} at {args.tokens} tokens: "
             f"{result['target_tokens_per_s'] or 0:,.0f} target tok/s ({result['status']}); rows in "
             + ", ".join(str(p) for p in paths)
         )

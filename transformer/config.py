@@ -510,7 +510,7 @@ class TrainerConfig:
     online_backtranslation: float = setting(
         0.0,
         "a multilingual model: share of each batch's pairs whose source is replaced by the model's own greedy "
-        "translation of the target into another of its languages (random online back-translation, Zhang et "
+        "translation of the target into another of its languages (random online backtranslation, Zhang et "
         "al. 2020: zero-shot directions learn from real targets); 0 = off",
     )
     online_backtranslation_from: int = setting(0, "the step trainer.online_backtranslation starts at")
