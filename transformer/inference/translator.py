@@ -400,11 +400,12 @@ class Translator:
         weights = self.weights or [1.0] * len(self.models)
         shares = [w / sum(weights) for w in weights]
         # The (B, T, V) float32 log-probabilities bound the batch: 2048 tokens x 32k pieces = 256 MB.
+        start = self.tag_in_decoder(self.target_language(tgt_lang)).get("start", BOS_ID)  # what the decoder reads first
         for indices in batches_in_order(widths, batch_tokens or SCORE_BATCH_TOKENS):
             src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(self.device)  # (B, S)
             tgt = [targets[i] for i in indices]
             tgt_in = pad_sequences(tgt, prefix=[BOS_ID])  # (B, T)
-            tgt_in[:, 0] = self.tag_in_decoder(self.target_language(tgt_lang)).get("start", BOS_ID)
+            tgt_in[:, 0] = start
             tgt_in = tgt_in.to(self.device)
             tgt_out = pad_sequences(tgt, suffix=[EOS_ID]).to(self.device)  # (B, T)
             sums = 0.0

@@ -107,10 +107,10 @@ class OnlineBacktranslation:
             return batch
         targets = [_ids(row) for row in batch.tgt_out.numpy()]  # without EOS
         sources = [_ids(row) for row in batch.src.numpy()]  # the tag first, unless data.language_tag=decoder
+        in_source = self.language_tag != "decoder"
         for language in sorted({language for _, language in drawn}):
             rows = [row for row, into in drawn if into == language]
             tag = self.tag_ids[language]
-            in_source = self.language_tag != "decoder"
             search = Search(
                 beam_size=1,
                 workers=1,
