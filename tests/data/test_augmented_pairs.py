@@ -169,3 +169,19 @@ def test_at_most_half_the_tokenizer_sample_is_noised_so_clean_text_keeps_its_pie
     shares = _tokenizer_augmentation(DataConfig(augment_upper=0.9, augment_title=0.1, augment_typos=1.0))
     assert shares == pytest.approx({"upper": 0.45, "title": 0.05, "typos": 0.5, "typo_rate": 0.1})
     assert _tokenizer_augmentation(DataConfig(augment_upper=0.1))["upper"] == 0.1
+
+
+def test_an_epoch_noises_each_pair_once_and_a_worker_without_the_kept_ids_makes_the_same(tmp_path, monkeypatch):
+    corpus, tokenizer, _, _ = _corpus(tmp_path)
+    corpus.enable_augmentation(tokenizer, AugmentSettings(upper=0.3, typos=0.5, merge=0.2), seed=4)
+    worker = pickle.loads(pickle.dumps(corpus))  # started before the epoch's lengths: nothing kept
+    corpus.epoch_lengths(2)  # the batch sampler's packing noises the whole epoch
+    calls = []
+    noised = type(corpus.augmentation)._noised
+    monkeypatch.setattr(type(corpus.augmentation), "_noised", lambda self, *a: calls.append(a[-1]) or noised(self, *a))
+    kept = corpus.epoch_sides(np.arange(60), 2)
+    assert calls == []  # served from what the lengths made
+    assert kept == worker.epoch_sides(np.arange(60), 2) and calls == [2]  # noised afresh, to the same ids
+    assert len(pickle.dumps(corpus)) == len(pickle.dumps(worker))  # a worker is not sent the epoch's ids
+    later = corpus.epoch_sides(np.arange(60), 3)  # another epoch is never served the kept one
+    assert calls == [2, 3] and later != kept

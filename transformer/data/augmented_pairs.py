@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from transformer.data.batching import Batch
 
 MERGE_LIMIT_WITHOUT_MAX_LEN = 256  # tokens a side of a merged pair may hold when data.max_len is null
+EPOCH_KEPT_PAIRS = 1_000_000  # corpora up to this size keep the epoch's noised ids that `lengths` made
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class PairAugmentation:
     stream: int = 0
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_tokenizer"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_tokenizer", "_epoch_kept")}
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -156,20 +157,38 @@ class PairAugmentation:
         return span
 
     def lengths(self, corpus: StoredPairs, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """Source and target lengths of every kept pair in `epoch` (the stored ones where nothing changes)."""
+        """Source and target lengths of every kept pair in `epoch` (the stored ones where nothing changes).
+        A corpus of up to EPOCH_KEPT_PAIRS pairs keeps the noised ids for `sides` in this epoch, so that
+        each pair is noised once per epoch rather than twice (a DataLoader worker started before this ran
+        noises them again, to the same ids)."""
         src = corpus.src_lens.astype(np.int64)
         tgt = corpus.tgt_lens.astype(np.int64)
+        keep = len(corpus) <= EPOCH_KEPT_PAIRS
+        kept_rows = np.full(len(corpus), -1, dtype=np.int64)
+        kept_src, kept_tgt = [], []
         for start in range(0, len(corpus), 100_000):
             positions = np.arange(start, min(start + 100_000, len(corpus)), dtype=np.int64)
             changed, (src_ids, tgt_ids) = self._noised(corpus, positions, epoch)
             src[positions[changed]] = [len(ids) for ids in src_ids]
             tgt[positions[changed]] = [len(ids) for ids in tgt_ids]
+            if keep:
+                kept_rows[positions[changed]] = np.arange(len(kept_src), len(kept_src) + len(src_ids))
+                kept_src += src_ids
+                kept_tgt += tgt_ids
+        self._epoch_kept = (epoch, kept_rows, kept_src, kept_tgt) if keep else None
         return src, tgt
 
     def sides(self, corpus: StoredPairs, positions: np.ndarray, epoch: int) -> tuple[list, list]:
         """(source ids, target ids) of kept positions `positions` in `epoch`."""
         positions = np.asarray(positions, dtype=np.int64)
         src, tgt = [_stored_ids(corpus, side, positions) for side in ("src", "tgt")]
+        kept = getattr(self, "_epoch_kept", None)
+        if kept is not None and kept[0] == epoch:
+            _, kept_rows, kept_src, kept_tgt = kept
+            for row, k in enumerate(kept_rows[positions].tolist()):
+                if k >= 0:
+                    src[row], tgt[row] = kept_src[k], kept_tgt[k]
+            return src, tgt
         changed, (src_ids, tgt_ids) = self._noised(corpus, positions, epoch)
         for row, s, t in zip(np.flatnonzero(changed).tolist(), src_ids, tgt_ids):
             src[row], tgt[row] = s, t
@@ -186,8 +205,10 @@ class PairAugmentation:
         picks = self.chosen(corpus, positions, epoch)
         changed = np.logical_or.reduce(list(picks.values()))
         rows = np.flatnonzero(changed)
+        if rows.size == 0:
+            return changed, ([], [])
         tok, protected = self.tokenizer, self.tokenizer.protected_ids
-        tags, texts = [], []
+        spans = []  # per changed pair: (its leading tag, the stored source and target ids it joins, its rng)
         for row in rows.tolist():
             position = int(positions[row])
             rng = augment.rng_for(self.seed, epoch, int(corpus.pair_index[position]), stream=self.stream)
@@ -196,12 +217,18 @@ class PairAugmentation:
             tag = _leading(joined[0][0], protected)
             if any(_leading(ids, protected) != tag for ids in joined[0][1:]):
                 joined = [side[:1] for side in joined]  # pairs into different languages are never merged
-            texts_of_span = list(zip(tok.decode_src([s[len(tag) :] for s in joined[0]]), tok.decode_tgt(joined[1])))
+            spans.append((tag, joined, rng))
+        # one SentencePiece call per side for the whole batch: a call costs more than decoding a sentence
+        src_texts = iter(tok.decode_src([ids[len(tag) :] for tag, (src, _), _ in spans for ids in src]))
+        tgt_texts = iter(tok.decode_tgt([ids for _, (_, tgt), _ in spans for ids in tgt]))
+        tags, texts = [], []
+        for (tag, (src, _), rng), row in zip(spans, rows.tolist()):
+            texts_of_span = [(next(src_texts), next(tgt_texts)) for _ in src]
             pair = augment.merge(texts_of_span, limit=_any_length) if len(texts_of_span) > 1 else texts_of_span[0]
             tags.append(tag)
             texts.append(self._modified(pair, {name: bool(pick[row]) for name, pick in picks.items()}, rng))
-        src_ids = tok.encode_src([src for src, _ in texts]) if texts else []
-        tgt_ids = tok.encode_tgt([tgt for _, tgt in texts]) if texts else []
+        src_ids = tok.encode_src([src for src, _ in texts])
+        tgt_ids = tok.encode_tgt([tgt for _, tgt in texts])
         src_ids = [self._cut(tag + ids) for tag, ids in zip(tags, src_ids)]
         tgt_ids = [self._cut(ids) for ids in tgt_ids]
         return changed, (src_ids, tgt_ids)

@@ -145,12 +145,13 @@ class Tokenizer:
         """Identifies the model(s): part of the key of every corpus encoded with them."""
         return hashlib.sha256(self.src_model_bytes + b"\0" + self.tgt_model_bytes).hexdigest()[:16]
 
+    # Decoding runs on one thread: SentencePiece's pool costs more to start than a batch takes to decode.
     def decode_tgt(self, ids: Sequence[Sequence[int]]) -> list[str]:
-        return self._cased(self.tgt.decode([list(x) for x in ids]))
+        return self._cased(self.tgt.decode([list(x) for x in ids], num_threads=1))
 
     def decode_src(self, ids: Sequence[Sequence[int]]) -> list[str]:
         """Source text of source ids (without a language tag: the caller strips it)."""
-        return self._cased(self.src.decode([list(x) for x in ids]))
+        return self._cased(self.src.decode([list(x) for x in ids], num_threads=1))
 
     def _cased(self, texts: list[str]) -> list[str]:
         return [casing.decode(text) for text in texts] if self.inline_case else texts
