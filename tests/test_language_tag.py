@@ -16,6 +16,7 @@ from transformer.config import ConfigError
 from transformer.data.batching import Batch, place_language_tag
 from transformer.data.prepare import prepare
 from transformer.inference.decoders import ModelDecoder
+from transformer.inference.search import Search, translate_ids
 from transformer.inference.translator import Translator
 from transformer.model import build_model
 from transformer.special import BOS_ID, EOS_ID, PAD_ID
@@ -106,6 +107,24 @@ def test_a_tag_is_never_generated_and_cached_decoding_equals_recomputing(tagged,
         assert with_cache[0].score == pytest.approx(without[0].score, abs=1e-4)
         assert not any(first <= token < end for token in with_cache[0].tokens)
         assert with_cache[0].tokens  # something else was written
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_a_start_per_sentence_decodes_each_as_its_own_language_alone_would(tagged, beam):
+    """Search(start=[...]): one search for sentences into several languages (online back-translation's)."""
+    side, tok, path = tagged
+    model = Translator.from_checkpoint(path, device="cpu").model
+    sources = [[5, 9, 12, 7], [8, 6], [10, 11, 13, 5, 6], [7, 7, 9]]
+    starts = [tok.tag_id(language) for language in ("de", "en", "de", "en")]
+    together = translate_ids(model, sources, Search(beam_size=beam, start=starts, never=tok.tag_ids))
+    for source, start, hyps in zip(sources, starts, together):
+        (alone,) = translate_ids(model, [source], Search(beam_size=beam, start=start, never=tok.tag_ids))
+        assert hyps[0].tokens == alone[0].tokens and hyps[0].score == pytest.approx(alone[0].score, abs=1e-4)
+    assert [h[0].tokens for h in together] != [
+        h[0].tokens for h in translate_ids(model, sources, Search(beam_size=beam, start=starts[0], never=tok.tag_ids))
+    ]  # the starts were read: one tag for all decodes something else
+    with pytest.raises(ValueError, match="key/value cache"):
+        translate_ids(model, sources, Search(beam_size=beam, start=starts, use_cache=False))
 
 
 def test_an_ensemble_must_read_its_tags_alike(tagged, tmp_path):

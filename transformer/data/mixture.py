@@ -29,9 +29,9 @@ from transformer.data.augmented_pairs import AugmentSettings
 from transformer.data.batching import Batch, flat_ids, make_batch
 from transformer.data.corpus import EncodedCorpus, PreparedData, encoded_split, preparation_lock, train_tokenizer
 from transformer.data.overlap import warn_of_overlap
-from transformer.data.sources import Concatenated, SplitSource, open_split
+from transformer.data.sources import Concatenated, SplitSource, keyed_by_language, open_split
 from transformer.data.tokenizer import Tokenizer
-from transformer.data.zero_shot import keyed_by_language, zero_shot_validation
+from transformer.data.zero_shot import zero_shot_validation
 from transformer.errors import DataError
 
 log = logging.getLogger("transformer.data.corpus")

@@ -388,6 +388,14 @@ class Concatenated(SplitSource):
             yield from source.chunks(size)
 
 
+def keyed_by_language(source: SplitSource, src_lang: str, tgt_lang: str) -> bool:
+    """Whether `source` holds text picked by its languages (files `val.fr`, a `translation` column, columns
+    named fr and en): a TSV holds one pair, whatever the languages asked for."""
+    if isinstance(source, ParallelFiles):
+        return True
+    return isinstance(source, ArrowTable) and source.columns in (None, (src_lang, tgt_lang))
+
+
 def _memo_dir(cfg: DataConfig) -> Path:
     """data.cache_dir/fingerprints/: the content hashes of local files, by their identity (`hash_files`)."""
     return Path(cfg.cache_dir) / "fingerprints"

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 
 from transformer.config import DataConfig
-from transformer.data.sources import ArrowTable, ParallelFiles, SplitSource, open_split
+from transformer.data.sources import keyed_by_language, open_split
 from transformer.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -46,11 +46,3 @@ def zero_shot_validation(cfg: DataConfig, encode: Callable) -> dict[str, tuple]:
     if missing:
         log.info("data.validate_zero_shot: no validation text in data.path / data.hub_id for %s", ", ".join(missing))
     return found
-
-
-def keyed_by_language(source: SplitSource, src_lang: str, tgt_lang: str) -> bool:
-    """Whether `source` holds text picked by its languages (files `val.fr`, a `translation` column, columns
-    named fr and en): a TSV holds one pair, whatever the languages asked for."""
-    if isinstance(source, ParallelFiles):
-        return True
-    return isinstance(source, ArrowTable) and source.columns in (None, (src_lang, tgt_lang))

@@ -63,16 +63,19 @@ class LogitsDecoder(StepDecoder, Protocol):
 
 class ModelDecoder:
     """Runs the Transformer decoder one step at a time for `search`. `start`: the id the decoder reads
-    first in place of BOS (a target-language tag); `never`: ids [first, end) given no probability."""
+    first in place of BOS (a target-language tag), or a (B,) tensor of one per sentence (with the key/value
+    cache, which reads it once); `never`: ids [first, end) given no probability."""
 
     def __init__(
         self,
         model: EncoderDecoder,
         src: torch.Tensor,
         use_cache: bool = True,
-        start: int | None = None,
+        start: int | torch.Tensor | None = None,
         never: tuple[int, int] | None = None,
     ):
+        if isinstance(start, torch.Tensor) and not use_cache:
+            raise ValueError("a start id per sentence needs the key/value cache (use_cache=True)")
         self.model, self.start, self.never = model, start, never
         memory = model.encode(src)  # (B, S, D)
         src_pad_mask = padding_mask(src, PAD_ID)  # (B, S)

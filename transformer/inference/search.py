@@ -59,8 +59,9 @@ class Search:
     `batch_tokens` (source tokens times the beam per batch), `sampling` instead of a search, `prefixes`
     (per source, target token ids without BOS forced first, [] for none), `workers` (CPU processes) and
     `use_cache` (the key/value cache; False recomputes every prefix). `start`: the decoder's first input in
-    place of BOS (a target-language tag, data.language_tag=both|decoder); `never`: a range of ids
-    [first, end) never generated (the tags)."""
+    place of BOS (a target-language tag, data.language_tag=both|decoder), or a list of one per source (each
+    sentence into its own language, with the cache); `never`: a range of ids [first, end) never generated
+    (the tags)."""
 
     beam_size: int = 5
     alpha: float = 0.0
@@ -72,7 +73,7 @@ class Search:
     prefixes: list[list[int]] | None = None
     workers: int = 1
     use_cache: bool = True
-    start: int | None = None
+    start: int | list[int] | None = None
     never: tuple[int, int] | None = None
 
 
@@ -306,7 +307,10 @@ def translate_ids(
     def attempt(indices: list[int]) -> list[list[Hypothesis]]:
         src = pad_sequences([sources[i] for i in indices], suffix=[EOS_ID]).to(device)  # (B, S)
         with autocast() if autocast is not None else contextlib.nullcontext():
-            decoders = [ModelDecoder(m, src, search.use_cache, search.start, search.never) for m in models]
+            start = search.start
+            if isinstance(start, list):  # one per source: this batch's, (B,)
+                start = torch.tensor([start[i] for i in indices], dtype=torch.long, device=device)
+            decoders = [ModelDecoder(m, src, search.use_cache, start, search.never) for m in models]
             decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, weights)
             lens = max_lengths(src, search.max_len_a, search.max_len_b, limit)  # (B,)
             prefix = None

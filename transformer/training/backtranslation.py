@@ -108,26 +108,27 @@ class OnlineBacktranslation:
         targets = [_ids(row) for row in batch.tgt_out.numpy()]  # without EOS
         sources = [_ids(row) for row in batch.src.numpy()]  # the tag first, unless data.language_tag=decoder
         in_source = self.language_tag != "decoder"
-        for language in sorted({language for _, language in drawn}):
-            rows = [row for row, into in drawn if into == language]
-            tag = self.tag_ids[language]
-            search = Search(
-                beam_size=1,
-                workers=1,
-                start=tag if self.language_tag != "source" else None,
-                never=self.never,
+        rows = [row for row, _ in drawn]
+        tags = [self.tag_ids[language] for _, language in drawn]
+        # One greedy search for every drawn row, each into its own language: on a CPU a decoding step costs
+        # about as much for 40 rows as for 10, so one search per language would cost three times as much.
+        search = Search(
+            beam_size=1,
+            workers=1,
+            start=tags if self.language_tag != "source" else None,
+            never=self.never,
+        )
+        with torch.no_grad(), eval_mode(self.model):
+            hypotheses = translate_ids(
+                self.model,
+                [([tag] if in_source else []) + targets[row] for row, tag in zip(rows, tags)],
+                search,
+                device=self.device,
+                autocast=self.autocast,
             )
-            with torch.no_grad(), eval_mode(self.model):
-                hypotheses = translate_ids(
-                    self.model,
-                    [([tag] if in_source else []) + targets[row] for row in rows],
-                    search,
-                    device=self.device,
-                    autocast=self.autocast,
-                )
-            for row, hyps in zip(rows, hypotheses):
-                kept = sources[row][:1] if in_source else []  # the pair's own tag: the language of its target
-                sources[row] = kept + hyps[0].tokens[: self.max_len - len(kept)]
+        for row, hyps in zip(rows, hypotheses):
+            kept = sources[row][:1] if in_source else []  # the pair's own tag: the language of its target
+            sources[row] = kept + hyps[0].tokens[: self.max_len - len(kept)]
         self.made += len(drawn)
         src = pad_sequences(sources, suffix=[EOS_ID])  # (B, S')
         real = int((src != PAD_ID).sum()) + batch.num_tgt_tokens

@@ -170,9 +170,7 @@ class Validator:
             self.cfg.data.language_tag,
         )
         request = DecodeRequest(beam_size=tc.val_beam_size, batch_tokens=dc.batch_tokens)
-        hyps = self.translator.hypotheses(self.sources, request, progress=None, desc="validate", stop=stop)
-        texts = [h[0].text for h in hyps]
-        scores = score(texts, self.references, self.translator.tgt_lang or self.cfg.data.tgt_lang)
+        hyps, texts, scores = self._decoded(self.sources, self.references, request, "validate", stop)
         metrics = {
             "loss": loss,
             "nll": nll,
@@ -187,11 +185,8 @@ class Validator:
             if off is not None:
                 metrics["off_target"] = off["off_target"]
         for name, (sources, references) in self.noised.items():
-            noised = self.translator.hypotheses(sources, request, progress=None, desc=f"validate {name}", stop=stop)
-            noised_scores = score(
-                [h[0].text for h in noised], references, self.translator.tgt_lang or self.cfg.data.tgt_lang
-            )
-            metrics[f"bleu_{name}"], metrics[f"chrf_{name}"] = noised_scores["bleu"], noised_scores["chrf"]
+            _, _, noised = self._decoded(sources, references, request, f"validate {name}", stop)
+            metrics[f"bleu_{name}"], metrics[f"chrf_{name}"] = noised["bleu"], noised["chrf"]
         shown = [hyps[i][0].tokens for i in self.drawn]  # what each drawn sentence decodes to now
         return Validation(
             metrics,
@@ -200,6 +195,12 @@ class Validator:
             self._panels(shown),
             self._detail(shown),
         )
+
+    def _decoded(self, sources: list[str], references: list[str], request, desc: str, stop) -> tuple:
+        """(hypotheses, their texts, BLEU/chrF against `references`) of `sources` decoded as `request` asks."""
+        hyps = self.translator.hypotheses(sources, request, progress=None, desc=desc, stop=stop)
+        texts = [h[0].text for h in hyps]
+        return hyps, texts, score(texts, references, self.translator.tgt_lang or self.cfg.data.tgt_lang)
 
     def _panels(self, hypotheses: list[list[int]]) -> list:
         """(weights, source pieces, predicted pieces) of each drawn sentence and its hypothesis."""
