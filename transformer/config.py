@@ -514,6 +514,9 @@ class TrainerConfig:
         "al. 2020: zero-shot directions learn from real targets); 0 = off",
     )
     online_backtranslation_from: int = setting(0, "the step trainer.online_backtranslation starts at")
+    online_backtranslation_until: int = setting(
+        0, "the step trainer.online_backtranslation stops at (0 = the end of the run): its generation is slow"
+    )
     max_steps: int = setting(100000, "stop after this many optimizer steps (0 = no limit)")
     max_epochs: int = setting(0, "stop after this many epochs (0 = no limit)")
     max_minutes: float = setting(0.0, "stop after this much wall-clock time, validation included (0 = no limit)")
@@ -655,9 +658,15 @@ class TrainerConfig:
             "clip_norm",
             "max_minutes",
             "online_backtranslation_from",
+            "online_backtranslation_until",
         ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)} must be >= 0 (0 disables it)")
+        if 0 < self.online_backtranslation_until <= self.online_backtranslation_from:
+            raise ConfigError(
+                f"trainer.online_backtranslation_until={self.online_backtranslation_until} must come after "
+                f"trainer.online_backtranslation_from={self.online_backtranslation_from} (or be 0: to the end)"
+            )
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"trainer.num_workers={self.num_workers} must be >= 0 (or null: 2 on CUDA, 0 on a CPU)")
         _within_limits("trainer", self)

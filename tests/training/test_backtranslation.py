@@ -35,9 +35,9 @@ def setup(request, tmp_path_factory):
     return request.param, tok, model, batch
 
 
-def _robt(setup, share=0.5, start=0, seed=1):
+def _robt(setup, share=0.5, start=0, seed=1, end=None):
     side, tok, model, _ = setup
-    return OnlineBacktranslation(share, start, seed, model, tok, side, 64, torch.device("cpu"), None)
+    return OnlineBacktranslation(share, start, seed, model, tok, side, 64, torch.device("cpu"), None, end=end)
 
 
 def test_the_draws_follow_the_pair_and_the_step_not_its_place_in_the_batch(setup):
@@ -62,6 +62,8 @@ def test_a_drawn_pair_gets_the_models_translation_of_its_target_as_its_source(se
     assert robt([(batch, 1.0)], step=0)[0][0] is not batch and robt([(batch, 1.0)], step=-1)[0][0] is batch
     before = _robt(setup, start=5)
     assert before([(batch, 1.0)], step=4)[0][0] is batch  # not before trainer.online_backtranslation_from
+    window = _robt(setup, start=5, end=8)  # trainer.online_backtranslation_until: from step 8 on, no more
+    assert window([(batch, 1.0)], step=7)[0][0] is not batch and window([(batch, 1.0)], step=8)[0][0] is batch
     made = robt.batch(batch, step=3)
     assert torch.equal(made.tgt_in, batch.tgt_in) and torch.equal(made.tgt_out, batch.tgt_out)
     assert made.num_tgt_tokens == batch.num_tgt_tokens
@@ -89,6 +91,13 @@ def test_online_backtranslation_needs_a_multilingual_model_and_a_share(tmp_path)
         compose_config(FAST + ["trainer.online_backtranslation=0.5"])
     with pytest.raises(ConfigError, match=r"trainer.online_backtranslation=1.5 must be a share of pairs in \[0, 1\]"):
         compose_config(FAST + _three_languages(tmp_path / "toy") + ["trainer.online_backtranslation=1.5"])
+    with pytest.raises(ConfigError, match="trainer.online_backtranslation_until=300 must come after"):
+        compose_config(
+            FAST
+            + _three_languages(tmp_path / "toy")
+            + ["trainer.online_backtranslation=0.5", "trainer.online_backtranslation_from=300"]
+            + ["trainer.online_backtranslation_until=300"]
+        )
 
 
 @pytest.mark.slow

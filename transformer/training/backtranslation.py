@@ -33,7 +33,8 @@ log = logging.getLogger("transformer.train")
 class OnlineBacktranslation:
     """`__call__(micro_batches, step)`: the update's (batch, weight) pairs with a `share` of each batch's pairs'
     sources replaced by the model's translation of their target into another language, from step
-    `start` on. `language_tag`: where the model reads its tag (data.language_tag)."""
+    `start` on, before step `end` (None: to the end of the run). `language_tag`: where the model reads its
+    tag (data.language_tag)."""
 
     def __init__(
         self,
@@ -46,8 +47,9 @@ class OnlineBacktranslation:
         max_len: int,
         device: torch.device,
         autocast,
+        end: int | None = None,
     ):
-        self.share, self.start, self.seed, self.model = share, start, seed, model
+        self.share, self.start, self.end, self.seed, self.model = share, start, end, seed, model
         self.language_tag, self.max_len, self.device, self.autocast = language_tag, max_len, device, autocast
         self.languages = tokenizer.target_languages
         self.tag_ids = {language: tokenizer.tag_id(language) for language in self.languages}
@@ -63,10 +65,11 @@ class OnlineBacktranslation:
             return None
         if runtime.is_main:
             log.info(
-                "online back-translation: %g of each batch's pairs from step %d, their targets translated into "
+                "online back-translation: %g of each batch's pairs from step %d%s, their targets translated into "
                 "another language by the model (greedy) as their sources",
                 tc.online_backtranslation,
                 tc.online_backtranslation_from,
+                f" to step {tc.online_backtranslation_until}" if tc.online_backtranslation_until else "",
             )
         return cls(
             tc.online_backtranslation,
@@ -78,10 +81,11 @@ class OnlineBacktranslation:
             cfg.data.max_len,
             runtime.device,
             runtime.autocast,
+            end=tc.online_backtranslation_until or None,
         )
 
     def __call__(self, micro_batches: list, step: int) -> list:
-        if step < self.start or self.share <= 0:
+        if step < self.start or self.share <= 0 or (self.end is not None and step >= self.end):
             return micro_batches
         return [(self.batch(batch, step), weight) for batch, weight in micro_batches]
 
