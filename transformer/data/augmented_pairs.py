@@ -182,17 +182,21 @@ class PairAugmentation:
         """(source ids, target ids) of kept positions `positions` in `epoch`."""
         positions = np.asarray(positions, dtype=np.int64)
         src, tgt = [_stored_ids(corpus, side, positions) for side in ("src", "tgt")]
+        for row, s, t in self._changed(corpus, positions, epoch):
+            src[row], tgt[row] = s, t
+        return src, tgt
+
+    def _changed(self, corpus: StoredPairs, positions: np.ndarray, epoch: int) -> list[tuple[int, list, list]]:
+        """(row of `positions`, noised source ids, noised target ids) of the pairs a modifier changes in
+        `epoch`: what `lengths` kept of this epoch, else noised now."""
         kept = getattr(self, "_epoch_kept", None)
         if kept is not None and kept[0] == epoch:
             _, kept_rows, kept_src, kept_tgt = kept
-            for row, k in enumerate(kept_rows[positions].tolist()):
-                if k >= 0:
-                    src[row], tgt[row] = kept_src[k], kept_tgt[k]
-            return src, tgt
+            at = kept_rows[positions]  # (N,) index into the kept ids, -1 where nothing changed
+            rows = np.flatnonzero(at >= 0).tolist()
+            return [(row, kept_src[k], kept_tgt[k]) for row, k in zip(rows, at[rows].tolist())]
         changed, (src_ids, tgt_ids) = self._noised(corpus, positions, epoch)
-        for row, s, t in zip(np.flatnonzero(changed).tolist(), src_ids, tgt_ids):
-            src[row], tgt[row] = s, t
-        return src, tgt
+        return list(zip(np.flatnonzero(changed).tolist(), src_ids, tgt_ids))
 
     def batch(self, corpus: StoredPairs, positions: np.ndarray, epoch: int) -> Batch:
         from transformer.data.batching import flat_ids, make_batch
