@@ -256,6 +256,11 @@ class DataConfig:
         "case as a marker piece after each lower-cased word (Hund -> hund+T, HUND -> hund+U), so that upper and "
         "title case share the words' pieces; undone on output",
     )
+    usual_case: bool = setting(
+        False,
+        "with data.inline_case: the words usually written in Title case (counted in the training text with the "
+        "vocabulary; German nouns) carry no marker in Title case, one in lower case: shorter sequences",
+    )
     character_coverage: float = setting(1.0, "SentencePiece: share of characters covered by the vocabulary")
     tokenizer_sample: int = setting(
         1_000_000, "SentencePiece trains on a random sample of at most this many sentences (0 = all of them)"
@@ -273,6 +278,10 @@ class DataConfig:
         if self.subword_nbest != -1 and self.subword_nbest < 2:  # SentencePiece refuses 1 (nothing to sample)
             raise ConfigError(f"data.subword_nbest={self.subword_nbest} must be -1 (all) or at least 2")
         _check_augmentation("data", self)
+        if self.usual_case and not self.inline_case:
+            raise ConfigError(
+                "data.usual_case=true leaves the usual titles out of inline casing: set data.inline_case=true too"
+            )
         if self.subword_sampling and any(getattr(self, f"augment_{name}") for name in AUGMENT_SHARES):
             raise ConfigError(
                 "data.subword_sampling and data.augment_* do not work together yet; set data.subword_sampling=0 "

@@ -124,3 +124,112 @@ def test_the_transformers_export_refuses_an_inline_cased_model_in_one_line(cased
     from transformer.inference.hf_export import refusal
 
     assert "data.inline_case=true" in refusal(Config(), cased)
+
+
+TITLES = frozenset(["hund", "mann", "straße", "i"])
+
+
+@pytest.mark.parametrize(
+    "text, encoded",
+    [
+        ("Ein Hund läuft.", f"ein{TITLE} hund läuft."),  # a usual title: no marker
+        ("ein hund", f"ein hund{casing.LOWER}"),  # a usual title in lower case: marked
+        ("EIN HUND", f"ein{UPPER} hund{UPPER}"),
+        ("Der Mann und I", f"der{TITLE} mann und i"),  # "I" is one capital: title case
+        ("Straße, STRASSE, eBay", f"straße, strasse{UPPER}, eBay"),
+        ("", ""),
+    ],
+)
+def test_with_a_table_of_usual_titles_only_the_words_off_their_usual_case_are_marked(text, encoded):
+    assert casing.encode(text, TITLES) == encoded
+    assert casing.decode(encoded, TITLES) == text
+
+
+def test_the_round_trip_holds_with_a_table_for_every_spelling_of_every_word():
+    words = ["hund", "Hund", "HUND", "hUnd", "mann", "Mann", "katze", "Katze", "KATZE", "i", "I", "a", "A", "ß"]
+    for first in words:
+        for second in words:
+            text = f"{first} {second}-{first}, 5{second}."
+            assert casing.decode(casing.encode(text, TITLES), TITLES) == text
+            assert casing.decode(casing.encode(text)) == text  # and without one
+
+
+def test_a_stray_marker_in_the_output_of_a_model_with_a_table_is_dropped():
+    lower = casing.LOWER
+    assert casing.decode(f"hund {TITLE}{lower}katze{lower} mann{UPPER}", TITLES) == "Hund katze MANN"
+
+
+def test_usual_titles_counts_words_after_the_first_and_keeps_those_title_cased_more_often_than_not():
+    lines = [
+        "Ein Hund und ein Mann.",
+        "Der Hund läuft, ein Mann geht.",
+        "Hund Katze KATZE katze Katze",
+        "Laufen laufen",
+        "Der Hund.",
+    ]
+    # "Hund": title 3 times after the first word (first in line 3: not counted); "Ein", "Der", "Laufen" only
+    # first; "Mann" twice; "Katze" twice title, once lower; "KATZE" counts for neither
+    assert casing.usual_titles(lines) == ["hund", "katze", "mann"]
+    assert casing.usual_titles(lines, min_count=3) == ["hund"]
+
+
+@pytest.fixture(scope="module")
+def german():
+    """Lines that write their nouns in Title case, each starting with a capital."""
+    nouns, words = ["Hund", "Mann", "Straße", "Hut"], ["ein", "läuft", "über", "die", "der", "trägt", "einen", "roten"]
+    lines = []
+    for i in range(600):
+        body = [words[(i + k) % len(words)] if k % 2 else nouns[(i + k) % len(nouns)] for k in range(1, 7)]
+        lines.append(" ".join([words[i % len(words)].capitalize(), *body]) + ".")
+    return lines
+
+
+@pytest.fixture(scope="module")
+def usual(german, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("spm")
+    return build_tokenizer(
+        InMemory(german, german, "g"), vocab_size=120, cache_dir=cache, inline_case=True, usual_case=True
+    )
+
+
+def test_a_vocabulary_with_usual_case_marks_only_the_first_word_of_a_clean_german_line(usual, german, tmp_path):
+    assert usual.inline_case and usual.titles == {"hund", "mann", "straße", "hut"}
+    every = build_tokenizer(InMemory(german, german, "g"), vocab_size=120, cache_dir=tmp_path, inline_case=True)
+    markers = {usual.src.piece_to_id(m) for m in casing.ALL_MARKERS}
+    line = german[5]
+    (ids,) = usual.encode_src([line])
+    assert sum(i in markers for i in ids) == 1  # the capital of the first word; the nouns need none
+    assert len(every.encode_src([line])[0]) >= len(ids) + 3  # marking every noun: three pieces longer at least
+    variants = [line, line.upper(), line.lower(), line.title()]
+    assert usual.decode_src(usual.encode_src(variants)) == usual.decode_tgt(usual.encode_tgt(variants)) == variants
+
+
+def test_the_table_travels_in_the_state_dict_the_cache_and_the_fingerprint(usual, german, tmp_path_factory):
+    restored = Tokenizer.from_state_dict(usual.state_dict())
+    assert restored.titles == usual.titles and restored.fingerprint() == usual.fingerprint()
+    assert Tokenizer(usual.src_model_bytes).fingerprint() != usual.fingerprint()
+    assert Tokenizer(usual.src_model_bytes).encode_src(["der Hund"]) != usual.encode_src(["der Hund"])
+    cache = tmp_path_factory.mktemp("again")
+    first = build_tokenizer(InMemory(german, german, "g"), vocab_size=120, cache_dir=cache, usual_case=True)
+    (table,) = (cache / "spm").glob("*.titles.txt")
+    assert table.read_text() == "hund\nhut\nmann\nstraße\n"
+    cached = build_tokenizer(InMemory(german, german, "g"), vocab_size=120, cache_dir=cache, usual_case=True)
+    assert cached.titles == first.titles and cached.state_dict() == first.state_dict()
+    with pytest.raises(ValueError, match="three markers"):
+        Tokenizer(
+            build_tokenizer(InMemory(german, german, "g"), vocab_size=120, cache_dir=cache).src_model_bytes,
+            titles=b"hund\n",
+        )
+
+
+def test_an_exported_model_directory_keeps_the_table(usual, tmp_path):
+    from transformer.config import Config, DataConfig
+    from transformer.inference.pretrained import load_pretrained, save_pretrained
+    from transformer.model import build_model
+
+    config = Config(data=DataConfig(name="unit", embedded=True, inline_case=True, usual_case=True))
+    model = build_model(config.model, usual.src_vocab_size, usual.tgt_vocab_size, True)
+    out = save_pretrained(model, usual, config, tmp_path / "exported")
+    assert (out / "titles.txt").read_bytes() == usual.titles_bytes
+    loaded = load_pretrained(out)[1]
+    assert loaded.titles == usual.titles and loaded.encode_src(["ein hund"]) == usual.encode_src(["ein hund"])

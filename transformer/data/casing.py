@@ -15,50 +15,102 @@ equals `s` for every text in NFC form. The markers are private-use characters th
 pieces of their own (user-defined symbols, never split or merged); a marker written in the input is
 dropped. The tokenizer applies this before SentencePiece and undoes it after, so checkpoints and the
 `Translator` need nothing else: a model has inline casing when its vocabulary holds the two markers.
+
+With a table of the words usually written in Title case (`data.usual_case`: learnt from the training text
+with the vocabulary, `usual_titles`), such a word carries no marker when it is in Title case and `LOWER`
+when it is not; every other word is marked as above. German writes every noun in Title case: marking them
+all made a German sentence of 11 words 4.5 pieces longer, and a batch of the same token budget held a
+quarter fewer pairs. With the table, `decode(encode(s, titles), titles) == s` still holds.
 """
 
 from __future__ import annotations
 
 import re
 import unicodedata
+from collections import Counter
+from collections.abc import Iterable
 
 TITLE = "\ue0a1"  # after a word written with its first letter in upper case: `hund` + TITLE -> `Hund`
 UPPER = "\ue0a2"  # after a word of two letters or more written in upper case: `hund` + UPPER -> `HUND`
-MARKERS = (TITLE, UPPER)
+LOWER = "\ue0a3"  # with a table of usual titles: after a word in it written in lower case
+MARKERS = (TITLE, UPPER)  # a vocabulary with both has inline casing; LOWER too where it has a table
+ALL_MARKERS = (TITLE, UPPER, LOWER)
 
 _LETTERS = re.compile(r"[^\W\d_]+")  # a run of letters (Unicode \w without digits and the underscore)
-_MARKED = re.compile(rf"([^\W\d_]*)([{TITLE}{UPPER}])")  # a run (maybe empty) and the marker after it
-_ANY_MARKER = re.compile(f"[{TITLE}{UPPER}]")
+_MARKED = re.compile(rf"([^\W\d_]*)([{TITLE}{UPPER}{LOWER}])")  # a run (maybe empty) and its marker
+_RUN_AND_MARKER = re.compile(rf"([^\W\d_]*)([{TITLE}{UPPER}{LOWER}]?)")  # the same, the marker optional
+_ANY_MARKER = re.compile(f"[{TITLE}{UPPER}{LOWER}]")
+NO_TITLES: frozenset[str] = frozenset()
 
 
-def _marked(match: re.Match) -> str:
-    word = match.group()
+def _case_of(word: str) -> str:
+    """'lower', 'upper' (two letters or more), 'title' or 'as written' (mixed case, or a case whose lower
+    case changes the word's length)."""
     lower = word.lower()
-    if lower == word or len(lower) != len(word):  # lower case already, or a case that changes the length
-        return word
+    if len(lower) != len(word):
+        return "as written"
+    if lower == word:
+        return "lower"
     if lower.upper() == word and len(word) > 1:
-        return lower + UPPER
+        return "upper"
     if lower[0].upper() + lower[1:] == word:
-        return lower + TITLE
-    return word  # mixed case: kept as written
+        return "title"
+    return "as written"
 
 
-def encode(text: str) -> str:
-    """`text` with every cased word lower-cased and followed by its marker (markers in `text` dropped)."""
-    if TITLE in text or UPPER in text:
+def encode(text: str, titles: frozenset[str] = NO_TITLES) -> str:
+    """`text` with every cased word lower-cased and followed by its marker (markers in `text` dropped);
+    a word of `titles` (lower case) in Title case unmarked, in lower case marked `LOWER`."""
+
+    def marked(match: re.Match) -> str:
+        word = match.group()
+        case = _case_of(word)
+        if case == "lower":
+            return word + LOWER if word in titles else word
+        if case == "as written":
+            return word
+        lower = word.lower()
+        if case == "upper":
+            return lower + UPPER
+        return lower if lower in titles else lower + TITLE
+
+    if any(marker in text for marker in ALL_MARKERS):
         text = _ANY_MARKER.sub("", text)
-    return _LETTERS.sub(_marked, unicodedata.normalize("NFC", text))
+    return _LETTERS.sub(marked, unicodedata.normalize("NFC", text))
 
 
-def _cased(match: re.Match) -> str:
-    word, marker = match.groups()
-    if not word:
-        return ""  # a marker after no letters (a model may generate one): dropped
-    return word.upper() if marker == UPPER else word[0].upper() + word[1:]
+def decode(text: str, titles: frozenset[str] = NO_TITLES) -> str:
+    """The cased text: each marked word in its case, markers after no word dropped; with `titles`, an
+    unmarked word of them in Title case."""
 
+    def cased(match: re.Match) -> str:
+        word, marker = match.groups()
+        if not marker:
+            return word[0].upper() + word[1:] if word in titles else word
+        if not word or marker == LOWER:
+            return word  # a marker after no letters (a model may generate one): dropped
+        return word.upper() if marker == UPPER else word[0].upper() + word[1:]
 
-def decode(text: str) -> str:
-    """The cased text: each marked word in its case, markers after no word dropped."""
-    if TITLE not in text and UPPER not in text:
+    if titles:
+        return _RUN_AND_MARKER.sub(cased, text)
+    if not any(marker in text for marker in ALL_MARKERS):
         return text
-    return _MARKED.sub(_cased, text)
+    return _MARKED.sub(cased, text)
+
+
+def usual_titles(lines: Iterable[str], min_count: int = 2) -> list[str]:
+    """The words (in lower case, sorted) that `lines` write in Title case at least `min_count` times and
+    more often than in lower case, each line's first word not counted (a sentence starts with a capital
+    whatever the word). Upper-case and mixed-case spellings count for neither."""
+    title, lower = Counter(), Counter()
+    for line in lines:
+        for n, match in enumerate(_LETTERS.finditer(unicodedata.normalize("NFC", line))):
+            if n == 0:
+                continue
+            word = match.group()
+            case = _case_of(word)
+            if case == "title":
+                title[word.lower()] += 1
+            elif case == "lower":
+                lower[word] += 1
+    return sorted(word for word, count in title.items() if count >= min_count and count > lower[word])

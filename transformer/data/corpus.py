@@ -520,6 +520,7 @@ def train_tokenizer(cfg: DataConfig, source: SplitSource, build: bool = True) ->
         languages=cfg.target_languages(),
         augment=_tokenizer_augmentation(cfg),
         inline_case=cfg.inline_case,
+        usual_case=cfg.usual_case,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from transformer.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (al
 if TYPE_CHECKING:  # the corpus readers: only for the annotation, not loaded by translating
     from transformer.data.sources import SplitSource
 
+USUAL_CASE_LINES = 2_000_000  # lines (of both sides) that data.usual_case's table is counted from
 CACHE_VERSION = 2  # 2: each cached model's size and CRC-32 recorded beside it
 # A multilingual model's target-language tag: a piece of its own in SentencePiece (a user-defined
 # symbol, never split), put at the start of every source sentence.
@@ -46,7 +48,8 @@ ANGLE_FORMS = ("<", "\uff1c", "\ufe64")
 
 
 class Tokenizer:
-    def __init__(self, src_model: bytes, tgt_model: bytes | None = None):
+    def __init__(self, src_model: bytes, tgt_model: bytes | None = None, titles: bytes | None = None):
+        """`titles`: inline casing's table of usual titles (data.usual_case), one lower-case word a line."""
         self.src_model_bytes = src_model
         self.tgt_model_bytes = tgt_model if tgt_model is not None else src_model
         self.joint = tgt_model is None or tgt_model == src_model
@@ -54,6 +57,10 @@ class Tokenizer:
         self.tgt = self.src if self.joint else spm.SentencePieceProcessor(model_proto=self.tgt_model_bytes)
         # Inline casing (casing.py): a model trained with data.inline_case holds both markers as pieces.
         self.inline_case = all(self.src.piece_to_id(marker) != UNK_ID for marker in casing.MARKERS)
+        self.titles_bytes = titles or b""
+        self.titles = frozenset(self.titles_bytes.decode().split("\n")) - {""}
+        if self.titles and any(sp.piece_to_id(casing.LOWER) == UNK_ID for sp in (self.src, self.tgt)):
+            raise ValueError("a table of usual titles needs a vocabulary with inline casing's three markers")
 
     @property
     def src_vocab_size(self) -> int:
@@ -111,7 +118,7 @@ class Tokenizer:
         """`lines` as SentencePiece takes them: case written inline when the model has inline casing,
         language tags written in the text escaped (`_tags_escaped`)."""
         lines = self._tags_escaped(lines)
-        return [casing.encode(line) for line in lines] if self.inline_case else lines
+        return [casing.encode(line, self.titles) for line in lines] if self.inline_case else lines
 
     def as_model_text(self, line: str) -> str:
         """One line as SentencePiece takes it (for callers that run SentencePiece themselves: sampling)."""
@@ -143,7 +150,8 @@ class Tokenizer:
 
     def fingerprint(self) -> str:
         """Identifies the model(s): part of the key of every corpus encoded with them."""
-        return hashlib.sha256(self.src_model_bytes + b"\0" + self.tgt_model_bytes).hexdigest()[:16]
+        parts = [self.src_model_bytes, self.tgt_model_bytes] + ([self.titles_bytes] if self.titles_bytes else [])
+        return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
     # Decoding runs on one thread: SentencePiece's pool costs more to start than a batch takes to decode.
     def decode_tgt(self, ids: Sequence[Sequence[int]]) -> list[str]:
@@ -154,15 +162,17 @@ class Tokenizer:
         return self._cased(self.src.decode([list(x) for x in ids], num_threads=1))
 
     def _cased(self, texts: list[str]) -> list[str]:
-        return [casing.decode(text) for text in texts] if self.inline_case else texts
+        return [casing.decode(text, self.titles) for text in texts] if self.inline_case else texts
 
     def state_dict(self) -> dict:
         """Plain bytes, loadable with `torch.load(weights_only=True)`."""
-        return {"src": self.src_model_bytes, "tgt": None if self.joint else self.tgt_model_bytes}
+        state = {"src": self.src_model_bytes, "tgt": None if self.joint else self.tgt_model_bytes}
+        return {**state, "titles": self.titles_bytes} if self.titles_bytes else state
 
     @classmethod
     def from_state_dict(cls, state: dict) -> Tokenizer:
-        return cls(bytes(state["src"]), None if state.get("tgt") is None else bytes(state["tgt"]))
+        tgt, titles = state.get("tgt"), state.get("titles")
+        return cls(bytes(state["src"]), None if tgt is None else bytes(tgt), None if titles is None else bytes(titles))
 
 
 def train_sentencepiece(
@@ -259,6 +269,7 @@ def build_tokenizer(
     languages: Sequence[str] = (),
     augment: dict | None = None,
     inline_case: bool = False,
+    usual_case: bool = False,
 ) -> Tokenizer | None:
     """Load the cached tokenizer for this training split (by its fingerprint) and these settings, or
     train and cache it, streaming the split. With `build=False`, None when nothing (whole) is cached.
@@ -269,7 +280,9 @@ def build_tokenizer(
     `augment`: the training augmentation's shares of upper case, title case and typos (and the typo rate):
     the sample's lines are noised in the same shares (`augmented_sample`), so that the vocabulary holds
     pieces for upper-case words instead of shredding them into letters.
-    `inline_case`: every line is trained on as `casing.encode` writes it, the case markers pieces of their own."""
+    `inline_case`: every line is trained on as `casing.encode` writes it, the case markers pieces of their own;
+    `usual_case` too: with a table of the words usually in Title case (`casing.usual_titles` of the same
+    lines, both sides, at most USUAL_CASE_LINES of them), cached beside the models as `<key>.titles.txt`."""
     settings = {
         "vocab_size": vocab_size,
         "model_type": model_type,
@@ -278,13 +291,14 @@ def build_tokenizer(
         "sample": sample,
         **({"languages": sorted(languages)} if languages else {}),
         **({"augment": augment} if augment and any(augment[k] for k in ("upper", "title", "typos")) else {}),
-        **({"inline_case": True} if inline_case else {}),
+        **({"inline_case": "usual" if usual_case else True} if inline_case or usual_case else {}),
     }
     key = hashlib.sha256(
         json.dumps({**settings, "corpus": source.fingerprint(), "cache": CACHE_VERSION}, sort_keys=True).encode()
     ).hexdigest()[:16]
     folder = Path(cache_dir) / "spm"
     paths = [folder / f"{key}.{name}.model" for name in (["joint"] if joint else ["src", "tgt"])]
+    paths += [folder / f"{key}.titles.txt"] if usual_case else []
     record_path = folder / f"{key}.json"
     try:
         models = _read_cached(record_path, paths)
@@ -307,18 +321,25 @@ def build_tokenizer(
             where=source.where,
             # the tags first: they stay next to the special ids (Tokenizer.protected_ids)
             symbols=[LANGUAGE_TAG.format(language) for language in sorted(languages)]
-            + (list(casing.MARKERS) if inline_case else []),
+            + (list(casing.ALL_MARKERS if usual_case else casing.MARKERS) if inline_case or usual_case else []),
         )
+        titles = frozenset()
+        if usual_case:
+            lines, _ = _training_lines(source, ("src", "tgt"), sample)
+            titles = frozenset(casing.usual_titles(itertools.islice(lines, USUAL_CASE_LINES)))
+            log.info("inline casing: %d words usually written in Title case carry no marker", len(titles))
         models = []
         for sides in [("src", "tgt")] if joint else [("src",), ("tgt",)]:
             lines, reservoir = _training_lines(source, sides, sample)
             if "augment" in settings:
                 lines = augmented_sample(lines, augment)
-            if inline_case:
-                lines = map(casing.encode, lines)
+            if inline_case or usual_case:
+                lines = (casing.encode(line, titles) for line in lines)
             models.append(train_sentencepiece(lines, sample=reservoir, **train))
+        if usual_case:
+            models.append("".join(f"{word}\n" for word in sorted(titles)).encode())
         _write_cached(record_path, paths, models, {**settings, "corpus": source.where})
-    tokenizer = Tokenizer(models[0], None if joint else models[1])
+    tokenizer = Tokenizer(models[0], None if joint else models[1], models[-1] if usual_case else None)
     sizes = f"{tokenizer.src_vocab_size}" if joint else f"{tokenizer.src_vocab_size} + {tokenizer.tgt_vocab_size}"
     if max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) < vocab_size:
         log.warning(

@@ -104,7 +104,10 @@ def export_ctranslate2(
         log.warning(
             "the model has inline casing (data.inline_case=true): CTranslate2's users must write each source as "
             "transformer.data.casing.encode(text) before SentencePiece and read each output through "
-            "casing.decode (transformer-translate does both)"
+            "casing.decode (transformer-translate does both)%s",
+            ", each with the words of the exported titles.txt as `titles` (data.usual_case)"
+            if tokenizer.titles
+            else "",
         )
     if tokenizer.target_languages and language_tag != "source":
         raise ValueError(

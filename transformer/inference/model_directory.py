@@ -33,11 +33,20 @@ CARD_FILE = "README.md"
 MANIFEST_FILE = "export-manifest.json"
 
 
+TITLES_FILE = "titles.txt"  # inline casing's table of usual titles (data.usual_case), where the model has one
+# The tokenizer files an export lists (config.json's "tokenizer"), sorted: the table comes last.
+TOKENIZER_LAYOUTS = tuple(
+    models + extra for models in (["spm.model"], ["src.spm.model", "tgt.spm.model"]) for extra in ([], [TITLES_FILE])
+)
+
+
 def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
-    """File name -> SentencePiece model bytes, as both export formats lay them out."""
+    """File name -> SentencePiece model bytes (and inline casing's table), as both export formats lay them out."""
     if tokenizer.joint:
-        return {"spm.model": tokenizer.src_model_bytes}
-    return {"src.spm.model": tokenizer.src_model_bytes, "tgt.spm.model": tokenizer.tgt_model_bytes}
+        files = {"spm.model": tokenizer.src_model_bytes}
+    else:
+        files = {"src.spm.model": tokenizer.src_model_bytes, "tgt.spm.model": tokenizer.tgt_model_bytes}
+    return {**files, TITLES_FILE: tokenizer.titles_bytes} if tokenizer.titles_bytes else files
 
 
 def output_directory(out: str | Path) -> Path:
@@ -97,8 +106,7 @@ def _exported_files(directory: Path) -> set[str] | None:
         meta = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
-    layouts = (["spm.model"], ["src.spm.model", "tgt.spm.model"])
-    if isinstance(meta, dict) and meta.get("format") == FORMAT_NAME and meta.get("tokenizer") in layouts:
+    if isinstance(meta, dict) and meta.get("format") == FORMAT_NAME and meta.get("tokenizer") in TOKENIZER_LAYOUTS:
         return {CONFIG_FILE, WEIGHTS_FILE, *meta["tokenizer"]}
     return None
 

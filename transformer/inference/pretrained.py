@@ -30,6 +30,8 @@ from transformer.inference.model_directory import (
     CONFIG_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
+    TITLES_FILE,
+    TOKENIZER_LAYOUTS,
     WEIGHTS_FILE,
     check_recorded_digest,
     output_directory,
@@ -190,10 +192,10 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
     except RecursionError:
         raise CheckpointError(f"{config_path}: {TOO_DEEP}") from None
     names = meta.get("tokenizer") or []
-    if names not in (["spm.model"], ["src.spm.model", "tgt.spm.model"]):
+    if names not in TOKENIZER_LAYOUTS:
         raise CheckpointError(
             f'{config_path}: unknown tokenizer files {names!r} (an export lists ["spm.model"] '
-            'or ["src.spm.model", "tgt.spm.model"]); the file is damaged'
+            f'or ["src.spm.model", "tgt.spm.model"], each maybe with "{TITLES_FILE}"); the file is damaged'
         )
     digests = recorded_digests(folder)
     for name in names:
@@ -210,12 +212,15 @@ def load_pretrained(path: str | Path) -> tuple[Transformer, Tokenizer, Config]:
                 "exported directory again, or export it again from its checkpoint"
             )
     try:
-        tokenizer = Tokenizer(*models)
+        titles = models.pop() if names[-1] == TITLES_FILE else None
+        tokenizer = Tokenizer(*models, titles=titles)
     except RuntimeError as error:  # sentencepiece: not a model (e.g. a git-lfs pointer cloned without lfs)
         raise CheckpointError(
             f"{folder}: {', '.join(names)}: not a SentencePiece model ({str(error).splitlines()[0]}); "
             "if the directory was cloned with git, fetch its LFS files (git lfs pull)"
         ) from None
+    except ValueError as error:  # a table of usual titles beside a vocabulary without inline casing
+        raise CheckpointError(f"{folder}: {error}") from None
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{folder}: no {WEIGHTS_FILE}")
