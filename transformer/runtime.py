@@ -22,6 +22,7 @@ from transformer.distributed import DistInfo
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+GLIBC_MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")  # set: keep_freed_memory leaves it
 ONEDNN_CACHE_CAPACITY = 8192  # compiled CPU kernels kept; oneDNN's default is 1,024
 
 
@@ -52,9 +53,10 @@ def keep_freed_memory() -> None:
     changing sizes all the time, so the same memory is page-faulted in again and again:
     - decoding test_2016_flickr at beam 5: about 500,000 faults and 1 s of system time, a tenth of the run;
     - training model=small on a 2-core CPU: 10-20% more target tokens/s in bf16, 2-5% in fp32.
-    No-op off glibc.
+    The price is memory in a fragmented heap (docs/benchmarks.md, "oneDNN's kernel cache"): a user who sets
+    MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ keeps glibc's behaviour as set. No-op off glibc.
     """
-    if platform.libc_ver()[0] != "glibc":
+    if platform.libc_ver()[0] != "glibc" or any(name in os.environ for name in GLIBC_MALLOC_VARIABLES):
         return
     try:
         libc = ctypes.CDLL("libc.so.6")

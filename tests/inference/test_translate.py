@@ -133,6 +133,22 @@ def test_keep_freed_memory_stops_reallocations_from_page_faulting_again():
     assert kept * 5 < mapped, (kept, mapped)
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_a_users_malloc_variable_wins_over_keep_freed_memory():
+    # MALLOC_MMAP_THRESHOLD_ pins glibc's threshold at 128 KB: every 8 MB block is mapped and faulted in again,
+    # which keep_freed_memory would have stopped had it not left the user's setting alone
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+
+    def faults(extra):
+        run = subprocess.run(
+            [sys.executable, "-c", FAULT_PROBE, "keep"], capture_output=True, text=True, check=True, env=extra
+        )
+        return int(run.stdout)
+
+    kept, as_set = faults(os.environ.copy()), faults(env)
+    assert kept * 5 < as_set, (kept, as_set)
+
+
 KERNEL_CACHE_PROBE = """
 import sys
 import transformer.train  # noqa: F401  everything the training CLI imports before it calls tune_cpu_process
