@@ -37,8 +37,8 @@ MARKERS = (TITLE, UPPER)  # a vocabulary with both has inline casing; LOWER too 
 ALL_MARKERS = (TITLE, UPPER, LOWER)
 
 _LETTERS = re.compile(r"[^\W\d_]+")  # a run of letters (Unicode \w without digits and the underscore)
-_MARKED = re.compile(rf"([^\W\d_]*)([{TITLE}{UPPER}{LOWER}])")  # a run (maybe empty) and its marker
-_RUN_AND_MARKER = re.compile(rf"([^\W\d_]*)([{TITLE}{UPPER}{LOWER}]?)")  # the same, the marker optional
+# a run of letters and the marker after it, either maybe missing (never both: the lookahead wants one)
+_RUN_AND_MARKER = re.compile(rf"(?=[^\W\d_]|[{TITLE}{UPPER}{LOWER}])([^\W\d_]*)([{TITLE}{UPPER}{LOWER}]?)")
 _ANY_MARKER = re.compile(f"[{TITLE}{UPPER}{LOWER}]")
 NO_TITLES: frozenset[str] = frozenset()
 
@@ -91,11 +91,9 @@ def decode(text: str, titles: frozenset[str] = NO_TITLES) -> str:
             return word  # a marker after no letters (a model may generate one): dropped
         return word.upper() if marker == UPPER else word[0].upper() + word[1:]
 
-    if titles:
-        return _RUN_AND_MARKER.sub(cased, text)
-    if not any(marker in text for marker in ALL_MARKERS):
+    if not titles and not any(marker in text for marker in ALL_MARKERS):
         return text
-    return _MARKED.sub(cased, text)
+    return _RUN_AND_MARKER.sub(cased, text)
 
 
 def usual_titles(lines: Iterable[str], min_count: int = 2) -> list[str]:

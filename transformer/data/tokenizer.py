@@ -283,6 +283,7 @@ def build_tokenizer(
     `inline_case`: every line is trained on as `casing.encode` writes it, the case markers pieces of their own;
     `usual_case` too: with a table of the words usually in Title case (`casing.usual_titles` of the same
     lines, both sides, at most USUAL_CASE_LINES of them), cached beside the models as `<key>.titles.txt`."""
+    inline_case = inline_case or usual_case  # the table of usual titles is a kind of inline casing
     settings = {
         "vocab_size": vocab_size,
         "model_type": model_type,
@@ -291,7 +292,7 @@ def build_tokenizer(
         "sample": sample,
         **({"languages": sorted(languages)} if languages else {}),
         **({"augment": augment} if augment and any(augment[k] for k in ("upper", "title", "typos")) else {}),
-        **({"inline_case": "usual" if usual_case else True} if inline_case or usual_case else {}),
+        **({"inline_case": "usual" if usual_case else True} if inline_case else {}),
     }
     key = hashlib.sha256(
         json.dumps({**settings, "corpus": source.fingerprint(), "cache": CACHE_VERSION}, sort_keys=True).encode()
@@ -321,23 +322,24 @@ def build_tokenizer(
             where=source.where,
             # the tags first: they stay next to the special ids (Tokenizer.protected_ids)
             symbols=[LANGUAGE_TAG.format(language) for language in sorted(languages)]
-            + (list(casing.ALL_MARKERS if usual_case else casing.MARKERS) if inline_case or usual_case else []),
+            + (list(casing.ALL_MARKERS if usual_case else casing.MARKERS) if inline_case else []),
         )
-        titles = frozenset()
+        words = []
         if usual_case:
             lines, _ = _training_lines(source, ("src", "tgt"), sample)
-            titles = frozenset(casing.usual_titles(itertools.islice(lines, USUAL_CASE_LINES)))
-            log.info("inline casing: %d words usually written in Title case carry no marker", len(titles))
+            words = casing.usual_titles(itertools.islice(lines, USUAL_CASE_LINES))
+            log.info("inline casing: %d words usually written in Title case carry no marker", len(words))
+        titles = frozenset(words)
         models = []
         for sides in [("src", "tgt")] if joint else [("src",), ("tgt",)]:
             lines, reservoir = _training_lines(source, sides, sample)
             if "augment" in settings:
                 lines = augmented_sample(lines, augment)
-            if inline_case or usual_case:
+            if inline_case:
                 lines = (casing.encode(line, titles) for line in lines)
             models.append(train_sentencepiece(lines, sample=reservoir, **train))
         if usual_case:
-            models.append("".join(f"{word}\n" for word in sorted(titles)).encode())
+            models.append("".join(f"{word}\n" for word in words).encode())
         _write_cached(record_path, paths, models, {**settings, "corpus": source.where})
     tokenizer = Tokenizer(models[0], None if joint else models[1], models[-1] if usual_case else None)
     sizes = f"{tokenizer.src_vocab_size}" if joint else f"{tokenizer.src_vocab_size} + {tokenizer.tgt_vocab_size}"
