@@ -465,9 +465,32 @@ class DataConfig:
         languages = sorted({tgt for _, tgt in self.directions()} | {self.tgt_lang})
         return languages if len(languages) > 1 else []
 
+    def pivot_routes(self) -> dict[str, tuple[str, list[str]]]:
+        """{target: (its one source language, [third languages])} for each target language that one language
+        alone is trained into, with the languages that source is trained into and that are not trained into
+        the target: the routes trainer.online_backtranslation_side=source makes zero-shot pairs along
+        ({"de": ("en", ["cs", "fr"])} for a corpus through English)."""
+        trained = set(self.directions())
+        routes = {}
+        for target in self.target_languages():
+            sources = sorted({src for src, tgt in trained if tgt == target})
+            if len(sources) != 1:
+                continue
+            thirds = [
+                third
+                for third in self.target_languages()
+                if third not in (sources[0], target)
+                and (sources[0], third) in trained
+                and (third, target) not in trained
+            ]
+            if thirds:
+                routes[target] = (sources[0], thirds)
+        return routes
+
 
 ATTENTION_HEATMAPS = ("mean", "heads", "layers", "off")  # trainer.attention_heatmaps
 LOGGERS = ("tensorboard", "jsonl", "mlflow", "wandb")  # trainer.loggers
+BACKTRANSLATION_SIDES = ("target", "source")  # trainer.online_backtranslation_side
 LOG_LEVELS = ("debug", "info", "warning", "error")  # trainer.log_level
 
 
@@ -525,6 +548,14 @@ class TrainerConfig:
     online_backtranslation_from: int = setting(0, "the step trainer.online_backtranslation starts at")
     online_backtranslation_until: int = setting(
         0, "the step trainer.online_backtranslation stops at (0 = the end of the run): its generation is slow"
+    )
+    online_backtranslation_side: str = setting(
+        "target",
+        "what trainer.online_backtranslation translates: target = the pair's target, into any other language "
+        "(Zhang et al. 2020; a zero-shot pair's source is the model's own zero-shot output); source = the "
+        "pair's source, where one language alone is trained into the target (English, in a corpus through "
+        "English), into a third language along a trained direction, so that every synthetic pair is a "
+        "zero-shot direction with a source from a trained one",
     )
     max_steps: int = setting(100000, "stop after this many optimizer steps (0 = no limit)")
     max_epochs: int = setting(0, "stop after this many epochs (0 = no limit)")
@@ -623,6 +654,11 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.online_backtranslation={self.online_backtranslation} must be a share of pairs in [0, 1] "
                 "(0 = off; e.g. 0.25)"
+            )
+        if self.online_backtranslation_side not in BACKTRANSLATION_SIDES:
+            raise ConfigError(
+                f"trainer.online_backtranslation_side={self.online_backtranslation_side!r} must be one of "
+                f"{', '.join(BACKTRANSLATION_SIDES)}"
             )
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"trainer.schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
@@ -990,6 +1026,18 @@ class Config:
                 f"trainer.online_backtranslation={self.trainer.online_backtranslation}: the run trains a model into "
                 f"one language ({self.data.tgt_lang}), with no other language to translate its targets into; "
                 "leave it at 0"
+            )
+        if (
+            self.trainer.online_backtranslation
+            and self.trainer.online_backtranslation_side == "source"
+            and not self.data.pivot_routes()
+        ):
+            raise ConfigError(
+                "trainer.online_backtranslation_side=source: no target language of this run is trained from one "
+                "language alone that is also trained into a third ("
+                + ", ".join(f"{src}-{tgt}" for src, tgt in self.data.directions())
+                + "), so no pair's source can be translated into a zero-shot direction; use "
+                "trainer.online_backtranslation_side=target"
             )
         # A training pair of data.max_len tokens takes one position more: the source its EOS, the
         # target input its BOS. (Decoding caps its output at model.max_positions - 1 tokens itself.)

@@ -4,6 +4,7 @@ targets never change, and a run with it resumes exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from tests.helpers import FAST, compose_config
 from tests.test_zero_shot import _three_languages
 from transformer.checkpoint import load_checkpoint
-from transformer.config import ConfigError
+from transformer.config import ConfigError, CorpusConfig
 from transformer.data.batching import place_language_tag
 from transformer.data.prepare import prepare
 from transformer.inference.search import Search, translate_ids
@@ -35,9 +36,73 @@ def setup(request, tmp_path_factory):
     return request.param, tok, model, batch
 
 
-def _robt(setup, share=0.5, start=0, seed=1, end=None):
+def _robt(setup, share=0.5, start=0, seed=1, end=None, routes=None):
     side, tok, model, _ = setup
-    return OnlineBacktranslation(share, start, seed, model, tok, side, 64, torch.device("cpu"), None, end=end)
+    return OnlineBacktranslation(
+        share, start, seed, model, tok, side, 64, torch.device("cpu"), None, end=end, routes=routes
+    )
+
+
+# The toy's routes (DataConfig.pivot_routes): de and fr are trained from English alone, and English into both
+PIVOT_ROUTES = {"de": ("en", ["fr"]), "fr": ("en", ["de"])}
+
+
+def _directions(path, *pairs):
+    """data.corpora of these (source, target) pairs, each in `path`."""
+    return ["data.corpora=[" + ", ".join(f"{{path: {path}, src_lang: {a}, tgt_lang: {b}}}" for a, b in pairs) + "]"]
+
+
+def test_the_pivot_routes_are_the_targets_one_language_alone_is_trained_into(tmp_path):
+    cfg = compose_config(FAST + _three_languages(tmp_path / "toy")).data
+    assert cfg.pivot_routes() == PIVOT_ROUTES
+
+    def routes(*pairs):
+        corpora = [CorpusConfig(path="x", src_lang=a, tgt_lang=b) for a, b in pairs]
+        return dataclasses.replace(cfg, corpora=corpora).pivot_routes()
+
+    through_english = [(x, "en") for x in ("de", "fr", "cs")] + [("en", x) for x in ("de", "fr", "cs")]
+    assert routes(*through_english) == {
+        "cs": ("en", ["de", "fr"]),
+        "de": ("en", ["cs", "fr"]),
+        "fr": ("en", ["cs", "de"]),
+    }
+    # fr is trained from en and de: its rows do not say which their source is; de -> fr is trained, not zero-shot
+    assert routes(*through_english, ("de", "fr")) == {"cs": ("en", ["de", "fr"]), "de": ("en", ["cs", "fr"])}
+    assert routes(("de", "en"), ("fr", "en"), ("en", "de")) == {}  # into de from en alone; en into no third
+
+
+def test_side_source_draws_the_pairs_from_the_pivot_into_a_zero_shot_direction(setup):
+    side, tok, _, batch = setup
+    tags = (batch.tgt_in[:, 0] if side != "source" else batch.src[:, 0]).tolist()
+    into = {tok.tag_id(language): language for language in tok.target_languages}
+    everything = _robt(setup, share=1.0, routes=PIVOT_ROUTES).draws(batch, step=7)
+    assert sorted(row for row, _ in everything) == [row for row, tag in enumerate(tags) if into[tag] != "en"]
+    for row, third in everything:  # English -> de pairs become fr -> de, English -> fr pairs de -> fr
+        assert third == {"de": "fr", "fr": "de"}[into[tags[row]]]
+    half = _robt(setup, share=0.5, routes=PIVOT_ROUTES).draws(batch, step=7)
+    assert 0 < len(half) < len(everything) and set(half) <= set(everything)
+    assert _robt(setup, share=0.5, routes=PIVOT_ROUTES).draws(batch, step=7) == half
+
+
+def test_side_source_gives_a_drawn_pair_the_models_translation_of_its_source(setup):
+    side, tok, model, batch = setup
+    robt = _robt(setup, share=1.0, routes=PIVOT_ROUTES)
+    made = robt.batch(batch, step=3)
+    assert torch.equal(made.tgt_out, batch.tgt_out) and made.num_tgt_tokens == batch.num_tgt_tokens
+    drawn = dict(robt.draws(batch, step=3))
+    assert drawn
+    for row in range(len(batch.src)):
+        source = [i for i in made.src[row].tolist() if i not in (PAD_ID, EOS_ID)]
+        original = [i for i in batch.src[row].tolist() if i not in (PAD_ID, EOS_ID)]
+        if row not in drawn:
+            assert source == original
+            continue
+        text = original[1:] if side != "decoder" else original  # the English source, without its tag
+        tag = tok.tag_id(drawn[row])
+        search = Search(beam_size=1, workers=1, start=tag if side != "source" else None, never=tok.tag_ids)
+        with torch.no_grad(), eval_mode(model):
+            (hyps,) = translate_ids(model, [([tag] if side != "decoder" else []) + text], search)
+        assert source == ((original[:1] if side != "decoder" else []) + hyps[0].tokens)[:64]
 
 
 def test_the_draws_follow_the_pair_and_the_step_not_its_place_in_the_batch(setup):
@@ -91,6 +156,17 @@ def test_online_backtranslation_needs_a_multilingual_model_and_a_share(tmp_path)
         compose_config(FAST + ["trainer.online_backtranslation=0.5"])
     with pytest.raises(ConfigError, match=r"trainer.online_backtranslation=1.5 must be a share of pairs in \[0, 1\]"):
         compose_config(FAST + _three_languages(tmp_path / "toy") + ["trainer.online_backtranslation=1.5"])
+    with pytest.raises(ConfigError, match="trainer.online_backtranslation_side='both' must be one of target, source"):
+        compose_config(FAST + _three_languages(tmp_path / "toy") + ["trainer.online_backtranslation_side=both"])
+    with pytest.raises(
+        ConfigError, match=r"trainer.online_backtranslation_side=source: no target language .* \(de-en, fr-en, en-de\)"
+    ):
+        compose_config(
+            FAST
+            + _three_languages(tmp_path / "toy")
+            + _directions(tmp_path / "toy", ("de", "en"), ("fr", "en"), ("en", "de"))
+            + ["trainer.online_backtranslation=0.5", "trainer.online_backtranslation_side=source"]
+        )
     with pytest.raises(ConfigError, match="trainer.online_backtranslation_until=300 must come after"):
         compose_config(
             FAST
@@ -101,7 +177,10 @@ def test_online_backtranslation_needs_a_multilingual_model_and_a_share(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_run_with_online_backtranslation_resumed_mid_epoch_equals_an_uninterrupted_one(tmp_path, data_cache, caplog):
+@pytest.mark.parametrize("side", ["target", "source"])
+def test_a_run_with_online_backtranslation_resumed_mid_epoch_equals_an_uninterrupted_one(
+    side, tmp_path, data_cache, caplog
+):
     from transformer.training.trainer import train
 
     common = (
@@ -110,6 +189,7 @@ def test_a_run_with_online_backtranslation_resumed_mid_epoch_equals_an_uninterru
         + [
             "trainer.online_backtranslation=0.3",
             "trainer.online_backtranslation_from=2",
+            f"trainer.online_backtranslation_side={side}",
             "data.language_tag=both",
             "trainer.precision=fp32",
             "trainer.device=cpu",
@@ -123,7 +203,11 @@ def test_a_run_with_online_backtranslation_resumed_mid_epoch_equals_an_uninterru
         ]
     )
     train(compose_config(common + ["trainer.max_steps=8"], data_cache), tmp_path / "full")
-    assert "online back-translation: 0.3 of each batch's pairs from step 2" in (tmp_path / "full/train.log").read_text()
+    said = {
+        "target": "0.3 of each batch's pairs, their targets",
+        "source": "0.3 of the pairs into de, fr, their sources",
+    }
+    assert f"online back-translation: {said[side]}" in (tmp_path / "full/train.log").read_text()
     train(compose_config(common + ["trainer.max_steps=5"], data_cache), tmp_path / "split")
     with caplog.at_level(logging.WARNING, logger="transformer"):
         train(compose_config(common + ["trainer.max_steps=8", "trainer.resume=true"], data_cache), tmp_path / "split")

@@ -11,7 +11,15 @@ answered in the language asked for.
 Which pairs and which t' are drawn from (trainer.seed, step, the pair's token ids): a function of the pair and
 the step, not of its place in a batch, a DataLoader worker or a rank, so that a resumed run, accumulation and
 DDP make the same synthetic pairs (the translations themselves are a function of the weights, which those
-runs share). The batch's targets and token count are unchanged; its sources are re-padded."""
+runs share). The batch's targets and token count are unchanged; its sources are re-padded.
+
+`trainer.online_backtranslation_side=source` translates the pair's source instead (back-translation through
+the pivot, as in Gu et al., 2019): for a pair (x -> y) whose target language t one language s alone is
+trained into (English, in a corpus through English), x is translated along a trained direction s -> t' into
+a third language t' that is not trained into t, and the pair becomes (that translation -> y). Every synthetic
+pair is then a zero-shot direction, and its source is a trained direction's output rather than a zero-shot
+one's, which the model makes poorly until it has learnt the direction. Pairs into other targets (English,
+which several languages are trained into, so that a row does not say its source's language) are not drawn."""
 
 from __future__ import annotations
 
@@ -34,7 +42,8 @@ class OnlineBacktranslation:
     """`__call__(micro_batches, step)`: the update's (batch, weight) pairs with a `share` of each batch's pairs'
     sources replaced by the model's translation of their target into another language, from step
     `start` on, before step `end` (None: to the end of the run). `language_tag`: where the model reads its
-    tag (data.language_tag)."""
+    tag (data.language_tag). `routes` (DataConfig.pivot_routes): translate the sources of the pairs into
+    those targets along them instead (trainer.online_backtranslation_side=source)."""
 
     def __init__(
         self,
@@ -48,8 +57,11 @@ class OnlineBacktranslation:
         device: torch.device,
         autocast,
         end: int | None = None,
+        routes: dict[str, tuple[str, list[str]]] | None = None,
     ):
         self.share, self.start, self.end, self.seed, self.model = share, start, end, seed, model
+        # side=source: {target: (its one source language, [third languages])} (DataConfig.pivot_routes)
+        self.routes = routes
         self.language_tag, self.max_len, self.device, self.autocast = language_tag, max_len, device, autocast
         self.languages = tokenizer.target_languages
         self.tag_ids = {language: tokenizer.tag_id(language) for language in self.languages}
@@ -63,11 +75,18 @@ class OnlineBacktranslation:
         tc = cfg.trainer
         if not tc.online_backtranslation:
             return None
+        routes = cfg.data.pivot_routes() if tc.online_backtranslation_side == "source" else None
         if runtime.is_main:
             log.info(
-                "online back-translation: %g of each batch's pairs from step %d%s, their targets translated into "
-                "another language by the model (greedy) as their sources",
+                "online back-translation: %g of %s from step %d%s, translated by the model (greedy) as their sources",
                 tc.online_backtranslation,
+                "each batch's pairs, their targets into another language"
+                if routes is None
+                else "the pairs into "
+                + ", ".join(sorted(routes))
+                + ", their sources into a third language ("
+                + ", ".join(f"{s}->{'|'.join(thirds)}->{t}" for t, (s, thirds) in sorted(routes.items()))
+                + ")",
                 tc.online_backtranslation_from,
                 f" to step {tc.online_backtranslation_until}" if tc.online_backtranslation_until else "",
             )
@@ -82,6 +101,7 @@ class OnlineBacktranslation:
             runtime.device,
             runtime.autocast,
             end=tc.online_backtranslation_until or None,
+            routes=routes,
         )
 
     def __call__(self, micro_batches: list, step: int) -> list:
@@ -90,7 +110,8 @@ class OnlineBacktranslation:
         return [(self.batch(batch, step), weight) for batch, weight in micro_batches]
 
     def draws(self, batch: Batch, step: int) -> list[tuple[int, str]]:
-        """(row, language to translate its target into) for the rows of `batch` drawn at `step`."""
+        """(row, language to translate its target (side=source: its source) into) for the rows of `batch`
+        drawn at `step`."""
         src, tgt_out = batch.src.numpy(), batch.tgt_out.numpy()
         tags = batch.tgt_in[:, 0].numpy() if self.language_tag != "source" else src[:, 0]
         drawn = []
@@ -98,20 +119,27 @@ class OnlineBacktranslation:
             key = [self.seed, step, zlib.crc32(src[row].tobytes()), zlib.crc32(tgt_out[row].tobytes())]
             rng = np.random.default_rng(key)
             language = self.language_of.get(int(tags[row]))
-            if rng.random() >= self.share or language is None:
+            if self.routes is None:
+                others = [other for other in self.languages if other != language]
+            else:  # side=source: only the pairs from a known language, into a zero-shot direction
+                others = self.routes[language][1] if language in self.routes else []
+            if language is None or not others or rng.random() >= self.share:
                 continue
-            others = [other for other in self.languages if other != language]
             drawn.append((row, others[int(rng.integers(len(others)))]))
         return drawn
 
     def batch(self, batch: Batch, step: int) -> Batch:
-        """`batch` with the drawn rows' sources replaced by the model's translations of their targets."""
+        """`batch` with the drawn rows' sources replaced by the model's translations of their targets (side=source:
+        of their sources)."""
         drawn = self.draws(batch, step)
         if not drawn:
             return batch
-        targets = [_ids(row) for row in batch.tgt_out.numpy()]  # without EOS
         sources = [_ids(row) for row in batch.src.numpy()]  # the tag first, unless data.language_tag=decoder
         in_source = self.language_tag != "decoder"
+        if self.routes is None:  # the text each row's new source is a translation of (without EOS or tag)
+            texts = [_ids(row) for row in batch.tgt_out.numpy()]
+        else:
+            texts = [source[1:] if in_source else source for source in sources]
         rows = [row for row, _ in drawn]
         tags = [self.tag_ids[language] for _, language in drawn]
         # One greedy search for every drawn row, each into its own language: on a CPU a decoding step costs
@@ -125,7 +153,7 @@ class OnlineBacktranslation:
         with torch.no_grad(), eval_mode(self.model):
             hypotheses = translate_ids(
                 self.model,
-                [([tag] if in_source else []) + targets[row] for row, tag in zip(rows, tags)],
+                [([tag] if in_source else []) + texts[row] for row, tag in zip(rows, tags)],
                 search,
                 device=self.device,
                 autocast=self.autocast,
