@@ -72,6 +72,31 @@ def test_two_ranks_equal_one_process_with_update_freq_2(tmp_path, data_cache):
 
 
 @pytest.mark.slow
+def test_two_ranks_equal_one_process_with_back_translation_through_the_pivot(tmp_path, data_cache):
+    """Issue 74's levers under DDP: each rank translates its own pairs' sources; the draws follow the pairs,
+    so two ranks make the synthetic pairs that one process with update_freq=2 makes."""
+    from tests.test_zero_shot import _three_languages
+
+    common = (
+        COMMON
+        + _three_languages(tmp_path / "toy")
+        + [f"data.cache_dir={data_cache}", "trainer.max_steps=6", "trainer.max_tokens=1500"]
+        + ["data.language_tag=both", "trainer.online_backtranslation=0.5", "trainer.online_backtranslation_from=2"]
+        + ["trainer.online_backtranslation_side=source"]
+    )
+    _run(common + [f"hydra.run.dir={tmp_path / 'ddp'}"], nproc=2)
+    _run(common + ["trainer.update_freq=2", f"hydra.run.dir={tmp_path / 'single'}"])
+    for run in ("ddp", "single"):
+        assert (
+            "their sources into a third language (en->fr->de, en->de->fr)" in (tmp_path / run / "train.log").read_text()
+        )
+    assert _max_diff(tmp_path / "ddp/checkpoints/last.pt", tmp_path / "single/checkpoints/last.pt") < 1e-5
+    off = [o for o in common if not o.startswith("trainer.online_backtranslation=")]
+    _run(off + ["trainer.update_freq=2", f"hydra.run.dir={tmp_path / 'off'}"])
+    assert _max_diff(tmp_path / "off/checkpoints/last.pt", tmp_path / "single/checkpoints/last.pt") > 1e-4
+
+
+@pytest.mark.slow
 def test_ddp_resume_is_exact(tmp_path, data_cache):
     common = COMMON + [f"data.cache_dir={data_cache}", "model.dropout=0.1", "trainer.num_workers=1"]
     _run(common + ["trainer.max_steps=12", f"hydra.run.dir={tmp_path / 'full'}"], nproc=2)
