@@ -47,6 +47,7 @@ def test_the_presets_only_override_the_schema_defaults():
         ("multi30k_long", ["data=multi30k_de_en", "model=small"], {"model.dropout", "decode.alpha"}),
         ("multi30k_multi", ["data=multi30k_multi"], set()),
         ("augmented", ["data=multi30k_de_en", "model=small"], set()),
+        ("multi30k_zero_shot", ["data=multi30k_multi"], set()),  # over recipe=multi30k_multi (its defaults)
     ],
 )
 def test_a_recipe_changes_every_key_it_sets_and_the_command_line_still_wins(recipe_name, base, restated):
@@ -55,9 +56,10 @@ def test_a_recipe_changes_every_key_it_sets_and_the_command_line_still_wins(reci
     replaces the model), and key=value overrides it."""
     import yaml
 
-    plain = compose_config(base + ["data.path=/corpus"])
-    recipe = compose_config(base + ["data.path=/corpus", f"recipe={recipe_name}"])
     values = yaml.safe_load((CONF_DIR / "recipe" / f"{recipe_name}.yaml").read_text())
+    parents = [f"recipe={parent}" for parent in values.pop("defaults", []) if parent != "_self_"]  # a recipe over one
+    plain = compose_config(base + ["data.path=/corpus"] + parents)
+    recipe = compose_config(base + ["data.path=/corpus", f"recipe={recipe_name}"])
     for section, keys in values.items():
         for key, value in keys.items():
             assert getattr(getattr(recipe, section), key) == value
