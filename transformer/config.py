@@ -470,21 +470,20 @@ class DataConfig:
         alone is trained into, with the languages that source is trained into and that are not trained into
         the target: the routes trainer.online_backtranslation_side=source makes zero-shot pairs along
         ({"de": ("en", ["cs", "fr"])} for a corpus through English)."""
-        trained = set(self.directions())
+        trained, languages = set(self.directions()), self.target_languages()
         routes = {}
-        for target in self.target_languages():
-            sources = sorted({src for src, tgt in trained if tgt == target})
+        for target in languages:
+            sources = {src for src, tgt in trained if tgt == target}
             if len(sources) != 1:
                 continue
+            (source,) = sources
             thirds = [
                 third
-                for third in self.target_languages()
-                if third not in (sources[0], target)
-                and (sources[0], third) in trained
-                and (third, target) not in trained
+                for third in languages
+                if third not in (source, target) and (source, third) in trained and (third, target) not in trained
             ]
             if thirds:
-                routes[target] = (sources[0], thirds)
+                routes[target] = (source, thirds)
         return routes
 
 
