@@ -261,6 +261,11 @@ class DataConfig:
         "with data.inline_case: the words usually written in Title case (counted in the training text with the "
         "vocabulary; German nouns) carry no marker in Title case, one in lower case: shorter sequences",
     )
+    lowercase_source: bool = setting(
+        False,
+        "with data.inline_case: the source in lower case, a marker after each upper-case word and one at the end "
+        "of a sentence all in upper or Title case (not one after each capitalised word): shorter German sources",
+    )
     character_coverage: float = setting(1.0, "SentencePiece: share of characters covered by the vocabulary")
     tokenizer_sample: int = setting(
         1_000_000, "SentencePiece trains on a random sample of at most this many sentences (0 = all of them)"
@@ -281,6 +286,11 @@ class DataConfig:
         if self.usual_case and not self.inline_case:
             raise ConfigError(
                 "data.usual_case=true leaves the usual titles out of inline casing: set data.inline_case=true too"
+            )
+        if self.lowercase_source and not self.inline_case:
+            raise ConfigError(
+                "data.lowercase_source=true writes the source's case as inline-casing markers and the target "
+                "with inline casing: set data.inline_case=true too"
             )
         if self.subword_sampling and any(getattr(self, f"augment_{name}") for name in AUGMENT_SHARES):
             raise ConfigError(

@@ -185,3 +185,28 @@ def test_an_epoch_noises_each_pair_once_and_a_worker_without_the_kept_ids_makes_
     assert len(pickle.dumps(corpus)) == len(pickle.dumps(worker))  # a worker is not sent the epoch's ids
     later = corpus.epoch_sides(np.arange(60), 3)  # another epoch is never served the kept one
     assert calls == [2, 3] and later != kept
+
+
+def test_with_a_lower_case_source_upper_and_title_case_add_one_marker_to_the_clean_sources_ids(tmp_path):
+    from transformer.data import casing
+
+    rng = random.Random(6)
+    words = [w for w in WORDS if "ß" not in w]  # STRASSE lower-cases to strasse: other pieces than straße
+    src = [" ".join(rng.choices(words, k=rng.randint(3, 9))) + "." for _ in range(200)]
+    tgt = [" ".join(rng.choices(words, k=rng.randint(3, 9))) + "!" for _ in range(200)]
+    tokenizer = build_tokenizer(
+        InMemory(src, tgt, "unit"), vocab_size=160, cache_dir=tmp_path, inline_case=True, lowercase_source=True
+    )
+    cfg = DataConfig(name="unit", embedded=True, cache_dir=str(tmp_path), max_len=40)
+    corpus = encoded_split(InMemory(src, tgt, "unit"), tokenizer, cfg, "train")
+    upper, title = (tokenizer.src.piece_to_id(m) for m in casing.SOURCE_MARKERS)
+    clean = corpus.collate(range(50))
+    clean_src, clean_tgt = _rows(clean.src), tokenizer.decode_tgt(_rows(clean.tgt_out))
+    corpus.enable_augmentation(tokenizer, AugmentSettings(upper=1.0), seed=1)
+    noised = corpus.collate(range(50), (0, 0))
+    assert _rows(noised.src) == [ids + [upper] for ids in clean_src]
+    assert tokenizer.decode_tgt(_rows(noised.tgt_out)) == [t.upper() for t in clean_tgt]  # the target in letters
+    corpus.enable_augmentation(tokenizer, AugmentSettings(title=1.0), seed=1)
+    titled = _rows(corpus.collate(range(50), (0, 0)).src)
+    assert titled == [ids if ids[-1] == title else ids + [title] for ids in clean_src]
+    assert sum(ids[-1] != title for ids in clean_src) > 40  # most clean sentences are not in Title case

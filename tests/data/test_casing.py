@@ -233,3 +233,101 @@ def test_an_exported_model_directory_keeps_the_table(usual, tmp_path):
     assert (out / "titles.txt").read_bytes() == usual.titles_bytes
     loaded = load_pretrained(out)[1]
     assert loaded.titles == usual.titles and loaded.encode_src(["ein hund"]) == usual.encode_src(["ein hund"])
+
+
+SU, ST = casing.SENTENCE_UPPER, casing.SENTENCE_TITLE
+
+
+@pytest.mark.parametrize(
+    "text, encoded, decoded",
+    [
+        ("Ein Hund läuft über die Straße.", "ein hund läuft über die straße.", "ein hund läuft über die straße."),
+        ("Ein HUND läuft.", f"ein hund{UPPER} läuft.", "ein HUND läuft."),  # an upper-case word keeps its marker
+        ("EIN HUND LÄUFT.", f"ein hund läuft.{SU}", "EIN HUND LÄUFT."),  # one marker for the sentence
+        ("Ein Hund Läuft Über Die USA.", f"ein hund läuft über die usa{UPPER}.{ST}", "Ein Hund Läuft Über Die USA."),
+        ('Ein "Hund" (Saftig-grün) 3 Mal', f'ein "hund" (saftig-grün) 3 mal{ST}', 'Ein "Hund" (Saftig-grün) 3 Mal'),
+        ("Zwei Hunde", "zwei hunde", "zwei hunde"),  # too short to be taken for Title case
+        ("iPhone, A380", "iphone, a380", "iphone, a380"),  # mixed case and single capitals: lower case
+        ("OK", f"ok{SU}", "OK"),
+        (f"Ein{UPPER} Hund{ST}", "ein hund", "ein hund"),  # markers in the input are dropped
+        ("", "", ""),
+    ],
+)
+def test_a_lower_case_source_marks_upper_case_words_and_whole_sentences_only(text, encoded, decoded):
+    assert casing.encode_source(text) == encoded
+    assert casing.decode_source(encoded) == decoded
+    assert casing.encode_source(decoded) == encoded  # the normalised text is written the same way
+
+
+@pytest.mark.parametrize(
+    "text, case",
+    [
+        ("EIN HUND", "upper"),
+        ("STRASSE 12!", "upper"),
+        ("A", "as written"),  # one capital letter is no upper-case sentence
+        ("Der Hund Läuft", "title"),
+        ("(Der) Hund 3 Läuft", "title"),  # leading marks skipped, a word starting with a digit not counted
+        ("Der Hund läuft", "as written"),
+        ("Der Hund", "as written"),
+        ("1 2 3", "as written"),
+    ],
+)
+def test_sentence_case_tells_upper_and_title_case_sentences_from_the_rest(text, case):
+    assert casing.sentence_case(text) == case
+
+
+def test_a_target_never_shows_a_sentence_marker_a_model_wrote():
+    assert casing.decode(f"hund{TITLE} läuft.{SU}{ST}") == "Hund läuft."
+
+
+@pytest.fixture(scope="module")
+def lower_source(sentences, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("spm")
+    return build_tokenizer(
+        InMemory(sentences, sentences, "u"), vocab_size=124, cache_dir=cache, inline_case=True, lowercase_source=True
+    )
+
+
+def test_a_lower_case_source_costs_no_marker_for_capitals_and_one_for_a_sentence_in_upper_or_title_case(
+    lower_source, cased
+):
+    assert lower_source.inline_case and lower_source.lowercase_source and not cased.lowercase_source
+    line = "Der Mann trägt einen roten Hut."
+    variants = [line, line.upper(), line.title(), line.lower()]
+    ids = lower_source.encode_src(variants)
+    sentence_markers = [lower_source.src.piece_to_id(m) for m in casing.SOURCE_MARKERS]
+    assert ids[0] == ids[3]  # the capitals of a clean sentence cost nothing
+    assert ids[1] == ids[3] + [sentence_markers[0]] and ids[2] == ids[3] + [sentence_markers[1]]
+    assert len(cased.encode_src([line])[0]) == len(ids[0]) + 3  # inline casing marks the three capitals
+    assert lower_source.decode_src(ids) == [line.lower(), line.upper(), line.title(), line.lower()]
+    # the target keeps inline casing: every variant is written back exactly
+    assert lower_source.decode_tgt(lower_source.encode_tgt(variants)) == variants
+    assert lower_source.src.piece_to_id(TITLE) not in sum(ids, [])
+
+
+def test_a_lower_case_source_travels_in_the_model_bytes_and_its_samples_are_lower_case_too(lower_source):
+    import numpy as np
+
+    from transformer.data.subword import SubwordSampling
+
+    restored = Tokenizer.from_state_dict(lower_source.state_dict())
+    assert restored.lowercase_source and restored.encode_src(["EIN HUT."]) == lower_source.encode_src(["EIN HUT."])
+
+    class Stored:
+        pair_index = np.arange(2)
+
+        def text(self, side, pairs):
+            return ["DER MANN TRÄGT", "Ein Hut"]
+
+    sampling = SubwordSampling(lower_source.state_dict(), alpha=0.1, nbest=-1, seed=1, max_len=None)
+    src, tgt = sampling.segment(Stored(), np.arange(2), epoch=0)
+    assert lower_source.decode_src(src) == ["DER MANN TRÄGT", "ein hut"]
+    assert lower_source.decode_tgt(tgt) == ["DER MANN TRÄGT", "Ein Hut"]
+
+
+def test_a_lower_case_source_needs_inline_casing():
+    from transformer.config import ConfigError, DataConfig
+
+    with pytest.raises(ConfigError, match="data.inline_case=true"):
+        DataConfig(name="unit", embedded=True, lowercase_source=True).validate()
+    DataConfig(name="unit", embedded=True, lowercase_source=True, inline_case=True).validate()

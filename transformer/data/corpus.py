@@ -521,6 +521,7 @@ def train_tokenizer(cfg: DataConfig, source: SplitSource, build: bool = True) ->
         augment=_tokenizer_augmentation(cfg),
         inline_case=cfg.inline_case,
         usual_case=cfg.usual_case,
+        lowercase_source=cfg.lowercase_source,
     )
 
 

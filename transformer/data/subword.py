@@ -66,7 +66,7 @@ class SubwordSampling:
             # depend on (seed, epoch, pair) alone.
             for line, seed in zip(corpus.text(side, pairs), seeds.tolist()):
                 spm.set_random_generator_seed(seed)
-                text = self._tokenizer.as_model_text(line)  # inline casing, when the model has it
+                text = self._tokenizer.as_model_text(line, side)  # inline casing, when the model has it
                 ids.append(processor.encode(text, enable_sampling=True, alpha=self.alpha, nbest_size=self.nbest))
             sides.append([seq[: self.max_len] for seq in ids] if self.max_len is not None else ids)
         return sides[0], sides[1]

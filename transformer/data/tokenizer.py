@@ -57,6 +57,10 @@ class Tokenizer:
         self.tgt = self.src if self.joint else spm.SentencePieceProcessor(model_proto=self.tgt_model_bytes)
         # Inline casing (casing.py): a model trained with data.inline_case holds both markers as pieces.
         self.inline_case = all(self.src.piece_to_id(marker) != UNK_ID for marker in casing.MARKERS)
+        # ... and one trained with data.lowercase_source the sentence markers too: its sources in lower case
+        self.lowercase_source = self.inline_case and all(
+            self.src.piece_to_id(marker) != UNK_ID for marker in casing.SOURCE_MARKERS
+        )
         self.titles_bytes = titles or b""
         self.titles = frozenset(self.titles_bytes.decode().split("\n")) - {""}
         if self.titles and any(sp.piece_to_id(casing.LOWER) == UNK_ID for sp in (self.src, self.tgt)):
@@ -105,24 +109,27 @@ class Tokenizer:
 
     def encode_src(self, lines: Sequence[str], num_threads: int = 1, tgt_lang: str | None = None) -> list[list[int]]:
         """Source ids; with `tgt_lang` (a multilingual model), each starting with that language's tag."""
-        ids = self.src.encode(self._as_text(lines), num_threads=num_threads)
+        ids = self.src.encode(self._as_text(lines, "src"), num_threads=num_threads)
         if tgt_lang is None:
             return ids
         tag = self.tag_id(tgt_lang)
         return [[tag, *sentence] for sentence in ids]
 
     def encode_tgt(self, lines: Sequence[str], num_threads: int = 1) -> list[list[int]]:
-        return self.tgt.encode(self._as_text(lines), num_threads=num_threads)
+        return self.tgt.encode(self._as_text(lines, "tgt"), num_threads=num_threads)
 
-    def _as_text(self, lines: Sequence[str]) -> list[str]:
-        """`lines` as SentencePiece takes them: case written inline when the model has inline casing,
-        language tags written in the text escaped (`_tags_escaped`)."""
+    def _as_text(self, lines: Sequence[str], side: str) -> list[str]:
+        """`lines` of `side` ('src' or 'tgt') as SentencePiece takes them: case written inline when the model
+        has inline casing (a source in lower case when it has data.lowercase_source), language tags written
+        in the text escaped (`_tags_escaped`)."""
         lines = self._tags_escaped(lines)
+        if side == "src" and self.lowercase_source:
+            return [casing.encode_source(line) for line in lines]
         return [casing.encode(line, self.titles) for line in lines] if self.inline_case else lines
 
-    def as_model_text(self, line: str) -> str:
-        """One line as SentencePiece takes it (for callers that run SentencePiece themselves: sampling)."""
-        return self._as_text([line])[0]
+    def as_model_text(self, line: str, side: str) -> str:
+        """One line of `side` as SentencePiece takes it (for callers that run SentencePiece themselves)."""
+        return self._as_text([line], side)[0]
 
     def _tags_escaped(self, lines: Sequence[str]) -> list[str]:
         """`lines`, where a language tag written in the text (`<2de>`) is kept from becoming the tag:
@@ -158,8 +165,10 @@ class Tokenizer:
         return self._cased(self.tgt.decode([list(x) for x in ids], num_threads=1))
 
     def decode_src(self, ids: Sequence[Sequence[int]]) -> list[str]:
-        """Source text of source ids (without a language tag: the caller strips it)."""
-        return self._cased(self.src.decode([list(x) for x in ids], num_threads=1))
+        """Source text of source ids (without a language tag: the caller strips it); with a lower-case
+        source, in the case its markers give (casing.decode_source)."""
+        texts = self.src.decode([list(x) for x in ids], num_threads=1)
+        return [casing.decode_source(text) for text in texts] if self.lowercase_source else self._cased(texts)
 
     def _cased(self, texts: list[str]) -> list[str]:
         return [casing.decode(text, self.titles) for text in texts] if self.inline_case else texts
@@ -270,6 +279,7 @@ def build_tokenizer(
     augment: dict | None = None,
     inline_case: bool = False,
     usual_case: bool = False,
+    lowercase_source: bool = False,
 ) -> Tokenizer | None:
     """Load the cached tokenizer for this training split (by its fingerprint) and these settings, or
     train and cache it, streaming the split. With `build=False`, None when nothing (whole) is cached.
@@ -282,8 +292,11 @@ def build_tokenizer(
     pieces for upper-case words instead of shredding them into letters.
     `inline_case`: every line is trained on as `casing.encode` writes it, the case markers pieces of their own;
     `usual_case` too: with a table of the words usually in Title case (`casing.usual_titles` of the same
-    lines, both sides, at most USUAL_CASE_LINES of them), cached beside the models as `<key>.titles.txt`."""
-    inline_case = inline_case or usual_case  # the table of usual titles is a kind of inline casing
+    lines, both sides, at most USUAL_CASE_LINES of them), cached beside the models as `<key>.titles.txt`;
+    `lowercase_source`: the vocabulary also holds the sentence markers of a lower-case source
+    (`casing.encode_source`), which makes the tokenizer write sources that way. The sample stays written
+    as `casing.encode` writes it: the words' pieces are the same, in lower case either way."""
+    inline_case = inline_case or usual_case or lowercase_source  # kinds of inline casing
     settings = {
         "vocab_size": vocab_size,
         "model_type": model_type,
@@ -293,6 +306,7 @@ def build_tokenizer(
         **({"languages": sorted(languages)} if languages else {}),
         **({"augment": augment} if augment and any(augment[k] for k in ("upper", "title", "typos")) else {}),
         **({"inline_case": "usual" if usual_case else True} if inline_case else {}),
+        **({"lowercase_source": True} if lowercase_source else {}),
     }
     key = hashlib.sha256(
         json.dumps({**settings, "corpus": source.fingerprint(), "cache": CACHE_VERSION}, sort_keys=True).encode()
@@ -322,7 +336,8 @@ def build_tokenizer(
             where=source.where,
             # the tags first: they stay next to the special ids (Tokenizer.protected_ids)
             symbols=[LANGUAGE_TAG.format(language) for language in sorted(languages)]
-            + (list(casing.ALL_MARKERS if usual_case else casing.MARKERS) if inline_case else []),
+            + (list(casing.ALL_MARKERS if usual_case else casing.MARKERS) if inline_case else [])
+            + (list(casing.SOURCE_MARKERS) if lowercase_source else []),
         )
         words = []
         if usual_case:

@@ -100,7 +100,13 @@ def export_ctranslate2(
     if quantization is not None and quantization not in CT2_QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization}: one of {', '.join(CT2_QUANTIZATIONS)}")
     refuse_non_finite(model, "the model")
-    if tokenizer.inline_case:
+    if tokenizer.lowercase_source:
+        log.warning(
+            "the model has inline casing and a lower-case source (data.lowercase_source=true): CTranslate2's "
+            "users must write each source as transformer.data.casing.encode_source(text) before SentencePiece "
+            "and read each output through casing.decode (transformer-translate does both)"
+        )
+    elif tokenizer.inline_case:
         log.warning(
             "the model has inline casing (data.inline_case=true): CTranslate2's users must write each source as "
             "transformer.data.casing.encode(text) before SentencePiece and read each output through "

@@ -35,6 +35,7 @@ FIXED_BY_CHECKPOINT = {
         "tokenizer_type",
         "joint_vocab",
         "inline_case",
+        "lowercase_source",
         "language_tag",
         "character_coverage",
         "tokenizer_sample",
