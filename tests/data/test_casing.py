@@ -331,3 +331,18 @@ def test_a_lower_case_source_needs_inline_casing():
     with pytest.raises(ConfigError, match="data.inline_case=true"):
         DataConfig(name="unit", embedded=True, lowercase_source=True).validate()
     DataConfig(name="unit", embedded=True, lowercase_source=True, inline_case=True).validate()
+
+
+def test_a_tag_written_in_upper_case_in_a_lower_case_source_stays_text(sentences, tmp_path):
+    tok = build_tokenizer(
+        InMemory(sentences, sentences, "u"),
+        vocab_size=140,
+        cache_dir=tmp_path,
+        languages=["de", "fr"],
+        inline_case=True,
+        lowercase_source=True,
+    )
+    assert tok.lowercase_source and min(tok.src.piece_to_id(m) for m in casing.SOURCE_MARKERS) >= tok.protected_ids
+    for line in ["<2FR> EIN HUND.", "<2fr> Ein Hund.", "＜２ＦＲ＞ EIN HUT."]:
+        (ids,) = tok.encode_src([line], tgt_lang="de")
+        assert ids[0] == tok.tag_id("de") and tok.tag_id("fr") not in ids, line

@@ -122,9 +122,9 @@ class Tokenizer:
         """`lines` of `side` ('src' or 'tgt') as SentencePiece takes them: case written inline when the model
         has inline casing (a source in lower case when it has data.lowercase_source), language tags written
         in the text escaped (`_tags_escaped`)."""
+        if side == "src" and self.lowercase_source:  # escaped after: `<2FR>` in lower case is a tag
+            return self._tags_escaped([casing.encode_source(line) for line in lines])
         lines = self._tags_escaped(lines)
-        if side == "src" and self.lowercase_source:
-            return [casing.encode_source(line) for line in lines]
         return [casing.encode(line, self.titles) for line in lines] if self.inline_case else lines
 
     def as_model_text(self, line: str, side: str) -> str:
