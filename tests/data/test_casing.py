@@ -346,3 +346,22 @@ def test_a_tag_written_in_upper_case_in_a_lower_case_source_stays_text(sentences
     for line in ["<2FR> EIN HUND.", "<2fr> Ein Hund.", "＜２ＦＲ＞ EIN HUT."]:
         (ids,) = tok.encode_src([line], tgt_lang="de")
         assert ids[0] == tok.tag_id("de") and tok.tag_id("fr") not in ids, line
+
+
+def test_the_translator_gives_a_sentence_in_upper_case_twice_its_sources_length(lower_source):
+    import torch
+
+    from transformer.config import Config, DataConfig
+    from transformer.inference.request import DecodeRequest
+    from transformer.inference.translator import Translator
+    from transformer.model import build_model
+
+    config = Config(data=DataConfig(name="unit", embedded=True, inline_case=True, lowercase_source=True))
+    torch.manual_seed(0)
+    model = build_model(config.model, lower_source.src_vocab_size, lower_source.tgt_vocab_size, True).eval()
+    translator = Translator(model, lower_source, config, torch.device("cpu"))
+    assert translator.search(DecodeRequest(), None, 1).doubled_by == lower_source.sentence_marker_ids
+    lines = ["der mann trägt", "DER MANN TRÄGT"]  # 3 pieces, and 4 with the sentence's marker
+    request = DecodeRequest(beam_size=1, max_len_a=1.0, max_len_b=0)
+    lengths = [len(hyps[0].tokens) for hyps in translator.hypotheses(lines, request)]
+    assert lengths[0] <= 3 and 4 < lengths[1] <= 8  # an untrained model writes until the limit stops it

@@ -114,6 +114,26 @@ def test_a_length_limit_beyond_int64_is_the_models_limit_not_one_token():
         assert max_lengths(src, a, b, 127).tolist() == [127, 127], (a, b)
 
 
+def test_a_source_ending_in_a_sentence_marker_counts_twice_for_the_length_limit():
+    """A lower-case source's `EIN HUND.` is `ein hund.` + a marker; its target writes a marker after every
+    word (`A DOG.`: a, marker, dog, marker, .): the limit of the source's own length cut such translations
+    (issue 73: 28 of 1,000 upper-cased test sentences ended early, their last word in lower case)."""
+    from transformer.inference.search import max_lengths
+
+    marker = 9
+    src = torch.tensor(
+        [
+            [5, 6, 7, marker, EOS_ID],
+            [5, 6, 7, 8, EOS_ID],
+            [5, marker, 7, EOS_ID, PAD_ID],
+            [marker, EOS_ID, PAD_ID, PAD_ID, PAD_ID],
+        ]
+    )
+    assert max_lengths(src, 1.0, 2, 1000).tolist() == [6, 6, 5, 3]  # without: the length as it is
+    assert max_lengths(src, 1.0, 2, 1000, doubled_by=(marker, 10)).tolist() == [10, 6, 5, 4]
+    assert max_lengths(src, 1.0, 2, 9, doubled_by=(marker,)).tolist() == [9, 6, 5, 4]  # still capped
+
+
 def test_sentences_in_one_batch_do_not_interact():
     hyps = beam_search(TableDecoder(), torch.tensor([10, 2, 10]), beam_size=2, alpha=0.0, nbest=1)
     assert [h[0].tokens for h in hyps] == [[B], [B], [B]]

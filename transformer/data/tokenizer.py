@@ -67,6 +67,12 @@ class Tokenizer:
             raise ValueError("a table of usual titles needs a vocabulary with inline casing's three markers")
 
     @property
+    def sentence_marker_ids(self) -> tuple[int, ...]:
+        """The ids of a lower-case source's sentence markers (casing.SOURCE_MARKERS); () without them. A
+        source ending in one is translated with a case marker after every word (`Search.doubled_by`)."""
+        return tuple(self.src.piece_to_id(m) for m in casing.SOURCE_MARKERS) if self.lowercase_source else ()
+
+    @property
     def src_vocab_size(self) -> int:
         return self.src.get_piece_size()
 

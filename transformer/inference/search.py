@@ -44,9 +44,16 @@ def length_penalty(length: int, alpha: float) -> float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def max_lengths(src: torch.Tensor, max_len_a: float, max_len_b: int, limit: int) -> torch.Tensor:
-    """Per sentence: at most a * source_length + b output tokens (EOS included), capped by `limit`."""
+def max_lengths(
+    src: torch.Tensor, max_len_a: float, max_len_b: int, limit: int, doubled_by: tuple[int, ...] = ()
+) -> torch.Tensor:
+    """Per sentence: at most a * source_length + b output tokens (EOS included), capped by `limit`; a source
+    whose last token is one of `doubled_by` counts twice its length."""
     src_lens = (src != PAD_ID).sum(dim=1) - 1  # without the source EOS
+    if doubled_by:
+        last = src.gather(1, (src_lens - 1).clamp(min=0).unsqueeze(1)).squeeze(1)  # (B,) the token before EOS
+        marked = torch.isin(last, torch.tensor(doubled_by, device=src.device)) & (src_lens > 0)
+        src_lens = torch.where(marked, 2 * src_lens, src_lens)
     # Capped while still float: a limit beyond int64 (max_len_a=1e30: "no limit") wrapped to 1 token.
     lengths = torch.floor(src_lens.double() * float(max_len_a) + float(max_len_b))
     return lengths.clamp(min=1, max=limit).long()
@@ -75,6 +82,9 @@ class Search:
     use_cache: bool = True
     start: int | list[int] | None = None
     never: tuple[int, int] | None = None
+    # A lower-case source's sentence markers (Tokenizer.sentence_marker_ids): a source ending in one asks for
+    # a target with a case marker after every word, up to twice as many pieces: its length counts twice.
+    doubled_by: tuple[int, ...] = ()
 
 
 # Greedy search drops finished sentences from the batch (and the decoder's caches) once they are this
@@ -312,7 +322,7 @@ def translate_ids(
                 start = torch.tensor([start[i] for i in indices], dtype=torch.long, device=device)
             decoders = [ModelDecoder(m, src, search.use_cache, start, search.never) for m in models]
             decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, weights)
-            lens = max_lengths(src, search.max_len_a, search.max_len_b, limit)  # (B,)
+            lens = max_lengths(src, search.max_len_a, search.max_len_b, limit, search.doubled_by)  # (B,)
             prefix = None
             if prefixes is not None and any(prefixes[i] for i in indices):
                 prefix = pad_sequences([prefixes[i] for i in indices]).to(device)  # (B, P), PAD after each

@@ -307,6 +307,7 @@ class Translator:
             prefixes=prefix_ids,
             workers=cpu_workers(self.device) if request.workers is None else request.workers,
             use_cache=request.use_cache,
+            doubled_by=self.tokenizer.sentence_marker_ids,
             **self.tag_in_decoder(language),
         )
 

@@ -67,6 +67,7 @@ class OnlineBacktranslation:
         self.tag_ids = {language: tokenizer.tag_id(language) for language in self.languages}
         self.language_of = {tag: language for language, tag in self.tag_ids.items()}
         self.never = tokenizer.tag_ids
+        self.doubled_by = tokenizer.sentence_marker_ids
         self.made = 0  # synthetic pairs so far (this process)
 
     @classmethod
@@ -149,6 +150,7 @@ class OnlineBacktranslation:
             workers=1,
             start=tags if self.language_tag != "source" else None,
             never=self.never,
+            doubled_by=self.doubled_by,
         )
         with torch.no_grad(), eval_mode(self.model):
             hypotheses = translate_ids(
