@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transformer.data import casing
+
 Pair = tuple[str, str]
 Generator = np.random.Generator
 
@@ -39,7 +41,6 @@ Generator = np.random.Generator
 _TOKEN = re.compile(r"(<[^<>\s]+>)")
 _LEADING_TAG = re.compile(r"\s*(<2[^<>\s]+>)\s*")
 _WORD = re.compile(r"[^\W\d_]+")  # a run of letters
-_TITLE_START = re.compile(r"(?<!\S)([^\w\s]*)([^\W\d_])")  # a word's leading marks, then its first letter
 _END_PUNCTUATION = re.compile(r"\s*[.!?…;:。！？；：]+\s*$")
 
 TYPO_KINDS = ("swap", "drop", "insert", "repeat", "neighbour")
@@ -93,7 +94,7 @@ def upper(text: str, rng: Generator | None = None) -> str:
 
 def title(text: str, rng: Generator | None = None) -> str:
     """Each word's first letter in upper (title) case, the rest as it was; tokens kept."""
-    return _on_words(text, lambda part: _TITLE_START.sub(lambda m: m[1] + m[2].title(), part))
+    return _on_words(text, casing.title_words)
 
 
 def typos(text: str, rng: Generator, rate: float = EVALUATION_TYPO_RATE, kinds: Sequence[str] = TYPO_KINDS) -> str:

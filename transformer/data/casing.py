@@ -52,10 +52,11 @@ MIN_TITLE_WORDS = 3  # a sentence of fewer words is never taken for Title case (
 _LETTERS = re.compile(r"[^\W\d_]+")  # a run of letters (Unicode \w without digits and the underscore)
 # a run of letters and the marker after it, either maybe missing (never both: the lookahead wants one)
 _RUN_AND_MARKER = re.compile(rf"(?=[^\W\d_]|[{TITLE}{UPPER}{LOWER}])([^\W\d_]*)([{TITLE}{UPPER}{LOWER}]?)")
-_ANY_MARKER = re.compile(f"[{TITLE}{UPPER}{LOWER}{SENTENCE_UPPER}{SENTENCE_TITLE}]")
-_SENTENCE_MARKER = re.compile(f"[{SENTENCE_UPPER}{SENTENCE_TITLE}]")
-# a word's first letter after its leading marks (`(`, `"`): where Title case puts a capital (augment.title)
-_WORD_START = re.compile(r"(?<!\S)[^\w\s]*([^\W\d_])")
+EVERY_MARKER = ALL_MARKERS + SOURCE_MARKERS
+_ANY_MARKER = re.compile(f"[{''.join(EVERY_MARKER)}]")
+_SENTENCE_MARKER = re.compile(f"[{''.join(SOURCE_MARKERS)}]")
+# a word (a run of non-spaces): its leading marks (`(`, `"`), then its first letter, where Title case puts a capital
+_WORD_START = re.compile(r"(?<!\S)([^\w\s]*)([^\W\d_])")
 NO_TITLES: frozenset[str] = frozenset()
 
 
@@ -90,9 +91,7 @@ def encode(text: str, titles: frozenset[str] = NO_TITLES) -> str:
             return lower + UPPER
         return lower if lower in titles else lower + TITLE
 
-    if any(marker in text for marker in ALL_MARKERS):
-        text = _ANY_MARKER.sub("", text)
-    return _LETTERS.sub(marked, unicodedata.normalize("NFC", text))
+    return _LETTERS.sub(marked, unicodedata.normalize("NFC", _without_markers(text)))
 
 
 def decode(text: str, titles: frozenset[str] = NO_TITLES) -> str:
@@ -107,11 +106,21 @@ def decode(text: str, titles: frozenset[str] = NO_TITLES) -> str:
             return word  # a marker after no letters (a model may generate one): dropped
         return word.upper() if marker == UPPER else word[0].upper() + word[1:]
 
-    if not titles and not any(marker in text for marker in ALL_MARKERS + SOURCE_MARKERS):
+    if not titles and not any(marker in text for marker in EVERY_MARKER):
         return text
-    if any(marker in text for marker in SOURCE_MARKERS):
-        text = _SENTENCE_MARKER.sub("", text)  # a sentence's marker (of a source) means nothing in a target
+    text = _SENTENCE_MARKER.sub("", text)  # a sentence's marker (of a source) means nothing in a target
     return _RUN_AND_MARKER.sub(cased, text)
+
+
+def _without_markers(text: str) -> str:
+    """`text` without any marker written in it (the input's own are dropped, never read)."""
+    return _ANY_MARKER.sub("", text) if any(marker in text for marker in EVERY_MARKER) else text
+
+
+def title_words(text: str) -> str:
+    """Each word's first letter (after its leading marks; a word starting with a digit left alone) in title
+    case, the rest as it was: Title Case as people type it, `USA` kept."""
+    return _WORD_START.sub(lambda start: start[1] + start[2].title(), text)
 
 
 def sentence_case(text: str) -> str:
@@ -119,7 +128,7 @@ def sentence_case(text: str) -> str:
     MIN_TITLE_WORDS words start with a letter and each of them with a capital) or 'as written'."""
     if not any(c.islower() for c in text) and sum(c.isupper() for c in text) >= 2:
         return "upper"
-    firsts = _WORD_START.findall(text)
+    firsts = [start[2] for start in _WORD_START.finditer(text)]
     if len(firsts) >= MIN_TITLE_WORDS and all(c.isupper() for c in firsts):
         return "title"
     return "as written"
@@ -136,9 +145,7 @@ def encode_source(text: str) -> str:
         word = match.group()
         return word.lower() + UPPER if _case_of(word) == "upper" else word.lower()
 
-    if any(marker in text for marker in ALL_MARKERS + SOURCE_MARKERS):
-        text = _ANY_MARKER.sub("", text)
-    text = unicodedata.normalize("NFC", text)
+    text = unicodedata.normalize("NFC", _without_markers(text))
     case = sentence_case(text)
     if case == "upper":
         return text.lower() + SENTENCE_UPPER
@@ -153,7 +160,7 @@ def decode_source(text: str) -> str:
     if sentence == SENTENCE_UPPER:
         return text.upper()
     if sentence == SENTENCE_TITLE:
-        return _WORD_START.sub(lambda start: start.group()[:-1] + start.group(1).upper(), text)
+        return title_words(text)
     return text
 
 

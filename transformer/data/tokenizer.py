@@ -57,20 +57,15 @@ class Tokenizer:
         self.tgt = self.src if self.joint else spm.SentencePieceProcessor(model_proto=self.tgt_model_bytes)
         # Inline casing (casing.py): a model trained with data.inline_case holds both markers as pieces.
         self.inline_case = all(self.src.piece_to_id(marker) != UNK_ID for marker in casing.MARKERS)
-        # ... and one trained with data.lowercase_source the sentence markers too: its sources in lower case
-        self.lowercase_source = self.inline_case and all(
-            self.src.piece_to_id(marker) != UNK_ID for marker in casing.SOURCE_MARKERS
-        )
+        # ... and one trained with data.lowercase_source the sentence markers too: its sources in lower case.
+        # A source ending in one is translated with a case marker after every word (`Search.doubled_by`).
+        marker_ids = tuple(self.src.piece_to_id(marker) for marker in casing.SOURCE_MARKERS)
+        self.lowercase_source = self.inline_case and UNK_ID not in marker_ids
+        self.sentence_marker_ids = marker_ids if self.lowercase_source else ()
         self.titles_bytes = titles or b""
         self.titles = frozenset(self.titles_bytes.decode().split("\n")) - {""}
         if self.titles and any(sp.piece_to_id(casing.LOWER) == UNK_ID for sp in (self.src, self.tgt)):
             raise ValueError("a table of usual titles needs a vocabulary with inline casing's three markers")
-
-    @property
-    def sentence_marker_ids(self) -> tuple[int, ...]:
-        """The ids of a lower-case source's sentence markers (casing.SOURCE_MARKERS); () without them. A
-        source ending in one is translated with a case marker after every word (`Search.doubled_by`)."""
-        return tuple(self.src.piece_to_id(m) for m in casing.SOURCE_MARKERS) if self.lowercase_source else ()
 
     @property
     def src_vocab_size(self) -> int:
