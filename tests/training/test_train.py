@@ -167,6 +167,18 @@ def test_max_tokens_smaller_than_a_sentence_fails_before_training(tmp_path, data
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_a_run_refused_while_it_is_built_leaves_the_process_group_first(tmp_path, data_cache, monkeypatch):
+    """Under torchrun the runtime joins the process group before the data are read: a refused corpus must
+    leave it (no barrier) before the one-line error ends the process, or the rank aborts at exit (SIGABRT)."""
+    from transformer.runtime import Runtime
+
+    left = []
+    monkeypatch.setattr(Runtime, "shutdown", lambda self, barrier: left.append(barrier))
+    with pytest.raises(DataError, match="trainer.max_tokens=8"):
+        train(compose_config(FAST + ["trainer.max_tokens=8"], data_cache), tmp_path)
+    assert left == [False]
+
+
 @pytest.mark.slow
 def test_a_run_the_time_limit_cut_short_says_so_in_its_last_line(tmp_path, data_cache, capsys):
     cfg = compose_config(

@@ -67,6 +67,22 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, launch: Launch | None = None, stop: StopSignals | None = None):
         self.cfg, self.launch, self.stop = cfg, launch, stop or StopSignals()  # `stop`: installed by the caller
         self.runtime = Runtime.for_training(cfg.trainer)  # device, process group, precision: resolved once
+        try:
+            self._build(cfg, run_dir)
+        except BaseException:
+            # A refused corpus or checkpoint ends the process with one line (exit 2): the process group
+            # must go first, or gloo's threads are torn down at interpreter exit and the rank aborts
+            # (SIGABRT, exit 134, "terminate called without an active exception"). No barrier: the
+            # other ranks may have failed too, or be inside a collective. What holds the group (the DDP
+            # wrapper, the DataLoader's workers) goes before it, as in `leave_process_group`.
+            for built in ("step", "batches"):
+                self.__dict__.pop(built, None)
+            gc.collect()
+            self.runtime.shutdown(barrier=False)
+            raise
+
+    def _build(self, cfg: Config, run_dir: Path) -> None:
+        """The components after the runtime, in the order the random streams depend on."""
         self.run_dir = Path(self.runtime.broadcast(str(run_dir)))
         start = starting_point(cfg, self.run_dir / "checkpoints", self.runtime.dist)
         torch.manual_seed(cfg.trainer.seed + self.runtime.dist.rank)
