@@ -151,6 +151,43 @@ def test_a_drawn_pair_gets_the_models_translation_of_its_target_as_its_source(se
     assert model.training  # generated with dropout off, then back to training
 
 
+def test_with_a_lower_case_source_the_model_reads_and_gets_sources_as_the_source_side_writes_them(
+    tmp_path, monkeypatch
+):
+    """data.lowercase_source writes a source without the target's case markers (`der koch`, not `der ⓣ koch ⓣ`):
+    a target translated, and the translation that becomes the new source, go through text into that form."""
+    from transformer.data import casing
+    from transformer.training import backtranslation
+
+    cfg = compose_config(
+        FAST + _three_languages(tmp_path / "toy") + ["data.inline_case=true", "data.lowercase_source=true"],
+        tmp_path / "c",
+    )
+    data = prepare(cfg.data)
+    tok = data.tokenizer
+    assert tok.lowercase_source
+    positions = [start + k for start in data.train.starts[:-1].tolist() for k in range(6)]
+    batch = place_language_tag(data.train.collate(positions), "source")
+    read = []
+
+    def echo(model, sources, search, **kwargs):  # a "translation" that writes back what it read
+        read.extend(sources)
+        return [[type("Hypothesis", (), {"tokens": source[1:]})()] for source in sources]
+
+    monkeypatch.setattr(backtranslation, "translate_ids", echo)
+    robt = OnlineBacktranslation(1.0, 0, 1, torch.nn.Linear(1, 1), tok, "source", 64, torch.device("cpu"), None)
+    made = robt.batch(batch, step=3)
+    title = tok.src.piece_to_id(casing.TITLE)
+    targets = [[i for i in row.tolist() if i not in (PAD_ID, EOS_ID)] for row in batch.tgt_out]
+    assert all(title in target for target in targets)  # every toy sentence starts with a capital
+    assert [source[1:] for source in read] == [tok.encode_src([text])[0] for text in tok.decode_tgt(targets)]
+    for row, source in enumerate(made.src.tolist()):
+        source = [i for i in source if i not in (PAD_ID, EOS_ID)]
+        assert source[0] == batch.src[row, 0] and title not in source
+        (text,) = tok.decode_tgt([targets[row]])
+        assert tok.decode_src([source[1:]]) == [casing.decode_source(casing.encode_source(text))]
+
+
 def test_online_backtranslation_needs_a_multilingual_model_and_a_share(tmp_path):
     with pytest.raises(ConfigError, match="trainer.online_backtranslation=0.5: the run trains a model into one"):
         compose_config(FAST + ["trainer.online_backtranslation=0.5"])

@@ -171,6 +171,15 @@ class Tokenizer:
         texts = self.src.decode([list(x) for x in ids], num_threads=1)
         return [casing.decode_source(text) for text in texts] if self.lowercase_source else self._cased(texts)
 
+    def target_ids_as_source(self, ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Target-side ids (a target, or a translation the model wrote; no tag) as the source side writes the
+        same text: the ids themselves in a joint vocabulary, except with a lower-case source
+        (data.lowercase_source), whose pieces are not the target's inline casing (online back-translation
+        turns targets and translations into sources)."""
+        if not self.lowercase_source:
+            return [list(x) for x in ids]
+        return self.encode_src(self.decode_tgt(ids))
+
     def _cased(self, texts: list[str]) -> list[str]:
         return [casing.decode(text, self.titles) for text in texts] if self.inline_case else texts
 

@@ -68,6 +68,7 @@ class OnlineBacktranslation:
         self.language_of = {tag: language for language, tag in self.tag_ids.items()}
         self.never = tokenizer.tag_ids
         self.doubled_by = tokenizer.sentence_marker_ids
+        self.as_source = tokenizer.target_ids_as_source  # a target or a translation as a source is written
         self.made = 0  # synthetic pairs so far (this process)
 
     @classmethod
@@ -137,11 +138,11 @@ class OnlineBacktranslation:
             return batch
         sources = [_ids(row) for row in batch.src.numpy()]  # the tag first, unless data.language_tag=decoder
         in_source = self.language_tag != "decoder"
-        if self.routes is None:  # the text each row's new source is a translation of (without EOS or tag)
-            texts = [_ids(row) for row in batch.tgt_out.numpy()]
-        else:
-            texts = [source[1:] if in_source else source for source in sources]
         rows = [row for row, _ in drawn]
+        if self.routes is None:  # the text each drawn row's new source is a translation of (no EOS, no tag)
+            texts = self.as_source([_ids(batch.tgt_out[row].numpy()) for row in rows])
+        else:
+            texts = [sources[row][1:] if in_source else sources[row] for row in rows]
         tags = [self.tag_ids[language] for _, language in drawn]
         # One greedy search for every drawn row, each into its own language: on a CPU a decoding step costs
         # about as much for 40 rows as for 10, so one search per language would cost three times as much.
@@ -155,14 +156,15 @@ class OnlineBacktranslation:
         with torch.no_grad(), eval_mode(self.model):
             hypotheses = translate_ids(
                 self.model,
-                [([tag] if in_source else []) + texts[row] for row, tag in zip(rows, tags)],
+                [([tag] if in_source else []) + text for text, tag in zip(texts, tags)],
                 search,
                 device=self.device,
                 autocast=self.autocast,
             )
-        for row, hyps in zip(rows, hypotheses):
+        translations = self.as_source([hyps[0].tokens for hyps in hypotheses])
+        for row, translation in zip(rows, translations):
             kept = sources[row][:1] if in_source else []  # the pair's own tag: the language of its target
-            sources[row] = kept + hyps[0].tokens[: self.max_len - len(kept)]
+            sources[row] = kept + translation[: self.max_len - len(kept)]
         self.made += len(drawn)
         src = pad_sequences(sources, suffix=[EOS_ID])  # (B, S')
         real = int((src != PAD_ID).sum()) + batch.num_tgt_tokens
