@@ -251,6 +251,16 @@ SU, ST = casing.SENTENCE_UPPER, casing.SENTENCE_TITLE
         ("OK", f"ok{SU}", "OK"),
         (f"Ein{UPPER} Hund{ST}", "ein hund", "ein hund"),  # markers in the input are dropped
         ("", "", ""),
+        # a lower case that would not come back is kept as written: `İ` (its lower case adds a combining dot,
+        # a piece no vocabulary of the text holds), `ẞ` in an upper-case word (it would come back `SS`)
+        ("Zwei Männer in İstanbul.", "zwei männer in İstanbul.", "zwei männer in İstanbul."),
+        ("İSTANBUL IST GROSS", f"İSTANBUL ist gross{SU}", "İSTANBUL IST GROSS"),
+        ("DIE GROẞE STRAẞE", f"die GROẞE STRAẞE{SU}", "DIE GROẞE STRAẞE"),
+        ("Die GROẞE Straße ist leer", "die GROẞE straße ist leer", "die GROẞE straße ist leer"),
+        # letters without case (Japanese, Arabic): an acronym among them is an upper-case word (a run of
+        # letters: in Japanese, the whole run), not a sentence in upper case
+        ("東京でAIを学ぶ", f"東京でaiを学ぶ{UPPER}", "東京でAIを学ぶ"),
+        ("أنا أحب NASA", f"أنا أحب nasa{UPPER}", "أنا أحب NASA"),
     ],
 )
 def test_a_lower_case_source_marks_upper_case_words_and_whole_sentences_only(text, encoded, decoded):
@@ -270,6 +280,8 @@ def test_a_lower_case_source_marks_upper_case_words_and_whole_sentences_only(tex
         ("Der Hund läuft", "as written"),
         ("Der Hund", "as written"),
         ("1 2 3", "as written"),
+        ("美国GDP增长了3%。", "as written"),  # letters without case: not every letter is upper case
+        ("ΕΝΑΣ ΣΚΎΛΟΣ", "upper"),
     ],
 )
 def test_sentence_case_tells_upper_and_title_case_sentences_from_the_rest(text, case):

@@ -29,7 +29,8 @@ sentence written wholly in upper case or in Title case (`sentence_case`) ends wi
 model still writes cased text; the source of a German sentence is then as long as it is without casing
 (14.5 pieces a Multi30k sentence against 18.9 with a marker for each noun). What the source loses: the case
 of a word that is neither upper case nor in a sentence that is (`Essen` and `essen` read alike, as do
-`iPhone` and `iphone`). `decode_source` gives the text back in that normalised case.
+`iPhone` and `iphone`). A word whose lower case would not come back (`İstanbul`, `GROẞE`) is kept as
+written, as `encode` keeps it. `decode_source` gives the text back in that normalised case.
 """
 
 from __future__ import annotations
@@ -124,9 +125,11 @@ def title_words(text: str) -> str:
 
 
 def sentence_case(text: str) -> str:
-    """'upper' (no lower-case letter, two upper-case ones or more), 'title' (not upper; at least
-    MIN_TITLE_WORDS words start with a letter and each of them with a capital) or 'as written'."""
-    if not any(c.islower() for c in text) and sum(c.isupper() for c in text) >= 2:
+    """'upper' (two letters or more, every one in upper case: a letter without case, as in Chinese or Arabic,
+    makes a sentence with an acronym no upper-case sentence), 'title' (not upper; at least MIN_TITLE_WORDS
+    words start with a letter and each of them with a capital) or 'as written'."""
+    letters = [c for c in text if c.isalpha()]
+    if len(letters) >= 2 and all(c.isupper() for c in letters):
         return "upper"
     firsts = [start[2] for start in _WORD_START.finditer(text)]
     if len(firsts) >= MIN_TITLE_WORDS and all(c.isupper() for c in firsts):
@@ -143,13 +146,24 @@ def encode_source(text: str) -> str:
 
     def marked(match: re.Match) -> str:
         word = match.group()
-        return word.lower() + UPPER if _case_of(word) == "upper" else word.lower()
+        return _source_word(word) + (UPPER if _case_of(word) == "upper" else "")
 
     text = unicodedata.normalize("NFC", _without_markers(text))
     case = sentence_case(text)
     if case == "upper":
-        return text.lower() + SENTENCE_UPPER
+        return _LETTERS.sub(lambda match: _source_word(match.group()), text) + SENTENCE_UPPER
     return _LETTERS.sub(marked, text) + (SENTENCE_TITLE if case == "title" else "")
+
+
+def _source_word(word: str) -> str:
+    """A word of a lower-case source: in lower case, except where that would not come back as it was
+    written: a lower case of another length (`İ` is `i` and a combining dot, which no vocabulary of the
+    sentence-cased text holds) or, in a word without a lower-case letter, one whose upper case differs
+    (`GROẞE` would come back `GROSSE`). Those are kept as written, as `encode` keeps them."""
+    lower = word.lower()
+    if len(lower) != len(word) or (lower.upper() != word and not any(c.islower() for c in word)):
+        return word
+    return lower
 
 
 def decode_source(text: str) -> str:
