@@ -457,6 +457,21 @@ def test_overwrite_replaces_an_old_run(tmp_path, data_cache):
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 2
 
 
+def test_fine_tuning_names_each_tokenizer_setting_the_checkpoints_tokenizer_overrides():
+    from transformer.config import DataConfig
+    from transformer.training.resume import tokenizer_settings_ignored
+
+    saved = {"vocab_size": 8000, "joint_vocab": True, "inline_case": True}  # an older checkpoint: no newer keys
+    same = DataConfig(inline_case=True, language_tag="decoder")  # the tag's place is the model's, not the tokenizer's
+    assert tokenizer_settings_ignored(saved, same) == []
+    wanted = DataConfig(vocab_size=123, inline_case=True, lowercase_source=True, usual_case=True)
+    assert tokenizer_settings_ignored(saved, wanted) == [
+        ("vocab_size", 8000, 123),
+        ("lowercase_source", False, True),
+        ("usual_case", False, True),
+    ]
+
+
 @pytest.mark.slow
 def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer(trained_run, tmp_path, data_cache, caplog):
     best = trained_run[0] / "checkpoints" / "best.pt"
@@ -482,7 +497,7 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer(trained_run,
     state, source = load_checkpoint(tmp_path / "checkpoints" / "last.pt"), load_checkpoint(best)
     assert state["step"] == 3  # a fresh step count
     assert state["tokenizer"] == source["tokenizer"]  # the checkpoint's tokenizer, reused
-    assert "tokenizer (data.vocab_size=200, joint_vocab=True) is kept; data.vocab_size=123" in caplog.text
+    assert "the model's tokenizer is kept; data.vocab_size=123 is ignored (the model's: 200)" in caplog.text
     assert state["scheduler"]["last_epoch"] == 3 and state["optimizer"]["state"][0]["step"] == 3
     assert metrics["val_history"][0]["bleu"] > 60  # it starts from the trained weights
     assert any(not torch.equal(state["model"][k], source["model"][k]) for k in source["model"])

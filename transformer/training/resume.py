@@ -115,17 +115,31 @@ def starting_point(cfg, ckpt_dir: Path, dist: D.DistInfo) -> StartingPoint:
     if not tc.init_from:
         return StartingPoint()
     init_state = load_checkpoint(tc.init_from, mmap=True)
-    saved = init_state["config"]["data"]
-    if (saved["vocab_size"], saved["joint_vocab"]) != (cfg.data.vocab_size, cfg.data.joint_vocab):
+    ignored = tokenizer_settings_ignored(init_state["config"]["data"], cfg.data)
+    if ignored:
         log.warning(
-            "trainer.init_from: the model's tokenizer (data.vocab_size=%s, joint_vocab=%s) is kept; "
-            "data.vocab_size=%s, joint_vocab=%s are ignored",
-            saved["vocab_size"],
-            saved["joint_vocab"],
-            cfg.data.vocab_size,
-            cfg.data.joint_vocab,
+            "trainer.init_from: the model's tokenizer is kept; %s ignored (the model's: %s)",
+            ", ".join(f"data.{key}={hydra_value(given)}" for key, _, given in ignored)
+            + (" is" if len(ignored) == 1 else " are"),
+            ", ".join(hydra_value(saved) for _, saved, _ in ignored),
         )
     return StartingPoint(init=init_state, path=Path(tc.init_from))
+
+
+def tokenizer_settings_ignored(saved: dict, data) -> list[tuple[str, object, object]]:
+    """(key, the checkpoint's value, the run's) for each data key that makes a tokenizer
+    (`FIXED_BY_CHECKPOINT`'s, and data.usual_case) where a run fine-tuning the checkpoint
+    (trainer.init_from) asks for another value: the checkpoint's tokenizer is what it trains with. A key an
+    older checkpoint lacks counts as its default."""
+    defaults = type(data)()
+    ignored = []
+    for key in (*FIXED_BY_CHECKPOINT["data"], "usual_case"):
+        if key == "language_tag":
+            continue  # where the tag goes is the model's reading of it, not the tokenizer's
+        given, was = getattr(data, key), saved.get(key, getattr(defaults, key))
+        if given != was:
+            ignored.append((key, was, given))
+    return ignored
 
 
 def adopt_resumed_config(cfg, state: dict, path: Path, warn: bool = True) -> None:
