@@ -337,6 +337,16 @@ def test_a_lower_case_source_travels_in_the_model_bytes_and_its_samples_are_lowe
     assert lower_source.decode_tgt(tgt) == ["DER MANN TRÄGT", "Ein Hut"]
 
 
+def test_the_ctranslate2_export_says_how_to_write_a_source_and_read_an_output(cased, lower_source, usual):
+    from transformer.inference.ctranslate2 import casing_instructions
+
+    assert casing_instructions(lower_source).count("casing.encode_source(text) (data.lowercase_source=true)") == 1
+    assert "casing.encode(text) before" in casing_instructions(cased) and "titles" not in casing_instructions(cased)
+    with_table = casing_instructions(usual)
+    assert "casing.encode(text), with the words of the exported titles.txt" in with_table
+    assert "casing.decode, with the words of the exported titles.txt" in with_table
+
+
 def test_a_lower_case_source_needs_inline_casing():
     from transformer.config import ConfigError, DataConfig
 

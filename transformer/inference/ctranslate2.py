@@ -85,6 +85,22 @@ def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer):
     return spec
 
 
+def casing_instructions(tokenizer: Tokenizer) -> str | None:
+    """What CTranslate2's users must do to a source and an output that SentencePiece alone does not (the
+    model's inline casing), or None."""
+    if not tokenizer.inline_case:
+        return None
+    titles = ", with the words of the exported titles.txt as `titles` (data.usual_case)" if tokenizer.titles else ""
+    source = (
+        "encode_source(text) (data.lowercase_source=true)" if tokenizer.lowercase_source else f"encode(text){titles}"
+    )
+    return (
+        "the model has inline casing (data.inline_case=true): CTranslate2's users must write each source as "
+        f"transformer.data.casing.{source} before SentencePiece and read each output through casing.decode{titles} "
+        "(transformer-translate does both)"
+    )
+
+
 def export_ctranslate2(
     model: Transformer,
     tokenizer: Tokenizer,
@@ -100,21 +116,9 @@ def export_ctranslate2(
     if quantization is not None and quantization not in CT2_QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization}: one of {', '.join(CT2_QUANTIZATIONS)}")
     refuse_non_finite(model, "the model")
-    if tokenizer.lowercase_source:
-        log.warning(
-            "the model has inline casing and a lower-case source (data.lowercase_source=true): CTranslate2's "
-            "users must write each source as transformer.data.casing.encode_source(text) before SentencePiece "
-            "and read each output through casing.decode (transformer-translate does both)"
-        )
-    elif tokenizer.inline_case:
-        log.warning(
-            "the model has inline casing (data.inline_case=true): CTranslate2's users must write each source as "
-            "transformer.data.casing.encode(text) before SentencePiece and read each output through "
-            "casing.decode (transformer-translate does both)%s",
-            ", each with the words of the exported titles.txt as `titles` (data.usual_case)"
-            if tokenizer.titles
-            else "",
-        )
+    instructions = casing_instructions(tokenizer)
+    if instructions:
+        log.warning("%s", instructions)
     if tokenizer.target_languages and language_tag != "source":
         raise ValueError(
             "the model reads its target-language tag in the decoder (data.language_tag): CTranslate2 would need "
