@@ -387,3 +387,9 @@ def test_the_translator_gives_a_sentence_in_upper_case_twice_its_sources_length(
     request = DecodeRequest(beam_size=1, max_len_a=1.0, max_len_b=0)
     lengths = [len(hyps[0].tokens) for hyps in translator.hypotheses(lines, request)]
     assert lengths[0] <= 3 and 4 < lengths[1] <= 8  # an untrained model writes until the limit stops it
+    translator.max_length = 6  # a source cut to the model's positions keeps its sentence's marker
+    with pytest.warns(UserWarning, match="1 source sentence"):
+        cut, whole = translator.encode_sources(["DER MANN TRÄGT EINEN ROTEN HUT UND", "der mann"])
+    assert len(cut) == 6 and cut[-1] in lower_source.sentence_marker_ids
+    assert cut[:5] == lower_source.encode_src(["DER MANN TRÄGT EINEN ROTEN HUT UND"])[0][:5]
+    assert whole == lower_source.encode_src(["der mann"])[0]

@@ -187,10 +187,11 @@ class Translator:
     def encode_sources(
         self, sentences: list[str], tgt_lang: str | None = None, tag_empty: bool | list[bool] = False
     ) -> list[list[int]]:
-        """Source token ids, each cut to the model's positions (with one warning for all that were); a
-        multilingual model's start with the tag of `tgt_lang` (`target_language`). An empty one stays empty
-        (it is not translated) unless `tag_empty` (all, or one flag per sentence): forced decoding, or a
-        prefix to continue, where the tag alone says the target language."""
+        """Source token ids, each cut to the model's positions (with one warning for all that were; a
+        lower-case source keeps its sentence's marker at the end); a multilingual model's start with the tag
+        of `tgt_lang` (`target_language`). An empty one stays empty (it is not translated) unless `tag_empty`
+        (all, or one flag per sentence): forced decoding, or a prefix to continue, where the tag alone says
+        the target language."""
         limit = self.max_length
         language = self.target_language(tgt_lang)
         sources = self.tokenizer.encode_src([s.strip() for s in sentences])
@@ -205,7 +206,8 @@ class Translator:
                 "to the model's maximum length",
                 stacklevel=3,
             )
-        return [s[:limit] for s in sources]
+        marked = self.tokenizer.sentence_marker_ids  # a lower-case source's last piece: kept when it is cut
+        return [s[: limit - 1] + s[-1:] if len(s) > limit and s[-1] in marked else s[:limit] for s in sources]
 
     def translate_hypotheses(
         self, sentences: list[str], request: DecodeRequest | None = None, **options
