@@ -28,18 +28,19 @@ log = logging.getLogger("transformer.train")
 # On resume the checkpoint fixes these, whatever the command line says: the model is rebuilt as saved,
 # the tokenizer is the saved one, the optimizer restores its own hyper-parameters (lr, betas, eps, weight
 # decay) and the run started from what it started from. A different value given is ignored (one warning).
+# The data keys among them that make the tokenizer (a fine-tuned run keeps its checkpoint's tokenizer too).
+TOKENIZER_KEYS = (
+    "vocab_size",
+    "tokenizer_type",
+    "joint_vocab",
+    "inline_case",
+    "lowercase_source",
+    "character_coverage",
+    "tokenizer_sample",
+)
 FIXED_BY_CHECKPOINT = {
     "model": ("name", "d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers", "pre_norm", "tie_embeddings"),
-    "data": (
-        "vocab_size",
-        "tokenizer_type",
-        "joint_vocab",
-        "inline_case",
-        "lowercase_source",
-        "language_tag",
-        "character_coverage",
-        "tokenizer_sample",
-    ),
+    "data": (*TOKENIZER_KEYS, "language_tag"),
     "trainer": ("lr", "betas", "adam_eps", "weight_decay", "weight_decay_norm_bias", "init_from"),
 }
 
@@ -127,15 +128,12 @@ def starting_point(cfg, ckpt_dir: Path, dist: D.DistInfo) -> StartingPoint:
 
 
 def tokenizer_settings_ignored(saved: dict, data) -> list[tuple[str, object, object]]:
-    """(key, the checkpoint's value, the run's) for each data key that makes a tokenizer
-    (`FIXED_BY_CHECKPOINT`'s, and data.usual_case) where a run fine-tuning the checkpoint
-    (trainer.init_from) asks for another value: the checkpoint's tokenizer is what it trains with. A key an
-    older checkpoint lacks counts as its default."""
+    """(key, the checkpoint's value, the run's) for each data key that makes a tokenizer (`TOKENIZER_KEYS`,
+    and data.usual_case) where a run fine-tuning the checkpoint (trainer.init_from) asks for another value:
+    the checkpoint's tokenizer is what it trains with. A key an older checkpoint lacks counts as its default."""
     defaults = type(data)()
     ignored = []
-    for key in (*FIXED_BY_CHECKPOINT["data"], "usual_case"):
-        if key == "language_tag":
-            continue  # where the tag goes is the model's reading of it, not the tokenizer's
+    for key in (*TOKENIZER_KEYS, "usual_case"):
         given, was = getattr(data, key), saved.get(key, getattr(defaults, key))
         if given != was:
             ignored.append((key, was, given))

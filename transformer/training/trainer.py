@@ -73,12 +73,8 @@ class Trainer:
             # A refused corpus or checkpoint ends the process with one line (exit 2): the process group
             # must go first, or gloo's threads are torn down at interpreter exit and the rank aborts
             # (SIGABRT, exit 134, "terminate called without an active exception"). No barrier: the
-            # other ranks may have failed too, or be inside a collective. What holds the group (the DDP
-            # wrapper, the DataLoader's workers) goes before it, as in `leave_process_group`.
-            for built in ("step", "batches"):
-                self.__dict__.pop(built, None)
-            gc.collect()
-            self.runtime.shutdown(barrier=False)
+            # other ranks may have failed too, or be inside a collective.
+            self.leave_process_group(clean=False)
             raise
 
     def _build(self, cfg: Config, run_dir: Path) -> None:
@@ -212,11 +208,15 @@ class Trainer:
         without one after an error, when the other ranks may be inside a different collective).
         Whatever references the process group (DDP's reducer, in a reference cycle with the model, say)
         must go while the interpreter is whole: gloo work objects freed during interpreter finalisation
-        abort the process ("terminate called without an active exception"). Idempotent."""
-        if self.step.train_model is None:
-            return
-        self.batches.loader = self.batches.updates = None
-        self.step.train_model = None
+        abort the process ("terminate called without an active exception"). Idempotent; also for a
+        Trainer whose building failed part of the way."""
+        step, batches = self.__dict__.get("step"), self.__dict__.get("batches")
+        if step is not None:
+            if step.train_model is None:
+                return  # left already
+            step.train_model = None
+        if batches is not None:
+            batches.loader = batches.updates = None
         gc.collect()
         self.runtime.shutdown(barrier=clean)
 
