@@ -262,3 +262,25 @@ def test_translating_with_a_damaged_weight_is_one_line_and_the_intact_file_trans
         err.startswith(f"transformer-translate: error: {damaged}: damaged on disk: the bytes of weight ")
         and "\n" not in err
     )
+
+
+def test_a_residual_free_layer_is_rebuilt_from_the_checkpoint_and_older_checkpoints_keep_every_residual(
+    untrained_checkpoint,
+):
+    from transformer.checkpoint import model_from_checkpoint
+
+    state = load_checkpoint(untrained_checkpoint)
+    older = {**state, "config": {**state["config"], "model": dict(state["config"]["model"])}}
+    older["config"]["model"].pop("residual_free_layer", None)  # written before the key existed
+    model, _, config = model_from_checkpoint(older)
+    assert config.model.residual_free_layer == 0
+    assert all(layer.sub_attn.residual for layer in model.encoder_layers)
+    src = torch.tensor([[5, 6, 7, 3]])
+    with torch.no_grad():
+        usual = model.encode(src)
+    freed = {**state, "config": {**state["config"], "model": {**state["config"]["model"], "residual_free_layer": 1}}}
+    model, _, config = model_from_checkpoint(freed)
+    assert config.model.residual_free_layer == 1
+    assert [layer.sub_attn.residual for layer in model.encoder_layers] == [False, True]
+    with torch.no_grad():
+        assert (model.encode(src) - usual).abs().max() > 1e-3  # the same weights, another encoder

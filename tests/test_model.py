@@ -206,3 +206,54 @@ def test_word_dropout_outside_zero_to_one_is_refused(key):
     cfg = ModelConfig(**{key.split(".")[1]: 1.0})
     with pytest.raises(ConfigError, match=rf"^{key}=1.0 must be in \[0, 1\)$"):
         cfg.validate()
+
+
+def _encode_by_hand(model, src, residual_free_layer):
+    """The encoder written out: each layer x + attn(norm(x)) then x + ff(norm(x)) (dropout 0, pre-norm),
+    the residual of layer `residual_free_layer`'s self-attention (1-based) left out."""
+    allowed = (src != PAD_ID)[:, None, None, :]  # (B, 1, 1, S)
+    x = model.src_embed(src) * model.cfg.d_model**0.5 + model.positions(src.size(1))  # (B, S, D)
+    for number, layer in enumerate(model.encoder_layers, start=1):
+        attended = layer.self_attn(layer.sub_attn.norm(x), key_allowed=allowed)
+        x = attended if number == residual_free_layer else x + attended
+        x = x + layer.feed_forward(layer.sub_ff.norm(x))
+    return model.encoder_norm(x)
+
+
+@pytest.mark.parametrize("layer", [1, 2, 3])
+def test_a_residual_free_encoder_layer_drops_that_layers_attention_residual_and_nothing_else(layer):
+    torch.manual_seed(0)
+    cfg = dict(d_model=32, n_heads=4, d_ff=64, encoder_layers=3, decoder_layers=2, dropout=0.0)
+    usual = build_model(ModelConfig(**cfg), 50, 50, shared_vocab=True).eval()
+    free = build_model(ModelConfig(**cfg, residual_free_layer=layer), 50, 50, shared_vocab=True).eval()
+    assert free.state_dict().keys() == usual.state_dict().keys()  # the same weights: no parameter added
+    free.load_state_dict(usual.state_dict())
+    src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0]])
+    with torch.no_grad():
+        assert torch.allclose(usual.encode(src), _encode_by_hand(usual, src, 0), atol=1e-5)
+        assert torch.allclose(free.encode(src), _encode_by_hand(usual, src, layer), atol=1e-5)
+        assert (free.encode(src) - usual.encode(src)).abs().max() > 1e-2
+    assert [sub.sub_attn.residual for sub in free.encoder_layers] == [n != layer for n in (1, 2, 3)]
+    assert all(sub.sub_ff.residual for sub in free.encoder_layers)
+
+
+def test_a_residual_free_layer_trains_and_keeps_padding_out():
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=3, decoder_layers=2, residual_free_layer=2)
+    model = build_model(cfg, 50, 50, shared_vocab=True).eval()
+    src, padded = torch.tensor([[5, 6, 7, 3]]), torch.tensor([[5, 6, 7, 3, 0, 0]])
+    tgt = torch.tensor([[BOS_ID, 11, 12]])
+    assert torch.allclose(model(src, tgt), model(padded, tgt), atol=1e-5)
+    model.train()
+    model(src, tgt).logsumexp(-1).mean().backward()
+    first_weight = next(model.encoder_layers[0].self_attn.parameters())
+    assert first_weight.grad is not None and first_weight.grad.abs().sum() > 0  # the gradient still reaches layer 1
+
+
+@pytest.mark.parametrize("value", [-1, 4])
+def test_a_residual_free_layer_outside_the_encoder_is_refused_with_the_range(value):
+    from transformer.config import ConfigError
+
+    expected = rf"model.residual_free_layer={value} .* give 1 to 3 \(a middle one, e.g. 2\)"
+    with pytest.raises(ConfigError, match=expected):
+        ModelConfig(encoder_layers=3, residual_free_layer=value).validate()

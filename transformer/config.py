@@ -55,6 +55,12 @@ class ModelConfig:
     d_ff: int = setting(512, "feed-forward inner width")
     encoder_layers: int = setting(2, "encoder layers")
     decoder_layers: int = setting(2, "decoder layers")
+    residual_free_layer: int = setting(
+        0,
+        "the encoder layer (1 = first) whose self-attention adds no residual: its output alone goes on, so "
+        "the encoder's output is less tied to the source's positions and language, a lever for the directions "
+        "no corpus trains (Liu et al. 2021 drop it in one middle layer); 0 = every layer keeps its residual",
+    )
     dropout: float = setting(0.1, "residual, embedding and feed-forward dropout, in [0, 1)")
     attention_dropout: float = setting(0.0, "dropout on attention weights, in [0, 1)")
     src_word_dropout: float = setting(
@@ -80,6 +86,12 @@ class ModelConfig:
         for key in ("d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers", "max_positions"):
             _positive(f"model.{key}", getattr(self, key))
         _within_limits("model", self)
+        if not 0 <= self.residual_free_layer <= self.encoder_layers:
+            raise ConfigError(
+                f"model.residual_free_layer={self.residual_free_layer} names no encoder layer of "
+                f"model.encoder_layers={self.encoder_layers}: give 1 to {self.encoder_layers} (a middle one, e.g. "
+                f"{(self.encoder_layers + 1) // 2}), or 0 to keep every residual"
+            )
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "

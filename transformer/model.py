@@ -60,24 +60,27 @@ class FeedForward(nn.Module):
 class Sublayer(nn.Module):
     """Residual wrapper: x + dropout(f(norm(x))) for pre-norm, norm(x + dropout(f(x))) for post-norm."""
 
-    def __init__(self, d_model: int, dropout: float, pre_norm: bool):
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool, residual: bool = True):
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
         self.dropout = Dropout(dropout)
         self.pre_norm = pre_norm
+        self.residual = residual  # false: dropout(f(norm(x))) or norm(dropout(f(x))), x not added
 
     def forward(self, x: torch.Tensor, fn) -> torch.Tensor:
+        if not self.residual:
+            return self.dropout(fn(self.norm(x))) if self.pre_norm else self.norm(self.dropout(fn(x)))
         if self.pre_norm:
             return self.dropout.add_to(x, fn(self.norm(x)))
         return self.norm(self.dropout.add_to(x, fn(x)))
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attention_residual: bool = True):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, backend=cfg.attention)
         self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
-        self.sub_attn = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.sub_attn = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm, residual=attention_residual)
         self.sub_ff = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
     def forward(self, x: torch.Tensor, src_allowed: torch.Tensor) -> torch.Tensor:
@@ -134,7 +137,11 @@ class Transformer(nn.Module):
         self.src_embed = self.tgt_embed if share else nn.Embedding(src_vocab_size, cfg.d_model, padding_idx=PAD_ID)
         self.positions = SinusoidalPositions(cfg.d_model, cfg.max_positions)
         self.embed_dropout = Dropout(cfg.dropout)
-        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        # model.residual_free_layer (1-based; 0 = none): that layer's self-attention adds no residual
+        self.encoder_layers = nn.ModuleList(
+            EncoderLayer(cfg, attention_residual=number != cfg.residual_free_layer)
+            for number in range(1, cfg.encoder_layers + 1)
+        )
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         # Pre-norm leaves the residual stream un-normalised; a final LayerNorm closes each stack.
         self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()

@@ -114,6 +114,21 @@ def test_a_pre_norm_model_no_native_class_computes_is_refused_in_one_line(
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_residual_free_encoder_layer_is_refused_by_both_exports_with_the_key(untrained_checkpoint, tmp_path):
+    from transformer.inference.ctranslate2 import export_ctranslate2
+
+    _, tokenizer, config = model_from_checkpoint(load_checkpoint(untrained_checkpoint))
+    config.model.residual_free_layer = 1
+    reason = refusal(config, tokenizer)
+    assert reason and "model.residual_free_layer=1" in reason and "--format safetensors" in reason
+    model = _random_model(config, tokenizer)
+    with pytest.raises(ValueError, match="cannot export to transformers: model.residual_free_layer=1"):
+        export_transformers(model, tokenizer, config, tmp_path / "hf")
+    with pytest.raises(ValueError, match="model.residual_free_layer=1: .*CTranslate2.*--format safetensors"):
+        export_ctranslate2(model, tokenizer, tmp_path / "ct2")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "ct2").exists()
+
+
 def test_a_multilingual_model_takes_marians_target_language_tag(untrained_checkpoint, tmp_path):
     src, tgt = generate(400, 10, 10)["train"]
     model_bytes = train_sentencepiece(

@@ -109,6 +109,11 @@ def export_ctranslate2(
     overwrite: bool = False,
     language_tag: str = "source",
 ) -> Path:
+    if model.cfg.residual_free_layer:
+        raise ValueError(
+            f"model.residual_free_layer={model.cfg.residual_free_layer}: that encoder layer's self-attention adds "
+            "no residual, which CTranslate2's Transformer cannot express; export --format safetensors instead"
+        )
     try:
         from ctranslate2.converters.converter import Converter
     except ImportError:

@@ -62,6 +62,11 @@ def refusal(config: Config, tokenizer: Tokenizer) -> str | None:
             f"data.language_tag={config.data.language_tag}: the decoder starts from the target-language tag, "
             "where transformers' models start from one fixed token; export --format safetensors instead"
         )
+    if shape.residual_free_layer:
+        return (
+            f"model.residual_free_layer={shape.residual_free_layer}: that encoder layer's self-attention adds no "
+            "residual, which transformers' Marian and Pegasus layers cannot express; export --format safetensors"
+        )
     if shape.d_model % 2:
         return f"model.d_model={shape.d_model} is odd; transformers' sinusoidal positions need an even width"
     if shape.pre_norm and not tokenizer.joint:

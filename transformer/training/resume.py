@@ -39,7 +39,17 @@ TOKENIZER_KEYS = (
     "tokenizer_sample",
 )
 FIXED_BY_CHECKPOINT = {
-    "model": ("name", "d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers", "pre_norm", "tie_embeddings"),
+    "model": (
+        "name",
+        "d_model",
+        "n_heads",
+        "d_ff",
+        "encoder_layers",
+        "decoder_layers",
+        "residual_free_layer",
+        "pre_norm",
+        "tie_embeddings",
+    ),
     "data": (*TOKENIZER_KEYS, "language_tag"),
     "trainer": ("lr", "betas", "adam_eps", "weight_decay", "weight_decay_norm_bias", "init_from"),
 }
