@@ -153,6 +153,18 @@ def test_resume_continues_exactly(tmp_path, data_cache, workers, sampling, augme
         assert all(torch.equal(full[name], in_process[name]) for name in full)
 
 
+@pytest.mark.slow
+def test_the_trainer_hands_freed_memory_back_at_its_cadence(tmp_path, data_cache, monkeypatch):
+    import transformer.training.trainer as trainer_module
+
+    steps = []
+    monkeypatch.setattr(trainer_module, "FREED_MEMORY_EVERY", 3)
+    monkeypatch.setattr(trainer_module, "hand_back_freed_memory", lambda: steps.append(len(steps)))
+    overrides = ["trainer.max_steps=7", "trainer.validate_every=1000", "trainer.test_at_end=false"]
+    train(compose_config(FAST + overrides, data_cache), tmp_path)
+    assert len(steps) == 2  # after steps 3 and 6 of 7
+
+
 def test_refuses_a_run_directory_holding_another_run(untrained_checkpoint, tmp_path, data_cache):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)

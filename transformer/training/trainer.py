@@ -29,7 +29,7 @@ from transformer.distributed import peer_gone
 from transformer.errors import PeerGone
 from transformer.flops import mfu_meter
 from transformer.model import build_model
-from transformer.runtime import Runtime
+from transformer.runtime import FREED_MEMORY_EVERY, Runtime, hand_back_freed_memory
 from transformer.training.backtranslation import OnlineBacktranslation
 from transformer.training.banner import log_banner, warn_about_settings_the_run_cannot_honour
 from transformer.training.batch_fit import choose_max_tokens
@@ -309,6 +309,8 @@ class Trainer:
         if progress.step % (tc.checkpoint_every or tc.validate_every) == 0:
             self.step.log.check_finite(fp16)
             self.state.save("last.pt", periodic=True)
+        if progress.step % FREED_MEMORY_EVERY == 0:
+            hand_back_freed_memory()  # or a fragmented heap grows all run long (runtime.py says why)
         return self._stop_reason(started, agree=log_step)
 
 
