@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -65,8 +66,11 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 2**31 - 1)
 
 
+@functools.cache
 def _glibc():
-    """The C library through ctypes when it is glibc (None elsewhere: macOS, Windows, musl)."""
+    """The C library through ctypes when it is glibc (None elsewhere: macOS, Windows, musl). Looked up once:
+    `platform.libc_ver` reads the interpreter's executable, which the Trainer would otherwise do every
+    FREED_MEMORY_EVERY steps."""
     if platform.libc_ver()[0] != "glibc":
         return None
     try:
